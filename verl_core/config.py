@@ -1,0 +1,460 @@
+"""Run configuration: small frozen dataclasses, validated at construction.
+
+The same dataclasses are the Flyte task inputs (flytekit serialises dataclasses), so there is no
+second config system. Field names follow verl's YAML where a verl user would look for them
+(``ppo_mini_batch_size``, ``clip_ratio_low``, ``norm_adv_by_std_in_grpo``, ``kl_loss_type`` …).
+
+Every invalid value raises :class:`ConfigError` naming ``section.field`` and what to do. Derived
+values are properties, never fields filled in at runtime. Presets are plain constructors at the
+bottom of this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field and the fix."""
+
+
+def _fail(section: str, name: str, value, why: str) -> None:
+    raise ConfigError(f"{section}.{name}={value!r}: {why}")
+
+
+def _positive(section: str, obj, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if v is None or v <= 0:
+            _fail(section, n, v, "must be > 0")
+
+
+def _non_negative(section: str, obj, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if v is None or v < 0:
+            _fail(section, n, v, "must be >= 0")
+
+
+def _one_of(section: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        _fail(section, name, value, f"unknown value; known: {', '.join(sorted(allowed))}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from and how they are batched."""
+
+    train_files: str = ""
+    """Comma-separated parquet files/URIs in verl's row layout. Empty: generate the synthetic task."""
+    val_files: str = ""
+    """Comma-separated held-out parquet files/URIs. Empty: the synthetic task's held-out split."""
+    train_batch_size: int = 32
+    """B: prompts per RL step (each is sampled ``rollout.n`` times)."""
+    val_batch_size: int = 256
+    """Prompts per greedy-evaluation forward pass (memory only; does not change results)."""
+    max_prompt_length: int = 64
+    """Prompts longer than this many tokens fail validation (they are not silently truncated)."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch (seeded by ``run.seed``)."""
+    synthetic_task: str = "arithmetic"
+    """Synthetic verifiable task generated when ``train_files`` is empty."""
+    synthetic_train_size: int = 3000
+    """Rows in the generated training split."""
+    synthetic_val_size: int = 300
+    """Rows in the generated held-out split (disjoint from training)."""
+    synthetic_max_operand: int = 50
+    """Largest operand of the generated arithmetic problems."""
+
+    def __post_init__(self):
+        _positive("data", self, "train_batch_size", "val_batch_size", "max_prompt_length",
+                  "synthetic_train_size", "synthetic_val_size", "synthetic_max_operand")
+        _one_of("data", "synthetic_task", self.synthetic_task, {"arithmetic"})
+        m = self.synthetic_max_operand
+        unique = (m + 1) ** 2 + (m + 1) * (m + 2) // 2  # a+b, and a-b with a >= b
+        if not self.train_files and self.synthetic_train_size + self.synthetic_val_size > unique:
+            _fail("data", "synthetic_train_size", self.synthetic_train_size,
+                  f"+ synthetic_val_size={self.synthetic_val_size} exceeds the {unique} unique "
+                  f"problems with synthetic_max_operand={m}; raise synthetic_max_operand")
+        if bool(self.train_files) != bool(self.val_files) and not self.train_files:
+            _fail("data", "train_files", self.train_files,
+                  "val_files is set but train_files is empty; give both or neither")
+
+    @property
+    def train_file_list(self) -> list[str]:
+        return [f.strip() for f in self.train_files.split(",") if f.strip()]
+
+    @property
+    def val_file_list(self) -> list[str]:
+        return [f.strip() for f in self.val_files.split(",") if f.strip()]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy (and reference/critic initialisation)."""
+
+    path: str = ""
+    """A local Hugging Face folder (config.json, safetensors, tokenizer.json). Empty: build the
+    tiny model and warm-start it on the synthetic task."""
+    tiny_hidden_size: int = 64
+    """Hidden size of the tiny Llama-style model built when ``path`` is empty."""
+    tiny_layers: int = 2
+    """Decoder layers of the tiny model."""
+    tiny_heads: int = 4
+    """Attention heads of the tiny model."""
+    warmup_sft_steps: int = 800
+    """Most supervised warm-start steps on the synthetic task (only when ``path`` is empty)."""
+    warmup_target_accuracy: float = 0.2
+    """The warm start stops once greedy accuracy on a slice of the *training* split reaches this,
+    so RL starts from partial accuracy: not zero (no reward signal), not full (nothing to learn).
+    1.0 disables the early stop. The held-out split is never looked at."""
+    warmup_sft_lr: float = 3e-3
+    """Learning rate of the supervised warm start."""
+    warmup_sft_batch_size: int = 64
+    """Batch size of the supervised warm start."""
+    dtype: str = "float32"
+    """Parameter dtype for training: float32 or bfloat16."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (large models)."""
+
+    def __post_init__(self):
+        _positive("model", self, "tiny_hidden_size", "tiny_layers", "tiny_heads",
+                  "warmup_sft_batch_size")
+        _non_negative("model", self, "warmup_sft_steps")
+        _positive("model", self, "warmup_sft_lr")
+        if not 0.0 < self.warmup_target_accuracy <= 1.0:
+            _fail("model", "warmup_target_accuracy", self.warmup_target_accuracy,
+                  "must be in (0, 1]")
+        if self.tiny_hidden_size % self.tiny_heads:
+            _fail("model", "tiny_hidden_size", self.tiny_hidden_size,
+                  f"must be divisible by model.tiny_heads={self.tiny_heads}")
+        _one_of("model", "dtype", self.dtype, {"float32", "bfloat16"})
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling of responses."""
+
+    engine: str = "hf"
+    """Rollout engine: ``hf`` (torch, CPU and GPU) or ``vllm`` (GPU, optional extra)."""
+    n: int = 8
+    """G: responses sampled per prompt (GRPO/RLOO need G > 1)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 disables it (verl's convention)."""
+    max_new_tokens: int = 8
+    """T: most response tokens; generation stops earlier at EOS."""
+    micro_batch_size: int = 512
+    """Sequences per generation forward pass (memory only; results do not depend on it)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM only: fraction of GPU memory for weights + KV cache."""
+
+    def __post_init__(self):
+        _one_of("rollout", "engine", self.engine, {"hf", "vllm"})
+        _positive("rollout", self, "n", "max_new_tokens", "micro_batch_size")
+        _non_negative("rollout", self, "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("rollout", "top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            _fail("rollout", "top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            _fail("rollout", "gpu_memory_utilization", self.gpu_memory_utilization,
+                  "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """How responses are scored."""
+
+    scorer: str = "auto"
+    """``auto`` (pick a rule scorer by each row's data_source), ``arithmetic``, ``gsm8k``, or a
+    custom ``path/to/file.py:function`` / ``module:function`` with verl's signature
+    ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``."""
+    timeout_s: float = 10.0
+    """Per-call timeout of a custom scorer (run in a worker process); a timeout scores
+    ``timeout_score`` and is counted in the metrics."""
+    timeout_score: float = 0.0
+    """Score given to a response whose custom scorer timed out."""
+    num_workers: int = 2
+    """Worker processes for custom scorers."""
+
+    def __post_init__(self):
+        if not self.scorer:
+            _fail("reward", "scorer", self.scorer, "must not be empty; use 'auto'")
+        _positive("reward", self, "timeout_s", "num_workers")
+
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+POLICY_LOSSES = ("vanilla", "gspo")
+KL_TYPES = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Advantage estimation, policy loss and KL regularisation (verl's ``algorithm`` +
+    ``actor`` loss fields)."""
+
+    adv_estimator: str = "grpo"
+    """Advantage estimator; ``gae`` trains a critic."""
+    gamma: float = 1.0
+    """Discount factor (gae, reinforce_plus_plus)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group std (False gives Dr.GRPO's mean-only baseline)."""
+    policy_loss: str = "vanilla"
+    """``vanilla`` (PPO clip with clip-higher and dual-clip) or ``gspo`` (sequence-level ratio)."""
+    clip_ratio_low: float = 0.2
+    """Lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.28
+    """Upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher when > clip_ratio_low)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (must be > 1)."""
+    loss_agg_mode: str = "token-mean"
+    """How the token loss matrix is reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (loss -= entropy_coeff * entropy)."""
+    use_kl_loss: bool = False
+    """Add ``kl_loss_coef * KL(policy || reference)`` to the actor loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss term."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator for the loss: k1, k2, k3 (= low_var_kl), abs."""
+    use_kl_in_reward: bool = False
+    """Subtract ``beta * KL`` from token rewards (PPO/InstructGPT style)."""
+    kl_penalty: str = "kl"
+    """KL estimator for the reward penalty."""
+    kl_ctrl_type: str = "fixed"
+    """Reward-KL coefficient controller: fixed or adaptive (Ziegler et al. 2019)."""
+    kl_coef: float = 0.001
+    """Initial reward-KL coefficient beta."""
+    kl_target: float = 0.1
+    """Adaptive controller: target KL."""
+    kl_horizon: int = 10000
+    """Adaptive controller: horizon (in samples)."""
+    cliprange_value: float = 0.5
+    """Critic value clipping range."""
+    vf_coef: float = 1.0
+    """Weight of the value loss (critic has its own optimizer; kept for verl parity)."""
+
+    def __post_init__(self):
+        _one_of("algorithm", "adv_estimator", self.adv_estimator, set(ADV_ESTIMATORS))
+        _one_of("algorithm", "policy_loss", self.policy_loss, set(POLICY_LOSSES))
+        _one_of("algorithm", "kl_loss_type", self.kl_loss_type, set(KL_TYPES))
+        _one_of("algorithm", "kl_penalty", self.kl_penalty, set(KL_TYPES))
+        _one_of("algorithm", "loss_agg_mode", self.loss_agg_mode, set(LOSS_AGG_MODES))
+        _one_of("algorithm", "kl_ctrl_type", self.kl_ctrl_type, {"fixed", "adaptive"})
+        if not 0.0 <= self.gamma <= 1.0:
+            _fail("algorithm", "gamma", self.gamma, "must be in [0, 1]")
+        if not 0.0 <= self.lam <= 1.0:
+            _fail("algorithm", "lam", self.lam, "must be in [0, 1]")
+        _positive("algorithm", self, "clip_ratio_low", "clip_ratio_high", "cliprange_value",
+                  "kl_target", "kl_horizon")
+        if self.clip_ratio_low >= 1.0:
+            _fail("algorithm", "clip_ratio_low", self.clip_ratio_low, "must be < 1")
+        if self.clip_ratio_c <= 1.0:
+            _fail("algorithm", "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
+        _non_negative("algorithm", self, "entropy_coeff", "kl_loss_coef", "kl_coef", "vf_coef")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.adv_estimator == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.use_kl_loss or self.use_kl_in_reward
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW + LR schedule for actor and critic."""
+
+    lr: float = 2e-4
+    """Actor peak learning rate."""
+    critic_lr: float = 1e-3
+    """Critic peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.99
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 2
+    """Linear LR warmup, in optimizer steps."""
+    lr_schedule: str = "constant"
+    """After warmup: constant or cosine (to ``min_lr_ratio * lr`` at the last step)."""
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of the peak LR."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value."""
+
+    def __post_init__(self):
+        _positive("optim", self, "lr", "critic_lr", "eps", "grad_clip")
+        _non_negative("optim", self, "weight_decay", "warmup_steps")
+        _one_of("optim", "lr_schedule", self.lr_schedule, {"constant", "cosine"})
+        for n in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, n) < 1.0:
+                _fail("optim", n, getattr(self, n), "must be in [0, 1)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("optim", "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The PPO update: epochs, mini-batches, micro-batches (verl's ``actor`` sizes)."""
+
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step (x ``rollout.n`` responses), as in verl."""
+    ppo_micro_batch_size: int = 128
+    """Responses per forward/backward (gradient accumulation = mini-batch rows / this)."""
+
+    def __post_init__(self):
+        _positive("trainer", self, "ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole RL run: all sections plus the loop settings."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and batching."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage, loss, KL."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Update sizes."""
+    total_steps: int = 40
+    """RL steps (one rollout batch each)."""
+    seed: int = 1
+    """Run seed; every phase derives its own seed from (seed, step, phase)."""
+    eval_every: int = 0
+    """Greedy held-out evaluation every k steps (0: only at start and end)."""
+    num_threads: int = 0
+    """torch intra-op threads (0: leave torch's default)."""
+
+    def __post_init__(self):
+        _positive("run", self, "total_steps")
+        _non_negative("run", self, "eval_every", "num_threads")
+        B, mini = self.data.train_batch_size, self.trainer.ppo_mini_batch_size
+        if mini > B or B % mini:
+            _fail("trainer", "ppo_mini_batch_size", mini,
+                  f"must divide data.train_batch_size={B} (otherwise the last mini-batch is "
+                  "ragged or empty)")
+        rows = mini * self.rollout.n
+        micro = self.trainer.ppo_micro_batch_size
+        if micro > rows:
+            _fail("trainer", "ppo_micro_batch_size", micro,
+                  f"is larger than a mini-batch ({mini} prompts x rollout.n={self.rollout.n} = "
+                  f"{rows} rows), which gives zero gradient-accumulation steps; use <= {rows}")
+        if rows % micro:
+            _fail("trainer", "ppo_micro_batch_size", micro,
+                  f"must divide the mini-batch rows ({rows}) so every micro-batch has the same "
+                  "weight in the accumulated gradient")
+        if self.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") \
+                and self.rollout.n < 2:
+            _fail("rollout", "n", self.rollout.n,
+                  f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses "
+                  "within a group; use rollout.n >= 2")
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.trainer.ppo_mini_batch_size * self.rollout.n // self.trainer.ppo_micro_batch_size
+
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        return self.trainer.ppo_epochs * (self.data.train_batch_size // self.trainer.ppo_mini_batch_size)
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        return self.total_steps * self.optimizer_steps_per_rl_step
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """sha256 of the canonical JSON of every field (for manifests and cache keys)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        sections = {"data": DataConfig, "model": ModelConfig, "rollout": RolloutConfig,
+                    "reward": RewardConfig, "algorithm": AlgorithmConfig, "optim": OptimConfig,
+                    "trainer": TrainerConfig}
+        kw = {}
+        known = {f.name for f in dataclasses.fields(cls)}
+        for k, v in d.items():
+            if k not in known:
+                raise ConfigError(f"unknown config key {k!r}; known: {', '.join(sorted(known))}")
+            if k in sections:
+                sub_known = {f.name for f in dataclasses.fields(sections[k])}
+                bad = set(v) - sub_known
+                if bad:
+                    raise ConfigError(f"unknown key(s) {sorted(bad)} in section {k!r}; "
+                                      f"known: {', '.join(sorted(sub_known))}")
+                kw[k] = sections[k](**v)
+            else:
+                kw[k] = v
+        return cls(**kw)
+
+
+def with_overrides(cfg: RunConfig, overrides: dict[str, object]) -> RunConfig:
+    """Return ``cfg`` with dotted overrides applied, e.g. ``{"optim.lr": 1e-4, "total_steps": 5}``.
+    Re-validates everything."""
+    d = cfg.to_dict()
+    for key, value in overrides.items():
+        parts = key.split(".")
+        node = d
+        for p in parts[:-1]:
+            if p not in node or not isinstance(node[p], dict):
+                raise ConfigError(f"unknown config section {p!r} in override {key!r}")
+            node = node[p]
+        if parts[-1] not in node:
+            raise ConfigError(f"unknown config key {key!r}")
+        node[parts[-1]] = value
+    return RunConfig.from_dict(d)
+
+
+# ---------------------------------------------------------------- presets
+def grpo_preset(**overrides) -> RunConfig:
+    """Default: GRPO on the synthetic arithmetic task with the tiny warm-started model."""
+    return with_overrides(RunConfig(), overrides)
+
+
+def ppo_preset(**overrides) -> RunConfig:
+    """PPO: GAE + critic, one sample per prompt is allowed but we keep G=4 for throughput."""
+    base = RunConfig(
+        algorithm=AlgorithmConfig(adv_estimator="gae", gamma=1.0, lam=0.95),
+        rollout=RolloutConfig(n=4),
+        data=DataConfig(train_batch_size=64),
+        trainer=TrainerConfig(ppo_epochs=2, ppo_mini_batch_size=32, ppo_micro_batch_size=128),
+    )
+    return with_overrides(base, overrides)
+
+
+def preset(algorithm: str, **overrides) -> RunConfig:
+    """``ppo`` means GAE + critic; any other estimator name uses the GRPO-style preset."""
+    if algorithm == "ppo":
+        return ppo_preset(**overrides)
+    if algorithm not in ADV_ESTIMATORS:
+        raise ConfigError(f"algorithm={algorithm!r}: unknown; known: ppo, {', '.join(ADV_ESTIMATORS)}")
+    return grpo_preset(**{"algorithm.adv_estimator": algorithm, **overrides})
