@@ -1,0 +1,134 @@
+"""Registry behaviour, and that every name the config accepts resolves to a function."""
+
+import pytest
+
+from verl_core import config
+from verl_core.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    Registry,
+    UnknownNameError,
+    get_advantage_estimator,
+    get_policy_loss,
+    register_advantage,
+    register_policy_loss,
+)
+
+
+def _proto(x, y, *, k):
+    raise NotImplementedError
+
+
+def test_register_get_names_and_aliases():
+    reg = Registry("thing")
+
+    @reg.register("a", "alpha", "first")
+    def a(x):
+        return x + 1
+
+    @reg.register("b")
+    def b(x):
+        return x * 2
+
+    assert reg.get("a") is a and reg.get("alpha") is a and reg.get("first") is a
+    assert reg.get("b")(3) == 6
+    assert reg.names() == ("a", "b")
+    assert reg.names(include_aliases=True) == ("a", "alpha", "b", "first")
+    assert "alpha" in reg and "zzz" not in reg and 3 not in reg
+    assert len(reg) == 2 and list(reg) == ["a", "b"]
+
+
+def test_double_registration_raises():
+    reg = Registry("thing")
+
+    @reg.register("a", "alias")
+    def a():
+        pass
+
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("a")  # same name
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("alias")  # a new name that collides with an alias
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("new", "a")  # an alias that collides with a name
+    with pytest.raises(ValueError, match="repeated"):
+        reg.register("x", "x")
+    with pytest.raises(ValueError):
+        reg.register("")
+    # Registering the very same function again is still an error (verl tolerates it; we don't).
+    with pytest.raises(ValueError):
+        reg.register("a")(a)
+
+
+def test_unknown_name_lists_known_names_and_is_key_and_value_error():
+    reg = Registry("widget")
+    reg.register("left", "l")(lambda: None)
+    reg.register("right")(lambda: None)
+    with pytest.raises(UnknownNameError) as e:
+        reg.get("middle")
+    msg = str(e.value)
+    assert msg == "unknown widget 'middle'; known: l, left, right"
+    assert isinstance(e.value, KeyError) and isinstance(e.value, ValueError)
+
+
+def test_prototype_enforces_one_signature():
+    reg = Registry("thing", prototype=_proto)
+
+    @reg.register("ok")
+    def ok(x, y, *, k):
+        return x
+
+    with pytest.raises(TypeError, match="every thing must take exactly"):
+        @reg.register("missing_kw")
+        def bad1(x, y):
+            pass
+
+    with pytest.raises(TypeError):
+        @reg.register("renamed")
+        def bad2(x, z, *, k):
+            pass
+
+    with pytest.raises(TypeError):
+        @reg.register("positional_k")  # k must be keyword-only
+        def bad3(x, y, k):
+            pass
+
+    assert reg.names() == ("ok",)  # failed registrations leave nothing behind
+
+
+def test_real_registries_reject_duplicates_and_wrong_signatures():
+    with pytest.raises(ValueError):
+        register_advantage("grpo")
+    with pytest.raises(ValueError):
+        register_policy_loss("vanilla")
+    with pytest.raises(TypeError):
+        register_advantage("not_a_real_estimator")(lambda token_level_rewards, response_mask: None)
+    assert "not_a_real_estimator" not in ADVANTAGE_ESTIMATORS
+    with pytest.raises(KeyError, match="known: gae, grpo, reinforce_plus_plus"):
+        get_advantage_estimator("ppo")
+    with pytest.raises(ValueError, match="known: gspo, vanilla"):
+        get_policy_loss("ppo_clip")
+
+
+@pytest.mark.parametrize("registry, names", [
+    (ADVANTAGE_ESTIMATORS, config.ADV_ESTIMATORS),
+    (POLICY_LOSSES, config.POLICY_LOSSES),
+    (KL_ESTIMATORS, config.KL_TYPES),
+    (LOSS_AGG_MODES, config.LOSS_AGG_MODES),
+])
+def test_every_config_name_resolves(registry, names):
+    for name in names:
+        assert callable(registry.get(name)), name
+    # and nothing registered is unreachable from the config
+    assert set(registry.names(include_aliases=True)) <= set(names)
+
+
+def test_two_pending_decorators_for_one_name_cannot_both_register():
+    reg = Registry("thing")
+    first, second = reg.register("x"), reg.register("x")  # both created before either applies
+    first(lambda: 1)
+    with pytest.raises(ValueError, match="already registered"):
+        second(lambda: 2)
+    assert reg.get("x")() == 1
