@@ -1,0 +1,58 @@
+import torch
+
+from verl_core.data.batch import (Batch, PromptTooLongError, batch_from_parquet_bytes,
+                                  batch_to_parquet_bytes, encode_prompts)
+from verl_core.models.tokenizer import build_char_tokenizer
+import pytest
+
+
+def _batch(seed=0, with_extras=True):
+    g = torch.Generator().manual_seed(seed)
+    N, P, T = 6, 5, 4
+    plen = torch.tensor([5, 3, 5, 2, 4, 1])
+    rlen = torch.tensor([4, 1, 0, 2, 4, 3])
+    pmask = (torch.arange(P)[None] >= (P - plen)[:, None]).long()
+    rmask = (torch.arange(T)[None] < rlen[:, None]).float()
+    pids = torch.randint(4, 90, (N, P), generator=g) * pmask
+    rids = torch.randint(4, 90, (N, T), generator=g) * rmask.long()
+    lp = -torch.rand(N, T, generator=g) * rmask
+    kw = {}
+    if with_extras:
+        kw = dict(score=torch.rand(N, generator=g), ref_logprobs=-torch.rand(N, T, generator=g) * rmask,
+                  advantages=torch.randn(N, T, generator=g) * rmask,
+                  returns=torch.randn(N, T, generator=g) * rmask,
+                  values=torch.randn(N, T, generator=g) * rmask)
+    return Batch(prompt_ids=pids, prompt_mask=pmask, response_ids=rids, response_mask=rmask,
+                 response_logprobs=lp, group=torch.tensor([0, 0, 1, 1, 2, 2]),
+                 uid=list("aabbcc"), ground_truth=["1", "1", "2", "2", "3", "3"],
+                 data_source=["s"] * N, extra_info=[{"i": i} for i in range(N)], **kw)
+
+
+@pytest.mark.parametrize("extras", [True, False])
+def test_parquet_round_trip_is_bit_exact(extras):
+    b = _batch(with_extras=extras)
+    r = batch_from_parquet_bytes(batch_to_parquet_bytes(b))
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "response_logprobs",
+                 "group", "score", "ref_logprobs", "advantages", "returns", "values"):
+        a, c = getattr(b, name), getattr(r, name)
+        if a is None:
+            assert c is None
+        else:
+            assert torch.equal(a, c), name
+    assert (r.uid, r.ground_truth, r.extra_info) == (b.uid, b.ground_truth, b.extra_info)
+
+
+def test_select_rows():
+    b = _batch()
+    s = b.select(torch.tensor([4, 1]))
+    assert s.uid == ["c", "a"] and torch.equal(s.response_ids, b.response_ids[[4, 1]])
+
+
+def test_encode_prompts_left_pads_and_rejects_long_prompts():
+    tok = build_char_tokenizer()
+    ids, mask = encode_prompts(tok, ["1+2=", "10+20="], 16)
+    # "<bos>1+2=" is 5 tokens, "<bos>10+20=" is 7: the first is left-padded by 2
+    assert mask.tolist() == [[0, 0, 1, 1, 1, 1, 1], [1] * 7]
+    assert ids[0, :2].tolist() == [tok.pad_token_id] * 2
+    with pytest.raises(PromptTooLongError, match="row 1 has 7 tokens > data.max_prompt_length=6"):
+        encode_prompts(tok, ["1+2=", "10+20="], 6)

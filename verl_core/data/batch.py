@@ -1,0 +1,186 @@
+"""The batch record that crosses phase boundaries, and its parquet form.
+
+In memory a batch is a :class:`Batch` of padded tensors (what the math wants). Between phases it
+is a parquet table with one row per sampled response and unpadded list columns (what people and
+Great Expectations can read). The conversion is lossless: float32 lists stay float32, so a batch
+read back gives bit-identical tensors (resume equivalence depends on it).
+
+Columns: ``uid, group, prompt_ids, response_ids, response_logprobs, ground_truth, data_source,
+extra_info`` (rollout); + ``score``, ``ref_logprobs`` (reward); + ``values`` (critic);
++ ``advantages``, ``returns`` (advantage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+_TOKEN_COLS = ("response_logprobs", "ref_logprobs", "values", "advantages", "returns")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """N sampled responses to B prompts (G each), padded."""
+
+    prompt_ids: torch.Tensor  # (N, P) long, left-padded with pad_id
+    prompt_mask: torch.Tensor  # (N, P) long, 1 on real prompt tokens
+    response_ids: torch.Tensor  # (N, T) long, right-padded with pad_id
+    response_mask: torch.Tensor  # (N, T) float32, 1 on generated tokens (EOS included)
+    response_logprobs: torch.Tensor  # (N, T) float32, rollout log-probs, 0 on padding
+    group: torch.Tensor  # (N,) long, which prompt of the batch (0..B-1) a row answers
+    uid: list[str]  # (N,) stable id of the prompt (dataset index), shared by a group
+    ground_truth: list[str]  # (N,)
+    data_source: list[str]  # (N,)
+    extra_info: list[dict]  # (N,)
+    pad_id: int = 0
+    score: Optional[torch.Tensor] = None  # (N,) float32 outcome score
+    ref_logprobs: Optional[torch.Tensor] = None  # (N, T) float32
+    values: Optional[torch.Tensor] = None  # (N, T) float32 critic values
+    advantages: Optional[torch.Tensor] = None  # (N, T) float32
+    returns: Optional[torch.Tensor] = None  # (N, T) float32
+
+    @property
+    def num_rows(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:  # (N,) long
+        return self.response_mask.sum(-1).long()
+
+    def replace(self, **changes) -> "Batch":
+        return dataclasses.replace(self, **changes)
+
+    def select(self, rows: torch.Tensor) -> "Batch":
+        """Rows (a 1-D long index) of every per-row field."""
+        idx = rows.tolist()
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v[rows]
+            elif isinstance(v, list):
+                out[f.name] = [v[i] for i in idx]
+            else:
+                out[f.name] = v
+        return Batch(**out)
+
+
+def _pad_right(seqs: list[np.ndarray], pad, dtype) -> torch.Tensor:
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), pad, dtype=dtype)
+    for i, s in enumerate(seqs):
+        if len(s):
+            out[i, : len(s)] = torch.as_tensor(np.array(s), dtype=dtype)
+    return out
+
+
+def _pad_left(seqs: list[np.ndarray], pad, dtype) -> torch.Tensor:
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), pad, dtype=dtype)
+    for i, s in enumerate(seqs):
+        if len(s):
+            out[i, width - len(s):] = torch.as_tensor(np.array(s), dtype=dtype)
+    return out
+
+
+def _unpad_rows(x: torch.Tensor, lengths: list[int], left: bool = False) -> list:
+    arr = x.cpu().numpy()
+    if left:
+        return [arr[i, arr.shape[1] - n:] for i, n in enumerate(lengths)]
+    return [arr[i, :n] for i, n in enumerate(lengths)]
+
+
+def batch_to_table(batch: Batch) -> pa.Table:
+    """One row per response; token columns are unpadded lists (float32 stays float32)."""
+    p_len = batch.prompt_mask.sum(-1).tolist()
+    r_len = batch.response_lengths.tolist()
+    cols = {
+        "uid": pa.array(batch.uid, pa.string()),
+        "group": pa.array(batch.group.numpy(), pa.int64()),
+        "prompt_ids": pa.array(_unpad_rows(batch.prompt_ids, p_len, left=True), pa.list_(pa.int32())),
+        "response_ids": pa.array(_unpad_rows(batch.response_ids, r_len), pa.list_(pa.int32())),
+        "ground_truth": pa.array(batch.ground_truth, pa.string()),
+        "data_source": pa.array(batch.data_source, pa.string()),
+        "extra_info": pa.array([json.dumps(e, sort_keys=True) for e in batch.extra_info], pa.string()),
+    }
+    for name in _TOKEN_COLS:
+        v = getattr(batch, name)
+        if v is not None:
+            cols[name] = pa.array(_unpad_rows(v.float(), r_len), pa.list_(pa.float32()))
+    if batch.score is not None:
+        cols["score"] = pa.array(batch.score.float().numpy(), pa.float32())
+    meta = {b"pad_id": str(batch.pad_id).encode()}
+    return pa.table(cols).replace_schema_metadata(meta)
+
+
+def table_to_batch(table: pa.Table) -> Batch:
+    """Inverse of :func:`batch_to_table`."""
+    meta = table.schema.metadata or {}
+    pad_id = int(meta.get(b"pad_id", b"0"))
+    d = {name: table.column(name).to_pylist() if name in ("uid", "ground_truth", "data_source",
+                                                             "extra_info") else None
+         for name in table.column_names}
+    prompts = table.column("prompt_ids").to_numpy(zero_copy_only=False)
+    responses = table.column("response_ids").to_numpy(zero_copy_only=False)
+    prompt_ids = _pad_left(list(prompts), pad_id, torch.long)
+    prompt_mask = _pad_left([np.ones(len(p), np.int64) for p in prompts], 0, torch.long)
+    response_ids = _pad_right(list(responses), pad_id, torch.long)
+    response_mask = _pad_right([np.ones(len(r), np.float32) for r in responses], 0.0, torch.float32)
+    kw = {}
+    for name in _TOKEN_COLS:
+        if name in table.column_names:
+            kw[name] = _pad_right(list(table.column(name).to_numpy(zero_copy_only=False)), 0.0,
+                                  torch.float32)
+    if "score" in table.column_names:
+        kw["score"] = torch.as_tensor(table.column("score").to_numpy(), dtype=torch.float32)
+    logprobs = kw.pop("response_logprobs", torch.zeros_like(response_mask))
+    return Batch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+        response_mask=response_mask, response_logprobs=logprobs,
+        group=torch.as_tensor(table.column("group").to_numpy(), dtype=torch.long),
+        uid=d["uid"], ground_truth=d["ground_truth"], data_source=d["data_source"],
+        extra_info=[json.loads(e) for e in d["extra_info"]], pad_id=pad_id, **kw)
+
+
+def batch_to_parquet_bytes(batch: Batch) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(batch_to_table(batch), buf, compression="zstd")
+    return buf.getvalue()
+
+
+def batch_from_parquet_bytes(data: bytes) -> Batch:
+    return table_to_batch(pq.read_table(io.BytesIO(data)))
+
+
+class PromptTooLongError(ValueError):
+    """A prompt exceeds ``data.max_prompt_length`` tokens."""
+
+
+def encode_prompts(tokenizer, texts: list[str], max_prompt_length: int,
+                   names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenise rendered prompts, left-padded. Returns (prompt_ids (B, P), prompt_mask (B, P)).
+
+    Over-long prompts raise naming the row instead of being silently truncated (truncating the
+    question of a verifiable task makes its ground truth wrong)."""
+    enc = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    for i, ids in enumerate(enc):
+        if len(ids) > max_prompt_length:
+            where = names[i] if names else f"row {i}"
+            raise PromptTooLongError(
+                f"prompt of {where} has {len(ids)} tokens > data.max_prompt_length="
+                f"{max_prompt_length}; raise data.max_prompt_length or filter the dataset")
+        if not ids:
+            where = names[i] if names else f"row {i}"
+            raise PromptTooLongError(f"prompt of {where} encodes to zero tokens")
+    pad = tokenizer.pad_token_id
+    ids = _pad_left([np.asarray(e, np.int64) for e in enc], pad, torch.long)
+    mask = _pad_left([np.ones(len(e), np.int64) for e in enc], 0, torch.long)
+    return ids, mask

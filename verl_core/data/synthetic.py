@@ -1,0 +1,139 @@
+"""Synthetic verifiable tasks, written as parquet in verl's row layout.
+
+The arithmetic task: ``12+7=`` -> ``19``. Small enough that a tiny model learns it on CPU, and
+exactly verifiable by :mod:`verl_core.reward.arithmetic`. One row::
+
+    data_source   "synthetic/arithmetic"
+    prompt        [{"role": "user", "content": "12+7="}]
+    ability       "math"
+    reward_model  {"style": "rule", "ground_truth": "19"}
+    extra_info    {"split": "train", "index": 0, "a": 12, "b": 7, "op": "+"}
+
+What belongs here: enumerating problems and writing the files. Reading and validation live in
+``dataset.py``. Run ``python -m verl_core.data.synthetic OUT_DIR`` to write the default splits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from typing import Callable
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = ["DATA_SOURCE", "OPS", "arithmetic_problems", "arithmetic_rows",
+           "write_arithmetic_dataset"]
+
+DATA_SOURCE = "synthetic/arithmetic"
+"""``data_source`` of every generated row (``reward.scorer=auto`` routes it to arithmetic)."""
+
+OPS: dict[str, Callable[[int, int], int]] = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+}
+"""Supported operators. Subtraction is generated only for a >= b, so answers are >= 0."""
+
+Problem = tuple[int, str, int, int]  # (a, op, b, answer)
+
+_SCHEMA = pa.schema([
+    ("data_source", pa.string()),
+    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("ability", pa.string()),
+    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("a", pa.int64()),
+                              ("b", pa.int64()), ("op", pa.string())])),
+])
+
+
+def arithmetic_problems(max_operand: int, ops: str = "+-") -> list[Problem]:
+    """Every problem ``a op b`` with ``0 <= a, b <= max_operand``, in a fixed order (op, a, b).
+
+    Subtraction only where ``a >= b``. E.g. ``max_operand=1, ops="+-"`` gives
+    (0+0, 0+1, 1+0, 1+1, 0-0, 1-0, 1-1): 4 sums + 3 differences.
+    """
+    if isinstance(max_operand, bool) or not isinstance(max_operand, int) or max_operand < 0:
+        raise ValueError(f"max_operand={max_operand!r}: must be an int >= 0")
+    bad = [o for o in ops if o not in OPS]
+    if bad or not ops or len(set(ops)) != len(ops):
+        raise ValueError(f"ops={ops!r}: must be distinct characters from {''.join(OPS)!r}")
+    out = []
+    for op in ops:
+        for a in range(max_operand + 1):
+            for b in range(max_operand + 1):
+                if op == "-" and a < b:
+                    continue
+                out.append((a, op, b, OPS[op](a, b)))
+    return out
+
+
+def arithmetic_rows(problems: list[Problem], split: str) -> list[dict]:
+    """verl-layout rows for ``problems``; ``extra_info.index`` is the row's position."""
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(ans)},
+            "extra_info": {"split": split, "index": i, "a": a, "b": b, "op": op},
+        }
+        for i, (a, op, b, ans) in enumerate(problems)
+    ]
+
+
+def write_arithmetic_dataset(out_dir: str, *, train_size: int, val_size: int, max_operand: int,
+                             seed: int, ops: str = "+-",
+                             storage_options: dict | None = None) -> tuple[str, str]:
+    """Write ``train.parquet`` and ``val.parquet`` under ``out_dir`` (a path or fsspec URI).
+
+    The problems are shuffled with ``random.Random(seed)``; the first ``val_size`` become the
+    held-out split and the next ``train_size`` the training split, so the splits are disjoint
+    and the held-out split does not change when only ``train_size`` changes. Same arguments ->
+    byte-identical files. Returns ``(train_path, val_path)``.
+    """
+    if train_size <= 0 or val_size < 0:
+        raise ValueError(f"train_size={train_size}, val_size={val_size}: need train_size > 0 "
+                         "and val_size >= 0")
+    problems = arithmetic_problems(max_operand, ops)
+    if train_size + val_size > len(problems):
+        raise ValueError(
+            f"train_size={train_size} + val_size={val_size} = {train_size + val_size} exceeds the "
+            f"{len(problems)} unique problems with max_operand={max_operand}, ops={ops!r}; "
+            "raise data.synthetic_max_operand or lower the split sizes")
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    val = [problems[j] for j in order[:val_size]]
+    train = [problems[j] for j in order[val_size:val_size + train_size]]
+
+    fs, root = fsspec.core.url_to_fs(out_dir, **(storage_options or {}))
+    fs.makedirs(root, exist_ok=True)
+    paths = []
+    for split, probs in (("train", train), ("val", val)):
+        path = f"{root.rstrip('/')}/{split}.parquet"
+        table = pa.Table.from_pylist(arithmetic_rows(probs, split), schema=_SCHEMA)
+        with fs.open(path, "wb") as f:
+            pq.write_table(table, f)
+        # return the caller's spelling (a URI stays a URI; a local path stays a path)
+        paths.append(f"{out_dir.rstrip('/')}/{split}.parquet" if "://" in out_dir else path)
+    return paths[0], paths[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--train-size", type=int, default=4000)
+    p.add_argument("--val-size", type=int, default=300)
+    p.add_argument("--max-operand", type=int, default=30)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ops", default="+-")
+    a = p.parse_args(argv)
+    train, val = write_arithmetic_dataset(a.out_dir, train_size=a.train_size, val_size=a.val_size,
+                                          max_operand=a.max_operand, seed=a.seed, ops=a.ops)
+    print(train)
+    print(val)
+
+
+if __name__ == "__main__":
+    main()
