@@ -1,0 +1,7 @@
+"""Rollout engines: one interface (:class:`RolloutEngine`), ``hf`` (torch) and ``vllm`` (GPU)."""
+
+from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, make_engine,
+                                    register_engine)
+from verl_core.rollout import hf as _hf  # noqa: F401  (registers "hf")
+
+__all__ = ["GenerationOutput", "RolloutEngine", "SamplingParams", "make_engine", "register_engine"]

@@ -1,0 +1,66 @@
+"""The one rollout-engine interface. Callers never branch on the engine name.
+
+An engine turns N left-padded prompts into N sampled responses plus the per-token log-probs of the
+sampled tokens under the temperature-scaled policy (the distribution before top-k/top-p
+filtering, so with top_p=1/top_k=-1 they equal what the trainer recomputes).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample (mirrors ``RolloutConfig``; plain values so engines need no config)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 8
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    response_ids: torch.Tensor  # (N, T) long, right-padded with pad_id after EOS
+    response_mask: torch.Tensor  # (N, T) float32, 1 on generated tokens (EOS included)
+    logprobs: torch.Tensor  # (N, T) float32, log p(token) of each sampled token, 0 on padding
+
+
+class RolloutEngine(abc.ABC):
+    """Generates responses for left-padded prompts."""
+
+    @abc.abstractmethod
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 params: SamplingParams) -> GenerationOutput:
+        """prompt_ids, prompt_mask: (N, P) left-padded. Deterministic for a given params.seed."""
+
+    @abc.abstractmethod
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace the policy weights (after an update)."""
+
+
+_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+
+
+def register_engine(name: str):
+    def deco(factory):
+        if name in _ENGINES:
+            raise ValueError(f"rollout engine {name!r} is registered twice")
+        _ENGINES[name] = factory
+        return factory
+    return deco
+
+
+def make_engine(name: str, **kwargs) -> RolloutEngine:
+    """``hf`` needs ``model``, ``eos_token_id``, ``pad_token_id``; ``vllm`` needs ``model_path``."""
+    if name == "vllm" and name not in _ENGINES:
+        import verl_core.rollout.vllm_engine  # noqa: F401  (lazy: vllm is an optional extra)
+    if name not in _ENGINES:
+        raise ValueError(f"unknown rollout engine {name!r}; known: {', '.join(sorted(_ENGINES))}")
+    return _ENGINES[name](**kwargs)

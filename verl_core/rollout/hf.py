@@ -1,0 +1,148 @@
+"""``hf`` rollout engine: batched sampling with a KV cache in plain torch (CPU and GPU).
+
+Why not ``model.generate``: it runs a stack of logits processors and stopping criteria per token
+(Python overhead that dominates for small models), and its random draws depend on how a batch is
+split. Here each row's token at step t is drawn by inverse-CDF sampling from a uniform
+``u[row, t]`` drawn up front from a seeded generator, so a row's sample does not depend on the
+micro-batch it lands in, and the whole rollout is reproducible under ``params.seed``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from verl_core.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, register_engine
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: (n, V) already temperature-scaled. Returns logits with tokens outside the top-k
+    and outside the smallest nucleus of mass >= top_p set to -inf (at least one token kept)."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (n, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # mass strictly before each token; a token is dropped once that mass already covers top_p
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams):
+    """logits: (n, V) raw; u: (n,) uniforms in [0, 1). Returns (tokens (n,), logp (n,)) where logp
+    is log p(token) under softmax(logits / temperature) (greedy: under softmax(logits))."""
+    logits = logits.float()
+    if params.temperature == 0:
+        tokens = logits.argmax(-1)
+        logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logp
+    scaled = logits / params.temperature
+    logp_all = torch.log_softmax(scaled, -1)  # (n, V)
+    probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), -1)
+    cdf = probs.cumsum(-1)  # (n, V)
+    # inverse CDF: first token whose cumulative mass exceeds u * total
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    tokens = tokens.clamp_(max=logits.shape[-1] - 1)
+    # a zero-probability token can only be hit through rounding at the top of the CDF
+    tokens = torch.where(probs.gather(-1, tokens[:, None]).squeeze(-1) > 0, tokens,
+                         probs.argmax(-1))
+    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.3x renamed ``past_key_values`` to ``cache``; accept both."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.no_grad()
+def generate_with_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                        uniforms: torch.Tensor, params: SamplingParams, *, eos_token_id: int,
+                        pad_token_id: int) -> GenerationOutput:
+    """prompt_ids/prompt_mask: (n, P) left-padded; uniforms: (n, T). One prefill, then one
+    cached forward per new token; stops when every row has emitted EOS."""
+    n, T = prompt_ids.shape[0], params.max_new_tokens
+    device = prompt_ids.device
+    attn = prompt_mask.long()
+    position = (attn.cumsum(-1) - 1).clamp_(min=0)  # (n, P): left padding does not shift positions
+    cache_kw = {_cache_kwarg(model): DynamicCache()}  # mutated in place by every forward
+    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=position,
+                use_cache=True, **cache_kw)
+    logits = out.logits[:, -1]  # (n, V)
+    next_pos = position[:, -1:] + 1  # (n, 1)
+    tokens = torch.full((n, T), pad_token_id, dtype=torch.long, device=device)
+    logps = torch.zeros((n, T), dtype=torch.float32, device=device)
+    mask = torch.zeros((n, T), dtype=torch.float32, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    for t in range(T):
+        tok, lp = sample_tokens(logits, uniforms[:, t], params)
+        alive = ~done
+        tokens[:, t] = torch.where(alive, tok, pad_token_id)
+        logps[:, t] = torch.where(alive, lp, 0.0)
+        mask[:, t] = alive.float()
+        done = done | (tok == eos_token_id)
+        if t == T - 1 or bool(done.all()):
+            break
+        attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=device)], dim=1)
+        out = model(input_ids=tokens[:, t:t + 1], attention_mask=attn, position_ids=next_pos,
+                    use_cache=True, **cache_kw)
+        logits = out.logits[:, -1]
+        next_pos = next_pos + 1
+    return GenerationOutput(response_ids=tokens, response_mask=mask, logprobs=logps)
+
+
+class HFEngine(RolloutEngine):
+    """Samples from a (CPU or GPU) transformers causal LM it holds in memory."""
+
+    def __init__(self, model, *, eos_token_id: int, pad_token_id: int, micro_batch_size: int = 512):
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.micro_batch_size = micro_batch_size
+
+    def load_weights(self, state_dict):
+        self.model.load_state_dict(state_dict)
+
+    def generate(self, prompt_ids, prompt_mask, params: SamplingParams) -> GenerationOutput:
+        was_training = self.model.training
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        g = torch.Generator().manual_seed(params.seed)
+        uniforms = torch.rand((prompt_ids.shape[0], params.max_new_tokens), generator=g)  # (N, T)
+        outs = []
+        for s in range(0, prompt_ids.shape[0], self.micro_batch_size):
+            sl = slice(s, s + self.micro_batch_size)
+            ids, m = prompt_ids[sl], prompt_mask[sl]
+            keep = m.sum(0) > 0  # drop prompt columns that are padding for every row of the slice
+            outs.append(generate_with_cache(
+                self.model, ids[:, keep].to(device), m[:, keep].to(device),
+                uniforms[sl].to(device), params, eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id))
+        self.model.train(was_training)
+        width = max(o.response_ids.shape[1] for o in outs)
+
+        def cat(name, pad):
+            parts = []
+            for o in outs:
+                x = getattr(o, name).cpu()
+                if x.shape[1] < width:
+                    x = torch.cat([x, torch.full((x.shape[0], width - x.shape[1]), pad, dtype=x.dtype)], 1)
+                parts.append(x)
+            return torch.cat(parts, 0)
+
+        resp, mask, lp = cat("response_ids", self.pad_token_id), cat("response_mask", 0.0), cat("logprobs", 0.0)
+        # trim trailing all-padding columns (every row stopped early)
+        T = int(mask.sum(0).nonzero().max().item()) + 1 if mask.any() else 0
+        return GenerationOutput(response_ids=resp[:, :T], response_mask=mask[:, :T], logprobs=lp[:, :T])
+
+
+@register_engine("hf")
+def _make_hf(model, eos_token_id: int, pad_token_id: int, micro_batch_size: int = 512, **_):
+    return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                    micro_batch_size=micro_batch_size)
