@@ -1,0 +1,120 @@
+"""The PPO update: epochs over shuffled mini-batches, micro-batch gradient accumulation.
+
+Used for every estimator (GRPO, RLOO, REINFORCE++ … differ only in the advantages they feed in).
+The losses come from the registries in ``verl_core.algorithms``; this module owns the loop, the
+optimizer steps and the metrics. It is deterministic given (weights, optimizer state, batch,
+seed): the mini-batch order comes from a generator seeded per step, never from global RNG.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from verl_core.algorithms import agg_loss, get_policy_loss, kl_loss, value_loss
+from verl_core.config import AlgorithmConfig
+from verl_core.data.batch import Batch
+from verl_core.training.forward import batched_logprobs, critic_values, response_logprobs
+
+
+def _chunks(idx: torch.Tensor, size: int):
+    return [idx[s:s + size] for s in range(0, idx.numel(), size)]
+
+
+def _optimizer_step(model, optimizer, scheduler, grad_clip: float) -> tuple[torch.Tensor, bool]:
+    """Clip, then step unless the gradient is not finite (the step is skipped, grads dropped)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.detach(), finite
+
+
+def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: AlgorithmConfig, *,
+               temperature: float, mini_batch_rows: int, micro_batch_rows: int, epochs: int,
+               grad_clip: float, seed: int, critic=None, critic_optimizer=None,
+               critic_scheduler=None) -> dict[str, float]:
+    """One RL step's update of the actor (and critic when ``critic`` is given).
+
+    batch must carry ``advantages`` (N, T); ``ref_logprobs`` when ``algo.use_kl_loss``; ``values``
+    and ``returns`` when a critic is trained. Returns mean metrics over micro-batches.
+    """
+    if batch.advantages is None:
+        raise ValueError("ppo_update needs batch.advantages: run the advantage phase first")
+    if algo.use_kl_loss and batch.ref_logprobs is None:
+        raise ValueError("algorithm.use_kl_loss needs batch.ref_logprobs from the reference model")
+    N = batch.num_rows
+    temperature = temperature or 1.0  # greedy rollouts score under the plain softmax
+    # Recompute the behaviour policy's log-probs with the trainer's own forward (as verl does):
+    # rollout engines (vLLM, bf16 kernels) can differ from it numerically.
+    old_logp = batched_logprobs(actor, batch, temperature, micro_batch_rows)  # (N, T)
+    policy_loss = get_policy_loss(algo.policy_loss)
+    grad_accum = mini_batch_rows // micro_batch_rows
+    gen = torch.Generator().manual_seed(seed)
+    lr_used = actor_optimizer.param_groups[0]["lr"]
+    critic_lr_used = critic_optimizer.param_groups[0]["lr"] if critic is not None else 0.0
+    sums: dict[str, list[torch.Tensor]] = defaultdict(list)
+    skipped = 0
+    actor.train()
+    if critic is not None:
+        critic.train()
+    for _ in range(epochs):
+        order = torch.randperm(N, generator=gen)
+        for mini in _chunks(order, mini_batch_rows):
+            for micro in _chunks(mini, micro_batch_rows):
+                mb = batch.select(micro)
+                mask = mb.response_mask
+                need_entropy = algo.entropy_coeff > 0
+                logp, entropy = response_logprobs(actor, mb.prompt_ids, mb.prompt_mask,
+                                                  mb.response_ids, mask, temperature,
+                                                  with_entropy=need_entropy)
+                pg_loss, pg_metrics = policy_loss(
+                    old_logp[micro], logp, mb.advantages, mask,
+                    clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
+                    clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode)
+                loss = pg_loss
+                if need_entropy:
+                    ent = agg_loss(entropy, mask, algo.loss_agg_mode)
+                    loss = loss - algo.entropy_coeff * ent  # entropy bonus
+                    sums["actor/entropy"].append(ent.detach())
+                if algo.use_kl_loss:
+                    kl = kl_loss(logp, mb.ref_logprobs, mask, kl_loss_type=algo.kl_loss_type,
+                                 loss_agg_mode=algo.loss_agg_mode)
+                    loss = loss + algo.kl_loss_coef * kl
+                    sums["actor/kl_loss"].append(kl.detach())
+                (loss / grad_accum).backward()
+                sums["actor/pg_loss"].append(pg_loss.detach())
+                for k, v in pg_metrics.items():
+                    sums[f"actor/{k}"].append(v.detach())
+            grad_norm, ok = _optimizer_step(actor, actor_optimizer, actor_scheduler, grad_clip)
+            sums["actor/grad_norm"].append(grad_norm)
+            skipped += not ok
+            if critic is not None:
+                for micro in _chunks(mini, micro_batch_rows):
+                    mb = batch.select(micro)
+                    vpreds = critic_values(critic, mb.prompt_ids, mb.prompt_mask,
+                                           mb.response_ids, mb.response_mask)
+                    vf_loss, vf_metrics = value_loss(
+                        vpreds, mb.values, mb.returns, mb.response_mask,
+                        cliprange_value=algo.cliprange_value, loss_agg_mode=algo.loss_agg_mode)
+                    (algo.vf_coef * vf_loss / grad_accum).backward()
+                    sums["critic/vf_loss"].append(vf_loss.detach())
+                    for k, v in vf_metrics.items():
+                        sums[f"critic/{k}"].append(v.detach())
+                c_norm, c_ok = _optimizer_step(critic, critic_optimizer, critic_scheduler,
+                                               grad_clip)
+                sums["critic/grad_norm"].append(c_norm)
+                skipped += not c_ok
+    metrics = {k: float(torch.stack([t.float() for t in v]).mean()) for k, v in sums.items()}
+    metrics["actor/lr"] = lr_used  # LR of this step's first optimizer step
+    metrics["update/skipped_nonfinite_steps"] = float(skipped)
+    if critic is not None:
+        metrics["critic/lr"] = critic_lr_used
+    actor.eval()
+    if critic is not None:
+        critic.eval()
+    return metrics
