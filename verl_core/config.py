@@ -106,9 +106,9 @@ class ModelConfig:
     """Decoder layers of the tiny model."""
     tiny_heads: int = 4
     """Attention heads of the tiny model."""
-    warmup_sft_steps: int = 800
+    warmup_sft_steps: int = 2000
     """Most supervised warm-start steps on the synthetic task (only when ``path`` is empty)."""
-    warmup_target_accuracy: float = 0.2
+    warmup_target_accuracy: float = 0.4
     """The warm start stops once greedy accuracy on a slice of the *training* split reaches this,
     so RL starts from partial accuracy: not zero (no reward signal), not full (nothing to learn).
     1.0 disables the early stop. The held-out split is never looked at."""
@@ -277,7 +277,7 @@ class AlgorithmConfig:
 class OptimConfig:
     """AdamW + LR schedule for actor and critic."""
 
-    lr: float = 2e-4
+    lr: float = 3e-4
     """Actor peak learning rate."""
     critic_lr: float = 1e-3
     """Critic peak learning rate."""
@@ -325,6 +325,35 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """When and how the durable state is saved (the names users of verl-style trainers know)."""
+
+    checkpoint_interval: int = 10
+    """Save a verified checkpoint every k steps (the last step is always saved). Between
+    checkpoints a crashed run recovers by replaying the stored batches of the finished updates."""
+    checkpoint_interval_s: float = 0.0
+    """Also save when this many seconds passed since the last save (0: off)."""
+    save_optimizer_state: bool = True
+    """Include optimizer + scheduler state (needed for exact resume; off = weights only)."""
+    resume_from_checkpoint: str = "auto"
+    """``auto`` (newest valid checkpoint of this run store, if any), ``none``, or a checkpoint
+    path/URI (``<store>/checkpoints/<name>.json``)."""
+    keep_last: int = 3
+    """Keep the newest N checkpoints (0: keep all)."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: off)."""
+    async_save: bool = True
+    """Snapshot to CPU memory and write in the background while the next phases run."""
+
+    def __post_init__(self):
+        _positive("checkpoint", self, "checkpoint_interval")
+        _non_negative("checkpoint", self, "checkpoint_interval_s", "keep_last", "keep_every")
+        if not self.resume_from_checkpoint:
+            _fail("checkpoint", "resume_from_checkpoint", self.resume_from_checkpoint,
+                  "use 'auto', 'none' or a checkpoint path")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A whole RL run: all sections plus the loop settings."""
 
@@ -342,7 +371,9 @@ class RunConfig:
     """Optimizer and schedule."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Update sizes."""
-    total_steps: int = 40
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Durable state."""
+    total_steps: int = 240
     """RL steps (one rollout batch each)."""
     seed: int = 1
     """Run seed; every phase derives its own seed from (seed, step, phase)."""
@@ -399,7 +430,7 @@ class RunConfig:
     def from_dict(cls, d: dict) -> "RunConfig":
         sections = {"data": DataConfig, "model": ModelConfig, "rollout": RolloutConfig,
                     "reward": RewardConfig, "algorithm": AlgorithmConfig, "optim": OptimConfig,
-                    "trainer": TrainerConfig}
+                    "trainer": TrainerConfig, "checkpoint": CheckpointConfig}
         kw = {}
         known = {f.name for f in dataclasses.fields(cls)}
         for k, v in d.items():

@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+import torch
+
 from verl_core.config import RunConfig, preset, with_overrides
 from verl_core.trainer import RLTrainer, prepare_assets
 
@@ -24,6 +26,8 @@ PHASES = ("rollout", "reward", "advantage", "update")
 def train(cfg: RunConfig, workdir: str, log=print) -> dict:
     """Run ``cfg`` end to end in this process. Returns a summary with per-step metrics."""
     t_start = time.perf_counter()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
     assets = prepare_assets(cfg, workdir, log=log)
     t_prepared = time.perf_counter()
     trainer = RLTrainer(cfg, assets)

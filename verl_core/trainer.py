@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_core.algorithms import (AdaptiveKLController, FixedKLController, apply_kl_penalty,
-                                  get_advantage_estimator, outcome_to_token_rewards)
+from verl_core.algorithms import (apply_kl_penalty, get_advantage_estimator, make_kl_controller,
+                                  outcome_to_token_rewards)
 from verl_core.algorithms.utils import masked_mean
+from verl_core.checkpoint.state import capture_rng_state, restore_rng_state
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, encode_prompts
 from verl_core.data.dataset import PromptRow, load_prompt_rows, render_prompt
@@ -88,6 +89,42 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
     return Assets(model_path=model_path, train_files=train_files, val_files=val_files)
 
 
+def score_batch(batch: Batch, scorer: RewardScorer, tokenizer) -> tuple[Batch, dict]:
+    """Reward phase: decode the responses and score them. Adds ``score`` (N,)."""
+    texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+    res = scorer.score(batch.data_source, texts, batch.ground_truth, batch.extra_info)
+    score = torch.tensor(res.scores, dtype=torch.float32)  # (N,)
+    metrics = {"reward/mean": float(score.mean()), "reward/max": float(score.max()),
+               "reward/min": float(score.min()), "reward/timeouts": float(res.num_timeouts)}
+    return batch.replace(score=score), metrics
+
+
+def compute_advantages(batch: Batch, algo) -> tuple[Batch, dict]:
+    """Advantage phase: token rewards (the outcome score on the last response token, minus
+    ``kl_coef * KL`` when ``use_kl_in_reward``), then the configured estimator. Adds
+    ``advantages``/``returns`` (N, T); records the reward KL in ``meta["reward_kl"]``."""
+    mask = batch.response_mask
+    token_rewards = outcome_to_token_rewards(batch.score, mask)  # (N, T)
+    metrics = {}
+    meta = dict(batch.meta)
+    if algo.use_kl_in_reward:
+        # The rollout log-probs stand in for the actor's: the hf engine computes them with the
+        # same weights and forward (within float rounding).
+        token_rewards, kl_m = apply_kl_penalty(
+            token_rewards, batch.response_logprobs, batch.ref_logprobs, mask,
+            kl_coef=meta["kl_coef"], kl_penalty=algo.kl_penalty)
+        meta["reward_kl"] = float(kl_m["kl"])
+        metrics["actor/reward_kl"] = meta["reward_kl"]
+    adv, ret = get_advantage_estimator(algo.adv_estimator)(
+        token_rewards, mask, batch.group, batch.values, gamma=algo.gamma, lam=algo.lam,
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+    metrics["advantages/mean"] = float(masked_mean(adv, mask))
+    metrics["advantages/abs_max"] = float((adv.abs() * mask).max()) if mask.any() else 0.0
+    if batch.values is not None:
+        metrics["critic/values_mean"] = float(masked_mean(batch.values, mask))
+    return batch.replace(advantages=adv, returns=ret, meta=meta), metrics
+
+
 class _AccuracyProbe:
     """Greedy accuracy of ``model`` on a fixed slice of training prompts (rule scorer)."""
 
@@ -146,10 +183,8 @@ class RLTrainer:
             self.critic_optimizer = make_optimizer(self.critic.parameters(), cfg.optim,
                                                    cfg.optim.critic_lr)
             self.critic_scheduler = make_scheduler(self.critic_optimizer, cfg.optim, total)
-        if algo.kl_ctrl_type == "adaptive":
-            self.kl_ctrl = AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
-        else:
-            self.kl_ctrl = FixedKLController(algo.kl_coef)
+        self.kl_ctrl = make_kl_controller(algo.kl_ctrl_type, kl_coef=algo.kl_coef,
+                                          target_kl=algo.kl_target, horizon=algo.kl_horizon)
         self.engine = make_engine(cfg.rollout.engine, model=self.actor, model_path=assets.model_path,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                   micro_batch_size=cfg.rollout.micro_batch_size)
@@ -159,6 +194,43 @@ class RLTrainer:
 
     def close(self):
         self.scorer.close()
+
+    # ------------------------------------------------------------------ state
+    def state(self, *, with_optimizer: bool = True) -> tuple[dict, dict]:
+        """Everything an exact resume needs, as checkpoint ``(groups, meta)``. The data position
+        and every phase's randomness are functions of (seed, step), so the step is enough for
+        them; global RNG states are saved anyway for code that uses them."""
+        groups = {"policy": self.actor.state_dict(), "rng": capture_rng_state()}
+        meta = {"kl_ctrl": self.kl_ctrl.state_dict(), "sampler": self.sampler.state_dict(),
+                "hf_config": self.actor.config.to_dict()}
+        if with_optimizer:
+            groups["optimizer"] = self.actor_optimizer.state_dict()
+            meta["scheduler"] = self.actor_scheduler.state_dict()
+        if self.critic is not None:
+            groups["critic"] = self.critic.state_dict()
+            if with_optimizer:
+                groups["critic_optimizer"] = self.critic_optimizer.state_dict()
+                meta["critic_scheduler"] = self.critic_scheduler.state_dict()
+        return groups, meta
+
+    def load_state(self, groups: dict, meta: dict) -> None:
+        """Inverse of :meth:`state` (a checkpoint without optimizer state restarts the moments)."""
+        self.actor.load_state_dict(groups["policy"])
+        if "optimizer" in groups:
+            self.actor_optimizer.load_state_dict(groups["optimizer"])
+            self.actor_scheduler.load_state_dict(meta["scheduler"])
+        if self.critic is not None:
+            if "critic" not in groups:
+                raise ValueError("checkpoint has no critic but this run trains one "
+                                 f"(algorithm.adv_estimator={self.cfg.algorithm.adv_estimator!r})")
+            self.critic.load_state_dict(groups["critic"])
+            if "critic_optimizer" in groups:
+                self.critic_optimizer.load_state_dict(groups["critic_optimizer"])
+                self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
+        self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
+        self.sampler.load_state_dict(meta["sampler"])
+        if "rng" in groups:
+            restore_rng_state(groups["rng"])
 
     # ------------------------------------------------------------------ phases
     def prompt_indices(self, step: int) -> list[int]:
@@ -170,7 +242,10 @@ class RLTrainer:
         return self.sampler.next_batch()
 
     def rollout(self, step: int) -> tuple[Batch, dict]:
-        """Sample G responses for each of the B prompts of ``step``."""
+        """Sample G responses for each of the B prompts of ``step``, then the per-token inputs
+        the later phases need from a model: reference log-probs (KL) and critic values (GAE).
+        Everything that needs model weights happens here or in :meth:`update`, so the reward and
+        advantage phases are light functions of the batch."""
         rc, G = self.cfg.rollout, self.cfg.rollout.n
         idx = self.prompt_indices(step)
         rows_idx = torch.tensor(idx).repeat_interleave(G)  # (N,): prompt b's G samples adjacent
@@ -189,64 +264,40 @@ class RLTrainer:
             group=torch.arange(len(idx)).repeat_interleave(G),
             uid=[str(r.index) for r in rows], ground_truth=[r.ground_truth for r in rows],
             data_source=[r.data_source for r in rows], extra_info=[r.extra_info for r in rows],
-            pad_id=self.tokenizer.pad_token_id)
+            pad_id=self.tokenizer.pad_token_id,
+            meta={"step": step, "kl_coef": self.kl_ctrl.value})
+        micro = self.cfg.trainer.ppo_micro_batch_size
+        if self.ref is not None:
+            batch = batch.replace(ref_logprobs=batched_logprobs(
+                self.ref, batch, self.cfg.rollout.temperature or 1.0, micro))
+        if self.critic is not None:
+            batch = batch.replace(values=batched_values(self.critic, batch, micro))
         tokens = float(out.response_mask.sum())
         return batch, {"rollout/time_s": dt, "rollout/tokens_per_s": tokens / max(dt, 1e-9),
                        "response_length/mean": tokens / batch.num_rows}
 
-    def decode(self, batch: Batch) -> list[str]:
-        return self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-
     def reward(self, batch: Batch) -> tuple[Batch, dict]:
-        """Outcome scores (and reference log-probs when a KL term needs them)."""
-        res = self.scorer.score(batch.data_source, self.decode(batch), batch.ground_truth,
-                                batch.extra_info)
-        score = torch.tensor(res.scores, dtype=torch.float32)  # (N,)
-        ref = None
-        if self.ref is not None:
-            ref = batched_logprobs(self.ref, batch, self.cfg.rollout.temperature or 1.0,
-                                   self.cfg.trainer.ppo_micro_batch_size)
-        metrics = {"reward/mean": float(score.mean()), "reward/max": float(score.max()),
-                   "reward/min": float(score.min()), "reward/timeouts": float(res.num_timeouts)}
-        return batch.replace(score=score, ref_logprobs=ref), metrics
+        return score_batch(batch, self.scorer, self.tokenizer)
 
     def advantage(self, batch: Batch) -> tuple[Batch, dict]:
-        """Token rewards (outcome on the last token, minus the KL penalty if configured), critic
-        values when the estimator needs them, then the advantage estimator."""
-        algo = self.cfg.algorithm
-        mask = batch.response_mask
-        token_rewards = outcome_to_token_rewards(batch.score, mask)  # (N, T)
-        metrics = {}
-        if algo.use_kl_in_reward:
-            # The rollout log-probs stand in for the actor's: the hf engine computes them with the
-            # same weights and forward (within float rounding).
-            token_rewards, kl_m = apply_kl_penalty(
-                token_rewards, batch.response_logprobs, batch.ref_logprobs, mask,
-                kl_coef=self.kl_ctrl.value, kl_penalty=algo.kl_penalty)
-            current_kl = float(kl_m["kl"])
-            self.kl_ctrl.update(current_kl, batch.num_rows)
-            metrics.update({"actor/reward_kl": current_kl, "actor/kl_coef": self.kl_ctrl.value})
-        values = None
-        if self.critic is not None:
-            values = batched_values(self.critic, batch, self.cfg.trainer.ppo_micro_batch_size)
-        adv, ret = get_advantage_estimator(algo.adv_estimator)(
-            token_rewards, mask, batch.group, values, gamma=algo.gamma, lam=algo.lam,
-            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
-        metrics["advantages/mean"] = float(masked_mean(adv, mask))
-        metrics["advantages/abs_max"] = float((adv.abs() * mask).max()) if mask.any() else 0.0
-        if values is not None:
-            metrics["critic/values_mean"] = float(masked_mean(values, mask))
-        return batch.replace(values=values, advantages=adv, returns=ret), metrics
+        return compute_advantages(batch, self.cfg.algorithm)
 
     def update(self, batch: Batch, step: int) -> dict:
         c, G = self.cfg, self.cfg.rollout.n
-        return ppo_update(
+        metrics = {}
+        if c.algorithm.use_kl_in_reward:
+            # the controller moves here, not in the advantage phase, so the state it belongs to
+            # changes in exactly one phase (the one that also changes the weights)
+            self.kl_ctrl.update(batch.meta["reward_kl"], batch.num_rows)
+            metrics["actor/kl_coef"] = self.kl_ctrl.value
+        metrics.update(ppo_update(
             self.actor, self.actor_optimizer, self.actor_scheduler, batch, c.algorithm,
             temperature=c.rollout.temperature, mini_batch_rows=c.trainer.ppo_mini_batch_size * G,
             micro_batch_rows=c.trainer.ppo_micro_batch_size, epochs=c.trainer.ppo_epochs,
             grad_clip=c.optim.grad_clip, seed=derive_seed(c.seed, step, "update"),
             critic=self.critic, critic_optimizer=self.critic_optimizer,
-            critic_scheduler=self.critic_scheduler)
+            critic_scheduler=self.critic_scheduler))
+        return metrics
 
     @torch.no_grad()
     def evaluate(self) -> dict:

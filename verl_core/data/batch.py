@@ -41,6 +41,7 @@ class Batch:
     data_source: list[str]  # (N,)
     extra_info: list[dict]  # (N,)
     pad_id: int = 0
+    meta: dict = dataclasses.field(default_factory=dict)  # JSON scalars: step, kl_coef, reward_kl
     score: Optional[torch.Tensor] = None  # (N,) float32 outcome score
     ref_logprobs: Optional[torch.Tensor] = None  # (N, T) float32
     values: Optional[torch.Tensor] = None  # (N, T) float32 critic values
@@ -68,6 +69,8 @@ class Batch:
                 out[f.name] = v[rows]
             elif isinstance(v, list):
                 out[f.name] = [v[i] for i in idx]
+            elif isinstance(v, dict):
+                out[f.name] = dict(v)
             else:
                 out[f.name] = v
         return Batch(**out)
@@ -117,7 +120,8 @@ def batch_to_table(batch: Batch) -> pa.Table:
             cols[name] = pa.array(_unpad_rows(v.float(), r_len), pa.list_(pa.float32()))
     if batch.score is not None:
         cols["score"] = pa.array(batch.score.float().numpy(), pa.float32())
-    meta = {b"pad_id": str(batch.pad_id).encode()}
+    meta = {b"pad_id": str(batch.pad_id).encode(),
+            b"verl_meta": json.dumps(batch.meta, sort_keys=True).encode()}
     return pa.table(cols).replace_schema_metadata(meta)
 
 
@@ -125,6 +129,7 @@ def table_to_batch(table: pa.Table) -> Batch:
     """Inverse of :func:`batch_to_table`."""
     meta = table.schema.metadata or {}
     pad_id = int(meta.get(b"pad_id", b"0"))
+    batch_meta = json.loads(meta.get(b"verl_meta", b"{}"))
     d = {name: table.column(name).to_pylist() if name in ("uid", "ground_truth", "data_source",
                                                              "extra_info") else None
          for name in table.column_names}
@@ -147,7 +152,7 @@ def table_to_batch(table: pa.Table) -> Batch:
         response_mask=response_mask, response_logprobs=logprobs,
         group=torch.as_tensor(table.column("group").to_numpy(), dtype=torch.long),
         uid=d["uid"], ground_truth=d["ground_truth"], data_source=d["data_source"],
-        extra_info=[json.loads(e) for e in d["extra_info"]], pad_id=pad_id, **kw)
+        extra_info=[json.loads(e) for e in d["extra_info"]], pad_id=pad_id, meta=batch_meta, **kw)
 
 
 def batch_to_parquet_bytes(batch: Batch) -> bytes:

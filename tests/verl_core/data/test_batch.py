@@ -25,7 +25,8 @@ def _batch(seed=0, with_extras=True):
     return Batch(prompt_ids=pids, prompt_mask=pmask, response_ids=rids, response_mask=rmask,
                  response_logprobs=lp, group=torch.tensor([0, 0, 1, 1, 2, 2]),
                  uid=list("aabbcc"), ground_truth=["1", "1", "2", "2", "3", "3"],
-                 data_source=["s"] * N, extra_info=[{"i": i} for i in range(N)], **kw)
+                 data_source=["s"] * N, extra_info=[{"i": i} for i in range(N)],
+                 meta={"step": 3, "kl_coef": 0.001}, **kw)
 
 
 @pytest.mark.parametrize("extras", [True, False])
@@ -39,7 +40,8 @@ def test_parquet_round_trip_is_bit_exact(extras):
             assert c is None
         else:
             assert torch.equal(a, c), name
-    assert (r.uid, r.ground_truth, r.extra_info) == (b.uid, b.ground_truth, b.extra_info)
+    assert (r.uid, r.ground_truth, r.extra_info, r.meta) == (b.uid, b.ground_truth, b.extra_info,
+                                                             b.meta)
 
 
 def test_select_rows():
