@@ -1,0 +1,101 @@
+"""Command line: ``python -m verl_core.checkpoint {list,verify,export,gc} …``.
+
+    list   <store>                         every checkpoint (step, name, size, groups, problems)
+    verify <store> [ref …]                 re-hash every object (default: every checkpoint);
+                                           exit status 1 on any problem
+    export <store> <ref> <out_folder>      Hugging Face folder of the checkpoint's policy
+    export <manifest-uri> <out_folder>     same, naming the checkpoint by its manifest path
+    gc     <store>                         delete objects no checkpoint references
+
+``ref`` is ``latest``, ``auto`` (newest valid), a step, ``<step>-<sha>``, or a sha prefix. S3
+stores read their endpoint from ``$VERL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from datetime import datetime, timezone
+
+from verl_core.checkpoint.errors import VerlError
+from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
+from verl_core.checkpoint.store import RunStore
+
+
+def _manager(root: str) -> CheckpointManager:
+    store = RunStore(root, create=False)
+    store.incarnation_id  # raises NotFoundError when root is not a run store
+    return CheckpointManager(store)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m verl_core.checkpoint", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("list", help="list checkpoints")
+    sp.add_argument("store")
+    sp = sub.add_parser("verify", help="verify checkpoints (re-hash every object)")
+    sp.add_argument("store")
+    sp.add_argument("refs", nargs="*")
+    sp.add_argument("--sizes-only", action="store_true", help="check presence and size only")
+    sp = sub.add_parser("export", help="export a checkpoint as a Hugging Face folder")
+    sp.add_argument("args", nargs="+", metavar="ARG",
+                    help="<store> <ref> <out> or <manifest> <out>")
+    sp.add_argument("--group", default="policy")
+    sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    sp.add_argument("--overwrite", action="store_true")
+    sp = sub.add_parser("gc", help="delete unreferenced objects")
+    sp.add_argument("store")
+    sp.add_argument("--grace-s", type=float, default=600.0)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        if a.cmd == "list":
+            m = _manager(a.store)
+            latest = m._latest_name()
+            for info in m.list_checkpoints():
+                when = (datetime.fromtimestamp(info.created, timezone.utc)
+                        .strftime("%Y-%m-%d %H:%M:%S") if info.created else "?")
+                flag = "*" if info.name == latest else " "
+                extra = f"ERROR {info.error}" if info.error else ",".join(info.groups)
+                print(f"{flag} step {info.step:>8}  {info.name}  {info.nbytes / 1e6:10.1f} MB  "
+                      f"{when}  {extra}")
+            return 0
+        if a.cmd == "verify":
+            m = _manager(a.store)
+            refs = a.refs or [i.name for i in m.list_checkpoints()]
+            bad = 0
+            for ref in refs:
+                problems = m.verify(ref, hashes=not a.sizes_only)
+                print(f"{'OK  ' if not problems else 'FAIL'} {ref}")
+                for pr in problems:
+                    print(f"     {pr}")
+                bad += bool(problems)
+            return 1 if bad else 0
+        if a.cmd == "export":
+            from verl_core.checkpoint.hf_export import export_hf
+            import torch
+
+            if len(a.args) == 3:
+                m, ref, out = _manager(a.args[0]), a.args[1], a.args[2]
+            elif len(a.args) == 2:
+                (m, ref), out = open_checkpoint(a.args[0]), a.args[1]
+            else:
+                p.error("export takes <store> <ref> <out> or <manifest-uri> <out>")
+            dtype = getattr(torch, a.dtype) if a.dtype else None
+            info = export_hf(m, ref, out, group=a.group, dtype=dtype, overwrite=a.overwrite)
+            print(f"exported {info.name} (step {info.step}) to {out}")
+            return 0
+        if a.cmd == "gc":
+            m = _manager(a.store)
+            print(m.gc(grace_s=a.grace_s))
+            return 0
+    except (VerlError, FileExistsError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Hugging Face export: a checkpoint's policy -> a folder ``from_pretrained`` (and vLLM) can load.
+
+Conventions (what the trainer saves so export works):
+
+* group ``"policy"`` is ``model.state_dict()`` (flat ``{name: tensor}``);
+* ``meta["hf_config"]`` is ``model.config.to_dict()`` (optionally ``meta["hf_generation_config"]``);
+* the tokenizer is stored once per run with :func:`store_tokenizer` (shared doc
+  ``shared/tokenizer.json`` listing content-addressed files; kept alive by garbage collection).
+
+The folder gets ``config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` +
+``model.safetensors.index.json`` above ``max_shard_bytes``), the tokenizer files and
+``verl_checkpoint.json`` (provenance: store, checkpoint name, step). It is assembled in a temporary
+sibling folder and renamed into place, so a crash never leaves a half-written export behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from typing import Any, Optional, Union
+
+import torch
+
+from verl_core.checkpoint.errors import CorruptObjectError, UnsafeManifestError
+from verl_core.checkpoint.manager import CheckpointInfo, CheckpointManager
+from verl_core.checkpoint.store import RunStore, check_sha256
+
+__all__ = ["store_tokenizer", "load_tokenizer_files", "export_hf", "TOKENIZER_DOC"]
+
+TOKENIZER_DOC = "shared/tokenizer"
+_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+
+
+def _check_file_name(name: Any) -> str:
+    if not isinstance(name, str) or not _FILE_RE.match(name) or ".." in name:
+        raise UnsafeManifestError(f"tokenizer file name {name!r} is not a plain file name")
+    return name
+
+
+def store_tokenizer(store: RunStore, tokenizer: Any) -> dict:
+    """Save ``tokenizer`` (anything with ``save_pretrained``) once per run as shared objects.
+    Returns the doc ``{"files": {name: {"sha", "size"}}, "objects": {sha: size}}``."""
+    files, objects = {}, {}
+    with tempfile.TemporaryDirectory() as d:
+        tokenizer.save_pretrained(d)
+        for name in sorted(os.listdir(d)):
+            path = os.path.join(d, name)
+            if not os.path.isfile(path):
+                continue
+            _check_file_name(name)
+            with open(path, "rb") as f:
+                data = f.read()
+            sha = store.put_bytes(data)
+            files[name] = {"sha": sha, "size": len(data)}
+            objects[sha] = len(data)
+    doc = {"files": files, "objects": objects}
+    store.put_json(TOKENIZER_DOC, doc)
+    return doc
+
+
+def load_tokenizer_files(store: RunStore) -> dict[str, bytes]:
+    """``{file name: verified bytes}`` of the stored tokenizer ({} if none was stored)."""
+    doc = store.get_json(TOKENIZER_DOC, default=None)
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
+        raise CorruptObjectError(f"{TOKENIZER_DOC}.json in {store.uri} is malformed")
+    out = {}
+    for name, ent in doc["files"].items():
+        _check_file_name(name)
+        sha = check_sha256(ent.get("sha") if isinstance(ent, dict) else None, f"tokenizer {name}")
+        out[name] = store.get_bytes(sha, what=f"tokenizer file {name}")
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, torch.dtype):
+        return str(x).removeprefix("torch.")
+    return x
+
+
+def _write_weights(state: dict[str, torch.Tensor], folder: str, max_shard_bytes: int) -> list[str]:
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in state:  # keep the model's own order
+        t = state[name].contiguous()
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, weight_map, total = [], {}, 0
+    for i, sh in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, os.path.join(folder, fname), metadata={"format": "pt"})
+        names.append(fname)
+        for k, t in sh.items():
+            weight_map[k] = fname
+            total += t.numel() * t.element_size()
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_dir: str, *,
+              group: str = "policy", dtype: Optional[torch.dtype] = None,
+              max_shard_bytes: int = 5 << 30, overwrite: bool = False) -> CheckpointInfo:
+    """Write checkpoint ``ref`` (``latest``, ``auto``, a name …) of ``manager`` as a HF folder.
+
+    Args:
+        group: the group holding ``model.state_dict()``.
+        dtype: cast floating-point weights (e.g. ``torch.bfloat16`` for serving); None keeps them.
+        max_shard_bytes: split ``model.safetensors`` above this size (HF's default is 5 GB).
+        overwrite: replace an existing non-empty ``out_dir``.
+    Returns the exported checkpoint's info. Every object read is verified.
+    """
+    if not isinstance(manager, CheckpointManager):
+        manager = CheckpointManager(manager)
+    out_dir = os.path.abspath(out_dir)
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True")
+    groups, meta, info = manager.load(ref, groups=[group])
+    state = groups[group]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CorruptObjectError(f"checkpoint {info.name} group {group!r} is not a flat "
+                                 "{name: tensor} state dict; cannot export it")
+    config = meta.get("hf_config")
+    if not isinstance(config, dict):
+        raise CorruptObjectError(f"checkpoint {info.name} has no meta['hf_config']; save with "
+                                 "meta={'hf_config': model.config.to_dict(), ...} to export it")
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        config = {**config, "torch_dtype": str(dtype).removeprefix("torch."),
+                  "dtype": str(dtype).removeprefix("torch.")}
+    tokenizer_files = load_tokenizer_files(manager.store)
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(_jsonable(config), f, indent=2, sort_keys=True)
+        gen = meta.get("hf_generation_config")
+        if isinstance(gen, dict):
+            with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+                json.dump(_jsonable(gen), f, indent=2, sort_keys=True)
+        _write_weights(state, tmp, max_shard_bytes)
+        for name, data in tokenizer_files.items():
+            with open(os.path.join(tmp, _check_file_name(name)), "wb") as f:
+                f.write(data)
+        with open(os.path.join(tmp, "verl_checkpoint.json"), "w") as f:
+            json.dump({"store": manager.store.uri, "checkpoint": info.name, "step": info.step,
+                       "config_hash": info.config_hash, "package_version": info.package_version},
+                      f, indent=2)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return info

@@ -1,0 +1,656 @@
+"""The run store: immutable content-addressed objects plus small named JSON docs, over fsspec.
+
+What belongs here: bytes in, bytes out, hashing, atomic writes, name validation and the mapping of
+I/O failures to :class:`StoreUnavailableError`. What does not: tensors (``tensors.py``), manifests
+and retention (``manager.py``).
+
+Layout under the store root (a local folder, NFS, ``s3://bucket/prefix`` or any fsspec URL)::
+
+    store.json                    {"format", "incarnation_id", "created"}: written once
+    objects/<sha[:2]>/<sha>       immutable blobs named by the sha256 of their bytes
+    <doc>.json                    small named JSON docs (manifests, pointers, shared indexes)
+    logs/<name>.jsonl             local append-only JSON-lines log (one O_APPEND write per record)
+    logs/<name>/<ns>-<uuid>.json  the same log on object stores (S3 cannot append)
+
+Why content addressing: writing an object that already exists is skipped, which is what makes
+checkpoints incremental (frozen layers, the reference model and unchanged chunks cost nothing),
+and a re-hash on read detects any flipped byte, truncation or substitution (DESIGN rule 2 and 5).
+
+Atomicity: locally every file is written to a temporary name in the same folder, optionally fsynced,
+then ``os.replace``-d into place, so a reader (or a process restarted after SIGKILL) sees either the
+whole file or nothing. On S3 a single PUT is atomic by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from verl_core.checkpoint.errors import (
+    CorruptObjectError,
+    StoreUnavailableError,
+    UnsafeManifestError,
+)
+from verl_core.errors import PermanentError, VerlError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RunStore", "StoreStats", "NotFoundError", "StorePermissionError", "is_sha256",
+           "check_sha256", "check_doc_name", "sha256_hex", "canonical_json"]
+
+STORE_FORMAT = "verl-run-store/1"
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+# A doc name is one or more '/'-separated segments; each starts with an alphanumeric or '_' so
+# '.', '..', hidden files and absolute paths are impossible.
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+_MISSING = object()
+
+
+class NotFoundError(PermanentError):
+    """A named doc (or object) does not exist in the store."""
+
+
+class StorePermissionError(PermanentError):
+    """The store refused access (credentials, bucket policy, file permissions)."""
+
+
+def is_sha256(s: object) -> bool:
+    return isinstance(s, str) and bool(_SHA_RE.match(s))
+
+
+def check_sha256(s: object, what: str = "object name") -> str:
+    """Return ``s`` if it is a lowercase 64-hex sha256, else raise :class:`UnsafeManifestError`.
+    Every object name read from a manifest passes through here before it becomes a path."""
+    if not is_sha256(s):
+        raise UnsafeManifestError(f"{what} {s!r} is not a 64-character lowercase hex sha256; "
+                                  "refusing to use it as a store path")
+    return s  # type: ignore[return-value]
+
+
+def check_doc_name(name: object) -> str:
+    """Validate a doc name like ``checkpoints/000000000005-<sha>``: relative, no ``..``."""
+    if not isinstance(name, str) or not name:
+        raise UnsafeManifestError(f"doc name {name!r} must be a non-empty string")
+    for seg in name.split("/"):
+        if not _SEGMENT_RE.match(seg) or ".." in seg:
+            raise UnsafeManifestError(
+                f"doc name {name!r} has an unsafe segment {seg!r} (allowed: letters, digits, "
+                "'_', '-', '.', no leading '.', no '..', no absolute paths)")
+    return name
+
+
+def sha256_hex(parts: Iterable[Any]) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+    return h.hexdigest()
+
+
+def canonical_json(doc: Any, sort_keys: bool = False) -> bytes:
+    """Deterministic JSON bytes (no whitespace, NaN refused) so equal docs hash equal. Key order is
+    kept by default (a state dict's order is part of it); ``sort_keys`` for order-free docs."""
+    return json.dumps(doc, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
+                      ensure_ascii=False).encode("utf-8")
+
+
+@dataclass
+class StoreStats:
+    """Counters since the store object was created (or :meth:`RunStore.reset_stats`)."""
+
+    objects_written: int = 0
+    bytes_written: int = 0
+    objects_skipped: int = 0
+    bytes_skipped: int = 0
+    objects_read: int = 0
+    bytes_read: int = 0
+
+
+def _transient_types() -> tuple[type, ...]:
+    types: list[type] = [ConnectionError, TimeoutError]
+    with contextlib.suppress(ImportError):
+        import botocore.exceptions as be
+
+        types.append(be.BotoCoreError)  # EndpointConnectionError, ReadTimeoutError, ...
+    with contextlib.suppress(ImportError):
+        import aiohttp
+
+        types.append(aiohttp.ClientError)
+    with contextlib.suppress(ImportError):
+        from fsspec.exceptions import FSTimeoutError
+
+        types.append(FSTimeoutError)
+    return tuple(types)
+
+
+_TRANSIENT = _transient_types()
+
+
+@contextlib.contextmanager
+def _io(what: str, *, missing_ok: bool = False):
+    """Map an I/O failure during ``what`` to the project's error families.
+
+    FileNotFoundError passes through (callers decide whether "missing" is corruption or normal);
+    permission problems are permanent; everything else network/OS-like is transient."""
+    try:
+        yield
+    except VerlError:
+        raise
+    except FileNotFoundError:
+        raise
+    except PermissionError as e:
+        raise StorePermissionError(f"{what}: permission denied ({e})") from e
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise PermanentError(f"{what}: {e}") from e
+    except _TRANSIENT as e:
+        raise StoreUnavailableError(f"{what}: store unavailable ({type(e).__name__}: {e})") from e
+    except OSError as e:
+        raise StoreUnavailableError(f"{what}: I/O error ({type(e).__name__}: {e})") from e
+
+
+def _s3_options(storage_options: dict) -> dict:
+    """Default endpoint (from env) and short timeouts for s3fs, unless the caller chose them."""
+    opts = dict(storage_options)
+    endpoint = os.environ.get("VERL_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+    client_kwargs = dict(opts.get("client_kwargs") or {})
+    if endpoint and "endpoint_url" not in opts and "endpoint_url" not in client_kwargs:
+        client_kwargs["endpoint_url"] = endpoint
+    if client_kwargs:
+        opts["client_kwargs"] = client_kwargs
+    config = dict(opts.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", 10)
+    config.setdefault("read_timeout", 60)
+    config.setdefault("retries", {"max_attempts": 3, "mode": "standard"})
+    opts["config_kwargs"] = config
+    # Listings must see other processes' writes (checkpoint index, logs): no dircache.
+    opts.setdefault("use_listings_cache", False)
+    opts.setdefault("skip_instance_cache", True)
+    return opts
+
+
+class RunStore:
+    """Content-addressed immutable objects + small named JSON docs under one fsspec root.
+
+    Args:
+        root: a local path, ``file://``, ``s3://bucket/prefix`` or any fsspec URL.
+        storage_options: passed to fsspec (for S3: ``key``, ``secret``, ``client_kwargs`` …). The
+            S3 endpoint defaults to ``$VERL_S3_ENDPOINT`` or ``$AWS_ENDPOINT_URL``.
+        io_threads: parallel object reads/writes (hashing and file I/O release the GIL).
+        fsync: locally, fsync each file before its atomic rename (survives power loss, not just a
+            killed process). Object stores ignore it.
+        create: create the root and its ``store.json`` (incarnation id) if missing.
+    """
+
+    def __init__(self, root: str, storage_options: Optional[dict] = None, *,
+                 io_threads: Optional[int] = None, fsync: bool = True, create: bool = True):
+        if not isinstance(root, str) or not root:
+            raise PermanentError(f"store root {root!r} must be a non-empty path or URL")
+        opts = dict(storage_options or {})
+        protocol = root.split("://", 1)[0] if "://" in root else "file"
+        if protocol in ("s3", "s3a"):
+            opts = _s3_options(opts)
+        with _io(f"opening store {root}"):
+            self.fs, path = fsspec.core.url_to_fs(root, **opts)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.root = (os.path.abspath(path) if self.is_local else path.rstrip("/"))
+        self.uri = self.root if self.is_local else root.rstrip("/")
+        self.storage_options = storage_options or {}
+        self.fsync = fsync
+        self.io_threads = io_threads or (4 if self.is_local else 16)
+        self.stats = StoreStats()
+        self._stats_lock = threading.Lock()
+        self._made_dirs: set[str] = set()
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool_lock = threading.Lock()
+        self._incarnation: Optional[str] = None
+        self._create = create
+        if create:
+            self._ensure_root()
+
+    def __repr__(self) -> str:
+        return f"RunStore({self.uri!r})"
+
+    # ------------------------------------------------------------------ paths
+    def _p(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def object_path(self, sha: str) -> str:
+        """Full path of object ``sha`` (validated: hex only, so it cannot escape the store)."""
+        check_sha256(sha)
+        return self._p(f"objects/{sha[:2]}/{sha}")
+
+    def doc_path(self, name: str) -> str:
+        return self._p(check_doc_name(name) + ".json")
+
+    def map(self, fn, items: Sequence) -> list:
+        """Run ``fn`` over ``items`` on the store's I/O thread pool; re-raise the first error."""
+        items = list(items)
+        if len(items) <= 1 or self.io_threads <= 1:
+            return [fn(x) for x in items]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="runstore-io")
+        futures = [self._pool.submit(fn, x) for x in items]
+        out, first_err = [], None
+        for f in futures:  # wait for all, so no write is still running when we raise
+            try:
+                out.append(f.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                if first_err is None:
+                    first_err = e
+                    for g in futures:  # fail fast: drop what has not started yet
+                        g.cancel()
+                out.append(None)
+        if first_err is not None:
+            raise first_err
+        return out
+
+    def _count(self, **kw: int) -> None:
+        with self._stats_lock:
+            for k, v in kw.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def reset_stats(self) -> StoreStats:
+        """Return the current counters and start new ones."""
+        with self._stats_lock:
+            old, self.stats = self.stats, StoreStats()
+        return old
+
+    # ------------------------------------------------------------------ raw file ops
+    def _makedirs(self, d: str) -> None:
+        if d in self._made_dirs:
+            return
+        if self.is_local:
+            os.makedirs(d, exist_ok=True)
+        self._made_dirs.add(d)
+
+    def _write_file(self, path: str, parts: Sequence[Any], *, create_only: bool = False) -> bool:
+        """Write ``parts`` to ``path`` atomically; False if ``create_only`` and it existed."""
+        if self.is_local:
+            d = os.path.dirname(path)
+            self._makedirs(d)
+            tmp = f"{d}/.tmp-{uuid.uuid4().hex}"
+            try:
+                with open(tmp, "wb") as f:
+                    for p in parts:
+                        f.write(p)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                if create_only:
+                    try:
+                        os.link(tmp, path)  # atomic create-if-absent
+                    except FileExistsError:
+                        return False
+                    except OSError:  # no hard links here (some FUSE/SMB mounts): check + rename
+                        if os.path.exists(path):
+                            return False
+                        os.replace(tmp, path)
+                    finally:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(tmp)
+                else:
+                    os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            return True
+        if len(parts) == 1 and isinstance(parts[0], bytes):
+            data = parts[0]
+        else:  # object stores need one buffer per PUT
+            data = b"".join(bytes(p) for p in parts)
+        if create_only:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+            except (TypeError, NotImplementedError):
+                if self.fs.exists(path):
+                    return False
+        self.fs.pipe_file(path, data)
+        return True
+
+    def _read_file(self, path: str) -> bytes:
+        if self.is_local:
+            with open(path, "rb") as f:
+                return f.read()
+        return self.fs.cat_file(path)
+
+    def _size(self, path: str) -> Optional[int]:
+        try:
+            if self.is_local:
+                return os.stat(path).st_size
+            if hasattr(self.fs, "call_s3") and hasattr(self.fs, "split_path"):
+                # one HEAD; fs.info() would follow a 404 with a LIST (directory check)
+                bucket, key, _ = self.fs.split_path(path)
+                return int(self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ContentLength"])
+            return int(self.fs.info(path)["size"])
+        except FileNotFoundError:
+            return None
+
+    def _ls(self, rel: str, detail: bool = False) -> list:
+        path = self._p(rel)
+        try:
+            if self.is_local:
+                names = sorted(os.listdir(path))
+                if not detail:
+                    return [f"{path}/{n}" for n in names]
+                out = []
+                for n in names:
+                    with contextlib.suppress(FileNotFoundError):
+                        st = os.stat(f"{path}/{n}")
+                        out.append({"name": f"{path}/{n}", "size": st.st_size,
+                                    "mtime": st.st_mtime, "type": "file" if os.path.isfile(
+                                        f"{path}/{n}") else "directory"})
+                return out
+            self.fs.invalidate_cache(path)
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return []
+        entries = sorted(entries, key=lambda e: e["name"])
+        if detail:
+            return entries
+        return [e["name"] for e in entries]
+
+    def _rm(self, path: str) -> None:
+        try:
+            if self.is_local:
+                os.unlink(path)
+            else:
+                self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------ incarnation
+    def _ensure_root(self) -> None:
+        meta_path = self._p("store.json")
+        with _io(f"initialising store {self.uri}"):
+            if self.is_local and self._create:
+                os.makedirs(self.root, exist_ok=True)
+            try:
+                raw = self._read_file(meta_path)
+            except FileNotFoundError:
+                if not self._create:
+                    raise NotFoundError(f"{self.uri} is not a run store (no store.json); check the "
+                                        "path or create it by opening it with create=True")
+                doc = {"format": STORE_FORMAT, "incarnation_id": uuid.uuid4().hex,
+                       "created": time.time()}
+                self._write_file(meta_path, [canonical_json(doc)], create_only=True)
+                raw = self._read_file(meta_path)  # whoever won the race, everyone reads it back
+        try:
+            doc = json.loads(raw)
+            inc = doc["incarnation_id"]
+            if not isinstance(inc, str) or not re.match(r"^[0-9a-f]{32}$", inc):
+                raise ValueError(f"bad incarnation_id {inc!r}")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptObjectError(f"store metadata {meta_path} is unreadable ({e}); the store "
+                                     "root is damaged or is not a verl run store",
+                                     path=meta_path) from e
+        self._incarnation = inc
+
+    @property
+    def incarnation_id(self) -> str:
+        """Random id written once when the store root was created (DESIGN rule 5): scope cache keys
+        with it so a deleted-and-recreated store misses the cache instead of hitting dead refs."""
+        if self._incarnation is None:
+            self._ensure_root()
+        return self._incarnation  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ objects
+    def object_size(self, sha: str) -> Optional[int]:
+        """Size in bytes of object ``sha`` or None if it does not exist."""
+        path = self.object_path(sha)
+        with _io(f"stat of object {sha}"):
+            return self._size(path)
+
+    def has_object(self, sha: str) -> bool:
+        return self.object_size(sha) is not None
+
+    def put_parts(self, parts: Sequence[Any], *,
+                  sha: Optional[str] = None) -> tuple[str, int, bool]:
+        """Store the concatenation of ``parts`` (bytes-like, written without joining locally).
+
+        Returns ``(sha, size, written)``; ``written`` is False when an object of that hash and size
+        already existed (the incremental case). ``sha`` may be passed if the caller already hashed.
+        """
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(v.nbytes for v in views)
+        if sha is None:
+            sha = sha256_hex(views)
+        path = self.object_path(sha)
+        with _io(f"writing object {sha} to {self.uri}"):
+            existing = self._size(path)
+            if existing == size:
+                self._count(objects_skipped=1, bytes_skipped=size)
+                return sha, size, False
+            if existing is not None:
+                log.warning("object %s exists with size %d != %d; rewriting it", sha, existing,
+                            size)
+            self._write_file(path, views)
+        self._count(objects_written=1, bytes_written=size)
+        return sha, size, True
+
+    def put_bytes(self, data: Any) -> str:
+        """Store ``data`` as an immutable object and return its sha256 hex (skipped if present)."""
+        return self.put_parts([data])[0]
+
+    def get_bytes(self, sha: str, verify: bool = True, *, what: str = "") -> bytes:
+        """Read object ``sha``. Missing, or (with ``verify``) a hash mismatch, raises
+        :class:`CorruptObjectError` naming the object and ``what`` it was for."""
+        path = self.object_path(sha)
+        label = f"object {sha}" + (f" ({what})" if what else "")
+        try:
+            with _io(f"reading {label}"):
+                data = self._read_file(path)
+        except FileNotFoundError as e:
+            raise CorruptObjectError(f"{label} is missing from {self.uri} (expected at {path})",
+                                     sha=sha, path=path) from e
+        self._count(objects_read=1, bytes_read=len(data))
+        if verify:
+            got = hashlib.sha256(data).hexdigest()
+            if got != sha:
+                raise CorruptObjectError(
+                    f"{label} at {path} is corrupted: its {len(data)} bytes hash to {got}",
+                    sha=sha, path=path)
+        return data
+
+    def local_object_path(self, sha: str) -> Optional[str]:
+        """The object's filesystem path for zero-copy reads, or None on non-local stores."""
+        return self.object_path(sha) if self.is_local else None
+
+    def iter_objects(self) -> Iterator[tuple[str, int, float]]:
+        """Yield ``(sha, size, mtime)`` of every stored object (for garbage collection)."""
+        with _io(f"listing objects of {self.uri}"):
+            for d in self._ls("objects", detail=True):
+                if d.get("type") != "directory":
+                    continue
+                prefix = d["name"].rstrip("/").rsplit("/", 1)[-1]
+                if not re.match(r"^[0-9a-f]{2}$", prefix):
+                    continue
+                for e in self._ls(f"objects/{prefix}", detail=True):
+                    name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+                    if is_sha256(name):
+                        yield name, int(e.get("size") or 0), _mtime(e)
+
+    def iter_temp_files(self) -> Iterator[tuple[str, float]]:
+        """Local only: leftovers ``objects/xx/.tmp-*`` of writes killed mid-way (path, mtime)."""
+        if not self.is_local:
+            return
+        base = self._p("objects")
+        if not os.path.isdir(base):
+            return
+        for prefix in os.listdir(base):
+            d = f"{base}/{prefix}"
+            if not os.path.isdir(d):
+                continue
+            for n in os.listdir(d):
+                if n.startswith(".tmp-"):
+                    with contextlib.suppress(FileNotFoundError):
+                        yield f"{d}/{n}", os.stat(f"{d}/{n}").st_mtime
+
+    def delete_object(self, sha: str) -> None:
+        path = self.object_path(sha)
+        with _io(f"deleting object {sha}"):
+            self._rm(path)
+
+    def delete_path(self, path: str) -> None:
+        """Delete a leftover temp file returned by :meth:`iter_temp_files`."""
+        if not path.startswith(self._p("objects/")) or "/.tmp-" not in path:
+            raise UnsafeManifestError(f"refusing to delete {path!r}: not a temp file of this store")
+        with _io(f"deleting {path}"):
+            self._rm(path)
+
+    # ------------------------------------------------------------------ named JSON docs
+    def put_json(self, name: str, doc: Any, *, create_only: bool = False) -> bool:
+        """Write the small doc ``<name>.json`` atomically (canonical JSON). With ``create_only``
+        an existing doc is left alone and False is returned."""
+        path = self.doc_path(name)
+        with _io(f"writing {name}.json to {self.uri}"):
+            return self._write_file(path, [canonical_json(doc)], create_only=create_only)
+
+    def put_json_raw(self, name: str, data: bytes) -> None:
+        """Write already-encoded JSON bytes (e.g. a manifest whose name embeds their hash)."""
+        path = self.doc_path(name)
+        with _io(f"writing {name}.json to {self.uri}"):
+            self._write_file(path, [data])
+
+    def get_json_raw(self, name: str) -> bytes:
+        path = self.doc_path(name)
+        try:
+            with _io(f"reading {name}.json from {self.uri}"):
+                return self._read_file(path)
+        except FileNotFoundError as e:
+            raise NotFoundError(f"{name}.json does not exist in {self.uri}") from e
+
+    def get_json(self, name: str, default: Any = _MISSING) -> Any:
+        """Read doc ``<name>.json``; missing -> ``default`` if given, else :class:`NotFoundError`;
+        unparseable -> :class:`CorruptObjectError` naming the doc."""
+        try:
+            raw = self.get_json_raw(name)
+        except NotFoundError:
+            if default is not _MISSING:
+                return default
+            raise
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptObjectError(f"{name}.json in {self.uri} is not valid JSON ({e})",
+                                     path=self.doc_path(name)) from e
+
+    def has_json(self, name: str) -> bool:
+        with _io(f"stat of {name}.json"):
+            return self._size(self.doc_path(name)) is not None
+
+    def list_json(self, folder: str) -> list[str]:
+        """Names (without ``.json``) of the docs directly inside ``folder``."""
+        check_doc_name(folder)
+        with _io(f"listing {folder} in {self.uri}"):
+            out = []
+            for p in self._ls(folder):
+                base = p.rstrip("/").rsplit("/", 1)[-1]
+                if base.endswith(".json") and _SEGMENT_RE.match(base):
+                    out.append(f"{folder}/{base[:-5]}")
+            return out
+
+    def list_folders(self, folder: str) -> list[str]:
+        check_doc_name(folder)
+        with _io(f"listing {folder} in {self.uri}"):
+            out = []
+            for e in self._ls(folder, detail=True):
+                base = e["name"].rstrip("/").rsplit("/", 1)[-1]
+                if e.get("type") == "directory" and _SEGMENT_RE.match(base):
+                    out.append(f"{folder}/{base}")
+            return out
+
+    def delete_json(self, name: str) -> None:
+        path = self.doc_path(name)
+        with _io(f"deleting {name}.json"):
+            self._rm(path)
+
+    def json_mtime(self, name: str) -> Optional[float]:
+        path = self.doc_path(name)
+        with _io(f"stat of {name}.json"):
+            try:
+                if self.is_local:
+                    return os.stat(path).st_mtime
+                return _mtime(self.fs.info(path))
+            except FileNotFoundError:
+                return None
+
+    # ------------------------------------------------------------------ append-only logs
+    def append_log(self, name: str, record: dict) -> None:
+        """Append one JSON record to log ``name``. Locally: one ``O_APPEND`` write per record (a
+        record is never interleaved with another writer's). Object stores: one small object per
+        record under ``logs/<name>/``, since S3 cannot append."""
+        check_doc_name(name)
+        line = json.dumps(record, sort_keys=True, separators=(",", ":"), default=str) + "\n"
+        with _io(f"appending to log {name}"):
+            if self.is_local:
+                path = self._p(f"logs/{name}.jsonl")
+                self._makedirs(os.path.dirname(path))
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line.encode("utf-8"))
+                finally:
+                    os.close(fd)
+            else:
+                key = f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"
+                self.fs.pipe_file(self._p(f"logs/{name}/{key}.json"), line.encode("utf-8"))
+
+    def read_log(self, name: str) -> list[dict]:
+        """All records of log ``name`` in append order (a torn last line of a killed writer is
+        skipped)."""
+        check_doc_name(name)
+        with _io(f"reading log {name}"):
+            if self.is_local:
+                try:
+                    raw = self._read_file(self._p(f"logs/{name}.jsonl"))
+                except FileNotFoundError:
+                    return []
+                lines = raw.decode("utf-8", errors="replace").splitlines()
+            else:
+                paths = [p for p in self._ls(f"logs/{name}") if p.endswith(".json")]
+                blobs = self.fs.cat(paths) if paths else {}
+                lines = [blobs[p].decode("utf-8", errors="replace") for p in paths]
+        out = []
+        for ln in lines:
+            ln = ln.strip()
+            if not ln:
+                continue
+            try:
+                out.append(json.loads(ln))
+            except ValueError:
+                log.warning("log %s: skipping an unparseable (torn?) record %r", name, ln[:80])
+        return out
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def _mtime(entry: dict) -> float:
+    for k in ("mtime", "LastModified", "last_modified", "created"):
+        v = entry.get(k)
+        if v is None:
+            continue
+        if isinstance(v, (int, float)):
+            return float(v)
+        if hasattr(v, "timestamp"):
+            return float(v.timestamp())
+    return time.time()  # unknown: treat as new, so GC never deletes it early
