@@ -1,0 +1,29 @@
+"""Evaluation (Ray): greedy accuracy on the held-out split for the state after `step` updates."""
+
+from dataclasses import dataclass
+
+from flytekit import task
+
+from tasks.common import RAY_CONFIG, RETRIES, StepState, cache_for, run_phase
+from verl_core.engine import runtime
+from verl_core.engine.runtime import RunSpec
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    step: int
+    """State evaluated (updates applied)."""
+    accuracy: float
+    """Greedy held-out accuracy (mean score)."""
+    response_length: float
+    """Mean greedy response length in tokens."""
+
+
+@task(task_config=RAY_CONFIG, cache=cache_for("evaluate"), retries=RETRIES)
+def evaluate(spec: RunSpec, state: StepState) -> EvalResult:
+    worker = runtime.worker_for(spec)
+    m = run_phase(spec, "evaluate", state.step,
+                  lambda: runtime.call(worker, "evaluate", state.step))
+    print(f"[verl] eval after {state.step} steps: accuracy={m['val/accuracy']:.3f}", flush=True)
+    return EvalResult(step=state.step, accuracy=m["val/accuracy"],
+                      response_length=m["val/response_length"])

@@ -1,0 +1,48 @@
+"""Finalize (Ray): wait for background checkpoints, export the final model, write the metrics
+table, return the summary."""
+
+from dataclasses import dataclass
+
+from flytekit import task
+
+from tasks.common import RAY_CONFIG, RETRIES, StepState, cache_for, run_phase
+from tasks.evaluate import EvalResult
+from verl_core.engine import runtime
+from verl_core.engine.runtime import RunSpec
+
+
+@dataclass(frozen=True)
+class Summary:
+    algorithm: str
+    """Advantage estimator of the run."""
+    steps: int
+    """RL steps completed."""
+    start_accuracy: float
+    """Held-out greedy accuracy before RL."""
+    end_accuracy: float
+    """Held-out greedy accuracy after RL."""
+    first_reward: float
+    """Mean training reward of the first step of this run."""
+    last_reward: float
+    """Mean training reward of the last step."""
+    final_model: str
+    """Hugging Face folder of the final policy (in the run store)."""
+    metrics_table: str
+    """Per-step metrics (parquet) in the run store."""
+    store: str
+    """The run store."""
+
+
+@task(task_config=RAY_CONFIG, cache=cache_for("finalize"), retries=RETRIES)
+def finalize(spec: RunSpec, last: StepState, start: EvalResult, end: EvalResult) -> Summary:
+    worker = runtime.worker_for(spec)
+    out = run_phase(spec, "finalize", last.step, lambda: runtime.finalize_run(spec, worker, last.step))
+    s = Summary(algorithm=spec.config.algorithm.adv_estimator, steps=last.step,
+                start_accuracy=start.accuracy, end_accuracy=end.accuracy,
+                first_reward=out["first_reward"], last_reward=out["last_reward"],
+                final_model=out["final_model"], metrics_table=out["metrics_table"],
+                store=spec.store)
+    print(f"[verl] done: accuracy {s.start_accuracy:.3f} -> {s.end_accuracy:.3f}, reward "
+          f"{s.first_reward:.3f} -> {s.last_reward:.3f}; final model: {s.final_model}; "
+          f"metrics: {s.metrics_table}", flush=True)
+    return s

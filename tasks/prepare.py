@@ -1,0 +1,72 @@
+"""Configuration and preparation: validate every option, open the run store, build the assets."""
+
+from __future__ import annotations
+
+import json
+
+from flytekit import task
+
+from tasks.common import RETRIES, cache_for
+from verl_core.config import ConfigError, preset, with_overrides
+from verl_core.engine import runtime
+from verl_core.engine.runtime import RunSpec
+
+
+def build_config(algorithm: str, model: str, train_files: str, val_files: str, steps: int,
+                 batch_size: int, rollout_n: int, overrides: str):
+    """Options -> validated RunConfig. 0 / "" keep the preset's value."""
+    over = {}
+    if overrides:
+        try:
+            over.update(json.loads(overrides))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--overrides is not a JSON object of dotted keys: {e}") from e
+    if steps:
+        over["total_steps"] = steps
+    if model:
+        over["model.path"] = model
+    if train_files or val_files:
+        over["data.train_files"] = train_files
+        over["data.val_files"] = val_files
+    base = preset(algorithm)
+    if batch_size:
+        over["data.train_batch_size"] = batch_size
+        if "trainer.ppo_mini_batch_size" not in over:  # two optimizer steps per RL step
+            over["trainer.ppo_mini_batch_size"] = batch_size // 2 if batch_size % 2 == 0 else batch_size
+    if rollout_n:
+        over["rollout.n"] = rollout_n
+    if (batch_size or rollout_n) and "trainer.ppo_micro_batch_size" not in over:
+        # keep the micro-batch a divisor of the (new) mini-batch rows
+        rows = over.get("trainer.ppo_mini_batch_size", base.trainer.ppo_mini_batch_size) * \
+            over.get("rollout.n", base.rollout.n)
+        micro = base.trainer.ppo_micro_batch_size
+        while rows % micro:
+            micro //= 2
+        over["trainer.ppo_micro_batch_size"] = min(micro, rows)
+    return with_overrides(base, over)
+
+
+@task
+def configure(algorithm: str, model: str, train_files: str, val_files: str, steps: int,
+              batch_size: int, rollout_n: int, run_name: str, store: str,
+              overrides: str) -> RunSpec:
+    """Not cached: validates the options and reads the store's incarnation id every time, so a
+    deleted store is noticed. Returns a partial spec (no assets yet)."""
+    cfg = build_config(algorithm, model, train_files, val_files, steps, batch_size, rollout_n,
+                       overrides)
+    uri = runtime.run_store_uri(store, run_name)
+    st = runtime._store(uri)
+    return RunSpec(store=st.uri, incarnation=st.incarnation_id,
+                   config_json=json.dumps(cfg.to_dict(), sort_keys=True),
+                   config_hash=cfg.config_hash(), assets_json="", start_step=0,
+                   total_steps=cfg.total_steps)
+
+
+@task(cache=cache_for("prepare"), retries=RETRIES)
+def prepare(spec: RunSpec) -> RunSpec:
+    """Synthetic dataset + tiny warm-started model (or the given ones), validated and copied
+    into the run store; the start step (auto-resume). Cached per store incarnation."""
+    full = runtime.prepare_run(spec.config, spec.store.rsplit("/", 1)[0],
+                               spec.store.rsplit("/", 1)[1])
+    print(f"[verl] run store: {full.store} (start step {full.start_step})", flush=True)
+    return full

@@ -1,0 +1,16 @@
+"""Rollout phase (Ray): sample responses; reference log-probs and critic values when needed."""
+
+from flytekit import task
+
+from tasks.common import RAY_CONFIG, RETRIES, PhaseOut, StepState, cache_for, merge, run_phase
+from verl_core.engine import runtime
+from verl_core.engine.runtime import RunSpec
+
+
+@task(task_config=RAY_CONFIG, cache=cache_for("rollout"), retries=RETRIES)
+def rollout(spec: RunSpec, state: StepState) -> PhaseOut:
+    step = state.step
+    worker = runtime.worker_for(spec)
+    ref, metrics = run_phase(spec, "rollout", step,
+                             lambda: runtime.call(worker, "rollout", step))
+    return PhaseOut(step=step, batch=ref, metrics_json=merge("{}", metrics))

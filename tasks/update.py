@@ -1,0 +1,20 @@
+"""Update phase (Ray): PPO epochs over the batch; records the batch as the new state's lineage."""
+
+import json
+
+from flytekit import task
+
+from tasks.common import RAY_CONFIG, RETRIES, PhaseOut, StepState, cache_for, merge, progress, run_phase
+from verl_core.engine import runtime
+from verl_core.engine.runtime import RunSpec
+
+
+@task(task_config=RAY_CONFIG, cache=cache_for("update"), retries=RETRIES)
+def update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
+    step = advantaged.step
+    worker = runtime.worker_for(spec)
+    metrics = run_phase(spec, "update", step,
+                        lambda: runtime.call(worker, "update", step, advantaged.batch))
+    merged = merge(advantaged.metrics_json, metrics)
+    progress(spec, step + 1, json.loads(merged))
+    return StepState(step=step + 1, metrics_json=merged)

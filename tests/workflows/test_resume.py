@@ -1,0 +1,109 @@
+"""Resume by re-running: SIGKILL in the middle of a phase, the same command finishes, finished
+phases are not executed again, and the final weights are bit-identical to an uninterrupted run.
+Plus local retries of transient faults and fail-fast on permanent ones. Real workflow, real
+processes, real signals."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO, flyte_env, ppo_cmd, run
+
+pytestmark = pytest.mark.slow
+
+
+def _phase_log(store_run):
+    from verl_core.engine.runtime import read_phase_log
+
+    return [(r["phase"], r["step"]) for r in read_phase_log(str(store_run))]
+
+
+def _final_weights_sha(summary_line: str) -> str:
+    final = summary_line.split("final_model='", 1)[1].split("'", 1)[0]
+    with open(os.path.join(final, "model.safetensors"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _summary(stdout: str) -> str:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("Summary(")]
+    assert lines, stdout[-3000:]
+    return lines[-1]
+
+
+def test_sigkill_mid_phase_then_rerun_resumes_bit_identical(tmp_path):
+    # 1. uninterrupted reference run
+    ref = run(ppo_cmd(tmp_path / "ref-store"), flyte_env(tmp_path / "a"))
+    ref_sha = _final_weights_sha(_summary(ref.stdout))
+    ref_log = _phase_log(tmp_path / "ref-store" / "t")
+
+    # 2. same config in another store; the rollout of step 3 hangs, and we SIGKILL the whole
+    #    process group while it is inside that phase (after the checkpoint of step 2 and one
+    #    more finished update, so resume exercises checkpoint load + lineage replay)
+    store = tmp_path / "store"
+    env_b = flyte_env(tmp_path / "b")
+    hang = {"VERL_FAULTS": json.dumps([{"phase": "rollout", "step": 3, "kind": "hang"}])}
+    proc = subprocess.Popen(ppo_cmd(store), cwd=REPO, env={**env_b, **hang},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    marker = tmp_path / "b" / "faults" / "rollout-3.entered"
+    deadline = time.time() + 480
+    while not marker.exists():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline, "the run never reached the rollout of step 3"
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    before = _phase_log(store / "t")
+    assert ("update", 2) in before and ("rollout", 3) not in before
+
+    # 3. the same command again (no fault): finishes, re-executes only what had not finished
+    res = run(ppo_cmd(store), env_b)
+    after = _phase_log(store / "t")
+    assert after[:len(before)] == before
+    resumed = after[len(before):]
+    assert ("rollout", 3) in resumed
+    assert not set(resumed) & set(before), f"finished phases ran again: {set(resumed) & set(before)}"
+    assert sorted(after) == sorted(ref_log)  # every phase exactly once overall
+    assert _final_weights_sha(_summary(res.stdout)) == ref_sha
+
+    # 4. and a third identical command is a pure cache hit: nothing executes
+    run(ppo_cmd(store), env_b)
+    assert _phase_log(store / "t") == after
+
+
+def test_transient_faults_are_retried_locally_permanent_fail_fast(tmp_path):
+    env = flyte_env(tmp_path, VERL_FAULTS=json.dumps([
+        {"phase": "reward", "step": 0, "kind": "transient", "times": 2}]))
+    res = run(ppo_cmd(tmp_path / "s", steps=1), env)
+    assert "transient failure" in res.stdout + res.stderr
+    attempts = (tmp_path / "faults" / "reward-0.attempts").read_text()
+    assert attempts == "3"  # two injected failures, then success
+    assert _phase_log(tmp_path / "s" / "t").count(("reward", 0)) == 1
+
+    env = flyte_env(tmp_path, VERL_FAULTS=json.dumps([
+        {"phase": "advantage", "step": 0, "kind": "permanent"}]))
+    t0 = time.time()
+    res = run(ppo_cmd(tmp_path / "s2", steps=2), env, check=False)
+    assert res.returncode != 0
+    assert "injected permanent fault in advantage of step 0" in res.stdout + res.stderr
+    log = _phase_log(tmp_path / "s2" / "t")
+    assert ("advantage", 0) not in log and ("update", 0) not in log
+    assert not (tmp_path / "faults" / "advantage-0.attempts").exists()  # not retried
+
+
+def test_malformed_dataset_fails_before_training(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"data_source": ["x"], "prompt": [[{"role": "user", "content": "1+1="}]]}),
+                   bad)
+    res = run(ppo_cmd(tmp_path / "s", steps=1, train_files=bad, val_files=bad),
+              flyte_env(tmp_path), check=False)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "bad.parquet" in out and "reward_model" in out
+    assert not (tmp_path / "s" / "t" / "logs").exists() or not _phase_log(tmp_path / "s" / "t")

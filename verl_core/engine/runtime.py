@@ -1,0 +1,308 @@
+"""What a phase task calls: run preparation, the phase functions, retries and the phase log.
+
+Everything here is plain Python (no flytekit): ``tasks/`` are thin adapters over these functions,
+and tests call them directly too. A phase function takes a :class:`RunSpec` (which pins the
+physical store, its incarnation, the config and the assets) plus refs into the store, and returns
+refs into the store plus float metrics.
+
+Where compute runs: with Ray initialised (the Flyte Ray tasks start or join a cluster), the
+heavy phases call a named Ray actor that keeps the :class:`RunWorker` warm between phases;
+without Ray they use an in-process worker. Either way the state is rebuilt from the store when
+the worker does not have it, so the store is always enough.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from verl_core.checkpoint.errors import TransientError
+from verl_core.checkpoint.manager import CheckpointManager
+from verl_core.checkpoint.store import RunStore
+from verl_core.config import RunConfig
+from verl_core.engine.assets import materialize_assets, publish_assets
+from verl_core.engine.worker import RunWorker, get_batch, put_batch
+from verl_core.models import load_tokenizer
+from verl_core.reward.manager import RewardScorer
+from verl_core.trainer import compute_advantages, prepare_assets, score_batch
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything that identifies a prepared run. Every phase takes it as an input, so Flyte's
+    cache keys are scoped to the physical store (its incarnation id): a deleted and re-created
+    store misses the cache instead of hitting entries that point at deleted data."""
+
+    store: str
+    """URI of this run's store (``<--store>/<--run-name>``)."""
+    incarnation: str
+    """Random id written when the store was created."""
+    config_json: str
+    """The validated :class:`RunConfig` as JSON."""
+    config_hash: str
+    """sha256 of the config (names checkpoints and lineage)."""
+    assets_json: str
+    """Index of the model/dataset objects in the store."""
+    start_step: int
+    """Step the loop starts at (> 0 when resuming from a checkpoint)."""
+    total_steps: int
+    """Step the loop ends at."""
+
+    @property
+    def config(self) -> RunConfig:
+        return RunConfig.from_dict(json.loads(self.config_json))
+
+    def open_store(self) -> RunStore:
+        return _store(self.store)
+
+
+_STORES: dict[str, RunStore] = {}
+
+
+def _store(uri: str) -> RunStore:
+    if uri not in _STORES:
+        _STORES[uri] = RunStore(uri)
+    return _STORES[uri]
+
+
+# ---------------------------------------------------------------------- preparation
+def run_store_uri(store: str, run_name: str) -> str:
+    if not run_name or "/" in run_name or run_name.startswith("."):
+        raise ValueError(f"--run-name {run_name!r}: use a plain name (letters, digits, - _ .)")
+    base = store or os.environ.get("VERL_STORE") or os.path.join(os.getcwd(), "runs")
+    return f"{base.rstrip('/')}/{run_name}"
+
+
+def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunSpec:
+    """Validate data and model, publish the assets into the run store, pick the start step."""
+    uri = run_store_uri(store, run_name)
+    st = _store(uri)
+    with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
+        assets = prepare_assets(cfg, work, log=log_fn)
+        # Fail before any training on a malformed dataset or an over-long prompt.
+        from verl_core.trainer import _encode_rows
+        from verl_core.data.dataset import load_prompt_rows
+
+        tok = load_tokenizer(assets.model_path)
+        for files in (assets.train_files, assets.val_files):
+            _encode_rows(tok, load_prompt_rows(files), cfg.data.max_prompt_length)
+        index = publish_assets(st, assets)
+    start = resume_step(st, cfg)
+    if start:
+        log_fn(f"resuming from the checkpoint of step {start} in {uri}")
+    return RunSpec(store=st.uri, incarnation=st.incarnation_id, config_json=json.dumps(cfg.to_dict()),
+                   config_hash=cfg.config_hash(), assets_json=json.dumps(index, sort_keys=True),
+                   start_step=min(start, cfg.total_steps), total_steps=cfg.total_steps)
+
+
+def resume_step(st: RunStore, cfg: RunConfig) -> int:
+    """``resume_from_checkpoint=auto``: the step of the newest checkpoint of this config that
+    verifies (hash check); 0 when there is none or resume is ``none``."""
+    if cfg.checkpoint.resume_from_checkpoint != "auto":
+        return 0
+    mgr = CheckpointManager(st)
+    h = cfg.config_hash()
+    for info in sorted(mgr.list_checkpoints(), key=lambda i: i.step, reverse=True):
+        if info.error is None and info.config_hash == h and not mgr.verify(info.name):
+            return info.step
+        log.warning("checkpoint %s not usable for resume", info.name)
+    return 0
+
+
+# ---------------------------------------------------------------------- workers
+_WORKERS: dict[tuple, object] = {}
+
+
+def _worker_key(spec: RunSpec) -> tuple:
+    return (spec.store, spec.incarnation, spec.config_hash)
+
+
+def worker_for(spec: RunSpec):
+    """A callable-style handle: ``call(worker, "rollout", step)``. A Ray actor when Ray is
+    initialised (kept alive for the whole run), else an in-process :class:`RunWorker`."""
+    key = _worker_key(spec)
+    if key not in _WORKERS:
+        index = json.loads(spec.assets_json)
+        if _ray_ready():
+            import ray
+
+            name = f"verl-{spec.incarnation[:12]}-{spec.config_hash[:12]}"
+            threads = spec.config.num_threads or os.cpu_count() or 1
+            actor_cls = ray.remote(num_cpus=1)(_RayRunWorker)
+            _WORKERS[key] = actor_cls.options(name=name, get_if_exists=True).remote(
+                spec.store, spec.config_json, index, threads)
+        else:
+            _WORKERS[key] = RunWorker(spec.store, spec.config_json, index)
+    return _WORKERS[key]
+
+
+class _RayRunWorker(RunWorker):
+    """The Ray actor flavour: Ray pins actors to one thread unless told otherwise."""
+
+    def __init__(self, store_uri, config_json, assets_index, num_threads: int):
+        import torch
+
+        torch.set_num_threads(num_threads)
+        super().__init__(store_uri, config_json, assets_index)
+
+    def call(self, method: str, *args):
+        return getattr(self, method)(*args)
+
+
+def call(worker, method: str, *args):
+    if isinstance(worker, RunWorker):
+        return getattr(worker, method)(*args)
+    import ray
+
+    return ray.get(worker.call.remote(method, *args))
+
+
+def _ray_ready() -> bool:
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+def release_workers() -> None:
+    """Close in-process workers and kill actors (end of a run, tests)."""
+    for key, w in list(_WORKERS.items()):
+        try:
+            if isinstance(w, RunWorker):
+                w.close()
+            else:
+                import ray
+
+                ray.get(w.call.remote("close"))
+                ray.kill(w)
+        except Exception as e:  # noqa: BLE001
+            log.warning("closing worker %s failed: %s", key, e)
+        _WORKERS.pop(key, None)
+
+
+# ---------------------------------------------------------------------- light phases
+_LIGHT: dict[tuple, tuple] = {}
+
+
+def _light(spec: RunSpec):
+    key = _worker_key(spec)
+    if key not in _LIGHT:
+        cfg = spec.config
+        assets = materialize_assets(spec.open_store(), json.loads(spec.assets_json))
+        scorer = RewardScorer(cfg.reward.scorer, timeout_s=cfg.reward.timeout_s,
+                              timeout_score=cfg.reward.timeout_score,
+                              num_workers=cfg.reward.num_workers)
+        _LIGHT[key] = (load_tokenizer(assets.model_path), scorer, cfg)
+    return _LIGHT[key]
+
+
+def reward_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict]:
+    t0 = time.perf_counter()
+    tok, scorer, _ = _light(spec)
+    st = spec.open_store()
+    batch, metrics = score_batch(get_batch(st, batch_ref), scorer, tok)
+    ref = put_batch(st, batch)
+    metrics["timing/reward_s"] = time.perf_counter() - t0
+    return ref, metrics
+
+
+def advantage_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict]:
+    t0 = time.perf_counter()
+    _, _, cfg = _light(spec)
+    st = spec.open_store()
+    batch, metrics = compute_advantages(get_batch(st, batch_ref), cfg.algorithm)
+    ref = put_batch(st, batch)
+    metrics["timing/advantage_s"] = time.perf_counter() - t0
+    return ref, metrics
+
+
+# ---------------------------------------------------------------------- retries + log
+def with_retries(fn: Callable[[], T], *, what: str, attempts: int = 3, backoff_s: float = 1.0,
+                 sleep=time.sleep) -> T:
+    """Run ``fn``; retry :class:`TransientError` (storage I/O, a dead worker) up to ``attempts``
+    times with exponential backoff and jitter, then re-raise. Anything else fails at once.
+
+    Flyte applies ``retries=`` only on a cluster; this is the same policy for local runs."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except TransientError as e:
+            if attempt == attempts:
+                raise
+            delay = backoff_s * 2 ** (attempt - 1) * (1 + 0.25 * random.random())
+            log.warning("%s: transient failure (%s), attempt %d/%d, retrying in %.1fs",
+                        what, e, attempt, attempts, delay)
+            sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def log_phase(spec: RunSpec, phase: str, step: int, metrics: dict | None = None,
+              started: float | None = None) -> None:
+    """Append one record to the run store's phase execution log (only executed phases write:
+    a cache hit never runs the task body). ``time`` is when the phase body finished."""
+    rec = {"phase": phase, "step": step, "time": time.time(), "started": started, "pid": os.getpid(),
+           "host": socket.gethostname(), "config_hash": spec.config_hash[:16]}
+    if metrics:
+        rec["metrics"] = {k: float(v) for k, v in metrics.items()}
+    spec.open_store().append_log("phases", rec)
+
+
+def read_phase_log(store_uri: str) -> list[dict]:
+    return _store(store_uri).read_log("phases")
+
+
+# ---------------------------------------------------------------------- metrics + final
+def record_step_metrics(spec: RunSpec, step: int, metrics: dict) -> None:
+    """Append the finished step's metrics to the run store (the per-step table's source)."""
+    spec.open_store().append_log(f"metrics-{spec.config_hash[:16]}",
+                                 {"step": step, "time": time.time(),
+                                  **{k: float(v) for k, v in metrics.items()}})
+
+
+def metrics_table(spec: RunSpec):
+    """Per-step metrics as a DataFrame (the last record of a step wins: a phase re-run after a
+    crash appends again)."""
+    import pandas as pd
+
+    rows = spec.open_store().read_log(f"metrics-{spec.config_hash[:16]}")
+    if not rows:
+        return pd.DataFrame({"step": []})
+    df = pd.DataFrame(rows).sort_values(["step", "time"])
+    return df.drop_duplicates("step", keep="last").reset_index(drop=True)
+
+
+def finalize_run(spec: RunSpec, worker, step: int) -> dict:
+    """Wait for background checkpoints, export the final policy as a Hugging Face folder into
+    the store, and write the metrics table next to it."""
+    import fsspec
+
+    call(worker, "wait_checkpoints")
+    st = spec.open_store()
+    tag = f"{spec.config_hash[:12]}-step{step:06d}"
+    with tempfile.TemporaryDirectory(prefix="verl-export-") as tmp:
+        call(worker, "export_final", step, tmp)
+        final_uri = f"{st.uri}/exports/{tag}"
+        fs, path = fsspec.core.url_to_fs(final_uri, **st.storage_options)
+        fs.makedirs(path, exist_ok=True)
+        for name in sorted(os.listdir(tmp)):
+            fs.put_file(os.path.join(tmp, name), f"{path}/{name}")
+    df = metrics_table(spec)
+    table_uri = f"{st.uri}/metrics/{spec.config_hash[:12]}.parquet"
+    fs, path = fsspec.core.url_to_fs(table_uri, **st.storage_options)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "wb") as f:
+        df.to_parquet(f, index=False)
+    rewards = df["reward/mean"].tolist() if "reward/mean" in df else [float("nan")]
+    return {"final_model": final_uri, "metrics_table": table_uri,
+            "first_reward": float(rewards[0]), "last_reward": float(rewards[-1])}

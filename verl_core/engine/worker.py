@@ -1,0 +1,202 @@
+"""The run worker: a warm :class:`RLTrainer` behind step-addressed phase calls.
+
+Phases name the state they need by *step* (the number of updates applied). The worker keeps that
+state in memory between phases (like verl's resident hybrid engine); when it does not have it (a
+fresh process after a crash, a cache hit that skipped phases, another pod) it rebuilds it exactly:
+
+    newest verified checkpoint at or before the step (or the initial model)
+    + replay of the finished updates after it, each from its stored batch (the lineage log).
+
+Updates are deterministic (seeds derived from (seed, step, phase)), so a replayed state is
+bit-identical to the original. That is what makes ``checkpoint_interval`` a speed knob, not a
+correctness one, and lets an async checkpoint write die without losing anything.
+
+Heavy work (generation, reference log-probs, critic values, the update) happens here; the reward
+and advantage phases are light functions of the stored batch (see ``verl_core.engine.phases``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+
+from verl_core.checkpoint.async_save import AsyncCheckpointer
+from verl_core.checkpoint.errors import CheckpointNotFoundError, PermanentError
+from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
+from verl_core.checkpoint.store import RunStore
+from verl_core.config import RunConfig
+from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
+from verl_core.engine.assets import materialize_assets
+from verl_core.trainer import RLTrainer
+
+log = logging.getLogger(__name__)
+
+
+class StateUnavailableError(PermanentError):
+    """The state a phase asks for can be neither found nor rebuilt."""
+
+
+def put_batch(store: RunStore, batch: Batch) -> str:
+    return store.put_bytes(batch_to_parquet_bytes(batch))
+
+
+def get_batch(store: RunStore, ref: str) -> Batch:
+    return batch_from_parquet_bytes(store.get_bytes(ref, what=f"batch {ref[:12]}"))
+
+
+class RunWorker:
+    """One run's trainer, checkpoints and lineage in one store."""
+
+    def __init__(self, store_uri: str, config_json: str, assets_index: dict,
+                 storage_options: dict | None = None):
+        self.cfg = RunConfig.from_dict(json.loads(config_json))
+        if self.cfg.num_threads:
+            torch.set_num_threads(self.cfg.num_threads)
+        self.store = RunStore(store_uri, storage_options)
+        self.config_hash = self.cfg.config_hash()
+        self.assets = materialize_assets(self.store, assets_index)
+        c = self.cfg.checkpoint
+        self.ckpt = CheckpointManager(self.store, keep_last=c.keep_last or None,
+                                      keep_every=c.keep_every or None)
+        self.async_ckpt = AsyncCheckpointer(self.ckpt) if c.async_save else None
+        self.trainer = RLTrainer(self.cfg, self.assets)
+        self.step = 0  # updates applied to the in-memory state
+        self.base_step = 0  # oldest state this worker can rebuild without a checkpoint
+        self.last_save_time = time.time()
+        self.replayed = 0  # updates replayed from lineage (reported in metrics and tests)
+
+    # ------------------------------------------------------------------ state
+    def _lineage(self, step: int) -> str:
+        return f"lineage/{self.config_hash[:16]}/{step:09d}"
+
+    def start(self) -> int:
+        """Apply ``checkpoint.resume_from_checkpoint``; returns the step the run starts at."""
+        spec = self.cfg.checkpoint.resume_from_checkpoint
+        if spec in ("none", ""):
+            return 0
+        if spec == "auto":
+            loaded = self._load_checkpoint(max_step=None)
+            return self.step if loaded else 0
+        mgr, ref = open_checkpoint(spec, self.store.storage_options)
+        groups, meta, info = mgr.load(ref)
+        self._apply(groups, meta, info.step)
+        self.base_step = info.step
+        return info.step
+
+    def _apply(self, groups, meta, step: int) -> None:
+        self.trainer.load_state(groups, meta)
+        self.step = step
+
+    def _load_checkpoint(self, max_step: int | None) -> bool:
+        """Load the newest valid checkpoint of this config with step <= max_step."""
+        infos = [i for i in self.ckpt.list_checkpoints()
+                 if i.error is None and i.config_hash == self.config_hash
+                 and (max_step is None or i.step <= max_step)]
+        for info in sorted(infos, key=lambda i: i.step, reverse=True):
+            try:
+                groups, meta, _ = self.ckpt.load(info.name)
+            except Exception as e:  # noqa: BLE001 - a damaged checkpoint: fall back to older
+                log.warning("checkpoint %s rejected (%s); trying an older one", info.name, e)
+                continue
+            self._apply(groups, meta, info.step)
+            return True
+        return False
+
+    def ensure_state(self, step: int) -> None:
+        """Make the in-memory state the one after ``step`` updates (see the module docstring)."""
+        if step == self.step:
+            return
+        if step < self.step or not self._has_lineage(self.step, step):
+            if not self._load_checkpoint(max_step=step):
+                if self.base_step > 0:
+                    raise StateUnavailableError(
+                        f"state of step {step} is gone: no checkpoint at or before it in "
+                        f"{self.store.uri} and the run started from step {self.base_step}; "
+                        "re-run with --overwrite-cache to recompute, or resume from a checkpoint")
+                self.trainer.close()
+                self.trainer = RLTrainer(self.cfg, self.assets)  # the initial state (step 0)
+                self.step = 0
+        for s in range(self.step, step):
+            doc = self.store.get_json(self._lineage(s), default=None)
+            if doc is None:
+                raise StateUnavailableError(
+                    f"cannot rebuild the state of step {step}: the batch of update {s} is not in "
+                    f"{self.store.uri} (lineage {self._lineage(s)} missing); re-run with "
+                    "--overwrite-cache to recompute those phases")
+            self.trainer.update(get_batch(self.store, doc["batch"]), s)
+            self.replayed += 1
+            self.step = s + 1
+
+    def _has_lineage(self, start: int, stop: int) -> bool:
+        return all(self.store.has_json(self._lineage(s)) for s in range(start, stop))
+
+    # ------------------------------------------------------------------ phases
+    def rollout(self, step: int) -> tuple[str, dict]:
+        self.ensure_state(step)
+        t0 = time.perf_counter()
+        batch, metrics = self.trainer.rollout(step)
+        ref = put_batch(self.store, batch)
+        metrics["timing/rollout_s"] = time.perf_counter() - t0
+        return ref, metrics
+
+    def update(self, step: int, batch_ref: str) -> dict:
+        self.ensure_state(step)
+        t0 = time.perf_counter()
+        batch = get_batch(self.store, batch_ref)
+        metrics = self.trainer.update(batch, step)
+        self.step = step + 1
+        # record how this state was made before anyone is told it exists
+        self.store.put_json(self._lineage(step), {"step": step, "batch": batch_ref})
+        metrics["timing/update_s"] = time.perf_counter() - t0
+        return metrics
+
+    def should_checkpoint(self, step: int) -> bool:
+        c = self.cfg.checkpoint
+        return (step % c.checkpoint_interval == 0 or step == self.cfg.total_steps
+                or (c.checkpoint_interval_s > 0
+                    and time.time() - self.last_save_time >= c.checkpoint_interval_s))
+
+    def checkpoint(self, step: int, force: bool = False) -> dict:
+        """Save the state after ``step`` updates if the interval says so. Async saves return as
+        soon as the state is snapshotted; the write finishes in the background."""
+        if not (force or self.should_checkpoint(step)):
+            return {"checkpoint/saved": 0.0}
+        self.ensure_state(step)
+        t0 = time.perf_counter()
+        groups, meta = self.trainer.state(with_optimizer=self.cfg.checkpoint.save_optimizer_state)
+        meta["step"] = step
+        if self.async_ckpt is not None:
+            self.async_ckpt.save(step, groups, meta, config_hash=self.config_hash)
+        else:
+            self.ckpt.save(step, groups, meta, config_hash=self.config_hash)
+        self.last_save_time = time.time()
+        return {"checkpoint/saved": 1.0, "checkpoint/blocked_s": time.perf_counter() - t0}
+
+    def wait_checkpoints(self):
+        if self.async_ckpt is not None:
+            return self.async_ckpt.wait()
+        return None
+
+    def evaluate(self, step: int) -> dict:
+        self.ensure_state(step)
+        return self.trainer.evaluate()
+
+    def export_final(self, step: int, folder: str) -> str:
+        """Write the policy after ``step`` updates as a Hugging Face folder (local path)."""
+        self.ensure_state(step)
+        os.makedirs(folder, exist_ok=True)
+        self.trainer.actor.save_pretrained(folder, safe_serialization=True)
+        self.trainer.tokenizer.save_pretrained(folder)
+        return folder
+
+    def close(self):
+        try:
+            self.wait_checkpoints()
+        finally:
+            if self.async_ckpt is not None:
+                self.async_ckpt.close(raise_errors=False)
+            self.trainer.close()

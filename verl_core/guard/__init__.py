@@ -1,0 +1,1 @@
+"""Training stability: fault injection (more to come: anomaly detectors, recovery policies)."""

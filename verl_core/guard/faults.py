@@ -1,0 +1,64 @@
+"""Fault injection for crash and retry tests (and for chaos drills on a real cluster).
+
+Faults are declared in the environment, so they never change a cache key or a config hash:
+
+    VERL_FAULTS='[{"phase": "reward", "step": 1, "kind": "transient", "times": 2}]'
+    VERL_FAULTS_DIR=/tmp/faults      # attempt counters and markers (shared across processes)
+
+kinds:
+  transient  raise a TransientError (a flaky store, a lost worker) the first ``times`` attempts
+  permanent  raise a PermanentError (bad data) every time
+  hang       write ``<dir>/<phase>-<step>.entered``, then sleep ``seconds`` (default 3600): a test
+             waits for the marker and kills the process in the middle of the phase
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from verl_core.checkpoint.errors import PermanentError, TransientError
+
+
+class InjectedTransientFault(TransientError):
+    """A transient fault raised on purpose (VERL_FAULTS)."""
+
+
+class InjectedPermanentFault(PermanentError):
+    """A permanent fault raised on purpose (VERL_FAULTS)."""
+
+
+def _faults() -> list[dict]:
+    spec = os.environ.get("VERL_FAULTS", "")
+    if not spec:
+        return []
+    try:
+        faults = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"VERL_FAULTS is not JSON: {e}") from e
+    return faults if isinstance(faults, list) else [faults]
+
+
+def maybe_inject(phase: str, step: int) -> None:
+    """Raise/hang if a declared fault matches (phase, step). A no-op without VERL_FAULTS."""
+    for f in _faults():
+        if f.get("phase") != phase or int(f.get("step", -1)) != step:
+            continue
+        state_dir = os.environ.get("VERL_FAULTS_DIR") or "/tmp/verl-faults"
+        os.makedirs(state_dir, exist_ok=True)
+        kind = f.get("kind", "transient")
+        if kind == "hang":
+            with open(os.path.join(state_dir, f"{phase}-{step}.entered"), "w") as fh:
+                fh.write(str(os.getpid()))
+            time.sleep(float(f.get("seconds", 3600)))
+            continue
+        if kind == "permanent":
+            raise InjectedPermanentFault(f"injected permanent fault in {phase} of step {step}")
+        counter = os.path.join(state_dir, f"{phase}-{step}.attempts")
+        n = int(open(counter).read()) if os.path.exists(counter) else 0
+        with open(counter, "w") as fh:
+            fh.write(str(n + 1))
+        if n < int(f.get("times", 1)):
+            raise InjectedTransientFault(
+                f"injected transient fault in {phase} of step {step} (attempt {n + 1})")
