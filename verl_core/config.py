@@ -140,7 +140,8 @@ class RolloutConfig:
     """Sampling of responses."""
 
     engine: str = "hf"
-    """Rollout engine: ``hf`` (torch, CPU and GPU) or ``vllm`` (GPU, optional extra)."""
+    """Rollout engine: ``hf`` (torch, CPU and GPU). ``vllm`` is reserved for the GPU engine (not
+    in this version: it is refused with a clear error)."""
     n: int = 8
     """G: responses sampled per prompt (GRPO/RLOO need G > 1)."""
     temperature: float = 1.0
@@ -157,7 +158,10 @@ class RolloutConfig:
     """vLLM only: fraction of GPU memory for weights + KV cache."""
 
     def __post_init__(self):
-        _one_of("rollout", "engine", self.engine, {"hf", "vllm"})
+        if self.engine == "vllm":
+            _fail("rollout", "engine", self.engine,
+                  "the vLLM engine is not in this version yet; use 'hf' (CPU and GPU)")
+        _one_of("rollout", "engine", self.engine, {"hf"})
         _positive("rollout", self, "n", "max_new_tokens", "micro_batch_size")
         _non_negative("rollout", self, "temperature")
         if not 0.0 < self.top_p <= 1.0:

@@ -146,7 +146,7 @@ class _AccuracyProbe:
         return self.last
 
 
-def _encode_rows(tokenizer, rows: list[PromptRow], max_len: int):
+def encode_rows(tokenizer, rows: list[PromptRow], max_len: int):
     texts = [render_prompt(r, tokenizer) for r in rows]
     return encode_prompts(tokenizer, texts, max_len, names=[f"dataset row {r.index}" for r in rows])
 
@@ -161,9 +161,9 @@ class RLTrainer:
         self.tokenizer = tok = load_tokenizer(assets.model_path)
         self.train_rows = load_prompt_rows(assets.train_files)
         self.val_rows = load_prompt_rows(assets.val_files)
-        self.train_prompt_ids, self.train_prompt_mask = _encode_rows(
+        self.train_prompt_ids, self.train_prompt_mask = encode_rows(
             tok, self.train_rows, cfg.data.max_prompt_length)
-        self.val_prompt_ids, self.val_prompt_mask = _encode_rows(
+        self.val_prompt_ids, self.val_prompt_mask = encode_rows(
             tok, self.val_rows, cfg.data.max_prompt_length)
         self.sampler = ResumableSampler(len(self.train_rows), cfg.data.train_batch_size, cfg.seed,
                                         shuffle=cfg.data.shuffle)
@@ -179,7 +179,10 @@ class RLTrainer:
         self.actor_scheduler = make_scheduler(self.actor_optimizer, cfg.optim, total)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         if algo.uses_critic:
-            self.critic = load_critic(assets.model_path, cfg.model.dtype)
+            # the value head is freshly initialised: seed it, so every worker builds the same one
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(cfg.seed, 0, "critic-init"))
+                self.critic = load_critic(assets.model_path, cfg.model.dtype)
             self.critic_optimizer = make_optimizer(self.critic.parameters(), cfg.optim,
                                                    cfg.optim.critic_lr)
             self.critic_scheduler = make_scheduler(self.critic_optimizer, cfg.optim, total)
@@ -206,6 +209,8 @@ class RLTrainer:
         if with_optimizer:
             groups["optimizer"] = self.actor_optimizer.state_dict()
             meta["scheduler"] = self.actor_scheduler.state_dict()
+        if self.ref is not None:  # a "shared" group: stored once per run, linked by later saves
+            groups["reference"] = self.ref.state_dict()
         if self.critic is not None:
             groups["critic"] = self.critic.state_dict()
             if with_optimizer:
@@ -283,30 +288,43 @@ class RLTrainer:
         return compute_advantages(batch, self.cfg.algorithm)
 
     def update(self, batch: Batch, step: int) -> dict:
-        c, G = self.cfg, self.cfg.rollout.n
+        c = self.cfg
         metrics = {}
         if c.algorithm.use_kl_in_reward:
             # the controller moves here, not in the advantage phase, so the state it belongs to
             # changes in exactly one phase (the one that also changes the weights)
             self.kl_ctrl.update(batch.meta["reward_kl"], batch.num_rows)
             metrics["actor/kl_coef"] = self.kl_ctrl.value
-        metrics.update(ppo_update(
+        # any stochastic layer (dropout in a user's model) draws from global RNG: pin it to the
+        # step, so the update stays a pure function of (state, batch, step)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(c.seed, step, "update-global"))
+            metrics.update(self._ppo_update(batch, step))
+        return metrics
+
+    def _ppo_update(self, batch: Batch, step: int) -> dict:
+        c, G = self.cfg, self.cfg.rollout.n
+        return ppo_update(
             self.actor, self.actor_optimizer, self.actor_scheduler, batch, c.algorithm,
             temperature=c.rollout.temperature, mini_batch_rows=c.trainer.ppo_mini_batch_size * G,
             micro_batch_rows=c.trainer.ppo_micro_batch_size, epochs=c.trainer.ppo_epochs,
             grad_clip=c.optim.grad_clip, seed=derive_seed(c.seed, step, "update"),
             critic=self.critic, critic_optimizer=self.critic_optimizer,
-            critic_scheduler=self.critic_scheduler))
-        return metrics
+            critic_scheduler=self.critic_scheduler)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Greedy decoding on the held-out split: accuracy = mean score."""
         params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
-        out = self.engine.generate(self.val_prompt_ids, self.val_prompt_mask, params)
-        texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        texts, lengths = [], []
+        step = self.cfg.data.val_batch_size
+        for s in range(0, self.val_prompt_ids.shape[0], step):
+            out = self.engine.generate(self.val_prompt_ids[s:s + step],
+                                       self.val_prompt_mask[s:s + step], params)
+            texts += self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+            lengths += out.response_mask.sum(-1).tolist()
         res = self.scorer.score([r.data_source for r in self.val_rows], texts,
                                 [r.ground_truth for r in self.val_rows],
                                 [r.extra_info for r in self.val_rows])
         return {"val/accuracy": sum(res.scores) / max(1, len(res.scores)),
-                "val/response_length": float(out.response_mask.sum(-1).mean())}
+                "val/response_length": sum(lengths) / max(1, len(lengths))}

@@ -94,30 +94,67 @@ def _pad_left(seqs: list[np.ndarray], pad, dtype) -> torch.Tensor:
     return out
 
 
-def _unpad_rows(x: torch.Tensor, lengths: list[int], left: bool = False) -> list:
-    arr = x.cpu().numpy()
+def _to_list_array(x: torch.Tensor, mask: torch.Tensor, value_type) -> pa.Array:
+    """Padded (N, W) + mask -> arrow list array of each row's unmasked values, in order.
+    Vectorised: one boolean gather and an offsets vector, no per-row Python."""
+    keep = mask.bool().cpu().numpy()
+    values = x.cpu().numpy()[keep]  # row-major: each row's kept values, in order
+    offsets = np.zeros(keep.shape[0] + 1, np.int32)
+    np.cumsum(keep.sum(1), out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, value_type))
+
+
+def _from_list_array(col, pad, np_dtype, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Arrow list column -> (padded (N, W) array, mask (N, W)); the inverse of
+    :func:`_to_list_array` (left=True pads on the left)."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    offsets = offsets - offsets[0]
+    values = arr.flatten().to_numpy(zero_copy_only=False)
+    lengths = np.diff(offsets)
+    n = len(lengths)
+    width = int(lengths.max()) if n else 0
+    out = np.full((n, width), pad, np_dtype)
+    mask = np.zeros((n, width), bool)
+    rows = np.repeat(np.arange(n), lengths)
+    pos = np.arange(len(values)) - np.repeat(offsets[:-1], lengths)  # index within the row
     if left:
-        return [arr[i, arr.shape[1] - n:] for i, n in enumerate(lengths)]
-    return [arr[i, :n] for i, n in enumerate(lengths)]
+        pos = pos + (width - lengths)[rows]
+    out[rows, pos] = values
+    mask[rows, pos] = True
+    return out, mask
+
+
+def _encode_shared(dicts: list[dict]) -> list[str]:
+    """JSON of each row's dict; the G rows of a prompt share one dict, so encode each once."""
+    memo: dict[int, str] = {}
+    return [memo[id(e)] if id(e) in memo else memo.setdefault(id(e), json.dumps(e, sort_keys=True))
+            for e in dicts]
+
+
+def _decode_shared(texts: list[str]) -> list[dict]:
+    """Inverse of :func:`_encode_shared`: equal strings decode once (rows then share a dict, as
+    they did before encoding)."""
+    memo: dict[str, dict] = {}
+    return [memo[t] if t in memo else memo.setdefault(t, json.loads(t)) for t in texts]
 
 
 def batch_to_table(batch: Batch) -> pa.Table:
     """One row per response; token columns are unpadded lists (float32 stays float32)."""
-    p_len = batch.prompt_mask.sum(-1).tolist()
-    r_len = batch.response_lengths.tolist()
+    resp_mask = batch.response_mask
     cols = {
         "uid": pa.array(batch.uid, pa.string()),
         "group": pa.array(batch.group.numpy(), pa.int64()),
-        "prompt_ids": pa.array(_unpad_rows(batch.prompt_ids, p_len, left=True), pa.list_(pa.int32())),
-        "response_ids": pa.array(_unpad_rows(batch.response_ids, r_len), pa.list_(pa.int32())),
+        "prompt_ids": _to_list_array(batch.prompt_ids, batch.prompt_mask, pa.int32()),
+        "response_ids": _to_list_array(batch.response_ids, resp_mask, pa.int32()),
         "ground_truth": pa.array(batch.ground_truth, pa.string()),
         "data_source": pa.array(batch.data_source, pa.string()),
-        "extra_info": pa.array([json.dumps(e, sort_keys=True) for e in batch.extra_info], pa.string()),
+        "extra_info": pa.array(_encode_shared(batch.extra_info), pa.string()),
     }
     for name in _TOKEN_COLS:
         v = getattr(batch, name)
         if v is not None:
-            cols[name] = pa.array(_unpad_rows(v.float(), r_len), pa.list_(pa.float32()))
+            cols[name] = _to_list_array(v.float(), resp_mask, pa.float32())
     if batch.score is not None:
         cols["score"] = pa.array(batch.score.float().numpy(), pa.float32())
     meta = {b"pad_id": str(batch.pad_id).encode(),
@@ -133,26 +170,24 @@ def table_to_batch(table: pa.Table) -> Batch:
     d = {name: table.column(name).to_pylist() if name in ("uid", "ground_truth", "data_source",
                                                              "extra_info") else None
          for name in table.column_names}
-    prompts = table.column("prompt_ids").to_numpy(zero_copy_only=False)
-    responses = table.column("response_ids").to_numpy(zero_copy_only=False)
-    prompt_ids = _pad_left(list(prompts), pad_id, torch.long)
-    prompt_mask = _pad_left([np.ones(len(p), np.int64) for p in prompts], 0, torch.long)
-    response_ids = _pad_right(list(responses), pad_id, torch.long)
-    response_mask = _pad_right([np.ones(len(r), np.float32) for r in responses], 0.0, torch.float32)
+    pid, pmask = _from_list_array(table.column("prompt_ids"), pad_id, np.int64, left=True)
+    rid, rmask = _from_list_array(table.column("response_ids"), pad_id, np.int64)
+    prompt_ids, prompt_mask = torch.from_numpy(pid), torch.from_numpy(pmask.astype(np.int64))
+    response_ids = torch.from_numpy(rid)
+    response_mask = torch.from_numpy(rmask.astype(np.float32))
     kw = {}
     for name in _TOKEN_COLS:
         if name in table.column_names:
-            kw[name] = _pad_right(list(table.column(name).to_numpy(zero_copy_only=False)), 0.0,
-                                  torch.float32)
+            kw[name] = torch.from_numpy(_from_list_array(table.column(name), 0.0, np.float32)[0])
     if "score" in table.column_names:
-        kw["score"] = torch.as_tensor(table.column("score").to_numpy(), dtype=torch.float32)
+        kw["score"] = torch.tensor(table.column("score").to_numpy(), dtype=torch.float32)
     logprobs = kw.pop("response_logprobs", torch.zeros_like(response_mask))
     return Batch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
         response_mask=response_mask, response_logprobs=logprobs,
-        group=torch.as_tensor(table.column("group").to_numpy(), dtype=torch.long),
+        group=torch.tensor(table.column("group").to_numpy(), dtype=torch.long),
         uid=d["uid"], ground_truth=d["ground_truth"], data_source=d["data_source"],
-        extra_info=[json.loads(e) for e in d["extra_info"]], pad_id=pad_id, meta=batch_meta, **kw)
+        extra_info=_decode_shared(d["extra_info"]), pad_id=pad_id, meta=batch_meta, **kw)
 
 
 def batch_to_parquet_bytes(batch: Batch) -> bytes:

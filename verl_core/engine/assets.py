@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 
 import fsspec
@@ -65,7 +66,7 @@ def materialize_assets(store: RunStore, index: dict) -> Assets:
         try:
             os.replace(tmp, root)  # atomic: a reader sees all of it or nothing
         except OSError:  # another process finished first: theirs is identical
-            pass
+            shutil.rmtree(tmp, ignore_errors=True)
     data = os.path.join(root, "data")
     return Assets(model_path=os.path.join(root, "model"),
                   train_files=[os.path.join(data, f"train-{i}.parquet")

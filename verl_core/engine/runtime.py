@@ -31,7 +31,8 @@ from verl_core.engine.assets import materialize_assets, publish_assets
 from verl_core.engine.worker import RunWorker, get_batch, put_batch
 from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer
-from verl_core.trainer import compute_advantages, prepare_assets, score_batch
+from verl_core.data.dataset import load_prompt_rows
+from verl_core.trainer import compute_advantages, encode_rows, prepare_assets, score_batch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,12 +91,9 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
         assets = prepare_assets(cfg, work, log=log_fn)
         # Fail before any training on a malformed dataset or an over-long prompt.
-        from verl_core.trainer import _encode_rows
-        from verl_core.data.dataset import load_prompt_rows
-
         tok = load_tokenizer(assets.model_path)
         for files in (assets.train_files, assets.val_files):
-            _encode_rows(tok, load_prompt_rows(files), cfg.data.max_prompt_length)
+            encode_rows(tok, load_prompt_rows(files), cfg.data.max_prompt_length)
         index = publish_assets(st, assets)
     start = resume_step(st, cfg)
     if start:
@@ -108,8 +106,18 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
 def resume_step(st: RunStore, cfg: RunConfig) -> int:
     """``resume_from_checkpoint=auto``: the step of the newest checkpoint of this config that
     verifies (hash check); 0 when there is none or resume is ``none``."""
-    if cfg.checkpoint.resume_from_checkpoint != "auto":
+    spec = cfg.checkpoint.resume_from_checkpoint
+    if spec in ("none", ""):
         return 0
+    if spec != "auto":  # an explicit checkpoint: it must exist and verify, or we fail now
+        from verl_core.checkpoint.manager import open_checkpoint
+
+        mgr, ref = open_checkpoint(spec, st.storage_options)
+        problems = mgr.verify(ref)
+        if problems:
+            raise ValueError(f"checkpoint.resume_from_checkpoint={spec!r} does not verify: "
+                             + "; ".join(problems[:5]))
+        return mgr.read_manifest(ref)[0].step
     mgr = CheckpointManager(st)
     h = cfg.config_hash()
     for info in sorted(mgr.list_checkpoints(), key=lambda i: i.step, reverse=True):

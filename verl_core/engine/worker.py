@@ -65,7 +65,9 @@ class RunWorker:
         self.async_ckpt = AsyncCheckpointer(self.ckpt) if c.async_save else None
         self.trainer = RLTrainer(self.cfg, self.assets)
         self.step = 0  # updates applied to the in-memory state
-        self.base_step = 0  # oldest state this worker can rebuild without a checkpoint
+        self.base_step = 0  # step of the state the run started from
+        if self.cfg.checkpoint.resume_from_checkpoint not in ("auto", "none", ""):
+            self._rebuild_base()
         self.last_save_time = time.time()
         self.replayed = 0  # updates replayed from lineage (reported in metrics and tests)
 
@@ -73,19 +75,19 @@ class RunWorker:
     def _lineage(self, step: int) -> str:
         return f"lineage/{self.config_hash[:16]}/{step:09d}"
 
-    def start(self) -> int:
-        """Apply ``checkpoint.resume_from_checkpoint``; returns the step the run starts at."""
+    def _rebuild_base(self) -> None:
+        """The state the run started from: an explicit ``resume_from_checkpoint`` (any store) or
+        the initial model of the assets (step 0)."""
         spec = self.cfg.checkpoint.resume_from_checkpoint
-        if spec in ("none", ""):
-            return 0
-        if spec == "auto":
-            loaded = self._load_checkpoint(max_step=None)
-            return self.step if loaded else 0
-        mgr, ref = open_checkpoint(spec, self.store.storage_options)
-        groups, meta, info = mgr.load(ref)
-        self._apply(groups, meta, info.step)
-        self.base_step = info.step
-        return info.step
+        if spec not in ("auto", "none", ""):
+            mgr, ref = open_checkpoint(spec, self.store.storage_options)
+            groups, meta, info = mgr.load(ref)
+            self._apply(groups, meta, info.step)
+            self.base_step = info.step
+            return
+        self.trainer.close()
+        self.trainer = RLTrainer(self.cfg, self.assets)
+        self.step = 0
 
     def _apply(self, groups, meta, step: int) -> None:
         self.trainer.load_state(groups, meta)
@@ -112,14 +114,12 @@ class RunWorker:
             return
         if step < self.step or not self._has_lineage(self.step, step):
             if not self._load_checkpoint(max_step=step):
-                if self.base_step > 0:
+                self._rebuild_base()
+                if self.step > step:
                     raise StateUnavailableError(
                         f"state of step {step} is gone: no checkpoint at or before it in "
-                        f"{self.store.uri} and the run started from step {self.base_step}; "
-                        "re-run with --overwrite-cache to recompute, or resume from a checkpoint")
-                self.trainer.close()
-                self.trainer = RLTrainer(self.cfg, self.assets)  # the initial state (step 0)
-                self.step = 0
+                        f"{self.store.uri} and the run started from step {self.step}; re-run with "
+                        "--overwrite-cache to recompute, or resume from a checkpoint")
         for s in range(self.step, step):
             doc = self.store.get_json(self._lineage(s), default=None)
             if doc is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 
 class ModelLoadError(ValueError):
@@ -64,8 +64,12 @@ def load_critic(path: str, dtype: str = "float32") -> torch.nn.Module:
     ``AutoModelForTokenClassification(num_labels=1)`` initialised from the actor)."""
     _check_folder(path)
     try:
+        # classifier_dropout=0: a value head should regress, not be regularised by noise (and
+        # dropout would make the update depend on global RNG)
+        config = AutoConfig.from_pretrained(path, num_labels=1, local_files_only=True)
+        config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, local_files_only=True, dtype=_DTYPES[dtype])
+            path, config=config, local_files_only=True, dtype=_DTYPES[dtype])
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot build a critic from {path!r}: {e}") from e
     model.eval()

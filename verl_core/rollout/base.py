@@ -60,7 +60,9 @@ def register_engine(name: str):
 def make_engine(name: str, **kwargs) -> RolloutEngine:
     """``hf`` needs ``model``, ``eos_token_id``, ``pad_token_id``; ``vllm`` needs ``model_path``."""
     if name == "vllm" and name not in _ENGINES:
-        import verl_core.rollout.vllm_engine  # noqa: F401  (lazy: vllm is an optional extra)
+        raise NotImplementedError(
+            "rollout.engine='vllm' is not implemented yet (it needs a GPU session to build and "
+            "test); use rollout.engine='hf', which runs on CPU and GPU")
     if name not in _ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; known: {', '.join(sorted(_ENGINES))}")
     return _ENGINES[name](**kwargs)
