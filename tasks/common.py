@@ -87,6 +87,10 @@ def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T]) -> T:
     except TransientError as e:
         raise FlyteRecoverableException(f"{phase} of step {step}: {e}") from e
     runtime.log_phase(spec, phase, step, started=t0)
+    heartbeat = os.environ.get("VERL_HEARTBEAT_FILE")
+    if heartbeat:  # what `python -m verl_core.health --heartbeat-file` checks for liveness
+        with open(heartbeat, "a"):
+            os.utime(heartbeat)
     return out
 
 

@@ -24,6 +24,7 @@ def evaluate(spec: RunSpec, state: StepState) -> EvalResult:
     worker = runtime.worker_for(spec)
     m = run_phase(spec, "evaluate", state.step,
                   lambda: runtime.call(worker, "evaluate", state.step))
+    runtime.record_step_metrics(spec, state.step, m)
     print(f"[verl] eval after {state.step} steps: accuracy={m['val/accuracy']:.3f}", flush=True)
     return EvalResult(step=state.step, accuracy=m["val/accuracy"],
                       response_length=m["val/response_length"])

@@ -66,6 +66,7 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
 def prepare(spec: RunSpec) -> RunSpec:
     """Synthetic dataset + tiny warm-started model (or the given ones), validated and copied
     into the run store; the start step (auto-resume). Cached per store incarnation."""
+    runtime.start_local_ray()  # lean local Ray (no-op on a cluster or with RAY_ADDRESS)
     full = runtime.prepare_run(spec.config, spec.store.rsplit("/", 1)[0],
                                spec.store.rsplit("/", 1)[1])
     print(f"[verl] run store: {full.store} (start step {full.start_step})", flush=True)

@@ -39,6 +39,17 @@ def test_sigkill_mid_phase_then_rerun_resumes_bit_identical(tmp_path):
     ref = run(ppo_cmd(tmp_path / "ref-store"), flyte_env(tmp_path / "a"))
     ref_sha = _final_weights_sha(_summary(ref.stdout))
     ref_log = _phase_log(tmp_path / "ref-store" / "t")
+    # the per-step metrics table: one row per state (0 = before RL), phase timings, accuracy
+    import pandas as pd
+
+    table = _summary(ref.stdout).split("metrics_table='", 1)[1].split("'", 1)[0]
+    df = pd.read_parquet(table)
+    assert df["step"].tolist() == [0, 1, 2, 3, 4]
+    for col in ("timing/rollout_s", "timing/update_s", "rollout/tokens_per_s", "reward/mean",
+                "response_length/mean", "actor/pg_clipfrac", "actor/grad_norm"):
+        assert df[col].iloc[1:].notna().all(), col
+    assert df["val/accuracy"].notna().tolist() == [True, False, False, False, True]
+    assert "[verl] step 4/4 reward=" in ref.stdout and "ETA" in ref.stdout
 
     # 2. same config in another store; the rollout of step 3 hangs, and we SIGKILL the whole
     #    process group while it is inside that phase (after the checkpoint of step 2 and one

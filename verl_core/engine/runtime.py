@@ -175,6 +175,20 @@ def call(worker, method: str, *args):
     return ray.get(worker.call.remote(method, *args))
 
 
+def start_local_ray() -> None:
+    """For local runs without RAY_ADDRESS: start the local Ray instance ourselves, lean (no
+    dashboard or metrics agent, which take CPU from training on a small machine), before the
+    Flyte Ray plugin's own ``ray.init`` (which then reuses it). On a cluster (or with
+    RAY_ADDRESS) this does nothing."""
+    if os.environ.get("RAY_ADDRESS") or os.environ.get("FLYTE_INTERNAL_EXECUTION_ID"):
+        return
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, configure_logging=False,
+                 _system_config={"metrics_report_interval_ms": 60_000})
+
+
 def _ray_ready() -> bool:
     try:
         import ray
@@ -287,7 +301,9 @@ def metrics_table(spec: RunSpec):
     if not rows:
         return pd.DataFrame({"step": []})
     df = pd.DataFrame(rows).sort_values(["step", "time"])
-    return df.drop_duplicates("step", keep="last").reset_index(drop=True)
+    # one row per step: the newest non-null value of each column (evaluation writes its own
+    # record for a step; a phase re-run after a crash appends again)
+    return df.groupby("step", as_index=False).last()
 
 
 def finalize_run(spec: RunSpec, worker, step: int) -> dict:
@@ -311,6 +327,7 @@ def finalize_run(spec: RunSpec, worker, step: int) -> dict:
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "wb") as f:
         df.to_parquet(f, index=False)
-    rewards = df["reward/mean"].tolist() if "reward/mean" in df else [float("nan")]
+    rewards = df["reward/mean"].dropna().tolist() if "reward/mean" in df else []
+    rewards = rewards or [float("nan")]
     return {"final_model": final_uri, "metrics_table": table_uri,
             "first_reward": float(rewards[0]), "last_reward": float(rewards[-1])}
