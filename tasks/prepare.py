@@ -58,7 +58,7 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
     st = runtime._store(uri)
     return RunSpec(store=st.uri, incarnation=st.incarnation_id,
                    config_json=json.dumps(cfg.to_dict(), sort_keys=True),
-                   config_hash=cfg.config_hash(), assets_json="", start_step=0,
+                   config_hash=cfg.trajectory_hash(), assets_json="", start_step=0,
                    total_steps=cfg.total_steps)
 
 

@@ -426,8 +426,25 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def config_hash(self) -> str:
-        """sha256 of the canonical JSON of every field (for manifests and cache keys)."""
+        """sha256 of the canonical JSON of every field."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def trajectory_hash(self) -> str:
+        """sha256 of the fields that decide the training trajectory (the state after step k for
+        every k). Run length (with a constant LR schedule), evaluation, checkpointing, threads
+        and memory-only sizes are left out, so extending a run (``--steps 300`` after 200) or
+        changing the checkpoint interval continues the same trajectory: its checkpoints and
+        lineage stay usable. Names checkpoints, lineage and metrics in the run store."""
+        d = self.to_dict()
+        for k in ("eval_every", "num_threads", "checkpoint"):
+            d.pop(k)
+        if self.optim.lr_schedule == "constant":
+            d.pop("total_steps")  # a cosine schedule's LR at step k depends on the run length
+        d["data"].pop("val_batch_size")
+        d["rollout"].pop("micro_batch_size")
+        d["reward"].pop("num_workers")
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @classmethod

@@ -13,6 +13,7 @@ the worker does not have it, so the store is always enough.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ class RunSpec:
     config_json: str
     """The validated :class:`RunConfig` as JSON."""
     config_hash: str
-    """sha256 of the config (names checkpoints and lineage)."""
+    """:meth:`RunConfig.trajectory_hash` (names checkpoints, lineage and metrics)."""
     assets_json: str
     """Index of the model/dataset objects in the store."""
     start_step: int
@@ -99,7 +100,8 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     if start:
         log_fn(f"resuming from the checkpoint of step {start} in {uri}")
     return RunSpec(store=st.uri, incarnation=st.incarnation_id, config_json=json.dumps(cfg.to_dict()),
-                   config_hash=cfg.config_hash(), assets_json=json.dumps(index, sort_keys=True),
+                   config_hash=cfg.trajectory_hash(),
+                   assets_json=json.dumps(index, sort_keys=True),
                    start_step=min(start, cfg.total_steps), total_steps=cfg.total_steps)
 
 
@@ -119,7 +121,7 @@ def resume_step(st: RunStore, cfg: RunConfig) -> int:
                              + "; ".join(problems[:5]))
         return mgr.read_manifest(ref)[0].step
     mgr = CheckpointManager(st)
-    h = cfg.config_hash()
+    h = cfg.trajectory_hash()
     for info in sorted(mgr.list_checkpoints(), key=lambda i: i.step, reverse=True):
         if info.error is None and info.config_hash == h and not mgr.verify(info.name):
             return info.step
@@ -132,7 +134,7 @@ _WORKERS: dict[tuple, object] = {}
 
 
 def _worker_key(spec: RunSpec) -> tuple:
-    return (spec.store, spec.incarnation, spec.config_hash)
+    return (spec.store, spec.incarnation, spec.config_json)
 
 
 def worker_for(spec: RunSpec):
@@ -144,7 +146,8 @@ def worker_for(spec: RunSpec):
         if _ray_ready():
             import ray
 
-            name = f"verl-{spec.incarnation[:12]}-{spec.config_hash[:12]}"
+            cfg_id = hashlib.sha256(spec.config_json.encode()).hexdigest()[:12]
+            name = f"verl-{spec.incarnation[:12]}-{cfg_id}"
             threads = spec.config.num_threads or os.cpu_count() or 1
             actor_cls = ray.remote(num_cpus=1)(_RayRunWorker)
             _WORKERS[key] = actor_cls.options(name=name, get_if_exists=True).remote(

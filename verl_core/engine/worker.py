@@ -57,7 +57,7 @@ class RunWorker:
         if self.cfg.num_threads:
             torch.set_num_threads(self.cfg.num_threads)
         self.store = RunStore(store_uri, storage_options)
-        self.config_hash = self.cfg.config_hash()
+        self.config_hash = self.cfg.trajectory_hash()  # names lineage and checkpoints
         self.assets = materialize_assets(self.store, assets_index)
         c = self.cfg.checkpoint
         self.ckpt = CheckpointManager(self.store, keep_last=c.keep_last or None,
@@ -93,11 +93,11 @@ class RunWorker:
         self.trainer.load_state(groups, meta)
         self.step = step
 
-    def _load_checkpoint(self, max_step: int | None) -> bool:
-        """Load the newest valid checkpoint of this config with step <= max_step."""
+    def _load_checkpoint(self, max_step: int | None, min_step: int = -1) -> bool:
+        """Load the newest valid checkpoint of this trajectory with min_step < step <= max_step."""
         infos = [i for i in self.ckpt.list_checkpoints()
                  if i.error is None and i.config_hash == self.config_hash
-                 and (max_step is None or i.step <= max_step)]
+                 and (max_step is None or i.step <= max_step) and i.step > min_step]
         for info in sorted(infos, key=lambda i: i.step, reverse=True):
             try:
                 groups, meta, _ = self.ckpt.load(info.name)
@@ -112,7 +112,9 @@ class RunWorker:
         """Make the in-memory state the one after ``step`` updates (see the module docstring)."""
         if step == self.step:
             return
-        if step < self.step or not self._has_lineage(self.step, step):
+        # Going forward, a checkpoint past the in-memory state saves replaying up to it.
+        ahead = step > self.step and self._load_checkpoint(max_step=step, min_step=self.step)
+        if not ahead and (step < self.step or not self._has_lineage(self.step, step)):
             if not self._load_checkpoint(max_step=step):
                 self._rebuild_base()
                 if self.step > step:
