@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ from verl_core.engine.runtime import RunSpec
 from verl_core.guard.faults import maybe_inject
 
 T = TypeVar("T")
+
+# Every Ray task re-enters ray.init (the plugin does it); Ray logs each re-entry at INFO, which
+# would bury the progress lines. Warnings still show.
+logging.getLogger("ray").setLevel(logging.WARNING)
 
 # Bump one phase's entry when its behaviour changes; a package version bump invalidates all.
 PHASE_VERSIONS = {"prepare": "1", "rollout": "1", "reward": "1", "advantage": "1",

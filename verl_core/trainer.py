@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from verl_core.algorithms import (apply_kl_penalty, get_advantage_estimator, make_kl_controller,
                                   outcome_to_token_rewards)
@@ -34,6 +35,9 @@ from verl_core.training.forward import batched_logprobs, batched_values
 from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.training.ppo import ppo_update
 from verl_core.training.sft import supervised_warm_start
+
+
+hf_logging.disable_progress_bar()  # per-phase "Loading weights" bars would bury the step lines
 
 
 def derive_seed(seed: int, step: int, phase: str) -> int:
@@ -81,9 +85,9 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
             stop_fn=(lambda: probe() >= m.warmup_target_accuracy)
             if m.warmup_target_accuracy < 1.0 else None)
         if losses:
+            acc = "" if probe.last != probe.last else f", train-slice accuracy {probe.last:.3f}"
             log(f"warm start: {len(losses)} SFT steps in {time.perf_counter() - t0:.1f}s, "
-                f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, train-slice accuracy "
-                f"{probe.last:.3f}")
+                f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{acc}")
         model.save_pretrained(model_path, safe_serialization=True)
         tok.save_pretrained(model_path)
     return Assets(model_path=model_path, train_files=train_files, val_files=val_files)
