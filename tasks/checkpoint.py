@@ -12,9 +12,8 @@ from verl_core.engine.runtime import RunSpec
 
 @task(task_config=RAY_CONFIG, cache=cache_for("checkpoint"), retries=RETRIES)
 def checkpoint(spec: RunSpec, state: StepState) -> StepState:
-    worker = runtime.worker_for(spec)
     metrics = run_phase(spec, "checkpoint", state.step,
-                        lambda: runtime.call(worker, "checkpoint", state.step))
+                        lambda: runtime.call_worker(spec, "checkpoint", state.step))
     merged = merge(state.metrics_json, metrics)
     runtime.record_step_metrics(spec, state.step, json.loads(merged))
     return StepState(step=state.step, metrics_json=merged)

@@ -21,9 +21,8 @@ class EvalResult:
 
 @task(task_config=RAY_CONFIG, cache=cache_for("evaluate"), retries=RETRIES)
 def evaluate(spec: RunSpec, state: StepState) -> EvalResult:
-    worker = runtime.worker_for(spec)
     m = run_phase(spec, "evaluate", state.step,
-                  lambda: runtime.call(worker, "evaluate", state.step))
+                  lambda: runtime.call_worker(spec, "evaluate", state.step))
     runtime.record_step_metrics(spec, state.step, m)
     print(f"[verl] eval after {state.step} steps: accuracy={m['val/accuracy']:.3f}", flush=True)
     return EvalResult(step=state.step, accuracy=m["val/accuracy"],

@@ -35,8 +35,7 @@ class Summary:
 
 @task(task_config=RAY_CONFIG, cache=cache_for("finalize"), retries=RETRIES)
 def finalize(spec: RunSpec, last: StepState, start: EvalResult, end: EvalResult) -> Summary:
-    worker = runtime.worker_for(spec)
-    out = run_phase(spec, "finalize", last.step, lambda: runtime.finalize_run(spec, worker, last.step))
+    out = run_phase(spec, "finalize", last.step, lambda: runtime.finalize_run(spec, last.step))
     s = Summary(algorithm=spec.config.algorithm.adv_estimator, steps=last.step,
                 start_accuracy=start.accuracy, end_accuracy=end.accuracy,
                 first_reward=out["first_reward"], last_reward=out["last_reward"],

@@ -10,7 +10,6 @@ from verl_core.engine.runtime import RunSpec
 @task(task_config=RAY_CONFIG, cache=cache_for("rollout"), retries=RETRIES)
 def rollout(spec: RunSpec, state: StepState) -> PhaseOut:
     step = state.step
-    worker = runtime.worker_for(spec)
     ref, metrics = run_phase(spec, "rollout", step,
-                             lambda: runtime.call(worker, "rollout", step))
+                             lambda: runtime.call_worker(spec, "rollout", step))
     return PhaseOut(step=step, batch=ref, metrics_json=merge("{}", metrics))

@@ -12,9 +12,8 @@ from verl_core.engine.runtime import RunSpec
 @task(task_config=RAY_CONFIG, cache=cache_for("update"), retries=RETRIES)
 def update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
     step = advantaged.step
-    worker = runtime.worker_for(spec)
     metrics = run_phase(spec, "update", step,
-                        lambda: runtime.call(worker, "update", step, advantaged.batch))
+                        lambda: runtime.call_worker(spec, "update", step, advantaged.batch))
     merged = merge(advantaged.metrics_json, metrics)
     progress(spec, step + 1, json.loads(merged))
     return StepState(step=step + 1, metrics_json=merged)

@@ -170,12 +170,30 @@ class _RayRunWorker(RunWorker):
         return getattr(self, method)(*args)
 
 
+class WorkerLostError(TransientError):
+    """The Ray actor holding the run's worker died (node lost, OOM-killed). Transient: the next
+    attempt starts a new actor, which rebuilds the state from the run store."""
+
+
 def call(worker, method: str, *args):
     if isinstance(worker, RunWorker):
         return getattr(worker, method)(*args)
     import ray
 
     return ray.get(worker.call.remote(method, *args))
+
+
+def call_worker(spec: RunSpec, method: str, *args):
+    """``method`` on the run's worker (created on first use). A dead actor is forgotten and
+    reported as :class:`WorkerLostError`, so a retry gets a fresh one."""
+    worker = worker_for(spec)
+    try:
+        return call(worker, method, *args)
+    except Exception as e:
+        if type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
+            _WORKERS.pop(_worker_key(spec), None)
+            raise WorkerLostError(f"the run's worker died during {method}: {e}") from e
+        raise
 
 
 def start_local_ray() -> None:
@@ -309,16 +327,16 @@ def metrics_table(spec: RunSpec):
     return df.groupby("step", as_index=False).last()
 
 
-def finalize_run(spec: RunSpec, worker, step: int) -> dict:
+def finalize_run(spec: RunSpec, step: int) -> dict:
     """Wait for background checkpoints, export the final policy as a Hugging Face folder into
     the store, and write the metrics table next to it."""
     import fsspec
 
-    call(worker, "wait_checkpoints")
+    call_worker(spec, "wait_checkpoints")
     st = spec.open_store()
     tag = f"{spec.config_hash[:12]}-step{step:06d}"
     with tempfile.TemporaryDirectory(prefix="verl-export-") as tmp:
-        call(worker, "export_final", step, tmp)
+        call_worker(spec, "export_final", step, tmp)
         final_uri = f"{st.uri}/exports/{tag}"
         fs, path = fsspec.core.url_to_fs(final_uri, **st.storage_options)
         fs.makedirs(path, exist_ok=True)
