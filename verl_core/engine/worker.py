@@ -26,6 +26,7 @@ import torch
 
 from verl_core.checkpoint.async_save import AsyncCheckpointer
 from verl_core.checkpoint.errors import CheckpointNotFoundError, PermanentError
+from verl_core.checkpoint.hf_export import TOKENIZER_DOC, store_tokenizer
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
 from verl_core.checkpoint.store import RunStore
 from verl_core.config import RunConfig
@@ -64,6 +65,8 @@ class RunWorker:
                                       keep_every=c.keep_every or None)
         self.async_ckpt = AsyncCheckpointer(self.ckpt) if c.async_save else None
         self.trainer = RLTrainer(self.cfg, self.assets)
+        if not self.store.has_json(TOKENIZER_DOC):  # once per run: `checkpoint export` ships it
+            store_tokenizer(self.store, self.trainer.tokenizer)
         self.step = 0  # updates applied to the in-memory state
         self.base_step = 0  # step of the state the run started from
         if self.cfg.checkpoint.resume_from_checkpoint not in ("auto", "none", ""):

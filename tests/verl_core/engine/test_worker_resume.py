@@ -146,3 +146,27 @@ def test_extending_a_finished_run_continues_its_trajectory(tmp_path, assets):
     assert _weights_sha(b) == _weights_sha(c)
     b.close()
     c.close()
+
+
+def test_checkpoint_export_of_a_run_is_a_complete_hf_folder(tmp_path, assets):
+    """`python -m verl_core.checkpoint export` of a run's checkpoint loads with transformers
+    (model and tokenizer) and gives the trainer's logits."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    uri = str(tmp_path / "store")
+    w = _worker(uri, _cfg(), publish_assets(RunStore(uri), assets))
+    for s in range(2):
+        _step(w, s)
+    out = tmp_path / "hf"
+    res = subprocess.run([sys.executable, "-m", "verl_core.checkpoint", "export", uri, "latest",
+                          str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    ids = tok(["12+7="], return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, w.trainer.actor(ids).logits)
+    w.close()
