@@ -177,7 +177,13 @@ def grpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
         adv = (scores - mean) / (std + GRPO_EPSILON)  # (s - μ) / (σ + ε)
     else:
         adv = scores - mean  # Dr. GRPO: s - μ
-    adv = adv.to(token_level_rewards.dtype)
+    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+
+
+def _outcome_over_tokens(adv: Tensor, dtype: torch.dtype, response_mask: Tensor):
+    """A per-response advantage (N,) broadcast over its valid tokens: (advantages, returns), both
+    (N, T) and equal (outcome estimators have no separate return)."""
+    adv = adv.to(dtype)
     advantages = adv.unsqueeze(-1) * response_mask.to(adv.dtype)  # (N, T)
     return advantages, advantages.clone()
 
@@ -206,9 +212,7 @@ def rloo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
     count, mean, _ = _group_stats(scores, group_index)
     factor = count / (count - 1).clamp(min=1.0)  # n / (n - 1)
     adv = torch.where(count > 1, scores * factor - mean * factor, scores)  # s·n/(n-1) - μ·n/(n-1)
-    adv = adv.to(token_level_rewards.dtype)
-    advantages = adv.unsqueeze(-1) * response_mask.to(adv.dtype)  # (N, T)
-    return advantages, advantages.clone()
+    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
 
 
 @register_advantage("reinforce_plus_plus")

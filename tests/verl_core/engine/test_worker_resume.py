@@ -50,6 +50,16 @@ def _worker(uri, cfg, index, storage_options=None):
     return RunWorker(uri, json.dumps(cfg.to_dict()), index, storage_options)
 
 
+def _finished_run(uri, cfg, assets, steps):
+    """Publish the assets into a new store and run ``steps`` steps there; returns the index."""
+    index = publish_assets(RunStore(uri), assets)
+    w = _worker(uri, cfg, index)
+    for s in range(steps):
+        _step(w, s)
+    w.close()
+    return index
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return prepare_assets(_cfg(), str(tmp_path_factory.mktemp("assets")), log=lambda *_: None)
@@ -101,11 +111,7 @@ def test_exact_resume_s3(moto_s3, assets):
 def test_missing_lineage_and_checkpoints_is_a_clear_error(tmp_path, assets):
     cfg = _cfg(**{"checkpoint.checkpoint_interval": 100})
     uri = str(tmp_path / "store")
-    index = publish_assets(RunStore(uri), assets)
-    a = _worker(uri, cfg, index)
-    for s in range(3):
-        _step(a, s)
-    a.close()
+    index = _finished_run(uri, cfg, assets, steps=3)
     store = RunStore(uri)
     store.delete_json(f"lineage/{cfg.trajectory_hash()[:16]}/{1:09d}")
     b = _worker(uri, cfg, index)
@@ -126,11 +132,7 @@ def test_extending_a_finished_run_continues_its_trajectory(tmp_path, assets):
         _cfg(total_steps=5, **{"optim.lr_schedule": "cosine"}).trajectory_hash()
 
     uri = str(tmp_path / "store")
-    index = publish_assets(RunStore(uri), assets)
-    a = _worker(uri, short, index)
-    for s in range(3):
-        _step(a, s)
-    a.close()
+    index = _finished_run(uri, short, assets, steps=3)
     start = resume_step(RunStore(uri), long_)
     assert start == 3
     b = _worker(uri, long_, index)
