@@ -1,8 +1,9 @@
 """Command line: ``python -m verl_core.checkpoint {list,verify,export,gc} …``.
 
     list   <store>                         every checkpoint (step, name, size, groups, problems)
-    verify <store> [ref …]                 re-hash every object (default: every checkpoint);
-                                           exit status 1 on any problem
+    verify <store> [ref …] [--repair]      re-hash every object (default: every checkpoint);
+                                           exit status 1 on any problem; --repair moves damaged
+                                           objects to quarantine/ so the next save rewrites them
     export <store> <ref> <out_folder>      Hugging Face folder of the checkpoint's policy
     export <manifest-uri> <out_folder>     same, naming the checkpoint by its manifest path
     gc     <store>                         delete objects no checkpoint references
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("store")
     sp.add_argument("refs", nargs="*")
     sp.add_argument("--sizes-only", action="store_true", help="check presence and size only")
+    sp.add_argument("--repair", action="store_true",
+                    help="move damaged objects to quarantine/ so the next save writes them again")
     sp = sub.add_parser("export", help="export a checkpoint as a Hugging Face folder")
     sp.add_argument("args", nargs="+", metavar="ARG",
                     help="<store> <ref> <out> or <manifest> <out>")
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             refs = a.refs or [i.name for i in m.list_checkpoints()]
             bad = 0
             for ref in refs:
-                problems = m.verify(ref, hashes=not a.sizes_only)
+                problems = m.verify(ref, hashes=not a.sizes_only, repair=a.repair)
                 print(f"{'OK  ' if not problems else 'FAIL'} {ref}")
                 for pr in problems:
                     print(f"     {pr}")

@@ -69,7 +69,7 @@ from verl_core.checkpoint.store import (
 from verl_core.checkpoint.tensors import (
     DEFAULT_CHUNK_BYTES,
     as_row_shard,
-    check_chunk,
+    check_object,
     index_objects,
     load_tensors,
     merge_indexes,
@@ -538,28 +538,37 @@ class CheckpointManager:
             out.append(info)
         return out
 
-    def verify(self, ref: Union[str, int] = "latest", *, hashes: bool = True) -> list[str]:
+    def verify(self, ref: Union[str, int] = "latest", *, hashes: bool = True,
+               repair: bool = False) -> list[str]:
         """Problems of checkpoint ``ref`` (empty list: valid). Checks the manifest's hash and
         structure and every object's presence and size; with ``hashes`` also re-reads and re-hashes
-        every object and checks each chunk's header."""
+        every object and checks each chunk's header. ``repair`` moves damaged objects to the
+        store's ``quarantine/`` so the next save that holds their tensors writes them again."""
         try:
             name = self.resolve(ref)
             info, m = self._read_manifest(name)
         except _LOAD_ERRORS as e:
             return [str(e)]
         owners = _object_owners(m)
-        chunks = {}  # sha -> (entry, chunk, label): check each distinct chunk once
+        refs: dict[str, list] = {}  # sha -> [(entry, chunk, label)]: each object read once
         for g, doc in m["groups"].items():
             for tname, e in doc["tensors"].items():
                 for c in e["chunks"]:
-                    chunks.setdefault(c["sha"], (e, c, f"checkpoint {name} {owners[c['sha']]}"))
+                    refs.setdefault(c["sha"], []).append(
+                        (e, c, f"checkpoint {name} group {g!r} tensor {tname!r} rows "
+                               f"{c['rows'][0]}:{c['rows'][1]}"))
 
         def check(item):
             sha, size = item
             where = owners.get(sha, "")
             try:
-                if hashes and sha in chunks:
-                    check_chunk(self.store, *chunks[sha])
+                if hashes and sha in refs:
+                    try:
+                        check_object(self.store, sha, size, refs[sha])
+                    except CorruptObjectError as e:
+                        if repair and self._quarantine(sha):
+                            return f"{e} (moved to quarantine/)"
+                        raise
                     return None
                 if hashes:
                     actual = len(self.store.get_bytes(sha, verify=True, what=where))
@@ -618,6 +627,21 @@ class CheckpointManager:
             + " | ".join(rejected))
 
     def _load(self, name, groups, row_slices, out):
+        try:
+            return self._load_verified(name, groups, row_slices, out)
+        except CorruptObjectError as e:
+            if e.sha:  # a damaged object must not poison later checkpoints that reuse it
+                self._quarantine(e.sha)
+            raise
+
+    def _quarantine(self, sha: str) -> bool:
+        try:
+            return self.store.quarantine_object(sha)
+        except Exception as e:  # noqa: BLE001 - the load's own error is the one to report
+            log.warning("could not quarantine damaged object %s: %s", sha, e)
+            return False
+
+    def _load_verified(self, name, groups, row_slices, out):
         info, m = self._read_manifest(name)
         wanted = list(m["groups"]) if groups is None else list(groups)
         for g in wanted:

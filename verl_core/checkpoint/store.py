@@ -11,6 +11,7 @@ Layout under the store root (a local folder, NFS, ``s3://bucket/prefix`` or any 
     <doc>.json                    small named JSON docs (manifests, pointers, shared indexes)
     logs/<name>.jsonl             local append-only JSON-lines log (one O_APPEND write per record)
     logs/<name>/<ns>-<uuid>.json  the same log on object stores (S3 cannot append)
+    quarantine/<sha>-<ns>         damaged objects moved aside by loads and ``verify --repair``
 
 Why content addressing: writing an object that already exists is skipped, which is what makes
 checkpoints incremental (frozen layers, the reference model and unchanged chunks cost nothing),
@@ -506,6 +507,36 @@ class RunStore:
         path = self.object_path(sha)
         with _io(f"deleting object {sha}"):
             self._rm(path)
+
+    def quarantine_object(self, sha: str) -> bool:
+        """Move a damaged object out of ``objects/`` into ``quarantine/<sha>-<ns>`` and return
+        True; return False (and touch nothing) if it is missing or its bytes hash to ``sha``.
+
+        Why: saves skip an object that already exists with the right size, so a damaged object
+        shared by many checkpoints (the reference model, a frozen layer) would otherwise stay
+        damaged in every later checkpoint too. Once it is moved aside, the next save that holds
+        those tensors writes it afresh; the damaged bytes are kept for inspection, not deleted."""
+        path = self.object_path(sha)
+        dest = self._p(f"quarantine/{sha}-{time.time_ns()}")
+        with _io(f"quarantining object {sha}"):
+            try:
+                data = self._read_file(path)
+            except FileNotFoundError:
+                return False
+            if hashlib.sha256(data).hexdigest() == sha:
+                return False
+            if self.is_local:
+                self._makedirs(os.path.dirname(dest))
+                try:
+                    os.replace(path, dest)
+                except FileNotFoundError:
+                    return False
+            else:
+                self.fs.pipe_file(dest, data)
+                self._rm(path)
+        log.warning("object %s is damaged (%d bytes that hash to something else); moved it to %s "
+                    "so the next save rewrites it", sha, len(data), dest)
+        return True
 
     def delete_path(self, path: str) -> None:
         """Delete a leftover temp file returned by :meth:`iter_temp_files`."""

@@ -29,21 +29,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from verl_core.checkpoint.errors import CheckpointSaveError, CorruptObjectError, UnsafeManifestError
 from verl_core.checkpoint.store import RunStore, check_sha256
 
 __all__ = ["RowShard", "DEFAULT_CHUNK_BYTES", "save_tensors", "load_tensors", "validate_index",
-           "merge_indexes", "index_objects", "check_chunk", "index_nbytes", "encode_chunk",
+           "merge_indexes", "index_objects", "check_object", "index_nbytes", "encode_chunk",
+           "encode_pack",
            "DTYPE_NAMES"]
 
-DEFAULT_CHUNK_BYTES = 4 << 20
-_MAX_HEADER = 1 << 16  # our headers are < 200 bytes; anything bigger is not ours
+DEFAULT_CHUNK_BYTES = 16 << 20
+_MAX_HEADER = 1 << 20  # a pack of thousands of tiny tensors; anything bigger is not ours
+_KEY_RE = re.compile(r"^(data|0|[1-9][0-9]{0,8})$")
 
 # torch dtype <-> (manifest name, safetensors code). A whitelist: names read from a manifest are
 # looked up here, never passed to getattr(torch, ...).
@@ -111,29 +115,53 @@ def as_row_shard(t: Any, name: str = "") -> RowShard:
     raise CheckpointSaveError(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
 
 
-def _header(code: str, shape: Sequence[int], nbytes: int) -> bytes:
-    h = json.dumps({"data": {"dtype": code, "shape": list(shape), "data_offsets": [0, nbytes]}},
-                   separators=(",", ":"), sort_keys=True).encode()
-    h += b" " * (-len(h) % 8)  # safetensors aligns the data to 8 bytes
-    return struct.pack("<Q", len(h)) + h
-
-
 def _raw_bytes(t: torch.Tensor):
     """Zero-copy uint8 numpy view of a contiguous CPU tensor (any dtype, incl. bf16, 0-dim)."""
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _pack_header(entries: Sequence[tuple[str, str, Sequence[int], int, int]]) -> bytes:
+    """safetensors header of ``(key, code, shape, start, end)`` entries, padded to 8 bytes."""
+    h = json.dumps({k: {"dtype": c, "shape": list(s), "data_offsets": [a, b]}
+                    for k, c, s, a, b in entries}, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)  # safetensors aligns the data to 8 bytes
+    return struct.pack("<Q", len(h)) + h
+
+
+def encode_pack(pieces: Sequence[torch.Tensor]) -> tuple[bytes, list]:
+    """(header bytes, raw data views in file order) of one object: a safetensors file whose
+    tensors are named ``"0"``, ``"1"`` … after their position in ``pieces``.
+
+    The data is laid out by descending element size (as safetensors' own writer does), so every
+    tensor starts at a multiple of its element size; identical pieces give identical bytes."""
+    views = []
+    for i, t in enumerate(pieces):
+        if t.dtype not in _BY_DTYPE:
+            raise CheckpointSaveError(f"dtype {t.dtype} is not supported; known: "
+                                      f"{', '.join(DTYPE_NAMES)}")
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        views.append((str(i), t.contiguous()))
+    order = sorted(range(len(views)), key=lambda i: -views[i][1].element_size())  # stable
+    entries, data, pos = [], [], 0
+    for i in order:
+        key, t = views[i]
+        n = _nbytes(t)
+        entries.append((key, _BY_DTYPE[t.dtype][1], t.shape, pos, pos + n))
+        data.append(_raw_bytes(t))
+        pos += n
+    return _pack_header(sorted(entries, key=lambda e: int(e[0]))), data
+
+
 def encode_chunk(t: torch.Tensor) -> tuple[bytes, Any]:
-    """(header bytes, raw data view) of one chunk: a single-tensor safetensors file named "data"."""
-    if t.dtype not in _BY_DTYPE:
-        raise CheckpointSaveError(f"dtype {t.dtype} is not supported; known: "
-                                  f"{', '.join(DTYPE_NAMES)}")
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    data = _raw_bytes(t)
-    return _header(_BY_DTYPE[t.dtype][1], t.shape, data.nbytes), data
+    """(header bytes, raw data view) of a single-tensor object (the tensor is named ``"0"``)."""
+    header, data = encode_pack([t])
+    return header, data[0]
 
 
 def _row_ranges(shape: Sequence[int], elem: int, chunk_bytes: int,
@@ -149,15 +177,64 @@ def _row_ranges(shape: Sequence[int], elem: int, chunk_bytes: int,
     return [(a, min(a + per, rows)) for a in range(0, rows, per)]
 
 
+_BLOCK_SPLIT = re.compile(r"[./]")
+
+
+def _block_key(name: str) -> str:
+    """The prefix of ``name`` up to its first numeric segment (``model.layers.3``, ``state/7``),
+    or "" without one: a natural unit that is frozen or changed as a whole."""
+    segs = _BLOCK_SPLIT.split(name)
+    for i, seg in enumerate(segs):
+        if seg.isdigit():
+            return ".".join(segs[: i + 1])
+    return ""
+
+
+class _Packer:
+    """Groups consecutive small pieces into objects of at most ``chunk_bytes``.
+
+    A pack is closed early at a block boundary (a new layer, a new optimizer slot) once it is a
+    quarter full, so a frozen layer's tensors rarely share an object with a trained layer's: what
+    a frozen/trained boundary costs in rewritten bytes is bounded by a quarter chunk. Boundaries
+    depend only on names and sizes, so the same state always packs the same way (dedupe)."""
+
+    def __init__(self, chunk_bytes: int):
+        self.chunk_bytes = chunk_bytes
+        self.packs: list[list[tuple]] = []
+        self._cur: list[tuple] = []
+        self._bytes = 0
+        self._key: Optional[str] = None
+
+    def add(self, piece: tuple, nbytes: int, block: str) -> None:
+        if self._cur and (self._bytes + nbytes > self.chunk_bytes or
+                          (block != self._key and self._bytes >= self.chunk_bytes // 4)):
+            self.flush()
+        self._cur.append(piece)
+        self._bytes += nbytes
+        self._key = block
+
+    def flush(self) -> None:
+        if self._cur:
+            self.packs.append(self._cur)
+        self._cur, self._bytes, self._key = [], 0, None
+
+
 def save_tensors(store: RunStore, tensors: Mapping[str, Any], *,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
-    """Write every tensor as content-addressed chunks; return the index ``{name: entry}``.
+    """Write every tensor as content-addressed objects; return the index ``{name: entry}``.
 
-    Values may be tensors (any device; copied to CPU chunk by chunk), DTensors sharded on dim 0
-    (this rank's rows are written, the entry covers only them) or :class:`RowShard`. Existing
-    chunks are not rewritten (see ``store.stats`` for bytes written vs skipped).
+    A tensor larger than ``chunk_bytes`` is cut along dim 0 into objects of its own; smaller ones
+    are packed, in order, into shared objects of up to ``chunk_bytes`` (fewer files: each file
+    costs a create, a rename and, with fsync, a journal commit). Values may be tensors (any device;
+    copied to CPU piece by piece), DTensors sharded on dim 0 (this rank's rows are written, the
+    entry covers only them) or :class:`RowShard`. Row shards and whole tensors are packed apart,
+    so workers that pass the same whole tensors write identical objects. Existing objects are not
+    rewritten (see ``store.stats`` for bytes written vs skipped).
     """
-    jobs = []  # (name, row_start, tensor_rows)
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes!r}: must be a positive int")
+    singles: list[list[tuple]] = []  # pieces: (name, row_start, row_stop, tensor_rows)
+    packers = {True: _Packer(chunk_bytes), False: _Packer(chunk_bytes)}  # by "is a row shard"
     index: dict[str, dict] = {}
     for name, value in tensors.items():
         if not isinstance(name, str):
@@ -175,20 +252,26 @@ def save_tensors(store: RunStore, tensors: Mapping[str, Any], *,
         index[name] = entry
         if shape and t.shape[0] == 0 and shape[0] != 0:
             continue  # this worker owns no rows of it
-        for a, b in _row_ranges(list(t.shape), t.element_size(), chunk_bytes,
-                                t.shape[0] if shape else 1):
-            piece = t if not shape else t[a:b]
-            off = rs.row_offset if shape else 0
-            jobs.append((name, off + a, off + b, piece))
+        off = rs.row_offset if shape else 0
+        if _nbytes(t) <= chunk_bytes:
+            rows = t.shape[0] if shape else 1
+            is_shard = bool(shape) and (off != 0 or rows != shape[0])
+            packers[is_shard].add((name, off, off + rows, t), _nbytes(t), _block_key(name))
+            continue
+        for a, b in _row_ranges(list(t.shape), t.element_size(), chunk_bytes, t.shape[0]):
+            singles.append([(name, off + a, off + b, t[a:b])])
+    for p in packers.values():
+        p.flush()
 
-    def write(job):
-        name, a, b, piece = job
-        header, data = encode_chunk(piece)
-        sha, size, _ = store.put_parts([header, data])
-        return name, {"sha": sha, "size": size, "rows": [a, b]}
+    def write(pack):
+        header, data = encode_pack([piece[3] for piece in pack])
+        sha, size, _ = store.put_parts([header, *data])
+        return [(name, {"sha": sha, "size": size, "rows": [a, b], "key": str(i)})
+                for i, (name, a, b, _) in enumerate(pack)]
 
-    for name, chunk in store.map(write, jobs):
-        index[name]["chunks"].append(chunk)
+    for refs in store.map(write, singles + packers[True].packs + packers[False].packs):
+        for name, chunk in refs:
+            index[name]["chunks"].append(chunk)
     for entry in index.values():
         entry["chunks"].sort(key=lambda c: c["rows"][0])
     return index
@@ -222,9 +305,12 @@ def validate_index(index: Any, what: str = "index", *, partial: bool = False) ->
             _fail(w, "chunks must be a list")
         pos = 0
         for c in sorted(chunks, key=lambda c: c.get("rows", [0])[0] if isinstance(c, dict) else 0):
-            if not isinstance(c, dict) or set(c) != {"sha", "size", "rows"}:
-                _fail(w, f"chunk {c!r} must have exactly sha, size, rows")
+            if not isinstance(c, dict) or set(c) - {"key"} != {"sha", "size", "rows"}:
+                _fail(w, f"chunk {c!r} must have exactly sha, size, rows (and key)")
             check_sha256(c["sha"], f"{w} chunk")
+            key = c.get("key", "data")
+            if not isinstance(key, str) or not _KEY_RE.match(key):
+                _fail(w, f"chunk key {key!r} must be 'data' or a decimal position")
             r = c["rows"]
             if (not isinstance(r, list) or len(r) != 2 or not all(isinstance(x, int) for x in r)
                     or not 0 <= r[0] <= r[1] <= rows):
@@ -254,7 +340,7 @@ def merge_indexes(pieces: Sequence[dict], what: str = "tensors") -> dict:
             for c in e["chunks"]:
                 key = tuple(c["rows"])
                 old = m["chunks"].get(key)
-                if old is not None and old["sha"] != c["sha"]:
+                if old is not None and _ref(old) != _ref(c):
                     _fail(f"{what} tensor {name!r}", f"workers wrote different data for rows {key}")
                 m["chunks"][key] = c
     out = {}
@@ -262,6 +348,11 @@ def merge_indexes(pieces: Sequence[dict], what: str = "tensors") -> dict:
         chunks = sorted(m["chunks"].values(), key=lambda c: c["rows"])
         out[name] = {"dtype": m["dtype"], "shape": m["shape"], "chunks": chunks}
     return validate_index(out, what)
+
+
+def _ref(chunk: Mapping) -> tuple[str, str]:
+    """(object sha, tensor key inside it); indexes written before packing have no key: "data"."""
+    return chunk["sha"], chunk.get("key", "data")
 
 
 def index_objects(index: Mapping[str, dict]) -> dict[str, int]:
@@ -281,75 +372,30 @@ def index_nbytes(index: Mapping[str, dict]) -> int:
 
 
 # ---------------------------------------------------------------------------- loading
-def _check_header(raw_header: bytes, sha: str, code: str, shape: list, nbytes: int, label: str):
-    try:
-        h = json.loads(raw_header)
-        ok = (isinstance(h, dict) and set(h) - {"__metadata__"} == {"data"}
-              and h["data"] == {"dtype": code, "shape": shape, "data_offsets": [0, nbytes]})
-    except (ValueError, UnicodeDecodeError, TypeError):
-        ok = False
-    if not ok:
-        raise CorruptObjectError(f"object {sha} ({label}) is not the expected safetensors chunk "
-                                 f"({code}{shape}); refusing to interpret it", sha=sha)
+_BY_CODE = {c: d.itemsize for d, _, c in _DTYPES}
+_READ_BLOCK = 1 << 20
 
 
-def _read_chunk_local(path: str, sha: str, size: int, code: str, shape: list, dest, label: str):
-    """Read chunk ``sha`` straight into ``dest`` (uint8 numpy view) and verify its hash."""
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb", buffering=0) as f:
-            actual = os.fstat(f.fileno()).st_size
-            if actual != size:
-                raise CorruptObjectError(f"object {sha} ({label}) at {path} has {actual} bytes, "
-                                         f"the manifest says {size} (truncated or replaced)",
-                                         sha=sha, path=path)
-            head = f.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if not 0 < n <= min(_MAX_HEADER, size - 8):
-                raise CorruptObjectError(f"object {sha} ({label}) at {path} has no valid "
-                                         "safetensors header; refusing to interpret it",
-                                         sha=sha, path=path)
-            header = f.read(n)
-            _check_header(header, sha, code, shape, dest.nbytes, label)
-            if 8 + n + dest.nbytes != size:
-                raise CorruptObjectError(f"object {sha} ({label}) size does not match its header",
-                                         sha=sha, path=path)
-            h.update(head)
-            h.update(header)
-            mv = memoryview(dest).cast("B")
-            got = 0
-            while got < dest.nbytes:
-                k = f.readinto(mv[got:])
-                if not k:
-                    raise CorruptObjectError(f"object {sha} ({label}) at {path} is truncated",
-                                             sha=sha, path=path)
-                got += k
-            h.update(mv)
-    except FileNotFoundError as e:
-        raise CorruptObjectError(f"object {sha} ({label}) is missing (expected at {path})",
-                                 sha=sha, path=path) from e
-    digest = h.hexdigest()
-    if digest != sha:
-        raise CorruptObjectError(f"object {sha} ({label}) at {path} is corrupted: its bytes hash "
-                                 f"to {digest}", sha=sha, path=path)
+@dataclass
+class _Target:
+    """What a reader wants from one tensor ``key`` of an object: the piece must have ``code`` and
+    ``shape``; bytes ``[lo, hi)`` of it go to ``dest`` (a uint8 numpy view), or nowhere (verify)."""
+
+    key: str
+    code: str
+    shape: list
+    label: str
+    nbytes: int
+    dest: Any = None
+    lo: int = 0
+    hi: int = 0
+
+    @property
+    def full(self) -> bool:
+        return self.dest is not None and self.lo == 0 and self.hi == self.nbytes
 
 
-def _decode_chunk(data: bytes, sha: str, code: str, shape: list, nbytes: int, label: str):
-    """Parse verified object bytes; return a read-only uint8 numpy view of the tensor data."""
-    import numpy as np
-
-    n = struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else -1
-    if not 0 < n <= min(_MAX_HEADER, len(data) - 8):
-        raise CorruptObjectError(f"object {sha} ({label}) has no valid safetensors header; "
-                                 "refusing to interpret it", sha=sha)
-    _check_header(data[8:8 + n], sha, code, shape, nbytes, label)
-    if 8 + n + nbytes != len(data):
-        raise CorruptObjectError(f"object {sha} ({label}) size does not match its header", sha=sha)
-    return np.frombuffer(data, dtype=np.uint8, count=nbytes, offset=8 + n)
-
-
-def check_chunk(store: RunStore, entry: Mapping, chunk: Mapping, label: str = "") -> None:
-    """Read one chunk and check its size, hash and header against its index entry."""
+def _target(entry: Mapping, chunk: Mapping, label: str) -> _Target:
     dtype, code = _BY_NAME[entry["dtype"]]
     shape = entry["shape"]
     a, b = chunk["rows"]
@@ -357,11 +403,164 @@ def check_chunk(store: RunStore, entry: Mapping, chunk: Mapping, label: str = ""
     nbytes = dtype.itemsize
     for x in chunk_shape:
         nbytes *= x
-    data = store.get_bytes(chunk["sha"], verify=True, what=label)
-    if len(data) != chunk["size"]:
-        raise CorruptObjectError(f"object {chunk['sha']} ({label}) has {len(data)} bytes, the "
-                                 f"manifest says {chunk['size']}", sha=chunk["sha"])
-    _decode_chunk(data, chunk["sha"], code, chunk_shape, nbytes, label)
+    return _Target(chunk.get("key", "data"), code, chunk_shape, label, nbytes)
+
+
+def _object_label(sha: str, targets: Sequence[_Target]) -> str:
+    more = f" and {len(targets) - 1} more" if len(targets) > 1 else ""
+    return f"object {sha} ({targets[0].label}{more})" if targets else f"object {sha}"
+
+
+def _parse_header(raw: bytes, data_len: int, what: str, sha: str) -> dict[str, tuple]:
+    """``{key: (code, shape, start, stop)}`` of a safetensors header whose tensors must tile
+    exactly ``data_len`` bytes; anything else is a :class:`CorruptObjectError`."""
+    def bad(why: str):
+        raise CorruptObjectError(f"{what} is not a valid safetensors object ({why}); refusing to "
+                                 "interpret it", sha=sha)
+
+    try:
+        h = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        bad("unparseable header")
+    if not isinstance(h, dict):
+        bad("header is not an object")
+    entries = {}
+    for k, v in h.items():
+        if k == "__metadata__":
+            continue
+        if not _KEY_RE.match(k) or not isinstance(v, dict) or \
+                set(v) != {"dtype", "shape", "data_offsets"}:
+            bad(f"unexpected entry {k!r}")
+        code, shape, offs = v["dtype"], v["shape"], v["data_offsets"]
+        if code not in _BY_CODE or not isinstance(shape, list) or not all(
+                type(x) is int and 0 <= x < 1 << 48 for x in shape):
+            bad(f"entry {k!r} has dtype {code!r} shape {shape!r}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)
+                and 0 <= offs[0] <= offs[1]):
+            bad(f"entry {k!r} has offsets {offs!r}")
+        n = _BY_CODE[code]
+        for x in shape:
+            n *= x
+        if offs[1] - offs[0] != n:
+            bad(f"entry {k!r} offsets do not match its shape")
+        entries[k] = (code, shape, offs[0], offs[1])
+    pos = 0
+    for _, _, a, b in sorted(entries.values(), key=lambda e: (e[2], e[3])):
+        if a != pos:
+            bad(f"data has a gap or overlap at byte {pos}")
+        pos = b
+    if pos != data_len:
+        raise CorruptObjectError(f"{what} size does not match its header", sha=sha)
+    return entries
+
+
+def _match(entries: Mapping[str, tuple], targets: Sequence[_Target], sha: str) -> None:
+    for t in targets:
+        e = entries.get(t.key)
+        if e is None or e[0] != t.code or e[1] != t.shape:
+            raise CorruptObjectError(f"object {sha} ({t.label}) is not the expected safetensors "
+                                     f"chunk ({t.code}{t.shape} as {t.key!r}); refusing to "
+                                     "interpret it", sha=sha)
+
+
+def _header_len(head: bytes, size: int, what: str, sha: str) -> int:
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    if not 0 < n <= min(_MAX_HEADER, size - 8):
+        raise CorruptObjectError(f"{what} has no valid safetensors header; refusing to "
+                                 "interpret it", sha=sha)
+    return n
+
+
+def _deliver(entries: Mapping[str, tuple], targets: Sequence[_Target], fill) -> None:
+    """Walk the object's tensors in file order; ``fill(buf)`` reads the next ``len(buf)`` bytes.
+    A wanted whole piece is read straight into its destination (zero copy), the rest into scratch."""
+    wants: dict[str, list[_Target]] = {}
+    for t in targets:
+        wants.setdefault(t.key, []).append(t)
+    scratch = None
+    for key, (_, _, a, b) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if a == b:
+            continue
+        ts = wants.get(key, ())
+        first = next((t for t in ts if t.full), None)
+        if first is not None:
+            buf = first.dest
+        else:
+            if scratch is None or scratch.nbytes < b - a:
+                scratch = np.empty(b - a, dtype=np.uint8)
+            buf = scratch[: b - a]
+        fill(buf)
+        for t in ts:
+            if t is not first and t.dest is not None:
+                t.dest[...] = buf[t.lo:t.hi]
+
+
+def _read_object(store: RunStore, sha: str, size: int, targets: Sequence[_Target]) -> None:
+    """Read object ``sha`` once, deliver every target, verify size, header and sha256."""
+    what = _object_label(sha, targets)
+    path = store.local_object_path(sha)
+    if path is None:
+        data = store.get_bytes(sha, verify=True, what=targets[0].label if targets else "")
+        if len(data) != size:  # hash matched, so the manifest itself is inconsistent
+            raise CorruptObjectError(f"{what} has {len(data)} bytes, the manifest says {size}",
+                                     sha=sha)
+        n = _header_len(data[:8], size, what, sha)
+        entries = _parse_header(data[8:8 + n], size - 8 - n, what, sha)
+        _match(entries, targets, sha)
+        mv = memoryview(data)
+        pos = [8 + n]
+
+        def fill_from_bytes(buf):
+            k = buf.nbytes
+            buf[...] = np.frombuffer(mv[pos[0]:pos[0] + k], dtype=np.uint8)
+            pos[0] += k
+
+        _deliver(entries, targets, fill_from_bytes)
+        return
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            actual = os.fstat(f.fileno()).st_size
+            if actual != size:
+                raise CorruptObjectError(f"{what} at {path} has {actual} bytes, the manifest says "
+                                         f"{size} (truncated or replaced)", sha=sha, path=path)
+            head = f.read(8)
+            n = _header_len(head, size, f"{what} at {path}", sha)
+            header = f.read(n)
+            entries = _parse_header(header, size - 8 - n, what, sha)
+            _match(entries, targets, sha)
+            h.update(head)
+            h.update(header)
+
+            def fill_from_file(buf):
+                # read and hash block by block: each block is hashed while it is still in the CPU
+                # cache (about a third faster than reading everything, then hashing it)
+                mv = memoryview(buf).cast("B")
+                got = 0
+                while got < mv.nbytes:
+                    k = f.readinto(mv[got:got + _READ_BLOCK])
+                    if not k:
+                        raise CorruptObjectError(f"{what} at {path} is truncated", sha=sha,
+                                                 path=path)
+                    h.update(mv[got:got + k])
+                    got += k
+
+            _deliver(entries, targets, fill_from_file)
+    except FileNotFoundError as e:
+        raise CorruptObjectError(f"{what} is missing (expected at {path})", sha=sha,
+                                 path=path) from e
+    store._count(objects_read=1, bytes_read=size)
+    digest = h.hexdigest()
+    if digest != sha:
+        raise CorruptObjectError(f"{what} at {path} is corrupted: its bytes hash to {digest}",
+                                 sha=sha, path=path)
+
+
+def check_object(store: RunStore, sha: str, size: int,
+                 refs: Sequence[tuple[Mapping, Mapping, str]]) -> None:
+    """Read object ``sha`` and check its size, hash and header against every ``(index entry,
+    chunk, label)`` that references it (a packed object holds several tensors)."""
+    _read_object(store, sha, size, [_target(e, c, label) for e, c, label in refs])
 
 
 RowSlice = Union[None, tuple[int, int], Mapping[str, tuple[int, int]]]
@@ -370,12 +569,13 @@ RowSlice = Union[None, tuple[int, int], Mapping[str, tuple[int, int]]]
 def load_tensors(store: RunStore, index: Mapping[str, dict], names: Optional[Sequence[str]] = None,
                  row_slice: RowSlice = None, *, out: Optional[Mapping[str, torch.Tensor]] = None,
                  what: str = "") -> dict[str, torch.Tensor]:
-    """Rebuild tensors from ``index``, verifying every chunk read.
+    """Rebuild tensors from ``index``, verifying every object read (each is read once, even when
+    it packs several of the tensors).
 
     Args:
         names: tensors to load (default all); unknown names raise KeyError listing known ones.
         row_slice: ``(start, stop)`` rows for every selected tensor, or ``{name: (start, stop)}``;
-            only chunks overlapping the slice are read (resharding). 0-dim tensors ignore it.
+            only objects overlapping the slice are read (resharding). 0-dim tensors ignore it.
         out: optional preallocated destinations (``{name: tensor}``, e.g. a model's own parameters
             or an FSDP rank's local shard) written in place; shapes must match the slice.
         what: label for error messages (e.g. ``"checkpoint 0000…-ab12 group policy"``).
@@ -388,7 +588,7 @@ def load_tensors(store: RunStore, index: Mapping[str, dict], names: Optional[Seq
             raise KeyError(f"tensor {n!r} is not in {what or 'the index'}; known: "
                            f"{', '.join(sorted(index)[:20])}{' …' if len(index) > 20 else ''}")
     result: dict[str, torch.Tensor] = {}
-    jobs = []
+    objects: dict[str, tuple[int, list[_Target]]] = {}
     copy_back = []
     for name in names:
         e = index[name]
@@ -414,44 +614,29 @@ def load_tensors(store: RunStore, index: Mapping[str, dict], names: Optional[Seq
         else:
             dest = torch.empty(want, dtype=dtype)
             result[name] = dest
+        row_bytes = dtype.itemsize
+        for x in shape[1:]:
+            row_bytes *= x
         for c in e["chunks"]:
-            a, b = c["rows"]
+            a, b = c["rows"] if shape else (0, 1)
             if shape and (b <= s or a >= t):
                 continue
-            jobs.append((name, code, shape, c, s, t, dest))
+            tgt = _target(e, c, f"{what + ' ' if what else ''}tensor {name!r} rows {a}:{b}")
+            if not shape or (s <= a and b <= t):
+                tgt.dest = _raw_bytes(dest[a - s:b - s] if shape else dest)
+                tgt.lo, tgt.hi = 0, tgt.nbytes
+            else:
+                lo, hi = max(a, s), min(b, t)
+                tgt.dest = _raw_bytes(dest[lo - s:hi - s])
+                tgt.lo, tgt.hi = (lo - a) * row_bytes, (hi - a) * row_bytes
+            size, targets = objects.setdefault(c["sha"], (c["size"], []))
+            if size != c["size"]:
+                raise UnsafeManifestError(f"{what or 'index'}: object {c['sha']} is listed with "
+                                          f"sizes {size} and {c['size']}")
+            targets.append(tgt)
 
-    def read(job):
-        name, code, shape, c, s, t, dest = job
-        a, b = c["rows"] if shape else (0, 1)
-        label = f"{what + ' ' if what else ''}tensor {name!r} rows {a}:{b}"
-        chunk_shape = ([b - a] + shape[1:]) if shape else []
-        row_elems = 1
-        for x in shape[1:]:
-            row_elems *= x
-        elem = dest.element_size()
-        nbytes = (b - a) * row_elems * elem if shape else elem
-        path = store.local_object_path(c["sha"])
-        full = not shape or (s <= a and b <= t)
-        if path is not None and full:
-            region = dest[a - s:b - s] if shape else dest
-            _read_chunk_local(path, c["sha"], c["size"], code, chunk_shape, _raw_bytes(region),
-                              label)
-            store._count(objects_read=1, bytes_read=c["size"])
-            return
-        data = store.get_bytes(c["sha"], verify=True, what=label)
-        if len(data) != c["size"]:  # hash matched, so the manifest itself is inconsistent
-            raise CorruptObjectError(f"object {c['sha']} ({label}) has {len(data)} bytes, the "
-                                     f"manifest says {c['size']}", sha=c["sha"])
-        raw = _decode_chunk(data, c["sha"], code, chunk_shape, nbytes, label)
-        if full:
-            region = dest[a - s:b - s] if shape else dest
-            _raw_bytes(region)[...] = raw
-        else:
-            lo, hi = max(a, s), min(b, t)
-            rb = row_elems * elem
-            _raw_bytes(dest[lo - s:hi - s])[...] = raw[(lo - a) * rb:(hi - a) * rb]
-
-    store.map(read, jobs)
+    store.map(lambda item: _read_object(store, item[0], item[1][0], item[1][1]),
+              list(objects.items()))
     for dest, tmp in copy_back:
         with torch.no_grad():
             dest.copy_(tmp)

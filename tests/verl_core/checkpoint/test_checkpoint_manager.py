@@ -325,6 +325,43 @@ def test_shared_reference_group_is_stored_once(manager, store):
         assert torch.equal(groups["reference"][k], v)
 
 
+def test_damaged_shared_object_is_quarantined_and_rewritten(manager, store):
+    # every checkpoint links the one stored reference: damage it and all of them fail; the load
+    # moves the damaged object aside, so the next save writes it again instead of skipping it
+    ref_model = _model(seed=1)
+    model, opt = _trained()
+    manager.save(1, {"reference": ref_model.state_dict(), **_groups(model, opt)}, {})
+    manager.save(2, _groups(model, opt), {})
+    _, m = manager.read_manifest("latest")
+    sha = m["groups"]["reference"]["tensors"]["0.weight"]["chunks"][0]["sha"]
+    _flip(store.object_path(sha))
+    with pytest.raises(NoValidCheckpointError, match=sha):
+        manager.load("auto")
+    assert not store.has_object(sha)
+    quarantined = os.listdir(f"{store.root}/quarantine")
+    assert len(quarantined) == 1 and quarantined[0].startswith(sha)
+    store.reset_stats()
+    info = manager.save(3, {"reference": ref_model.state_dict(), **_groups(model, opt)}, {})
+    assert store.has_object(sha) and store.stats.objects_written >= 1
+    groups, _, got = manager.load("auto")
+    assert got == info
+    assert all(torch.equal(groups["reference"][k], v) for k, v in ref_model.state_dict().items())
+
+
+def test_verify_repair_quarantines_only_damaged_objects(manager, store):
+    model, opt = _trained()
+    info = manager.save(1, _groups(model, opt), {})
+    _, m = manager.read_manifest(info.name)
+    shas = sorted({c["sha"] for e in m["groups"]["policy"]["tensors"].values()
+                   for c in e["chunks"]})
+    _flip(store.object_path(shas[0]))
+    assert len(manager.verify(info.name)) == 1 and store.has_object(shas[0])  # report only
+    problems = manager.verify(info.name, repair=True)
+    assert len(problems) == 1 and "quarantine" in problems[0]
+    assert not store.has_object(shas[0]) and all(store.has_object(s) for s in shas[1:])
+    assert not store.quarantine_object(shas[1])  # an intact object is never moved
+
+
 def test_refs_resolve(manager, store):
     model, opt = _trained()
     a = manager.save(4, _groups(model, opt), {})

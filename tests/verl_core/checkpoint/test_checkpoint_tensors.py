@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -9,7 +10,7 @@ import safetensors.torch
 import torch
 
 from verl_core.checkpoint import CorruptObjectError, UnsafeManifestError, load_tensors, save_tensors
-from verl_core.checkpoint.tensors import RowShard, merge_indexes
+from verl_core.checkpoint.tensors import RowShard, index_objects, merge_indexes
 
 
 def _all_dtypes():
@@ -48,11 +49,91 @@ def test_identical_tensors_give_identical_objects(store):
     assert store.stats.bytes_written == written  # nothing new was written
 
 
-def test_chunks_are_valid_safetensors(store):
-    a = torch.randn(10, 4).to(torch.bfloat16)
-    index = save_tensors(store, {"a": a})
-    blob = store.get_bytes(index["a"]["chunks"][0]["sha"])
-    assert torch.equal(safetensors.torch.load(blob)["data"], a)
+def test_objects_are_valid_safetensors(store):
+    # a pack of mixed dtypes: safetensors' own reader (bytes and mmap) sees every tensor, aligned
+    ts = {"a": torch.randn(3, 3).to(torch.bfloat16), "b": torch.arange(5, dtype=torch.int64),
+          "c": torch.tensor([True, False, True]), "d": torch.randn(7)}
+    index = save_tensors(store, ts)
+    assert len(index_objects(index)) == 1  # all four packed into one object
+    sha = index["a"]["chunks"][0]["sha"]
+    blob = store.get_bytes(sha)
+    with safetensors.safe_open(store.object_path(sha), "pt") as f:
+        for name, t in ts.items():
+            key = index[name]["chunks"][0]["key"]
+            assert torch.equal(safetensors.torch.load(blob)[key], t), name
+            assert torch.equal(f.get_tensor(key), t), name
+            start = struct.unpack("<Q", blob[:8])[0] + 8
+            offset = json.loads(blob[8:start])[key]["data_offsets"][0]
+            assert offset % t.element_size() == 0, name  # every tensor starts aligned
+
+
+def _layered_state(layers: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    st = {}
+    for i in range(layers):
+        st[f"model.layers.{i}.attn.weight"] = torch.randn(32, 32, generator=g)  # 4 KiB
+        st[f"model.layers.{i}.mlp.weight"] = torch.randn(32, 64, generator=g)  # 8 KiB
+        st[f"model.layers.{i}.norm.weight"] = torch.randn(32, generator=g)
+    return st
+
+
+def test_small_tensors_are_packed_into_few_objects(store):
+    st = _layered_state(8, 0)  # 24 tensors, ~12.1 KiB per layer
+    assert len(index_objects(save_tensors(store, st, chunk_bytes=1 << 20))) == 1
+    index = save_tensors(store, st, chunk_bytes=32 << 10)
+    # a layer (12.1 KiB) fills more than a quarter of a 32 KiB object: one object per layer
+    assert len(index_objects(index)) == 8
+    got = load_tensors(store, index)
+    assert all(torch.equal(got[k], v) for k, v in st.items())
+    store.reset_stats()
+    load_tensors(store, index, names=["model.layers.5.norm.weight"])
+    assert store.stats.objects_read == 1  # the whole pack is read and verified, nothing else
+
+
+def test_frozen_layers_cost_little_when_packed(store):
+    # layers 0-3 frozen, 4-7 change: the second save writes the changed half plus at most the
+    # one pack that straddles the boundary (bounded by a quarter chunk of frozen bytes)
+    chunk = 32 << 10
+    first = _layered_state(8, 0)
+    save_tensors(store, first, chunk_bytes=chunk)
+    full = store.reset_stats().bytes_written
+    second = dict(first)
+    changed = _layered_state(8, 1)
+    for k in second:
+        if int(k.split(".")[2]) >= 4:
+            second[k] = changed[k]
+    index = save_tensors(store, second, chunk_bytes=chunk)
+    written = store.reset_stats().bytes_written
+    assert written <= full / 2 + chunk // 4 + 1024, (written, full)
+    got = load_tensors(store, index)
+    assert all(torch.equal(got[k], v) for k, v in second.items())
+
+
+def test_indexes_without_keys_still_load(store):
+    # objects written before packing: one tensor named "data", chunk entries without "key"
+    a = torch.randn(6, 2)
+    header = json.dumps({"data": {"dtype": "F32", "shape": [6, 2], "data_offsets": [0, 48]}},
+                        separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    blob = struct.pack("<Q", len(header)) + header + a.numpy().tobytes()
+    sha = store.put_bytes(blob)
+    index = {"a": {"dtype": "float32", "shape": [6, 2],
+                   "chunks": [{"sha": sha, "size": len(blob), "rows": [0, 6]}]}}
+    assert torch.equal(load_tensors(store, index)["a"], a)
+
+
+def test_pack_header_must_tile_its_data(store):
+    # a header whose entries leave a gap (or overlap) is refused before any byte is used
+    header = json.dumps({"0": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                         "1": {"dtype": "U8", "shape": [4], "data_offsets": [6, 10]}},
+                        separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    blob = struct.pack("<Q", len(header)) + header + bytes(10)
+    sha = store.put_bytes(blob)
+    index = {"a": {"dtype": "uint8", "shape": [4],
+                   "chunks": [{"sha": sha, "size": len(blob), "rows": [0, 4], "key": "0"}]}}
+    with pytest.raises(CorruptObjectError, match="gap or overlap"):
+        load_tensors(store, index)
 
 
 def test_row_slice_reads_only_needed_chunks(store):
@@ -77,6 +158,20 @@ def test_row_shards_merge_into_one_index(store):
     assert torch.equal(load_tensors(store, merged)["r"], a)
     with pytest.raises(UnsafeManifestError, match="cover"):
         merge_indexes([p0])  # rows 6..11 missing
+
+
+def test_packed_row_shards_and_replicated_tensors_merge(store):
+    # whole tensors are packed apart from row shards, so both workers write the same objects
+    # for the replicated ones and the merge accepts them
+    a, r, step = torch.randn(11, 3), torch.randn(4, 4), torch.tensor(7.0)
+    p0 = save_tensors(store, {"a": RowShard(a[:6], (11, 3), 0), "r": r, "step": step})
+    p1 = save_tensors(store, {"a": RowShard(a[6:], (11, 3), 6), "r": r, "step": step})
+    assert p0["r"] == p1["r"] and p0["a"]["chunks"][0]["sha"] != p0["r"]["chunks"][0]["sha"]
+    got = load_tensors(store, merge_indexes([p0, p1]))
+    assert torch.equal(got["a"], a) and torch.equal(got["r"], r) and torch.equal(got["step"], step)
+    p1_bad = save_tensors(store, {"a": RowShard(a[6:], (11, 3), 6), "r": r + 1, "step": step})
+    with pytest.raises(UnsafeManifestError, match="different data"):
+        merge_indexes([p0, p1_bad])
 
 
 def _first_chunk_path(store, index, name):
