@@ -46,6 +46,10 @@ def derive_seed(seed: int, step: int, phase: str) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+HISTORY_STEPS = 256
+GUARD_DEFAULTS = {"skipped_nonfinite_steps": 0, "last_skipped_step": None}
+
+
 @dataclass(frozen=True)
 class Assets:
     """What a run starts from: a model folder and the train/val parquet files."""
@@ -190,6 +194,11 @@ class RLTrainer:
             self.critic_optimizer = make_optimizer(self.critic.parameters(), cfg.optim,
                                                    cfg.optim.critic_lr)
             self.critic_scheduler = make_scheduler(self.critic_optimizer, cfg.optim, total)
+        # guard state: what the update has had to refuse so far (non-finite gradients skip the
+        # optimizer step); saved in every checkpoint so counters survive a resume
+        self.guard = dict(GUARD_DEFAULTS)
+        # the last HISTORY_STEPS updates' scalar metrics (detectors compare against them)
+        self.history: list[dict] = []
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl_type, kl_coef=algo.kl_coef,
                                           target_kl=algo.kl_target, horizon=algo.kl_horizon)
         self.engine = make_engine(cfg.rollout.engine, model=self.actor, model_path=assets.model_path,
@@ -209,7 +218,8 @@ class RLTrainer:
         them; global RNG states are saved anyway for code that uses them."""
         groups = {"policy": self.actor.state_dict(), "rng": capture_rng_state()}
         meta = {"kl_ctrl": self.kl_ctrl.state_dict(), "sampler": self.sampler.state_dict(),
-                "hf_config": self.actor.config.to_dict()}
+                "hf_config": self.actor.config.to_dict(), "guard": dict(self.guard),
+                "metrics_history": [dict(h) for h in self.history]}
         if with_optimizer:
             groups["optimizer"] = self.actor_optimizer.state_dict()
             meta["scheduler"] = self.actor_scheduler.state_dict()
@@ -238,6 +248,9 @@ class RLTrainer:
                 self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
         self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
         self.sampler.load_state_dict(meta["sampler"])
+        # checkpoints from before guard/history were saved start them empty
+        self.guard = {**GUARD_DEFAULTS, **meta.get("guard", {})}
+        self.history = [dict(h) for h in meta.get("metrics_history", [])][-HISTORY_STEPS:]
         if "rng" in groups:
             restore_rng_state(groups["rng"])
 
@@ -304,7 +317,21 @@ class RLTrainer:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(c.seed, step, "update-global"))
             metrics.update(self._ppo_update(batch, step))
+        self._remember(step, batch, metrics)
         return metrics
+
+    def _remember(self, step: int, batch: Batch, metrics: dict) -> None:
+        """Update the guard counters and the bounded metrics history after update ``step``."""
+        skipped = int(metrics.get("update/skipped_nonfinite_steps", 0))
+        if skipped:
+            self.guard["skipped_nonfinite_steps"] += skipped
+            self.guard["last_skipped_step"] = step
+        entry = {"step": step, **{k: float(v) for k, v in metrics.items()
+                                  if isinstance(v, (int, float))}}
+        if batch.score is not None:  # the reward phase reports it; kept here for the history
+            entry["reward/mean"] = float(batch.score.float().mean())
+        self.history.append(entry)
+        del self.history[:-HISTORY_STEPS]
 
     def _ppo_update(self, batch: Batch, step: int) -> dict:
         c, G = self.cfg, self.cfg.rollout.n

@@ -1,27 +1,35 @@
-"""Chunked, content-addressed tensor serialisation (safetensors chunks, no pickle).
+"""Chunked, content-addressed tensor serialisation (safetensors objects, no pickle).
 
 What belongs here: turning a flat ``dict[str, Tensor]`` into store objects and an *index*, and back.
 Nested state (optimizer, RNG, counters) is flattened first by ``state.py``; manifests are
 ``manager.py``'s business.
 
-Each tensor is cut along dim 0 into chunks of about ``chunk_bytes`` (default 4 MiB); each chunk is
-one valid single-tensor safetensors blob named ``"data"`` with a canonical header, so identical
-rows always produce identical bytes and the same sha256: an unchanged layer (or the reference
-model, or a frozen half of the network) is written once per store, ever. Chunking along dim 0 also
-lets a reader with a different data-parallel layout fetch only the rows it owns
-(``load_tensors(..., row_slice=...)``): resharding W -> W' reads each byte at most once overall.
+Every object is a valid safetensors file whose tensors are named by position (``"0"``, ``"1"``, …)
+with a canonical header, so identical content always gives identical bytes and the same sha256:
+an unchanged layer (or the reference model, or a frozen half of the network) is written once per
+store, ever. A tensor larger than ``chunk_bytes`` (default 16 MiB) is cut along dim 0 into objects
+of its own; smaller tensors are packed, in order, into shared objects of up to ``chunk_bytes``
+that close early at block boundaries (``model.layers.7`` -> ``model.layers.8``, see
+:class:`_Packer`). Packing matters: a 7B model with AdamW has thousands of small tensors, and each
+file costs a create, a rename and, with fsync, a journal commit (measured: ~250 one-tensor files
+took twice as long to write as the same bytes in ~20 packed ones). Cutting along dim 0 lets a
+reader with a different data-parallel layout fetch only the objects holding the rows it owns
+(``load_tensors(..., row_slice=...)``).
 
 The index of one tensor (JSON, embedded in manifests)::
 
     {"dtype": "float32", "shape": [rows, ...],
-     "chunks": [{"sha": <sha256>, "size": <object bytes>, "rows": [start, stop]}, ...]}
+     "chunks": [{"sha": <sha256>, "size": <object bytes>, "rows": [start, stop], "key": "3"}, ...]}
 
-A 0-dim tensor has one chunk with rows [0, 1]. A tensor saved from several workers (FSDP row shards,
-see :class:`RowShard`) has the same index once the pieces are merged (``merge_indexes``).
+``key`` names the tensor inside the object; indexes written before packing have no key and one
+tensor named ``"data"`` per object, and still load. A 0-dim tensor has one chunk with rows [0, 1].
+A tensor saved from several workers (FSDP row shards, see :class:`RowShard`) has the same index
+once the pieces are merged (``merge_indexes``).
 
-Reading verifies every chunk: size, sha256 of the whole object, and a header that must describe
-exactly the dtype/shape the index promises. Anything else is a :class:`CorruptObjectError` naming
-the object; the bytes are never interpreted any other way (no pickle, no ``torch.load``).
+Reading verifies every object once, however many tensors it holds: size, sha256 of the whole
+object, and a header whose tensors tile the data exactly and describe the dtype/shape the index
+promises. Anything else is a :class:`CorruptObjectError` naming the object; the bytes are never
+interpreted any other way (no pickle, no ``torch.load``).
 """
 
 from __future__ import annotations

@@ -34,6 +34,22 @@ def tiny_llama():
     return make
 
 
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    """``make(vocab=128) -> PreTrainedTokenizerFast``: words "0" … "123" plus 4 specials."""
+    def make(vocab: int = 128):
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        words = ["[UNK]", "[PAD]", "<s>", "</s>"] + [str(i) for i in range(vocab - 4)]
+        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                       bos_token="<s>", eos_token="</s>")
+
+    return make
+
+
 # ------------------------------------------------------------------ resume equivalence helpers
 def _make_trainer(seed: int):
     torch.manual_seed(seed)

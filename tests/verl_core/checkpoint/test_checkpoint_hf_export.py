@@ -14,31 +14,21 @@ from verl_core.checkpoint import export_hf, store_tokenizer
 from verl_core.checkpoint.__main__ import main as cli
 
 
-def _tokenizer(vocab: int = 128):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["[UNK]", "[PAD]", "<s>", "</s>"] + [str(i) for i in range(vocab - 4)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
-                                   bos_token="<s>", eos_token="</s>")
-
-
 def _save(manager, model, step=1):
     return manager.save(step, {"policy": model.state_dict()},
                         {"hf_config": model.config.to_dict()})
 
 
 @pytest.mark.slow
-def test_cli_export_gives_identical_logits(manager, store, tiny_llama, tmp_path):
+def test_cli_export_gives_identical_logits(manager, store, tiny_llama, word_tokenizer,
+                                           tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = tiny_llama(seed=3)
     with torch.no_grad():  # make it differ from any fresh init
         for p in model.parameters():
             p.mul_(1.5)
-    tok = _tokenizer()
+    tok = word_tokenizer()
     store_tokenizer(store, tok)
     info = _save(manager, model)
     out = tmp_path / "hf"

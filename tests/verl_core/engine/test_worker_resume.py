@@ -37,6 +37,10 @@ def _weights_sha(worker) -> str:
     return h.hexdigest()
 
 
+def _memory(worker):
+    return dict(worker.trainer.guard), [dict(h) for h in worker.trainer.history]
+
+
 def _step(worker, step):
     ref, _ = worker.rollout(step)
     batch = get_batch(worker.store, ref)
@@ -70,9 +74,13 @@ def _exact_resume(uri, assets, storage_options=None):
     index = publish_assets(RunStore(uri, storage_options), assets)
     a = _worker(uri, cfg, index, storage_options)
     shas = {0: _weights_sha(a)}
+    memory = {0: _memory(a)}  # guard counters + metrics history, checkpointed with the weights
     for s in range(STEPS):
         _step(a, s)
         shas[s + 1] = _weights_sha(a)
+        memory[s + 1] = _memory(a)
+    assert [h["step"] for h in memory[STEPS][1]] == list(range(STEPS))
+    assert all("reward/mean" in h and "actor/pg_loss" in h for h in memory[STEPS][1])
     ckpt = [i for i in a.ckpt.list_checkpoints() if i.step == 2][0]
     a.close()
 
@@ -81,10 +89,11 @@ def _exact_resume(uri, assets, storage_options=None):
     cfg_b = _cfg(**{"checkpoint.resume_from_checkpoint": ckpt.uri})
     b = _worker(uri_b, cfg_b, publish_assets(RunStore(uri_b, storage_options), assets),
                 storage_options)
-    assert b.step == 2 and _weights_sha(b) == shas[2]
+    assert b.step == 2 and _weights_sha(b) == shas[2] and _memory(b) == memory[2]
     for s in range(2, STEPS):
         _step(b, s)
         assert _weights_sha(b) == shas[s + 1], f"step {s + 1} differs after resume"
+        assert _memory(b) == memory[s + 1], f"step {s + 1} guard/history differ after resume"
     b.close()
 
     # a worker with no memory rebuilds every state: checkpoint (steps 2, 4) + lineage replay
@@ -92,6 +101,7 @@ def _exact_resume(uri, assets, storage_options=None):
     for s in (3, 5, 1, 4):
         c.ensure_state(s)
         assert _weights_sha(c) == shas[s], f"rebuilt state {s} differs"
+        assert _memory(c) == memory[s], f"rebuilt guard/history {s} differ"
     # 3 = ckpt 2 + replay of update 2; 5 = ckpt 5; 1 = initial model + replay of update 0;
     # 4 = ckpt 4 (a checkpoint ahead of the in-memory state beats replaying)
     assert c.replayed == 2
