@@ -1,12 +1,12 @@
 """Checkpoint benchmark: throughput vs torch.save/torch.load, incremental bytes, async blocking.
 
-    python bench/checkpoint.py                      # ~110 MB Llama-style model on CPU
+    python bench/checkpoint.py --repeat 5           # 27M-param Llama + AdamW (326 MB) on CPU
     python bench/checkpoint.py --layers 12 --dir /mnt/nfs/tmp
 
 Everything is measured in the same process on the same filesystem (``--dir``, default a temp dir):
 
 * save/load MB/s of the full training state (policy + AdamW state + RNG) with ``CheckpointManager``
-  (sha256 of every chunk, atomic renames, manifest verify; with and without fsync) against
+  (sha256 of every object, atomic renames, manifest verify; with and without fsync) against
   ``torch.save`` / ``torch.load`` of the same state dict (``weights_only=True`` cannot load
   it: the numpy RNG state is refused, so the baseline needs a full unpickle);
 * bytes written by a 2nd checkpoint after one optimizer step, full fine-tune vs the bottom half of
@@ -148,9 +148,17 @@ def main() -> None:
              f"{mb / t_osf:7.0f} MB/s"),
             ("load  torch.load (full unpickle: the only way this state loads)", f"{t_tl:6.2f} s",
              f"{mb / t_tl:7.0f} MB/s"),
-            ("load  CheckpointManager (every chunk re-hashed)", f"{t_ol:6.2f} s",
+            ("load  CheckpointManager (every object re-hashed)", f"{t_ol:6.2f} s",
              f"{mb / t_ol:7.0f} MB/s"),
+            ("ratio save CheckpointManager / torch.save (fsync on / off)",
+             f"{t_tsf / t_osf:6.2f}x", f"{t_ts / t_os:.2f}x without fsync (>= 1: not slower)"),
+            ("ratio load CheckpointManager / torch.load", f"{t_tl / t_ol:6.2f}x",
+             "(>= 1: not slower)"),
         ]
+        _, manifest = mgr.read_manifest(info.name)
+        n_tensors = sum(len(g["tensors"]) for g in manifest["groups"].values())
+        rows.append(("objects per checkpoint (small tensors packed)",
+                     f"{len(manifest['objects']):>6}", f"for {n_tensors} tensors"))
 
         # ---------------------------------------------------------------- incremental bytes
         full_ckpt_bytes = None
