@@ -76,7 +76,7 @@ class Batch:
         return Batch(**out)
 
 
-def _pad_right(seqs: list[np.ndarray], pad, dtype) -> torch.Tensor:
+def pad_right(seqs: list[np.ndarray], pad, dtype) -> torch.Tensor:
     width = max((len(s) for s in seqs), default=0)
     out = torch.full((len(seqs), width), pad, dtype=dtype)
     for i, s in enumerate(seqs):

@@ -23,13 +23,15 @@ def _chunks(idx: torch.Tensor, size: int):
 
 
 def _optimizer_step(model, optimizer, scheduler, grad_clip: float) -> tuple[torch.Tensor, bool]:
-    """Clip, then step unless the gradient is not finite (the step is skipped, grads dropped)."""
+    """Clip, then step unless the gradient is not finite (the step is skipped, grads dropped).
+    The LR schedule counts applied steps: a skipped step does not move it (as HF Trainer does
+    when its grad scaler skips one)."""
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     finite = bool(torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
-    scheduler.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.detach(), finite
 

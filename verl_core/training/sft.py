@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_core.data.batch import encode_prompts, _pad_right
+from verl_core.data.batch import encode_prompts, pad_right
 from verl_core.training.forward import response_logprobs
 from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.config import OptimConfig
@@ -21,8 +21,8 @@ def encode_responses(tokenizer, answers: list[str]) -> tuple[torch.Tensor, torch
     """Answers + EOS, right-padded: (ids (n, T), mask (n, T) float32)."""
     enc = tokenizer(answers, add_special_tokens=False)["input_ids"]
     seqs = [np.asarray(e + [tokenizer.eos_token_id], np.int64) for e in enc]
-    ids = _pad_right(seqs, tokenizer.pad_token_id, torch.long)
-    mask = _pad_right([np.ones(len(s), np.float32) for s in seqs], 0.0, torch.float32)
+    ids = pad_right(seqs, tokenizer.pad_token_id, torch.long)
+    mask = pad_right([np.ones(len(s), np.float32) for s in seqs], 0.0, torch.float32)
     return ids, mask
 
 

@@ -31,13 +31,15 @@ def _rollout(seed=0, n_prompts=4, G=4):
     return model, batch
 
 
-def _run(model, batch, micro, seed=0, epochs=1, algo=None):
+def _run(model, batch, micro, seed=0, epochs=1, algo=None, sched_out=None):
     cfg = OptimConfig(lr=1e-2, warmup_steps=0)
     opt = make_optimizer(model.parameters(), cfg, cfg.lr)
     sched = make_scheduler(opt, cfg, 10)
     m = ppo_update(model, opt, sched, batch, algo or AlgorithmConfig(), temperature=1.0,
                    mini_batch_rows=16, micro_batch_rows=micro, epochs=epochs, grad_clip=1e9,
                    seed=seed)
+    if sched_out is not None:
+        sched_out.append(sched)
     return m
 
 
@@ -85,9 +87,11 @@ def test_nonfinite_gradient_skips_the_step():
     model, batch = _rollout()
     bad = batch.replace(advantages=batch.advantages * float("nan"))
     before = [p.detach().clone() for p in model.parameters()]
-    m = _run(model, bad, micro=16)
+    scheds = []
+    m = _run(model, bad, micro=16, sched_out=scheds)
     assert m["update/skipped_nonfinite_steps"] == 1.0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert scheds[0].last_epoch == 0  # the LR schedule counts applied steps only
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
