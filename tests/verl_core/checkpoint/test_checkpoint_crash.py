@@ -23,6 +23,16 @@ CHILD = textwrap.dedent("""
         return {"policy": {"w": torch.randn(16384, 1024, generator=g)}}
 
     m = CheckpointManager(RunStore(sys.argv[1]), chunk_bytes=4 << 20)
+    if sys.argv[2] == "async":  # the write runs in a background thread while "training" goes on
+        from verl_core.checkpoint import AsyncCheckpointer
+
+        ac = AsyncCheckpointer(m)
+        ac.save(1, state(1), {"step": 1})
+        ac.wait()
+        print("committed", 1, flush=True)
+        ac.save(2, state(2), {"step": 2})
+        while True:
+            torch.randn(256, 256) @ torch.randn(256, 256)
     step = 1
     while True:
         m.save(step, state(step), {"step": step})
@@ -40,13 +50,14 @@ def _objects(root):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_save_resumes_from_previous(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_mid_save_resumes_from_previous(tmp_path, mode):
     root = str(tmp_path / "store")
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, str(script), root], stdout=subprocess.PIPE, env=env,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, str(script), root, mode], stdout=subprocess.PIPE,
+                            env=env, text=True)
     try:
         assert proc.stdout.readline().split() == ["committed", "1"]
         after_first = 16 + 1  # 16 chunks + the meta object
