@@ -104,7 +104,9 @@ class RunWorker:
         for info in sorted(infos, key=lambda i: i.step, reverse=True):
             try:
                 groups, meta, _ = self.ckpt.load(info.name)
-            except Exception as e:  # noqa: BLE001 - a damaged checkpoint: fall back to older
+            except PermanentError as e:  # a damaged checkpoint: fall back to an older one.
+                # A transient store error propagates instead: the phase is retried, rather than
+                # quietly resuming from an older checkpoint and replaying more than needed.
                 log.warning("checkpoint %s rejected (%s); trying an older one", info.name, e)
                 continue
             self._apply(groups, meta, info.step)

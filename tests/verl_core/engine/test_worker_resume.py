@@ -130,6 +130,29 @@ def test_missing_lineage_and_checkpoints_is_a_clear_error(tmp_path, assets):
     b.close()
 
 
+def test_store_outage_during_resume_is_retried_not_replayed(tmp_path, assets, monkeypatch):
+    # a transient store error while loading a checkpoint must reach the retry policy; falling
+    # back to an older checkpoint (or to step 0 and a full replay) would hide the outage
+    from verl_core.checkpoint import CheckpointManager, StoreUnavailableError
+
+    cfg = _cfg()
+    uri = str(tmp_path / "store")
+    index = _finished_run(uri, cfg, assets, steps=3)
+
+    def outage(self, *a, **k):
+        raise StoreUnavailableError("reading object 00ab…: store unavailable (ConnectionError)")
+
+    b = _worker(uri, cfg, index)
+    with monkeypatch.context() as m:
+        m.setattr(CheckpointManager, "load", outage)
+        with pytest.raises(StoreUnavailableError):
+            b.ensure_state(3)
+    assert b.replayed == 0
+    b.ensure_state(3)  # the retry, once the store is back: checkpoint 2 + update 2 replayed
+    assert b.step == 3 and b.replayed == 1
+    b.close()
+
+
 def test_extending_a_finished_run_continues_its_trajectory(tmp_path, assets):
     """`--steps 5` after a finished 3-step run with the same run name continues from step 3 (the
     run length is not part of the trajectory with a constant LR schedule) and ends bit-identical
