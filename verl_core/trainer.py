@@ -232,12 +232,23 @@ class RLTrainer:
                 meta["critic_scheduler"] = self.critic_scheduler.state_dict()
         return groups, meta
 
+    def load_targets(self) -> dict:
+        """``{group: {tensor: destination}}`` for ``CheckpointManager.load(out=...)``: the live
+        weights, so a resume reads into them instead of allocating a second copy. After a failed
+        load they may hold a partial mix: the caller loads another checkpoint or rebuilds."""
+        out = {"policy": self.actor.state_dict()}
+        if self.critic is not None:
+            out["critic"] = self.critic.state_dict()
+        return out
+
     def load_state(self, groups: dict, meta: dict) -> None:
         """Inverse of :meth:`state` (a checkpoint without optimizer state restarts the moments)."""
         self.actor.load_state_dict(groups["policy"])
         if "optimizer" in groups:
             self.actor_optimizer.load_state_dict(groups["optimizer"])
             self.actor_scheduler.load_state_dict(meta["scheduler"])
+        else:  # no stale moments from whatever this trainer held before
+            self.actor_optimizer.state.clear()
         if self.critic is not None:
             if "critic" not in groups:
                 raise ValueError("checkpoint has no critic but this run trains one "
@@ -246,6 +257,8 @@ class RLTrainer:
             if "critic_optimizer" in groups:
                 self.critic_optimizer.load_state_dict(groups["critic_optimizer"])
                 self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
+            else:
+                self.critic_optimizer.state.clear()
         self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
         self.sampler.load_state_dict(meta["sampler"])
         # checkpoints from before guard/history were saved start them empty

@@ -17,6 +17,7 @@ and advantage phases are light functions of the stored batch (see ``verl_core.en
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +40,11 @@ log = logging.getLogger(__name__)
 
 class StateUnavailableError(PermanentError):
     """The state a phase asks for can be neither found nor rebuilt."""
+
+
+def _needed(info) -> list[str]:
+    """The groups a resume reads: all but the reference model, which the assets rebuild."""
+    return [g for g in info.groups if g != "reference"]
 
 
 def put_batch(store: RunStore, batch: Batch) -> str:
@@ -69,6 +75,7 @@ class RunWorker:
             store_tokenizer(self.store, self.trainer.tokenizer)
         self.step = 0  # updates applied to the in-memory state
         self.base_step = 0  # step of the state the run started from
+        self._live_valid = True  # False while (or after a failed attempt at) changing the state
         if self.cfg.checkpoint.resume_from_checkpoint not in ("auto", "none", ""):
             self._rebuild_base()
         self.last_save_time = time.time()
@@ -78,19 +85,28 @@ class RunWorker:
     def _lineage(self, step: int) -> str:
         return f"lineage/{self.config_hash[:16]}/{step:09d}"
 
+    @contextlib.contextmanager
+    def _changing_state(self):
+        """Mark the in-memory state as unknown while it changes. If the change fails half-way (an
+        error in the middle of an update, a store outage while a checkpoint is read into the live
+        weights), the next :meth:`ensure_state` rebuilds the state instead of trusting it."""
+        self._live_valid = False
+        yield
+        self._live_valid = True
+
     def _rebuild_base(self) -> None:
         """The state the run started from: an explicit ``resume_from_checkpoint`` (any store) or
         the initial model of the assets (step 0)."""
         spec = self.cfg.checkpoint.resume_from_checkpoint
-        if spec not in ("auto", "none", ""):
-            mgr, ref = open_checkpoint(spec, self.store.storage_options)
-            groups, meta, info = mgr.load(ref)
-            self._apply(groups, meta, info.step)
-            self.base_step = info.step
-            return
-        self.trainer.close()
-        self.trainer = RLTrainer(self.cfg, self.assets)
-        self.step = 0
+        with self._changing_state():
+            self.trainer.close()
+            self.trainer = RLTrainer(self.cfg, self.assets)
+            self.step = 0
+            if spec not in ("auto", "none", ""):
+                mgr, ref = open_checkpoint(spec, self.store.storage_options)
+                groups, meta, info = mgr.load(ref, groups=_needed(mgr.read_manifest(ref)[0]))
+                self._apply(groups, meta, info.step)
+                self.base_step = info.step
 
     def _apply(self, groups, meta, step: int) -> None:
         self.trainer.load_state(groups, meta)
@@ -103,23 +119,30 @@ class RunWorker:
                  and (max_step is None or i.step <= max_step) and i.step > min_step]
         for info in sorted(infos, key=lambda i: i.step, reverse=True):
             try:
-                groups, meta, _ = self.ckpt.load(info.name)
+                # the reference model is rebuilt from the assets, so its stored copy is not read;
+                # weights are read straight into the live parameters (no second copy in memory),
+                # which is why a failed load leaves the state marked unknown
+                with self._changing_state():
+                    groups, meta, _ = self.ckpt.load(info.name, groups=_needed(info),
+                                                     out=self.trainer.load_targets())
+                    self._apply(groups, meta, info.step)
             except PermanentError as e:  # a damaged checkpoint: fall back to an older one.
                 # A transient store error propagates instead: the phase is retried, rather than
                 # quietly resuming from an older checkpoint and replaying more than needed.
                 log.warning("checkpoint %s rejected (%s); trying an older one", info.name, e)
                 continue
-            self._apply(groups, meta, info.step)
             return True
         return False
 
     def ensure_state(self, step: int) -> None:
         """Make the in-memory state the one after ``step`` updates (see the module docstring)."""
-        if step == self.step:
+        if step == self.step and self._live_valid:
             return
         # Going forward, a checkpoint past the in-memory state saves replaying up to it.
-        ahead = step > self.step and self._load_checkpoint(max_step=step, min_step=self.step)
-        if not ahead and (step < self.step or not self._has_lineage(self.step, step)):
+        ahead = (self._live_valid and step > self.step
+                 and self._load_checkpoint(max_step=step, min_step=self.step))
+        if not ahead and (not self._live_valid or step < self.step
+                          or not self._has_lineage(self.step, step)):
             if not self._load_checkpoint(max_step=step):
                 self._rebuild_base()
                 if self.step > step:
@@ -134,9 +157,11 @@ class RunWorker:
                     f"cannot rebuild the state of step {step}: the batch of update {s} is not in "
                     f"{self.store.uri} (lineage {self._lineage(s)} missing); re-run with "
                     "--overwrite-cache to recompute those phases")
-            self.trainer.update(get_batch(self.store, doc["batch"]), s)
+            batch = get_batch(self.store, doc["batch"])
+            with self._changing_state():
+                self.trainer.update(batch, s)
+                self.step = s + 1
             self.replayed += 1
-            self.step = s + 1
 
     def _has_lineage(self, start: int, stop: int) -> bool:
         return all(self.store.has_json(self._lineage(s)) for s in range(start, stop))
@@ -154,8 +179,9 @@ class RunWorker:
         self.ensure_state(step)
         t0 = time.perf_counter()
         batch = get_batch(self.store, batch_ref)
-        metrics = self.trainer.update(batch, step)
-        self.step = step + 1
+        with self._changing_state():
+            metrics = self.trainer.update(batch, step)
+            self.step = step + 1
         # record how this state was made before anyone is told it exists
         self.store.put_json(self._lineage(step), {"step": step, "batch": batch_ref})
         metrics["timing/update_s"] = time.perf_counter() - t0

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from verl_core.checkpoint import CheckpointManager
 from verl_core.checkpoint.store import RunStore
 from verl_core.config import preset
 from verl_core.engine.assets import publish_assets
@@ -151,6 +152,68 @@ def test_store_outage_during_resume_is_retried_not_replayed(tmp_path, assets, mo
     b.ensure_state(3)  # the retry, once the store is back: checkpoint 2 + update 2 replayed
     assert b.step == 3 and b.replayed == 1
     b.close()
+
+
+def _straight_shas(uri, cfg, assets, steps):
+    index = publish_assets(RunStore(uri), assets)
+    a = _worker(uri, cfg, index)
+    shas = []
+    for s in range(steps):
+        _step(a, s)
+        shas.append(_weights_sha(a))
+    a.close()
+    return index, shas
+
+
+def test_update_failing_half_way_is_rebuilt_not_trusted(tmp_path, assets, monkeypatch):
+    # an update that dies after changing the weights (OOM, a killed collective) leaves the live
+    # state between two steps; the retry must rebuild it, not update it a second time
+    cfg = _cfg(**{"checkpoint.checkpoint_interval": 100})
+    _, shas = _straight_shas(str(tmp_path / "a"), cfg, assets, 3)
+    uri = str(tmp_path / "b")
+    b = _worker(uri, cfg, publish_assets(RunStore(uri), assets))
+    _step(b, 0)
+    _step(b, 1)
+    ref, _ = b.rollout(2)
+    batch = get_batch(b.store, ref)
+    batch, _ = score_batch(batch, b.trainer.scorer, b.trainer.tokenizer)
+    batch, _ = compute_advantages(batch, b.cfg.algorithm)
+    batch_ref = put_batch(b.store, batch)
+    real = b.trainer._ppo_update
+
+    def dies_after_stepping(*a, **k):
+        real(*a, **k)  # the optimizer has stepped
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    with monkeypatch.context() as m:
+        m.setattr(b.trainer, "_ppo_update", dies_after_stepping)
+        with pytest.raises(RuntimeError, match="injected"):
+            b.update(2, batch_ref)
+    b.update(2, batch_ref)  # the retry: initial model + replay of updates 0 and 1, then update 2
+    assert _weights_sha(b) == shas[2] and b.replayed == 2
+    b.close()
+
+
+def test_failed_in_place_load_is_not_trusted(tmp_path, assets):
+    # checkpoints are read straight into the live weights; when one turns out damaged half-way,
+    # the weights it already wrote must not be used as the start of a replay
+    cfg = _cfg()
+    uri = str(tmp_path / "store")
+    index, shas = _straight_shas(uri, cfg, assets, 3)  # checkpoint at step 2
+    mgr = CheckpointManager(RunStore(uri))
+    _, m = mgr.read_manifest("latest")
+    tensors = m["groups"]["policy"]["tensors"]
+    last = max({c["sha"] for e in tensors.values() for c in e["chunks"]},
+               key=lambda sha: max(i for i, e in enumerate(tensors.values())
+                                   if any(c["sha"] == sha for c in e["chunks"])))
+    path = RunStore(uri).object_path(last)
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    c = _worker(uri, cfg, index)
+    c.ensure_state(3)  # checkpoint 2 rejected -> initial model + replay of updates 0, 1, 2
+    assert _weights_sha(c) == shas[2] and c.replayed == 3
+    c.close()
 
 
 def test_extending_a_finished_run_continues_its_trajectory(tmp_path, assets):
