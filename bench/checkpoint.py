@@ -5,6 +5,8 @@
 
 Everything is measured in the same process on the same filesystem (``--dir``, default a temp dir):
 
+* the same as a resume does it: into a live model and optimizer (``load_state_dict``), ours
+  reading the weights straight into the parameters (``out=``), as ``RunWorker`` does;
 * save/load MB/s of the full training state (policy + AdamW state + RNG) with ``CheckpointManager``
   (sha256 of every object, atomic renames, manifest verify; with and without fsync) against
   ``torch.save`` / ``torch.load`` of the same state dict (``weights_only=True`` cannot load
@@ -155,6 +157,39 @@ def main() -> None:
             ("ratio load CheckpointManager / torch.load", f"{t_tl / t_ol:6.2f}x",
              "(>= 1: not slower)"),
         ]
+        # ---------------------------------------------------------------- resume into a model
+        # What a resume does: torch.load + load_state_dict, against a verified load straight into
+        # the live parameters (as RunWorker does); both then load the optimizer moments.
+        m2, o2 = build(args, freeze_half=False)
+        train_step(m2, o2, args.vocab)
+        live = {"policy": m2.state_dict()}
+
+        def torch_resume():
+            sd = torch.load(pt, weights_only=False)
+            m2.load_state_dict(sd["policy"])
+            o2.load_state_dict(sd["optimizer"])
+
+        def ours_resume():
+            groups, _, _ = mgr.load(info.name, out=live)
+            m2.load_state_dict(groups["policy"])  # the same tensors: nothing is copied
+            o2.load_state_dict(groups["optimizer"])
+
+        rt: dict[str, list[float]] = {"t": [], "o": []}
+        for i in range(args.repeat + 1):
+            for key, fn in ((("t", torch_resume), ("o", ours_resume)) if i % 2 else
+                            (("o", ours_resume), ("t", torch_resume))):
+                t0 = time.perf_counter()
+                fn()
+                rt[key].append(time.perf_counter() - t0)
+        t_rt, t_ro = statistics.median(rt["t"][1:]), statistics.median(rt["o"][1:])
+        rows += [
+            ("resume torch.load + load_state_dict (model, optimizer)", f"{t_rt:6.2f} s",
+             f"{mb / t_rt:7.0f} MB/s"),
+            ("resume CheckpointManager.load(out=live params) + optimizer", f"{t_ro:6.2f} s",
+             f"{mb / t_ro:7.0f} MB/s, {t_rt / t_ro:.2f}x of torch (>= 1: not slower)"),
+        ]
+        del m2, o2, live
+
         _, manifest = mgr.read_manifest(info.name)
         n_tensors = sum(len(g["tensors"]) for g in manifest["groups"].values())
         rows.append(("objects per checkpoint (small tensors packed)",
