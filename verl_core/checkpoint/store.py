@@ -139,6 +139,18 @@ def _transient_types() -> tuple[type, ...]:
 _TRANSIENT = _transient_types()
 
 
+def _credential_types() -> tuple[type, ...]:
+    try:
+        import botocore.exceptions as be
+    except ImportError:
+        return ()
+    return (be.NoCredentialsError, be.PartialCredentialsError)
+
+
+# Missing S3 credentials are a configuration problem, not an outage: retrying cannot fix them.
+_CREDENTIALS = _credential_types()
+
+
 @contextlib.contextmanager
 def _io(what: str, *, missing_ok: bool = False):
     """Map an I/O failure during ``what`` to the project's error families.
@@ -153,6 +165,11 @@ def _io(what: str, *, missing_ok: bool = False):
         raise
     except PermissionError as e:
         raise StorePermissionError(f"{what}: permission denied ({e})") from e
+    except _CREDENTIALS as e:
+        raise StorePermissionError(
+            f"{what}: no S3 credentials ({type(e).__name__}: {e}); set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an IAM role), or pass storage_options "
+            "key/secret") from e
     except (IsADirectoryError, NotADirectoryError) as e:
         raise PermanentError(f"{what}: {e}") from e
     except _TRANSIENT as e:
@@ -387,7 +404,8 @@ class RunStore:
             except FileNotFoundError:
                 if not self._create:
                     raise NotFoundError(f"{self.uri} is not a run store (no store.json); check the "
-                                        "path or create it by opening it with create=True")
+                                        "path: a run store is a run's folder, e.g. "
+                                        "runs/<run-name> or s3://bucket/prefix/<run-name>")
                 doc = {"format": STORE_FORMAT, "incarnation_id": uuid.uuid4().hex,
                        "created": time.time()}
                 self._write_file(meta_path, [canonical_json(doc)], create_only=True)

@@ -127,3 +127,20 @@ def test_s3_server_hangs_during_save_then_recovers(moto_server_factory, monkeypa
     assert fresh.resolve("latest") == good.name
     groups, meta, info = fresh.load("auto")
     assert info == good and torch.equal(groups["policy"]["w"], w)
+
+
+def test_s3_without_credentials_is_a_permanent_error_naming_the_fix(moto_s3, monkeypatch,
+                                                                     tmp_path):
+    # missing credentials are configuration, not an outage: no retries, and the message says
+    # what to set
+    from verl_core.checkpoint import StorePermissionError
+
+    endpoint, bucket, opts = moto_s3
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SECURITY_TOKEN",
+              "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup
+    with pytest.raises(StorePermissionError, match="no S3 credentials.*AWS_ACCESS_KEY_ID"):
+        RunStore(f"s3://{bucket}/run", opts)
