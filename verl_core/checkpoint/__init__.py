@@ -23,6 +23,7 @@ from verl_core.checkpoint.errors import (
     IncompleteCheckpointError,
     NoValidCheckpointError,
     PermanentError,
+    StoreFullError,
     StoreUnavailableError,
     TransientError,
     UnsafeManifestError,
@@ -47,4 +48,5 @@ __all__ = [
     "VerlError", "TransientError", "PermanentError", "StoreUnavailableError", "CorruptObjectError",
     "UnsafeManifestError", "CheckpointNotFoundError", "NoValidCheckpointError",
     "IncompleteCheckpointError", "CheckpointSaveError", "NotFoundError", "StorePermissionError",
+    "StoreFullError",
 ]

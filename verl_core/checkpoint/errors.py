@@ -12,7 +12,7 @@ __all__ = [
     "VerlError", "TransientError", "PermanentError",
     "StoreUnavailableError", "CorruptObjectError", "UnsafeManifestError",
     "CheckpointNotFoundError", "NoValidCheckpointError", "IncompleteCheckpointError",
-    "CheckpointSaveError",
+    "CheckpointSaveError", "StoreFullError",
 ]
 
 
@@ -50,3 +50,8 @@ class IncompleteCheckpointError(TransientError):
 
 class CheckpointSaveError(PermanentError):
     """A save was refused (e.g. unsupported value type in the state); nothing was committed."""
+
+
+class StoreFullError(PermanentError):
+    """The store's disk or quota is full. Retrying cannot help until space is freed; nothing
+    committed was changed (the half-written save is garbage that ``gc`` removes)."""

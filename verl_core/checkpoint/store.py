@@ -25,6 +25,7 @@ whole file or nothing. On S3 a single PUT is atomic by itself.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -42,6 +43,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from verl_core.checkpoint.errors import (
     CorruptObjectError,
+    StoreFullError,
     StoreUnavailableError,
     UnsafeManifestError,
 )
@@ -175,6 +177,12 @@ def _io(what: str, *, missing_ok: bool = False):
     except _TRANSIENT as e:
         raise StoreUnavailableError(f"{what}: store unavailable ({type(e).__name__}: {e})") from e
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFullError(
+                f"{what}: the store is full ({e}); free space, keep fewer checkpoints "
+                "(checkpoint.keep_last) or delete unreferenced objects with "
+                "`python -m verl_core.checkpoint gc <store>`; no committed checkpoint was "
+                "changed") from e
         raise StoreUnavailableError(f"{what}: I/O error ({type(e).__name__}: {e})") from e
 
 

@@ -26,10 +26,11 @@ import time
 import torch
 
 from verl_core.checkpoint.async_save import AsyncCheckpointer
-from verl_core.checkpoint.errors import CheckpointNotFoundError, PermanentError
+from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectError, PermanentError,
+                                        UnsafeManifestError)
 from verl_core.checkpoint.hf_export import TOKENIZER_DOC, store_tokenizer
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
-from verl_core.checkpoint.store import RunStore
+from verl_core.checkpoint.store import NotFoundError, RunStore
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.engine.assets import materialize_assets
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 
 class StateUnavailableError(PermanentError):
     """The state a phase asks for can be neither found nor rebuilt."""
+
+
+# what makes one checkpoint unusable (not the store): the worker then tries an older one
+_REJECTED = (CorruptObjectError, UnsafeManifestError, CheckpointNotFoundError, NotFoundError)
 
 
 def _needed(info) -> list[str]:
@@ -126,9 +131,9 @@ class RunWorker:
                     groups, meta, _ = self.ckpt.load(info.name, groups=_needed(info),
                                                      out=self.trainer.load_targets())
                     self._apply(groups, meta, info.step)
-            except PermanentError as e:  # a damaged checkpoint: fall back to an older one.
-                # A transient store error propagates instead: the phase is retried, rather than
-                # quietly resuming from an older checkpoint and replaying more than needed.
+            except _REJECTED as e:  # a damaged checkpoint: fall back to an older one.
+                # A store error (an outage, missing permissions) propagates instead: the phase is
+                # retried or fails, rather than quietly replaying from an older checkpoint.
                 log.warning("checkpoint %s rejected (%s); trying an older one", info.name, e)
                 continue
             return True

@@ -114,6 +114,30 @@ def test_io_errors_are_transient(store, monkeypatch):
     assert not [n for n in os.listdir(store.root) if n.startswith(".tmp")]  # temp file removed
 
 
+def test_full_disk_is_permanent_and_keeps_latest(tmp_path, monkeypatch):
+    import errno
+
+    import torch
+
+    from verl_core.checkpoint import CheckpointManager, PermanentError, StoreFullError
+
+    mgr = CheckpointManager(RunStore(str(tmp_path / "s")))
+    first = mgr.save(1, {"policy": {"w": torch.zeros(8, 8)}}, {})
+    real_replace = os.replace
+
+    def enospc(src, dst, *a, **k):
+        if "/objects/" in dst:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", enospc)
+    with pytest.raises(StoreFullError, match="store is full.*keep_last.*gc") as e:
+        mgr.save(2, {"policy": {"w": torch.ones(8, 8)}}, {})
+    assert isinstance(e.value, PermanentError)  # retrying cannot free space: fail fast
+    monkeypatch.undo()
+    assert mgr.resolve("latest") == first.name and mgr.load("auto")[2] == first
+
+
 def test_any_fsspec_url_works(tmp_path):
     """The generic (non-local, non-S3) code path, through fsspec's in-memory filesystem."""
     import uuid
