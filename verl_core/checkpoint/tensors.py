@@ -277,7 +277,9 @@ def save_tensors(store: RunStore, tensors: Mapping[str, Any], *,
         return [(name, {"sha": sha, "size": size, "rows": [a, b], "key": str(i)})
                 for i, (name, a, b, _) in enumerate(pack)]
 
-    for refs in store.map(write, singles + packers[True].packs + packers[False].packs):
+    jobs = singles + packers[True].packs + packers[False].packs
+    jobs.sort(key=lambda pack: -sum(_nbytes(piece[3]) for piece in pack))  # largest first
+    for refs in store.map(write, jobs):
         for name, chunk in refs:
             index[name]["chunks"].append(chunk)
     for entry in index.values():
@@ -643,8 +645,9 @@ def load_tensors(store: RunStore, index: Mapping[str, dict], names: Optional[Seq
                                           f"sizes {size} and {c['size']}")
             targets.append(tgt)
 
+    # largest first: the pool's threads finish together instead of waiting on one big object
     store.map(lambda item: _read_object(store, item[0], item[1][0], item[1][1]),
-              list(objects.items()))
+              sorted(objects.items(), key=lambda item: -item[1][0]))
     for dest, tmp in copy_back:
         with torch.no_grad():
             dest.copy_(tmp)
