@@ -44,6 +44,10 @@ def test_s3_roundtrip_verify_and_fallback(moto_s3, caplog):
     store.fs.pipe_file(path, bytes(data))
     with pytest.raises(CorruptObjectError, match=sha):
         mgr.load(b.name)
+    # the damaged object was moved aside (copy + delete on S3), so a later save rewrites it
+    assert not store.has_object(sha)
+    moved = store.fs.ls(f"{store.root}/quarantine")
+    assert len(moved) == 1 and moved[0].rsplit("/", 1)[-1].startswith(sha)
     with caplog.at_level(logging.WARNING):
         _, _, info = CheckpointManager(_s3_store(moto_s3)).load("auto")
     assert info == a and any(sha in r.getMessage() for r in caplog.records)
