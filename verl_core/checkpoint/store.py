@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from verl_core.checkpoint.errors import (
@@ -217,10 +218,15 @@ class RunStore:
         fsync: locally, fsync each file before its atomic rename (survives power loss, not just a
             killed process). Object stores ignore it.
         create: create the root and its ``store.json`` (incarnation id) if missing.
+        op_timeout_s: deadline of one call on an object store (default ``$VERL_STORE_TIMEOUT_S``
+            or 300 s). Client timeouts do not cover every way a request can stall (seen here: a
+            PUT to a frozen server waited forever); past the deadline the call is cancelled and
+            raises :class:`StoreUnavailableError`, so the phase is retried instead of hanging.
     """
 
     def __init__(self, root: str, storage_options: Optional[dict] = None, *,
-                 io_threads: Optional[int] = None, fsync: bool = True, create: bool = True):
+                 io_threads: Optional[int] = None, fsync: bool = True, create: bool = True,
+                 op_timeout_s: Optional[float] = None):
         if not isinstance(root, str) or not root:
             raise PermanentError(f"store root {root!r} must be a non-empty path or URL")
         opts = dict(storage_options or {})
@@ -230,6 +236,8 @@ class RunStore:
         with _io(f"opening store {root}"):
             self.fs, path = fsspec.core.url_to_fs(root, **opts)
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        self._async = isinstance(self.fs, AsyncFileSystem)
+        self.op_timeout_s = float(op_timeout_s or os.environ.get("VERL_STORE_TIMEOUT_S") or 300)
         self.root = (os.path.abspath(path) if self.is_local else path.rstrip("/"))
         self.uri = self.root if self.is_local else root.rstrip("/")
         self.storage_options = storage_options or {}
@@ -251,6 +259,13 @@ class RunStore:
     # ------------------------------------------------------------------ paths
     def _p(self, rel: str) -> str:
         return f"{self.root}/{rel}"
+
+    def _call(self, method: str, *args, **kwargs):
+        """``self.fs.<method>(...)``, with the store's deadline on async filesystems (s3fs …),
+        whose sync wrappers cancel the request when it passes."""
+        if self._async:
+            kwargs["timeout"] = self.op_timeout_s
+        return getattr(self.fs, method)(*args, **kwargs)
 
     def object_path(self, sha: str) -> str:
         """Full path of object ``sha`` (validated: hex only, so it cannot escape the store)."""
@@ -340,21 +355,21 @@ class RunStore:
             data = b"".join(bytes(p) for p in parts)
         if create_only:
             try:
-                self.fs.pipe_file(path, data, mode="create")
+                self._call("pipe_file", path, data, mode="create")
                 return True
             except FileExistsError:
                 return False
             except (TypeError, NotImplementedError):
-                if self.fs.exists(path):
+                if self._call("exists", path):
                     return False
-        self.fs.pipe_file(path, data)
+        self._call("pipe_file", path, data)
         return True
 
     def _read_file(self, path: str) -> bytes:
         if self.is_local:
             with open(path, "rb") as f:
                 return f.read()
-        return self.fs.cat_file(path)
+        return self._call("cat_file", path)
 
     def _size(self, path: str) -> Optional[int]:
         try:
@@ -363,8 +378,9 @@ class RunStore:
             if hasattr(self.fs, "call_s3") and hasattr(self.fs, "split_path"):
                 # one HEAD; fs.info() would follow a 404 with a LIST (directory check)
                 bucket, key, _ = self.fs.split_path(path)
-                return int(self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ContentLength"])
-            return int(self.fs.info(path)["size"])
+                return int(self._call("call_s3", "head_object", Bucket=bucket,
+                                      Key=key)["ContentLength"])
+            return int(self._call("info", path)["size"])
         except FileNotFoundError:
             return None
 
@@ -384,7 +400,7 @@ class RunStore:
                                         f"{path}/{n}") else "directory"})
                 return out
             self.fs.invalidate_cache(path)
-            entries = self.fs.ls(path, detail=True)
+            entries = self._call("ls", path, detail=True)
         except FileNotFoundError:
             return []
         entries = sorted(entries, key=lambda e: e["name"])
@@ -397,7 +413,7 @@ class RunStore:
             if self.is_local:
                 os.unlink(path)
             else:
-                self.fs.rm_file(path)
+                self._call("rm_file", path)
         except FileNotFoundError:
             pass
 
@@ -558,7 +574,7 @@ class RunStore:
                 except FileNotFoundError:
                     return False
             else:
-                self.fs.pipe_file(dest, data)
+                self._call("pipe_file", dest, data)
                 self._rm(path)
         log.warning("object %s is damaged (%d bytes that hash to something else); moved it to %s "
                     "so the next save rewrites it", sha, len(data), dest)
@@ -644,7 +660,7 @@ class RunStore:
             try:
                 if self.is_local:
                     return os.stat(path).st_mtime
-                return _mtime(self.fs.info(path))
+                return _mtime(self._call("info", path))
             except FileNotFoundError:
                 return None
 
@@ -666,7 +682,7 @@ class RunStore:
                     os.close(fd)
             else:
                 key = f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"
-                self.fs.pipe_file(self._p(f"logs/{name}/{key}.json"), line.encode("utf-8"))
+                self._call("pipe_file", self._p(f"logs/{name}/{key}.json"), line.encode("utf-8"))
 
     def read_log(self, name: str) -> list[dict]:
         """All records of log ``name`` in append order (a torn last line of a killed writer is
@@ -681,7 +697,7 @@ class RunStore:
                 lines = raw.decode("utf-8", errors="replace").splitlines()
             else:
                 paths = [p for p in self._ls(f"logs/{name}") if p.endswith(".json")]
-                blobs = self.fs.cat(paths) if paths else {}
+                blobs = self._call("cat", paths) if paths else {}
                 lines = [blobs[p].decode("utf-8", errors="replace") for p in paths]
         out = []
         for ln in lines:

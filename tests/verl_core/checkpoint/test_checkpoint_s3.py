@@ -107,7 +107,9 @@ def test_s3_server_hangs_during_save_then_recovers(moto_server_factory, monkeypa
     bucket = server.create_bucket()
     opts = server.storage_options(connect_timeout=1, read_timeout=1,
                                   retries={"max_attempts": 1, "mode": "standard"})
-    store = RunStore(f"s3://{bucket}/run", opts)
+    # the store's own deadline bounds what the client timeouts miss: a PUT to the frozen server
+    # once waited forever here (the event loop idle, no timer armed)
+    store = RunStore(f"s3://{bucket}/run", opts, op_timeout_s=5)
     store.fs.retries = 1  # s3fs' own retry loop: once is enough here
     mgr = CheckpointManager(store, chunk_bytes=64 << 10)
     w = torch.randn(256, 256)
@@ -148,3 +150,22 @@ def test_s3_without_credentials_is_a_permanent_error_naming_the_fix(moto_s3, mon
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup
     with pytest.raises(StorePermissionError, match="no S3 credentials.*AWS_ACCESS_KEY_ID"):
         RunStore(f"s3://{bucket}/run", opts)
+
+
+def test_store_deadline_bounds_a_frozen_server(moto_server_factory):
+    # client timeouts far longer than the store's deadline: the deadline is what ends the call
+    server = moto_server_factory()
+    bucket = server.create_bucket()
+    opts = server.storage_options(connect_timeout=60, read_timeout=60,
+                                  retries={"max_attempts": 1, "mode": "standard"})
+    store = RunStore(f"s3://{bucket}/run", opts, op_timeout_s=2)
+    store.put_bytes(b"before")
+    server.pause()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="store unavailable"):
+            store.put_bytes(b"during the outage")
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.resume()
+    assert store.get_bytes(store.put_bytes(b"after")) == b"after"
