@@ -188,7 +188,6 @@ def main() -> None:
             ("resume CheckpointManager.load(out=live params) + optimizer", f"{t_ro:6.2f} s",
              f"{mb / t_ro:7.0f} MB/s, {t_rt / t_ro:.2f}x of torch (>= 1: not slower)"),
         ]
-        del m2, o2, live
 
         _, manifest = mgr.read_manifest(info.name)
         n_tensors = sum(len(g["tensors"]) for g in manifest["groups"].values())

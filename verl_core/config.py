@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 class ConfigError(ValueError):

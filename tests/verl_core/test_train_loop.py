@@ -3,7 +3,6 @@ import json
 import textwrap
 
 import pytest
-import torch
 
 from verl_core.config import ConfigError, preset
 from verl_core.train import main, train

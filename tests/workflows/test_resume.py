@@ -97,7 +97,6 @@ def test_transient_faults_are_retried_locally_permanent_fail_fast(tmp_path):
 
     env = flyte_env(tmp_path, VERL_FAULTS=json.dumps([
         {"phase": "advantage", "step": 0, "kind": "permanent"}]))
-    t0 = time.time()
     res = run(ppo_cmd(tmp_path / "s2", steps=2), env, check=False)
     assert res.returncode != 0
     assert "injected permanent fault in advantage of step 0" in res.stdout + res.stderr

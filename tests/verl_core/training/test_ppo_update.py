@@ -8,7 +8,7 @@ from verl_core.config import AlgorithmConfig, OptimConfig
 from verl_core.data.batch import Batch
 from verl_core.models import build_tiny_model
 from verl_core.rollout import SamplingParams, make_engine
-from verl_core.training.forward import batched_logprobs, response_logprobs
+from verl_core.training.forward import batched_logprobs
 from verl_core.training.optim import lr_factor, make_optimizer, make_scheduler
 from verl_core.training.ppo import ppo_update
 
