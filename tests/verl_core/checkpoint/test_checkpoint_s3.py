@@ -169,3 +169,18 @@ def test_store_deadline_bounds_a_frozen_server(moto_server_factory):
     finally:
         server.resume()
     assert store.get_bytes(store.put_bytes(b"after")) == b"after"
+
+
+def test_s3_default_size_objects_roundtrip(moto_s3):
+    # the default 16 MiB objects (PUTs well past botocore's 1 MB "Expect: 100-continue" size)
+    store = _s3_store(moto_s3, "big")
+    mgr = CheckpointManager(store)
+    w = torch.randn(10_000, 1024)  # 41 MB: two full 16 MiB row chunks and a remainder
+    small = {f"layers.{i}.norm": torch.randn(1024) for i in range(8)}
+    info = mgr.save(1, {"policy": {"w": w, **small}}, {})
+    _, m = mgr.read_manifest(info.name)
+    sizes = sorted(m["objects"].values())
+    assert len(sizes) == 5 and sizes[-1] > 16 << 20  # 3 chunks of w, 1 pack, the meta
+    groups, _, _ = CheckpointManager(_s3_store(moto_s3, "big")).load("latest")
+    assert torch.equal(groups["policy"]["w"], w)
+    assert all(torch.equal(groups["policy"][k], v) for k, v in small.items())
