@@ -125,6 +125,16 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], tree: Any, *, what: str
     def bad(why: str):
         raise CorruptObjectError(f"{what}: malformed state tree ({why})")
 
+    def np_dtype(name: str):
+        """A numpy dtype named in the tree: numbers and bools only (never object)."""
+        try:
+            dtype = np.dtype(name)
+        except TypeError:
+            bad(f"unknown numpy dtype {name!r}")
+        if dtype.kind not in "biuf":
+            bad(f"numpy dtype {dtype} is not allowed")
+        return dtype
+
     def dec(v: Any) -> Any:
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
@@ -143,13 +153,7 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], tree: Any, *, what: str
         if tag == "$np":
             if v.get("$np") not in tensors or not isinstance(v.get("dtype"), str):
                 bad(f"numpy array {v.get('$np')!r} is referenced but not stored")
-            try:
-                dtype = np.dtype(v["dtype"])
-            except TypeError:
-                bad(f"unknown numpy dtype {v['dtype']!r}")
-            if dtype.kind not in "biuf":
-                bad(f"numpy dtype {dtype} is not allowed")
-            return tensors[v["$np"]].numpy().astype(dtype)
+            return tensors[v["$np"]].numpy().astype(np_dtype(v["dtype"]))
         if tag == "$tuple" and isinstance(v["$tuple"], list):
             return tuple(dec(x) for x in v["$tuple"])
         if tag == "$dict" and isinstance(v["$dict"], list):
@@ -176,13 +180,7 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], tree: Any, *, what: str
             except (RuntimeError, ValueError):
                 bad(f"bad device {v['$device']!r}")
         if tag == "$npscalar" and isinstance(v.get("$npscalar"), str):
-            try:
-                dtype = np.dtype(v["$npscalar"])
-            except TypeError:
-                bad(f"unknown numpy dtype {v['$npscalar']!r}")
-            if dtype.kind not in "biuf":
-                bad(f"numpy scalar dtype {dtype} is not allowed")
-            return dtype.type(dec(v["v"]))
+            return np_dtype(v["$npscalar"]).type(dec(v["v"]))
         bad(f"unknown tag {tag!r}")
 
     return dec(tree)
