@@ -49,8 +49,7 @@ from verl_core.checkpoint.errors import CheckpointSaveError, CorruptObjectError,
 from verl_core.checkpoint.store import RunStore, check_sha256
 
 __all__ = ["RowShard", "DEFAULT_CHUNK_BYTES", "save_tensors", "load_tensors", "validate_index",
-           "merge_indexes", "index_objects", "check_object", "index_nbytes", "encode_chunk",
-           "encode_pack",
+           "merge_indexes", "index_objects", "check_object", "index_nbytes", "encode_pack",
            "DTYPE_NAMES"]
 
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -164,12 +163,6 @@ def encode_pack(pieces: Sequence[torch.Tensor]) -> tuple[bytes, list]:
         data.append(_raw_bytes(t))
         pos += n
     return _pack_header(sorted(entries, key=lambda e: int(e[0]))), data
-
-
-def encode_chunk(t: torch.Tensor) -> tuple[bytes, Any]:
-    """(header bytes, raw data view) of a single-tensor object (the tensor is named ``"0"``)."""
-    header, data = encode_pack([t])
-    return header, data[0]
 
 
 def _row_ranges(shape: Sequence[int], elem: int, chunk_bytes: int,
@@ -422,8 +415,8 @@ def _object_label(sha: str, targets: Sequence[_Target]) -> str:
 
 
 def _parse_header(raw: bytes, data_len: int, what: str, sha: str) -> dict[str, tuple]:
-    """``{key: (code, shape, start, stop)}`` of a safetensors header whose tensors must tile
-    exactly ``data_len`` bytes; anything else is a :class:`CorruptObjectError`."""
+    """``{key: (code, shape, start, stop)}`` in file order, of a safetensors header whose tensors
+    must tile exactly ``data_len`` bytes; anything else is a :class:`CorruptObjectError`."""
     def bad(why: str):
         raise CorruptObjectError(f"{what} is not a valid safetensors object ({why}); refusing to "
                                  "interpret it", sha=sha)
@@ -454,8 +447,9 @@ def _parse_header(raw: bytes, data_len: int, what: str, sha: str) -> dict[str, t
         if offs[1] - offs[0] != n:
             bad(f"entry {k!r} offsets do not match its shape")
         entries[k] = (code, shape, offs[0], offs[1])
+    entries = dict(sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])))  # file order
     pos = 0
-    for _, _, a, b in sorted(entries.values(), key=lambda e: (e[2], e[3])):
+    for _, _, a, b in entries.values():
         if a != pos:
             bad(f"data has a gap or overlap at byte {pos}")
         pos = b
@@ -488,7 +482,7 @@ def _deliver(entries: Mapping[str, tuple], targets: Sequence[_Target], fill) -> 
     for t in targets:
         wants.setdefault(t.key, []).append(t)
     scratch = None
-    for key, (_, _, a, b) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+    for key, (_, _, a, b) in entries.items():  # file order (see _parse_header)
         if a == b:
             continue
         ts = wants.get(key, ())
