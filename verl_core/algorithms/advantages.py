@@ -222,10 +222,18 @@ def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, grou
                         norm_adv_by_std_in_grpo: bool) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted returns, whitened over the batch.
 
-    Follows verl ``compute_reinforce_plus_plus_outcome_advantage``:
-        G_t = r_t + γ G_{t+1} · m_{t+1}      (the running return is reset after a masked position)
-        A = masked_whiten(G)                 over all valid tokens of the batch
-    No critic, no group baseline.
+    Follows verl ``compute_reinforce_plus_plus_outcome_advantage`` as fixed for verl issue #7278
+    (PR #7300): the backward scan moves only on valid tokens, like GAE's. A masked span inside a
+    response (observation tokens of a multi-turn rollout) neither resets nor discounts the running
+    return, so the tokens before it still receive the reward that comes after it:
+        G_t = r_t + γ G_{t'}     where m_t = 1, with t' the next valid position after t
+                                 (G_{t'} = 0 past the last valid token, so padding stays 0)
+        G_t = 0                  where m_t = 0 (the running return passes through unchanged; a
+                                 reward on a masked position is not added, as in verl)
+        A = masked_whiten(G)     over all valid tokens of the batch
+    With mask [1,1,0,0,1,1], γ = 1 and reward 1 on the last token, G = [1,1,0,0,1,1]: the first
+    turn gets the outcome reward too (before the fix it got [0,0,0,0,1,1]). No critic, no group
+    baseline.
 
     Args:
         token_level_rewards: (N, T) r_t. response_mask: (N, T).
@@ -235,15 +243,16 @@ def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, grou
     """
     _check(token_level_rewards, response_mask, group_index, values)
     mask = response_mask.to(token_level_rewards.dtype)  # (N, T)
+    valid = response_mask.bool()  # (N, T)
     N, T = token_level_rewards.shape
     returns = torch.zeros_like(token_level_rewards)  # (N, T)
-    running = torch.zeros(N, dtype=returns.dtype, device=returns.device)  # G_{t+1}·m_{t+1}
+    running = torch.zeros(N, dtype=returns.dtype, device=returns.device)  # G of next valid token
     for t in reversed(range(T)):
-        running = token_level_rewards[:, t] + gamma * running  # G_t = r_t + γ G_{t+1}
-        returns[:, t] = running
-        running = running * mask[:, t]  # reset at masked positions (after EOS / observations)
+        g_t = token_level_rewards[:, t] + gamma * running  # G_t = r_t + γ G_{t'}
+        returns[:, t] = torch.where(valid[:, t], g_t, torch.zeros_like(g_t))
+        running = torch.where(valid[:, t], g_t, running)  # masked: carried unchanged
     advantages = masked_whiten(returns, mask) * mask
-    return advantages, returns * mask
+    return advantages, returns
 
 
 @register_advantage("reinforce_plus_plus_baseline")

@@ -88,9 +88,10 @@ def naive_rpp(rewards, mask, gamma):
     for r, m in zip(R, M):
         row, running = [0.0] * len(r), 0.0
         for t in reversed(range(len(r))):
-            running = r[t] + gamma * running  # G_t = r_t + γ G_{t+1}
-            row[t] = running
-            running *= m[t]  # reset after EOS
+            if m[t]:  # only valid tokens move the running return (verl #7278)
+                running = r[t] + gamma * running  # G_t = r_t + γ G of the next valid token
+                row[t] = running
+            # masked: row[t] stays 0, running passes through unchanged (r_t is not added)
         returns.append(row)
     return naive_whiten(returns, M), returns
 
@@ -138,6 +139,19 @@ def random_batch(seed, dtype=torch.float64):
                 rewards[i, valid] += 0.1 * torch.randn(len(valid), generator=g, dtype=dtype)
     values = torch.randn(N, T, generator=g, dtype=dtype)
     return rewards, mask, index, values
+
+
+def random_holes(seed, N, T):
+    """Rewards (N, T) float64 on every position (masked ones too) and a mask with random holes
+    and spans (Bernoulli per token) inside each row's length (trailing padding after it); at
+    least two valid tokens in the batch, for the whitening."""
+    g = torch.Generator().manual_seed(seed)
+    p_valid = 0.3 + 0.6 * torch.rand(1, generator=g).item()
+    lengths = torch.randint(0, T + 1, (N,), generator=g)
+    mask = (torch.rand(N, T, generator=g) < p_valid) & (torch.arange(T)[None] < lengths[:, None])
+    mask[0, :2] = True
+    rewards = torch.randn(N, T, generator=g, dtype=torch.float64)
+    return rewards, mask.long()
 
 
 def assert_on_mask(out, ref, mask, tol=1e-6):
@@ -211,12 +225,37 @@ def test_reinforce_plus_plus_hand_computed():
     assert adv[0].tolist() == pytest.approx([(-1 / 3) / std, (-1 / 12) / std, (5 / 12) / std], rel=1e-6)
 
 
-def test_reinforce_plus_plus_resets_at_masked_positions():
-    rewards = torch.tensor([[1.0, 0.0, 2.0, 0.0]])
-    mask = torch.tensor([[1, 1, 0, 1]])  # token 2 masked (an observation)
-    _, ret = run("reinforce_plus_plus", rewards, mask, gamma=1.0)
-    # G_3 = 0; G_2 (masked, zeroed in output); running reset at t=2 so G_1 = 0 + 0, G_0 = 1 + 0
-    assert ret[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+def test_reinforce_plus_plus_carries_the_return_across_a_masked_span():
+    # verl issue #7278: two turns with a 2-token observation span between them, reward 1 at the end
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1]])
+    adv, ret = run("reinforce_plus_plus", rewards, mask, gamma=1.0)
+    # t=5: G = 1;  t=4: G = 0 + 1·1 = 1;  t=3, t=2 masked: output 0, running stays 1;
+    # t=1: G = 0 + 1·1 = 1;  t=0: G = 1. (Resetting at masked positions would give [0,0,0,0,1,1].)
+    assert ret[0].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    # the valid tokens' returns are those of the same turns without the observation in between
+    _, compact = run("reinforce_plus_plus", torch.tensor([[0.0, 0.0, 0.0, 1.0]]),
+                     torch.ones(1, 4, dtype=torch.long), gamma=1.0)
+    assert torch.equal(ret[mask.bool()], compact[0])
+    # whitening 4 equal returns: deviations 0, so every advantage is exactly 0
+    assert (adv == 0).all()
+
+
+def test_reinforce_plus_plus_discounts_per_valid_token_across_holes():
+    # a hole, a 2-token span, trailing padding; rewards 7 and 3 sit on masked positions
+    rewards = torch.tensor([[0.5, 7.0, 0.0, 3.0, 0.0, 1.0, 0.0]])
+    mask = torch.tensor([[1, 0, 1, 0, 0, 1, 0]])
+    adv, ret = run("reinforce_plus_plus", rewards, mask, gamma=0.5)
+    # t=6 padding: output 0, running 0;  t=5: G = 1 + 0.5·0 = 1
+    # t=4, t=3 masked: output 0, running stays 1 (no γ per masked token, the 3 is not added)
+    # t=2: G = 0 + 0.5·1 = 0.5;  t=1 masked: output 0, running stays 0.5 (the 7 is not added)
+    # t=0: G = 0.5 + 0.5·0.5 = 0.75   (one γ per step between valid tokens)
+    assert ret[0].tolist() == [0.75, 0.0, 0.5, 0.0, 0.0, 1.0, 0.0]
+    # whiten over the valid 0.75, 0.5, 1: mean 0.75, deviations 0, -0.25, 0.25,
+    # unbiased var (0 + 1/16 + 1/16) / 2 = 1/16
+    std = math.sqrt(1 / 16 + 1e-8)
+    assert adv[0].tolist() == pytest.approx([0.0, 0.0, -0.25 / std, 0.0, 0.0, 0.25 / std, 0.0],
+                                            rel=1e-6)
 
 
 def test_reinforce_plus_plus_baseline_hand_computed():
@@ -299,6 +338,17 @@ def test_reinforce_plus_plus_baseline_matches_naive(seed):
 def test_reinforce_plus_plus_matches_naive(seed, gamma):
     rewards, mask, index, _ = random_batch(seed)
     adv, ret = run("reinforce_plus_plus", rewards, mask, index, gamma=gamma)
+    ref_adv, ref_ret = naive_rpp(rewards, mask, gamma)
+    assert_on_mask(adv, ref_adv, mask)
+    assert_on_mask(ret, ref_ret, mask)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("N, T", [(1, 2), (3, 8), (8, 17), (16, 64)])
+@pytest.mark.parametrize("gamma", [1.0, 0.9, 0.0])
+def test_reinforce_plus_plus_with_holes_matches_naive(seed, N, T, gamma):
+    rewards, mask = random_holes(seed, N, T)
+    adv, ret = run("reinforce_plus_plus", rewards, mask, gamma=gamma)
     ref_adv, ref_ret = naive_rpp(rewards, mask, gamma)
     assert_on_mask(adv, ref_adv, mask)
     assert_on_mask(ret, ref_ret, mask)
