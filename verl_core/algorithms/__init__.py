@@ -21,7 +21,7 @@ from verl_core.algorithms.advantages import (
     get_advantage_estimator,
     register_advantage,
 )
-from verl_core.algorithms.aggregation import LOSS_AGG_MODES, agg_loss
+from verl_core.algorithms.aggregation import LOSS_AGG_MODES, agg_loss, micro_batch_weight
 from verl_core.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -53,6 +53,7 @@ __all__ = [
     "Registry",
     "UnknownNameError",
     "agg_loss",
+    "micro_batch_weight",
     "apply_kl_penalty",
     "entropy_from_logits",
     "entropy_loss",

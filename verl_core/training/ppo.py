@@ -12,9 +12,10 @@ from collections import defaultdict
 
 import torch
 
-from verl_core.algorithms import agg_loss, get_policy_loss, kl_loss, value_loss
+from verl_core.algorithms import agg_loss, get_policy_loss, kl_loss, micro_batch_weight, value_loss
 from verl_core.config import AlgorithmConfig
 from verl_core.data.batch import Batch
+from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.forward import batched_logprobs, critic_values, response_logprobs
 
 
@@ -28,7 +29,9 @@ def _optimizer_step(model, optimizer, scheduler, grad_clip: float) -> tuple[torc
     when its grad scaler skips one)."""
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    finite = bool(torch.isfinite(grad_norm))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor holding the global norm
+        grad_norm = grad_norm.full_tensor()
+    finite = bool(torch.isfinite(grad_norm))  # the same on every worker: they step together
     if finite:
         optimizer.step()
         scheduler.step()
@@ -39,11 +42,18 @@ def _optimizer_step(model, optimizer, scheduler, grad_clip: float) -> tuple[torc
 def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: AlgorithmConfig, *,
                temperature: float, mini_batch_rows: int, micro_batch_rows: int, epochs: int,
                grad_clip: float, seed: int, critic=None, critic_optimizer=None,
-               critic_scheduler=None) -> dict[str, float]:
+               critic_scheduler=None, dp: DataParallel = SINGLE) -> dict[str, float]:
     """One RL step's update of the actor (and critic when ``critic`` is given).
 
     batch must carry ``advantages`` (N, T); ``ref_logprobs`` when ``algo.use_kl_loss``; ``values``
     and ``returns`` when a critic is trained. Returns mean metrics over micro-batches.
+
+    Each micro-batch's loss is weighted by its share of the mini-batch's denominator
+    (:func:`~verl_core.algorithms.micro_batch_weight`), so the gradient of an optimizer step is
+    the gradient of the whole mini-batch's loss, however it is cut into micro-batches and
+    however many workers share it. With ``dp`` (W > 1, FSDP2 models whose gradient divide factor
+    is 1), worker r takes the r-th block of every mini-batch and the reduce-scatter sums the
+    parts: the batch semantics do not depend on W.
     """
     if batch.advantages is None:
         raise ValueError("ppo_update needs batch.advantages: run the advantage phase first")
@@ -53,9 +63,11 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     temperature = temperature or 1.0  # greedy rollouts score under the plain softmax
     # Recompute the behaviour policy's log-probs with the trainer's own forward (as verl does):
     # rollout engines (vLLM, bf16 kernels) can differ from it numerically.
-    old_logp = batched_logprobs(actor, batch, temperature, micro_batch_rows)  # (N, T)
+    # each worker computes its block of rows, then every worker gets all of them: (N, T)
+    mine = dp.block(torch.arange(N))
+    old_logp = dp.gather_rows(batched_logprobs(actor, batch.select(mine) if dp.distributed
+                                               else batch, temperature, micro_batch_rows))
     policy_loss = get_policy_loss(algo.policy_loss)
-    grad_accum = mini_batch_rows // micro_batch_rows
     gen = torch.Generator().manual_seed(seed)
     lr_used = actor_optimizer.param_groups[0]["lr"]
     critic_lr_used = critic_optimizer.param_groups[0]["lr"] if critic is not None else 0.0
@@ -67,9 +79,11 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     for _ in range(epochs):
         order = torch.randperm(N, generator=gen)
         for mini in _chunks(order, mini_batch_rows):
-            for micro in _chunks(mini, micro_batch_rows):
+            mini_mask = batch.response_mask[mini]  # (M, T): the denominators' batch
+            for micro in _chunks(dp.block(mini), micro_batch_rows):
                 mb = batch.select(micro)
                 mask = mb.response_mask
+                weight = micro_batch_weight(mask, mini_mask, algo.loss_agg_mode)
                 need_entropy = algo.entropy_coeff > 0
                 logp, entropy = response_logprobs(actor, mb.prompt_ids, mb.prompt_mask,
                                                   mb.response_ids, mask, temperature,
@@ -88,7 +102,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                                  loss_agg_mode=algo.loss_agg_mode)
                     loss = loss + algo.kl_loss_coef * kl
                     sums["actor/kl_loss"].append(kl.detach())
-                (loss / grad_accum).backward()
+                (loss * weight).backward()
                 sums["actor/pg_loss"].append(pg_loss.detach())
                 for k, v in pg_metrics.items():
                     sums[f"actor/{k}"].append(v.detach())
@@ -96,14 +110,16 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
             sums["actor/grad_norm"].append(grad_norm)
             skipped += not ok
             if critic is not None:
-                for micro in _chunks(mini, micro_batch_rows):
+                for micro in _chunks(dp.block(mini), micro_batch_rows):
                     mb = batch.select(micro)
+                    weight = micro_batch_weight(mb.response_mask, batch.response_mask[mini],
+                                                algo.loss_agg_mode)
                     vpreds = critic_values(critic, mb.prompt_ids, mb.prompt_mask,
                                            mb.response_ids, mb.response_mask)
                     vf_loss, vf_metrics = value_loss(
                         vpreds, mb.values, mb.returns, mb.response_mask,
                         cliprange_value=algo.cliprange_value, loss_agg_mode=algo.loss_agg_mode)
-                    (algo.vf_coef * vf_loss / grad_accum).backward()
+                    (algo.vf_coef * vf_loss * weight).backward()
                     sums["critic/vf_loss"].append(vf_loss.detach())
                     for k, v in vf_metrics.items():
                         sums[f"critic/{k}"].append(v.detach())
@@ -111,7 +127,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                                                grad_clip)
                 sums["critic/grad_norm"].append(c_norm)
                 skipped += not c_ok
-    metrics = {k: float(torch.stack([t.float() for t in v]).mean()) for k, v in sums.items()}
+    metrics = dp.mean_metrics({k: float(torch.stack([t.float() for t in v]).mean())
+                               for k, v in sums.items()})
     metrics["actor/lr"] = lr_used  # LR of this step's first optimizer step
     metrics["update/skipped_nonfinite_steps"] = float(skipped)
     if critic is not None:

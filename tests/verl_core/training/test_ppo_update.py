@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 
+from verl_core.algorithms import micro_batch_weight
 from verl_core.config import AlgorithmConfig, OptimConfig
 from verl_core.data.batch import Batch
 from verl_core.models import build_tiny_model
@@ -43,7 +44,7 @@ def _run(model, batch, micro, seed=0, epochs=1, algo=None, sched_out=None):
     return m
 
 
-def _grads_at_each_step(model, batch, *, mini, micro):
+def _grads_at_each_step(model, batch, *, mini, micro, mode="token-mean"):
     """Run ``ppo_update`` and return the gradient each optimizer step received, one dict per step,
     read by a step pre-hook (after clipping, which grad_clip=1e9 makes a multiplication by 1).
     SGD at lr 0 leaves the weights as they were, so every step sees the same point."""
@@ -52,24 +53,37 @@ def _grads_at_each_step(model, batch, *, mini, micro):
     grads = []
     opt.register_step_pre_hook(lambda *_: grads.append(
         {n: p.grad.detach().clone() for n, p in model.named_parameters()}))
-    ppo_update(model, opt, sched, batch, AlgorithmConfig(), temperature=1.0,
+    ppo_update(model, opt, sched, batch, AlgorithmConfig(loss_agg_mode=mode), temperature=1.0,
                mini_batch_rows=mini, micro_batch_rows=micro, epochs=1, grad_clip=1e9, seed=0)
     return grads
 
 
-def test_micro_batch_accumulation_matches_one_big_batch():
+def _ragged(batch):
+    """The same batch with responses cut to 1..T tokens (and one row with none): micro-batches
+    then hold different numbers of tokens and of non-empty rows."""
+    T = batch.response_ids.shape[1]
+    keep = torch.tensor([(3 * i) % (T + 1) for i in range(batch.num_rows)])  # (N,) in 0..T
+    mask = batch.response_mask * (torch.arange(T)[None, :] < keep[:, None])
+    return batch.replace(response_mask=mask, advantages=batch.advantages * mask)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_micro_batch_accumulation_matches_one_big_batch(mode, ragged):
     model, batch = _rollout()
+    if ragged:
+        batch = _ragged(batch)
+        assert len(set(batch.response_mask.sum(-1).tolist())) > 2
     N = batch.num_rows
-    tokens = batch.response_mask.sum(-1)  # (N,)
-    # token-mean per micro-batch / number of micro-batches equals the token-mean of the mini-batch
-    # only when every micro-batch holds as many tokens: a precondition of this comparison
-    assert bool((tokens == tokens[0]).all()), tokens
-    [one] = _grads_at_each_step(copy.deepcopy(model), batch, mini=N, micro=N)
-    rows = _grads_at_each_step(copy.deepcopy(model), batch, mini=1, micro=1)  # N steps: N·g_i each
-    assert len(rows) == N
+    [one] = _grads_at_each_step(copy.deepcopy(model), batch, mini=N, micro=N, mode=mode)
+    rows = _grads_at_each_step(copy.deepcopy(model), batch, mini=1, micro=1, mode=mode)
+    assert len(rows) == N  # one step per row: row i's gradient g_i of its own loss
+    # row i's weight in the mini-batch loss (its share of the tokens, or of the non-empty rows)
+    w = [float(micro_batch_weight(batch.response_mask[i:i + 1], batch.response_mask, mode))
+         for i in range(N)]
 
     # The tolerance comes from the arithmetic, not from what passed on one CPU. Both runs compute
-    # g = Σ_i g_i, the sum of the N rows' contributions (each row weighs 1/N: equal token counts),
+    # g = Σ_i w_i·g_i, the rows' contributions weighted by their share of the loss's denominator,
     # grouped differently: one backward over N rows, or N/micro backwards summed into .grad. The
     # kernels also see other batch shapes, so the reductions inside them may run in other orders.
     # A float32 sum of n terms in any order is within γ_{n-1}·Σ|x| ≈ n·u·Σ|x| of the exact sum,
@@ -79,18 +93,19 @@ def test_micro_batch_accumulation_matches_one_big_batch():
     # or vocabulary size. Σ|x|, not |Σx|, sets the scale: where rows of opposite advantage cancel,
     # g is near zero but its rounding error is not. (The old test compared weights after one AdamW
     # step, ≈ lr·sign(g), which turned a last-bit difference in a near-zero g into one of order
-    # lr.) Σ|x| is taken elementwise at the level the runs regroup: S = Σ_i |g_i|, from the rows'
-    # gradients measured one at a time. The bound does not follow rounding inside a row's forward
-    # and backward through the layers; the margin covers it (on the CPU this was written on, the
-    # largest difference was ~26·u·S, against 2·n·u·S = 512·u·S).
+    # lr.) Σ|x| is taken elementwise at the level the runs regroup: S = Σ_i w_i·|g_i|, from the
+    # rows' gradients measured one at a time. The bound does not follow rounding inside a row's
+    # forward and backward through the layers; the margin covers it (on the CPU this was written
+    # on, the largest difference was ~26·u·S, against 2·n·u·S = 512·u·S). The micro-batch weights
+    # themselves (ratios of integer counts) add one rounding per term, within the same bound.
     u = torch.finfo(torch.float32).eps / 2
     cfg = model.config
     L = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
     n = max(N * L, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
     for micro in (1, 4):
-        [acc] = _grads_at_each_step(copy.deepcopy(model), batch, mini=N, micro=micro)  # one step
+        [acc] = _grads_at_each_step(copy.deepcopy(model), batch, mini=N, micro=micro, mode=mode)
         for name, g in one.items():
-            S = sum(r[name].abs() for r in rows) / N  # a row alone weighs 1, not 1/N
+            S = sum(wi * r[name].abs() for wi, r in zip(w, rows))
             diff = (acc[name] - g).abs()
             assert bool((diff <= 2 * n * u * S).all()), (micro, name, float(diff.max()))
 
