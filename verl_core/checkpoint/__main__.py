@@ -5,8 +5,11 @@
                                            exit status 1 on any problem; --repair moves damaged
                                            objects to quarantine/ so the next save rewrites them
     export <store> <ref> <out_folder>      Hugging Face folder of the checkpoint's policy
-    export <manifest-uri> <out_folder>     same, naming the checkpoint by its manifest path
-    gc     <store>                         delete objects no checkpoint references
+    export <manifest-uri> <out_folder>     same, naming the checkpoint by its manifest path (a
+                                           store instead: its newest valid checkpoint)
+    gc     <store> [--grace-s S]           delete objects nothing can ask for again (kept
+                                           checkpoints, the assets index, the lineage of
+                                           applied updates and pending phase outputs are kept)
 
 ``ref`` is ``latest``, ``auto`` (newest valid), a step, ``<step>-<sha>``, or a sha prefix. S3
 stores read their endpoint from ``$VERL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``.
@@ -48,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--group", default="policy")
     sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     sp.add_argument("--overwrite", action="store_true")
-    sp = sub.add_parser("gc", help="delete unreferenced objects")
+    sp = sub.add_parser("gc", help="delete objects no checkpoint, asset, lineage or pending "
+                                   "phase output names")
     sp.add_argument("store")
     sp.add_argument("--grace-s", type=float, default=600.0)
     a = p.parse_args(argv)

@@ -27,7 +27,7 @@ import torch
 
 from verl_core.checkpoint.errors import CorruptObjectError, UnsafeManifestError
 from verl_core.checkpoint.manager import CheckpointInfo, CheckpointManager
-from verl_core.checkpoint.store import RunStore, check_sha256
+from verl_core.checkpoint.store import RunStore, check_sha256, sha256_hex
 
 __all__ = ["store_tokenizer", "load_tokenizer_files", "export_hf", "TOKENIZER_DOC"]
 
@@ -44,7 +44,7 @@ def _check_file_name(name: Any) -> str:
 def store_tokenizer(store: RunStore, tokenizer: Any) -> dict:
     """Save ``tokenizer`` (anything with ``save_pretrained``) once per run as shared objects.
     Returns the doc ``{"files": {name: {"sha", "size"}}, "objects": {sha: size}}``."""
-    files, objects = {}, {}
+    files, objects, data = {}, {}, {}
     with tempfile.TemporaryDirectory() as d:
         tokenizer.save_pretrained(d)
         for name in sorted(os.listdir(d)):
@@ -53,12 +53,17 @@ def store_tokenizer(store: RunStore, tokenizer: Any) -> dict:
                 continue
             _check_file_name(name)
             with open(path, "rb") as f:
-                data = f.read()
-            sha = store.put_bytes(data)
-            files[name] = {"sha": sha, "size": len(data)}
-            objects[sha] = len(data)
+                data[name] = f.read()
+    for name, b in data.items():
+        sha = sha256_hex([b])
+        files[name] = {"sha": sha, "size": len(b)}
+        objects[sha] = len(b)
     doc = {"files": files, "objects": objects}
+    # the doc (a gc root) first, then the objects it names: a concurrent gc never sees them
+    # without their root
     store.put_json(TOKENIZER_DOC, doc)
+    for b in data.values():
+        store.put_bytes(b)
     return doc
 
 

@@ -44,7 +44,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -55,12 +55,20 @@ from verl_core.checkpoint.errors import (
     CorruptObjectError,
     IncompleteCheckpointError,
     NoValidCheckpointError,
+    PermanentError,
     UnsafeManifestError,
 )
-from verl_core.checkpoint.state import flatten_state, from_json, to_json, unflatten_state
+from verl_core.checkpoint.state import (
+    check_state_tree,
+    flatten_state,
+    from_json,
+    to_json,
+    unflatten_state,
+)
 from verl_core.checkpoint.store import (
     NotFoundError,
     RunStore,
+    StorePermissionError,
     canonical_json,
     check_sha256,
     is_sha256,
@@ -70,6 +78,7 @@ from verl_core.checkpoint.tensors import (
     DEFAULT_CHUNK_BYTES,
     as_row_shard,
     check_object,
+    index_dtypes,
     index_objects,
     load_tensors,
     merge_indexes,
@@ -117,7 +126,7 @@ class CheckpointInfo:
 
 
 def _parse_name(name: str) -> tuple[int, str]:
-    m = _NAME_RE.match(name)
+    m = _NAME_RE.match(name) if isinstance(name, str) else None
     if not m:
         raise UnsafeManifestError(f"checkpoint name {name!r} is not <12-digit step>-<sha256>")
     return int(m.group(1)), m.group(2)
@@ -131,19 +140,51 @@ def _check_group(name: Any) -> str:
 
 def open_checkpoint(uri: str, storage_options: Optional[dict] = None,
                     **manager_kwargs: Any) -> tuple["CheckpointManager", str]:
-    """``resume_from_checkpoint``-style URI -> ``(manager, ref)``.
+    """``resume_from_checkpoint``-style reference (a path or URI) -> ``(manager, name)``.
 
-    ``…/checkpoints/<name>.json`` names one checkpoint of the store two levels up; any other URI
-    is a store root and gives ``"auto"`` (newest valid)."""
-    u = uri.rstrip("/")
-    parts = u.rsplit("/", 2)
-    if len(parts) == 3 and parts[1] == "checkpoints" and parts[2].endswith(".json"):
-        name = parts[2][:-5]
-        _parse_name(name)
-        root = parts[0] or "/"
-        return CheckpointManager(RunStore(root, storage_options, create=False),
-                                 **manager_kwargs), name
-    return CheckpointManager(RunStore(u, storage_options), **manager_kwargs), "auto"
+    * a manifest, ``<run store>/checkpoints/<step:012d>-<sha>.json``: that checkpoint;
+    * a run store (a folder holding ``store.json``, as :class:`RunStore` creates it): its newest
+      valid checkpoint, the one ``load("auto")`` would take, verified here (hashes included) and
+      returned by name, so that the caller's ``verify``, ``read_manifest`` and ``load`` all name
+      that same checkpoint. A store without checkpoints raises :class:`CheckpointNotFoundError`,
+      one whose every checkpoint fails :class:`NoValidCheckpointError`;
+    * anything else (a missing path, a file that is not a manifest, a folder that is not a run
+      store): :class:`CheckpointNotFoundError`, a permanent error.
+
+    Nothing is created: a typo must not become an empty run store."""
+    u = uri.rstrip("/") if isinstance(uri, str) else ""
+    m = _MANIFEST_PATH_RE.match(u)
+    if m:
+        root = "." if m.group(1) is None else (m.group(1) or "/")
+        store = _existing_store(root, storage_options)
+        if store is not None and store.has_json(f"checkpoints/{m.group(2)}"):
+            return CheckpointManager(store, **manager_kwargs), m.group(2)
+    elif u:
+        store = _existing_store(u, storage_options)
+        if store is not None:
+            mgr = CheckpointManager(store, **manager_kwargs)
+            return mgr, mgr._newest_valid()
+    raise CheckpointNotFoundError(
+        f"not a checkpoint manifest or run store: {uri}; pass a run store (the run's folder, "
+        "which holds store.json) to take its newest valid checkpoint, or one of its manifests, "
+        "<run store>/checkpoints/<step>-<sha>.json (`python -m verl_core.checkpoint list "
+        "<run store>` lists them)")
+
+
+_MANIFEST_PATH_RE = re.compile(r"^(?:(.*)/)?checkpoints/(\d{12}-[0-9a-f]{64})\.json$")
+
+
+def _existing_store(root: str, storage_options: Optional[dict]) -> Optional[RunStore]:
+    """The run store at ``root``, or None when there is none (no ``store.json``, or ``root`` is a
+    file). Unreachable stores and permission problems raise as usual."""
+    store = RunStore(root, storage_options, create=False)
+    try:
+        store.incarnation_id  # reads store.json
+    except (StorePermissionError, CorruptObjectError):
+        raise
+    except PermanentError:  # NotFoundError, or a path through a file (NotADirectoryError)
+        return None
+    return store
 
 
 class CheckpointManager:
@@ -446,7 +487,7 @@ class CheckpointManager:
                                      f"hash to {got})", sha=sha)
         try:
             manifest = json.loads(raw)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise CorruptObjectError(f"manifest checkpoints/{name}.json is not JSON ({e})") from e
         _validate_manifest(manifest, name, step)
         self._parents[name] = manifest.get("parent")
@@ -541,14 +582,21 @@ class CheckpointManager:
     def verify(self, ref: Union[str, int] = "latest", *, hashes: bool = True,
                repair: bool = False) -> list[str]:
         """Problems of checkpoint ``ref`` (empty list: valid). Checks the manifest's hash and
-        structure and every object's presence and size; with ``hashes`` also re-reads and re-hashes
-        every object and checks each chunk's header. ``repair`` moves damaged objects to the
-        store's ``quarantine/`` so the next save that holds their tensors writes them again."""
+        structure, decodes its meta object and state trees exactly as :meth:`load` does (so a
+        checkpoint that verifies is one load accepts), and checks every object's presence and
+        size; with ``hashes`` also re-reads and re-hashes every object and checks each chunk's
+        header. ``repair`` moves damaged objects to the store's ``quarantine/`` so the next save
+        that holds their tensors writes them again."""
         try:
             name = self.resolve(ref)
-            info, m = self._read_manifest(name)
+            info, m = self._read_manifest(name)  # the state trees are decoded here
         except _LOAD_ERRORS as e:
             return [str(e)]
+        problems = []
+        try:
+            self._read_meta(name, m)  # read, hash-checked and decoded: not re-read below
+        except _LOAD_ERRORS as e:
+            problems.append(str(e))
         owners = _object_owners(m)
         refs: dict[str, list] = {}  # sha -> [(entry, chunk, label)]: each object read once
         for g, doc in m["groups"].items():
@@ -582,7 +630,9 @@ class CheckpointManager:
                 return str(e)
             return None
 
-        return [p for p in self.store.map(check, sorted(m["objects"].items())) if p]
+        objects = sorted((sha, n) for sha, n in m["objects"].items()
+                         if sha != m["meta"]["sha"] or sha in refs)
+        return problems + [p for p in self.store.map(check, objects) if p]
 
     def load(self, ref: Union[str, int] = "auto", groups: Optional[Sequence[str]] = None, *,
              row_slices: Optional[Mapping[str, Mapping[str, tuple[int, int]]]] = None,
@@ -648,11 +698,7 @@ class CheckpointManager:
             if g not in m["groups"]:
                 raise KeyError(f"group {g!r} is not in checkpoint {name}; it has "
                                f"{', '.join(m['groups'])}")
-        meta_raw = self.store.get_bytes(m["meta"]["sha"], what=f"checkpoint {name} meta")
-        try:
-            meta = from_json(json.loads(meta_raw), what=f"checkpoint {name} meta")
-        except ValueError as e:
-            raise CorruptObjectError(f"checkpoint {name} meta is not JSON ({e})") from e
+        meta = self._read_meta(name, m)
         result = {}
         for g in wanted:
             doc = m["groups"][g]
@@ -662,6 +708,36 @@ class CheckpointManager:
             result[g] = unflatten_state(tensors, doc["tree"], what=what)
         self._last_name = name
         return result, meta, info
+
+    def _read_meta(self, name: str, m: Mapping) -> dict:
+        """The meta of checkpoint ``name`` (manifest ``m``) as :meth:`load` returns it: the object
+        must hash to its name, have the size the manifest lists and hold a JSON object in
+        ``state.to_json``'s encoding. :meth:`verify` runs this too, so the two never disagree."""
+        what = f"checkpoint {name} meta"
+        sha, size = m["meta"]["sha"], m["meta"]["size"]
+        raw = self.store.get_bytes(sha, what=what)
+        if len(raw) != size:
+            raise CorruptObjectError(f"{what}: object {sha} has {len(raw)} bytes, the manifest "
+                                     f"says {size}")
+        try:
+            tree = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise CorruptObjectError(f"{what} is not JSON ({e})") from e
+        meta = from_json(tree, what=what)
+        if not isinstance(meta, dict):
+            raise CorruptObjectError(f"{what} is a JSON {type(meta).__name__}, not an object")
+        return meta
+
+    def _newest_valid(self) -> str:
+        """Name of the checkpoint ``load("auto")`` would take: the first of its candidates that
+        verifies (hashes included). Rejections are logged as ``load("auto")`` logs them."""
+        def verified(name: str) -> str:
+            problems = self.verify(name)
+            if problems:
+                raise CorruptObjectError("; ".join(problems))
+            return name
+
+        return self._with_fallback("auto", verified)
 
     def resume(self, resume_from_checkpoint: str = "auto", groups: Optional[Sequence[str]] = None):
         """``resume_from_checkpoint`` semantics: ``none`` -> None; ``auto`` -> newest valid
@@ -734,9 +810,15 @@ class CheckpointManager:
             return deleted
 
     def gc(self, *, grace_s: Optional[float] = None) -> dict:
-        """Delete objects no kept manifest, shared group, staged shard record or in-flight save
-        needs. Skipped while another process has a save in flight (younger than
-        ``inflight_timeout_s``). Returns counts."""
+        """Delete objects that nothing in the run store can still ask for (DESIGN rule 6).
+
+        Live (never deleted): every object of a kept manifest, and every object named anywhere in
+        a JSON doc under the run store's root folders (:data:`GC_ROOT_FOLDERS`): the assets index
+        (model and dataset files a fresh host materialises), the lineage log (the batch of every
+        applied update, which a rebuild or an extension replays), ``pending/`` (phase outputs not
+        yet consumed by an update), shared groups and the tokenizer, staged shard records. Objects
+        younger than ``grace_s`` are never deleted either. Skipped while another process has a
+        save in flight (younger than ``inflight_timeout_s``). Returns counts."""
         grace = self.gc_grace_s if grace_s is None else grace_s
         now = time.time()
         with self._lock:
@@ -748,24 +830,12 @@ class CheckpointManager:
                     return {"deleted": 0, "skipped": "in-flight save"}
                 log.warning("removing stale in-flight marker %s", mk)
                 self.store.delete_json(mk)
-            live: set[str] = set()
-            for name in self._names():
-                try:
-                    raw = self.store.get_json_raw(f"checkpoints/{name}")
-                    live.update(k for k in json.loads(raw).get("objects", {}) if is_sha256(k))
-                except NotFoundError:
-                    continue
-                except ValueError:
-                    log.warning("gc: manifest %s is unparseable; its objects are not kept", name)
-            for doc_name in self.store.list_json("shared") + self.store.list_json("shared/groups"):
-                doc = self.store.get_json(doc_name, default={})
-                live.update(k for k in (doc.get("objects") or {}) if is_sha256(k))
-            for folder in self.store.list_folders("staging"):
-                for rec in self.store.list_json(folder):
-                    doc = self.store.get_json(rec, default={})
-                    live.update(k for k in (doc.get("objects") or {}) if is_sha256(k))
-            dead = [(s, n) for s, n, mt in self.store.iter_objects()
-                    if s not in live and now - mt >= grace]
+            # List the objects *before* reading the roots: an object written after the listing is
+            # not a candidate, and one whose root (manifest, lineage record …) is written before
+            # the roots are read is kept. Writers always write an object before its root.
+            candidates = [(s, n) for s, n, mt in self.store.iter_objects() if now - mt >= grace]
+            live = self.live_objects()
+            dead = [(s, n) for s, n in candidates if s not in live]
             self.store.map(lambda sn: self.store.delete_object(sn[0]), dead)
             for path, mt in self.store.iter_temp_files():
                 if now - mt >= self.inflight_timeout_s:
@@ -773,7 +843,55 @@ class CheckpointManager:
             freed = sum(n for _, n in dead)
             if dead:
                 log.info("gc: deleted %d unreferenced objects (%.1f MB)", len(dead), freed / 1e6)
-            return {"deleted": len(dead), "bytes": freed}
+            return {"deleted": len(dead), "bytes": freed, "live": len(live)}
+
+    def live_objects(self) -> set[str]:
+        """Every object sha that a kept manifest or a root doc (see :meth:`gc`) names.
+
+        Raises (and so stops a gc) when a root doc cannot be read: deleting on a partial view of
+        the roots could delete what a resume needs."""
+        live: set[str] = set()
+        for name in self._names():
+            try:
+                raw = self.store.get_json_raw(f"checkpoints/{name}")
+                live.update(k for k in json.loads(raw).get("objects", {}) if is_sha256(k))
+            except NotFoundError:
+                continue
+            except ValueError:
+                log.warning("gc: manifest %s is unparseable; its objects are not kept", name)
+        docs = [d for folder in GC_ROOT_FOLDERS for d in _docs_under(self.store, folder)]
+        for doc in self.store.map(lambda d: self.store.get_json(d, default=None), docs):
+            live.update(_shas_in(doc))
+        return live
+
+
+GC_ROOT_FOLDERS = ("assets", "lineage", "pending", "shared", "staging")
+"""Folders of JSON docs whose every sha256-looking string names a live object (see
+:meth:`CheckpointManager.gc`). A new kind of doc that names objects goes under one of them, so gc
+keeps its objects without knowing its format."""
+
+
+def _docs_under(store: RunStore, folder: str) -> list[str]:
+    """Every JSON doc under ``folder``, at any depth."""
+    out = list(store.list_json(folder))
+    for sub in store.list_folders(folder):
+        out.extend(_docs_under(store, sub))
+    return out
+
+
+def _shas_in(doc: Any) -> Iterator[str]:
+    """Every sha256 hex string among the keys and values of a JSON doc, at any depth."""
+    stack = [doc]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            if is_sha256(x):
+                yield x
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -803,7 +921,9 @@ def _check_step(step: Any) -> None:
 
 
 def _validate_manifest(m: Any, name: str, step: int) -> None:
-    """Structure checks before any name in the manifest is used as a path."""
+    """Structure checks before any name in the manifest is used as a path or a size, and the
+    decoding of every group's state tree (against its index, no tensor data needed): whatever
+    reads a manifest (load, verify, list) rejects the same ones."""
     w = f"manifest checkpoints/{name}.json"
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         raise UnsafeManifestError(f"{w}: not a {MANIFEST_FORMAT} manifest")
@@ -818,16 +938,18 @@ def _validate_manifest(m: Any, name: str, step: int) -> None:
     objects = m["objects"]
     for sha, size in objects.items():
         check_sha256(sha, f"{w} object")
-        if not isinstance(size, int) or size < 0:
+        if type(size) is not int or size < 0:
             raise UnsafeManifestError(f"{w}: object {sha} has invalid size {size!r}")
     check_sha256(m["meta"].get("sha"), f"{w} meta")
     if objects.get(m["meta"]["sha"]) != m["meta"].get("size"):
         raise UnsafeManifestError(f"{w}: meta object is not listed in objects")
     for g, doc in m["groups"].items():
         _check_group(g)
-        if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), dict):
+        if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), dict) \
+                or "tree" not in doc:
             raise UnsafeManifestError(f"{w}: group {g!r} is malformed")
         validate_index(doc["tensors"], f"{w} group {g!r}")
+        check_state_tree(doc["tree"], index_dtypes(doc["tensors"]), what=f"{w} group {g!r}")
         for tname, e in doc["tensors"].items():
             for c in e["chunks"]:
                 if objects.get(c["sha"]) != c["size"]:

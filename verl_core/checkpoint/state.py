@@ -34,8 +34,8 @@ import torch
 
 from verl_core.checkpoint.errors import CheckpointSaveError, CorruptObjectError
 
-__all__ = ["flatten_state", "unflatten_state", "to_json", "from_json", "capture_rng_state",
-           "restore_rng_state"]
+__all__ = ["flatten_state", "unflatten_state", "check_state_tree", "to_json", "from_json",
+           "capture_rng_state", "restore_rng_state"]
 
 _NP_TO_TORCH = {np.dtype(k): v for k, v in [
     ("float64", torch.float64), ("float32", torch.float32), ("float16", torch.float16),
@@ -121,6 +121,24 @@ def flatten_state(obj: Any, *, allow_tensors: bool = True) -> tuple[dict[str, An
 
 def unflatten_state(tensors: Mapping[str, torch.Tensor], tree: Any, *, what: str = "state") -> Any:
     """Inverse of :func:`flatten_state`. Malformed trees raise :class:`CorruptObjectError`."""
+    return _decode(tree, tensors, what, data=True)
+
+
+def check_state_tree(tree: Any, dtypes: Mapping[str, torch.dtype], *, what: str = "state") -> None:
+    """Every check :func:`unflatten_state` makes, without the tensor data: ``dtypes`` maps each
+    stored tensor's name to its dtype (what a manifest's index says). ``verify`` runs it on every
+    group, so a checkpoint passes verification only with trees that load decodes."""
+    _decode(tree, dtypes, what, data=False)
+
+
+# torch dtypes a "$np" entry may name: those flatten_state stores numpy arrays as (not bf16)
+_NP_TENSOR_DTYPES = frozenset(_NP_TO_TORCH.values())
+
+
+def _decode(tree: Any, tensors: Mapping[str, Any], what: str, *, data: bool) -> Any:
+    """The one decoder behind :func:`unflatten_state` (``data``: ``tensors`` holds tensors) and
+    :func:`check_state_tree` (``tensors`` holds dtypes; tensor leaves decode to None). Anything it
+    does not accept raises :class:`CorruptObjectError`, never another exception."""
 
     def bad(why: str):
         raise CorruptObjectError(f"{what}: malformed state tree ({why})")
@@ -129,11 +147,16 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], tree: Any, *, what: str
         """A numpy dtype named in the tree: numbers and bools only (never object)."""
         try:
             dtype = np.dtype(name)
-        except TypeError:
+        except (TypeError, ValueError):
             bad(f"unknown numpy dtype {name!r}")
         if dtype.kind not in "biuf":
             bad(f"numpy dtype {dtype} is not allowed")
         return dtype
+
+    def stored(name: Any, tag: str):
+        if not isinstance(name, str) or name not in tensors:
+            bad(f"{tag} {name!r} is referenced but not stored")
+        return tensors[name]
 
     def dec(v: Any) -> Any:
         if v is None or isinstance(v, (bool, int, float, str)):
@@ -142,20 +165,24 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], tree: Any, *, what: str
             return [dec(x) for x in v]
         if not isinstance(v, dict):
             bad(f"unexpected JSON value {type(v).__name__}")
-        tags = [k for k in v if k.startswith("$")]
+        tags = [k for k in v if isinstance(k, str) and k.startswith("$")]
         if not tags:
             return {k: dec(x) for k, x in v.items()}
         tag = tags[0]
         if tag == "$t":
-            if v["$t"] not in tensors:
-                bad(f"tensor {v['$t']!r} is referenced but not stored")
-            return tensors[v["$t"]]
+            t = stored(v["$t"], "tensor")
+            return t if data else None
         if tag == "$np":
-            if v.get("$np") not in tensors or not isinstance(v.get("dtype"), str):
-                bad(f"numpy array {v.get('$np')!r} is referenced but not stored")
-            return tensors[v["$np"]].numpy().astype(np_dtype(v["dtype"]))
+            t = stored(v["$np"], "numpy array")
+            if (t.dtype if data else t) not in _NP_TENSOR_DTYPES:
+                bad(f"numpy array {v['$np']!r} is stored as {t.dtype if data else t}, which "
+                    "numpy cannot hold")
+            if not isinstance(v.get("dtype"), str):
+                bad(f"numpy array {v['$np']!r} has no dtype")
+            dtype = np_dtype(v["dtype"])
+            return t.numpy().astype(dtype) if data else None
         if tag == "$tuple" and isinstance(v["$tuple"], list):
-            return tuple(dec(x) for x in v["$tuple"])
+            return tuple([dec(x) for x in v["$tuple"]])
         if tag == "$dict" and isinstance(v["$dict"], list):
             out = {}
             for kv in v["$dict"]:
@@ -171,19 +198,31 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], tree: Any, *, what: str
         if tag == "$f" and v["$f"] in ("nan", "inf", "-inf"):
             return float(v["$f"])
         if tag == "$bytes" and isinstance(v["$bytes"], str):
-            return base64.b64decode(v["$bytes"], validate=True)
-        if tag == "$dtype" and v["$dtype"] in _TORCH_DTYPES:
+            try:
+                return base64.b64decode(v["$bytes"], validate=True)
+            except ValueError:  # binascii.Error
+                bad("$bytes is not base64")
+        if tag == "$dtype" and isinstance(v["$dtype"], str) and v["$dtype"] in _TORCH_DTYPES:
             return _TORCH_DTYPES[v["$dtype"]]
         if tag == "$device" and isinstance(v["$device"], str):
             try:
                 return torch.device(v["$device"])
             except (RuntimeError, ValueError):
                 bad(f"bad device {v['$device']!r}")
-        if tag == "$npscalar" and isinstance(v.get("$npscalar"), str):
-            return np_dtype(v["$npscalar"]).type(dec(v["v"]))
+        if tag == "$npscalar" and isinstance(v["$npscalar"], str):
+            dtype, x = np_dtype(v["$npscalar"]), dec(v.get("v"))
+            if not isinstance(x, (bool, int, float)):
+                bad(f"numpy scalar value {x!r} is not a number")
+            try:
+                return dtype.type(x)
+            except (OverflowError, ValueError, TypeError) as e:
+                bad(f"numpy scalar {x!r} does not fit {dtype} ({e})")
         bad(f"unknown tag {tag!r}")
 
-    return dec(tree)
+    try:
+        return dec(tree)
+    except RecursionError:
+        bad("nested too deeply")
 
 
 def to_json(obj: Any) -> Any:

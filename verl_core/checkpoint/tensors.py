@@ -14,7 +14,8 @@ that close early at block boundaries (``model.layers.7`` -> ``model.layers.8``, 
 file costs a create, a rename and, with fsync, a journal commit (measured: ~250 one-tensor files
 took twice as long to write as the same bytes in ~20 packed ones). Cutting along dim 0 lets a
 reader with a different data-parallel layout fetch only the objects holding the rows it owns
-(``load_tensors(..., row_slice=...)``).
+(:func:`read_chunks`, which ``dcp.py`` drives with torch.distributed.checkpoint's read plan).
+Objects are named by the sha256 or the BLAKE3 of their bytes (``algo``, recorded by the manifest).
 
 The index of one tensor (JSON, embedded in manifests)::
 
@@ -23,13 +24,15 @@ The index of one tensor (JSON, embedded in manifests)::
 
 ``key`` names the tensor inside the object; indexes written before packing have no key and one
 tensor named ``"data"`` per object, and still load. A 0-dim tensor has one chunk with rows [0, 1].
-A tensor saved from several workers (FSDP row shards, see :class:`RowShard`) has the same index
-once the pieces are merged (``merge_indexes``).
+A tensor saved by several workers (FSDP2 shards along dim 0) has the same index: each worker
+writes the objects of its rows (``save_tensors(..., layout=...)``) and the chunk lists are joined.
 
-Reading verifies every object once, however many tensors it holds: size, sha256 of the whole
+Reading verifies every object once, however many tensors it holds: size, hash of the whole
 object, and a header whose tensors tile the data exactly and describe the dtype/shape the index
 promises. Anything else is a :class:`CorruptObjectError` naming the object; the bytes are never
-interpreted any other way (no pickle, no ``torch.load``).
+interpreted any other way (no pickle, no ``torch.load``). Nothing is allocated before the index
+has proven self-consistent (:func:`validate_index`) and the store has confirmed the size of every
+object to be read, so a manifest cannot make a reader allocate more than the store holds.
 """
 
 from __future__ import annotations
@@ -46,11 +49,11 @@ import numpy as np
 import torch
 
 from verl_core.checkpoint.errors import CheckpointSaveError, CorruptObjectError, UnsafeManifestError
-from verl_core.checkpoint.store import RunStore, check_sha256
+from verl_core.checkpoint.store import RunStore, check_sha256, new_hasher
 
-__all__ = ["RowShard", "DEFAULT_CHUNK_BYTES", "save_tensors", "load_tensors", "validate_index",
-           "merge_indexes", "index_objects", "check_object", "index_nbytes", "encode_pack",
-           "DTYPE_NAMES"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "save_tensors", "load_tensors", "read_chunks", "ChunkRead",
+           "validate_index", "index_objects", "check_object", "index_nbytes", "index_dtypes",
+           "encode_pack", "dtype_name", "torch_dtype", "DTYPE_NAMES"]
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 _MAX_HEADER = 1 << 20  # a pack of thousands of tiny tensors; anything bigger is not ours
@@ -73,53 +76,25 @@ _BY_NAME = {n: (d, c) for d, n, c in _DTYPES}
 DTYPE_NAMES = tuple(_BY_NAME)
 
 
-@dataclass(frozen=True)
-class RowShard:
-    """Rows ``[row_offset, row_offset + local.shape[0])`` of a tensor whose full shape is
-    ``global_shape``: what one data-parallel worker owns (FSDP2 shards dim 0)."""
-
-    local: torch.Tensor
-    global_shape: tuple[int, ...]
-    row_offset: int
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest name of a supported torch dtype; others raise :class:`CheckpointSaveError`."""
+    if dtype not in _BY_DTYPE:
+        raise CheckpointSaveError(f"dtype {dtype} is not supported; known: "
+                                  f"{', '.join(DTYPE_NAMES)}")
+    return _BY_DTYPE[dtype][0]
 
 
-def _dtensor_type():
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a manifest dtype name (a whitelist lookup, never ``getattr``)."""
+    return _BY_NAME[name][0]
+
+
+def _is_dtensor(t: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
-
-        return DTensor
     except Exception:  # noqa: BLE001 - torch without distributed
-        return None
-
-
-def as_row_shard(t: Any, name: str = "") -> RowShard:
-    """A plain tensor -> the whole tensor; a DTensor sharded on dim 0 -> this rank's rows."""
-    if isinstance(t, RowShard):
-        return t
-    DTensor = _dtensor_type()
-    if DTensor is not None and isinstance(t, DTensor):
-        from torch.distributed.tensor import Replicate, Shard
-
-        for p in t.placements:
-            if not (isinstance(p, Replicate) or (type(p) is Shard and p.dim == 0)):
-                raise CheckpointSaveError(
-                    f"tensor {name!r}: placement {p} is not supported (only Shard(0) and "
-                    "Replicate); call .full_tensor() before saving or use FSDP2's default dim-0 "
-                    "sharding")
-        local = t.to_local()
-        global_shape = tuple(t.shape)
-        if local.dim() == 0 or not any(isinstance(p, Shard) for p in t.placements):
-            return RowShard(local, global_shape, 0)
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        local_shape, offset = compute_local_shape_and_global_offset(
-            global_shape, t.device_mesh, t.placements)
-        # FSDP2 may keep padding in storage; to_local() is the unpadded shard of local_shape.
-        local = local[: local_shape[0]] if local.shape[0] != local_shape[0] else local
-        return RowShard(local, global_shape, int(offset[0]) if local_shape[0] else 0)
-    if isinstance(t, torch.Tensor):
-        return RowShard(t, tuple(t.shape), 0)
-    raise CheckpointSaveError(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        return False
+    return isinstance(t, DTensor)
 
 
 def _raw_bytes(t: torch.Tensor):
@@ -288,26 +263,32 @@ def _fail(what: str, why: str) -> None:
 def validate_index(index: Any, what: str = "index", *, partial: bool = False) -> dict:
     """Check an index read from a manifest before anything in it is used as a path or a size.
 
-    ``partial`` allows chunk lists that cover only some rows (one shard's record); otherwise the
-    chunks of each tensor must tile its rows exactly once."""
+    Nothing a reader allocates may rest on a claim the index does not back up, so it must agree
+    with itself: every chunk's rows lie inside its tensor's shape and, unless ``partial`` (one
+    shard's record, which covers only some rows), the chunks of each tensor tile its rows exactly
+    once, so the tensor's numel x element size is the sum of its chunks' payloads; an object is
+    listed with one size; a key inside an object holds one dtype and shape; and the payloads of an
+    object's tensors, its 8-byte header length and a header of at most ``_MAX_HEADER`` bytes add up
+    to its size. What is left to trust is that the objects have the sizes listed, which
+    :func:`load_tensors` asks the store before it allocates anything."""
     if not isinstance(index, dict):
         _fail(what, "must be an object of tensor entries")
+    objects: dict[str, tuple[int, dict, str]] = {}  # sha -> (size, {key: target}, first label)
     for name, e in index.items():
         w = f"{what} tensor {name!r}"
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "chunks"}:
             _fail(w, "entry must have exactly dtype, shape, chunks")
-        if e["dtype"] not in _BY_NAME:
+        if not isinstance(e["dtype"], str) or e["dtype"] not in _BY_NAME:
             _fail(w, f"unknown dtype {e['dtype']!r}")
         shape = e["shape"]
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool)
-                                                  and 0 <= s < 1 << 48 for s in shape):
+        if not isinstance(shape, list) or not all(type(s) is int and 0 <= s < 1 << 48
+                                                  for s in shape):
             _fail(w, f"bad shape {shape!r}")
         rows = shape[0] if shape else 1
         chunks = e["chunks"]
         if not isinstance(chunks, list):
             _fail(w, "chunks must be a list")
-        pos = 0
-        for c in sorted(chunks, key=lambda c: c.get("rows", [0])[0] if isinstance(c, dict) else 0):
+        for c in chunks:
             if not isinstance(c, dict) or set(c) - {"key"} != {"sha", "size", "rows"}:
                 _fail(w, f"chunk {c!r} must have exactly sha, size, rows (and key)")
             check_sha256(c["sha"], f"{w} chunk")
@@ -315,16 +296,33 @@ def validate_index(index: Any, what: str = "index", *, partial: bool = False) ->
             if not isinstance(key, str) or not _KEY_RE.match(key):
                 _fail(w, f"chunk key {key!r} must be 'data' or a decimal position")
             r = c["rows"]
-            if (not isinstance(r, list) or len(r) != 2 or not all(isinstance(x, int) for x in r)
+            if (not isinstance(r, list) or len(r) != 2 or not all(type(x) is int for x in r)
                     or not 0 <= r[0] <= r[1] <= rows):
                 _fail(w, f"chunk rows {r!r} outside [0, {rows}]")
-            if not isinstance(c["size"], int) or c["size"] < 8:
+            if type(c["size"]) is not int or c["size"] < 8:
                 _fail(w, f"chunk size {c['size']!r} invalid")
-            if not partial and r[0] != pos:
-                _fail(w, f"chunks do not tile the rows: gap or overlap at row {pos}")
-            pos = r[1]
-        if not partial and rows > 0 and pos != rows:
-            _fail(w, f"chunks cover rows [0, {pos}) of {rows}")
+            t = _target(e, c, f"{w} rows {r[0]}:{r[1]}")
+            size, keys, _ = objects.setdefault(c["sha"], (c["size"], {}, t.label))
+            if size != c["size"]:
+                _fail(w, f"object {c['sha']} is listed with sizes {size} and {c['size']}")
+            held = keys.setdefault(key, t)  # two names may share a key (identical tensors)
+            if (held.code, held.shape) != (t.code, t.shape):
+                _fail(w, f"object {c['sha']} key {key!r} is claimed as {held.code}{held.shape} "
+                         f"and as {t.code}{t.shape}")
+        if not partial:
+            pos = 0
+            for a, b in sorted(c["rows"] for c in chunks):
+                if a != pos:
+                    _fail(w, f"chunks do not tile the rows: gap or overlap at row {pos}")
+                pos = b
+            if rows > 0 and pos != rows:
+                _fail(w, f"chunks cover rows [0, {pos}) of {rows}")
+    for sha, (size, keys, label) in objects.items():
+        payload = sum(t.nbytes for t in keys.values())
+        if not 0 <= size - 8 - payload <= _MAX_HEADER:
+            _fail(label, f"object {sha} is listed with {size} bytes, which does not fit the "
+                         f"{payload} bytes of tensor data the index puts in it (plus an 8-byte "
+                         f"length and a header of at most {_MAX_HEADER} bytes)")
     return index
 
 
@@ -372,6 +370,12 @@ def index_nbytes(index: Mapping[str, dict]) -> int:
             n *= s
         total += n
     return total
+
+
+def index_dtypes(index: Mapping[str, dict]) -> dict[str, torch.dtype]:
+    """``{name: torch dtype}`` of a validated index: what a state tree may reference by name
+    (``state.check_state_tree``), known without reading any tensor data."""
+    return {name: _BY_NAME[e["dtype"]][0] for name, e in index.items()}
 
 
 # ---------------------------------------------------------------------------- loading
@@ -567,6 +571,23 @@ def check_object(store: RunStore, sha: str, size: int,
     _read_object(store, sha, size, [_target(e, c, label) for e, c, label in refs])
 
 
+def _check_sizes(store: RunStore, objects: Mapping[str, tuple[int, Sequence[_Target]]]) -> None:
+    """Ask the store for the size of every object about to be read. The index only promises them
+    (consistently: see :func:`validate_index`), and a reader allocates what the index promises, so
+    a lie is caught here, before the allocation, rather than when the object is read."""
+    def check(item):
+        sha, (size, targets) = item
+        actual = store.object_size(sha)
+        if actual is None:
+            raise CorruptObjectError(f"{_object_label(sha, targets)} is missing from {store.uri}",
+                                     sha=sha)
+        if actual != size:
+            raise CorruptObjectError(f"{_object_label(sha, targets)} has {actual} bytes, the "
+                                     f"manifest says {size} (truncated or replaced)", sha=sha)
+
+    store.map(check, list(objects.items()))
+
+
 RowSlice = Union[None, tuple[int, int], Mapping[str, tuple[int, int]]]
 
 
@@ -591,12 +612,11 @@ def load_tensors(store: RunStore, index: Mapping[str, dict], names: Optional[Seq
         if n not in index:
             raise KeyError(f"tensor {n!r} is not in {what or 'the index'}; known: "
                            f"{', '.join(sorted(index)[:20])}{' …' if len(index) > 20 else ''}")
-    result: dict[str, torch.Tensor] = {}
     objects: dict[str, tuple[int, list[_Target]]] = {}
-    copy_back = []
+    plan = []  # (name, entry, destination from `out` or None, slice shape, rows s:t, targets)
     for name in names:
         e = index[name]
-        dtype, code = _BY_NAME[e["dtype"]]
+        dtype = _BY_NAME[e["dtype"]][0]
         shape = e["shape"]
         rows = shape[0] if shape else 1
         rs = row_slice.get(name) if isinstance(row_slice, Mapping) else row_slice
@@ -610,6 +630,23 @@ def load_tensors(store: RunStore, index: Mapping[str, dict], names: Optional[Seq
             if tuple(dest.shape) != want or dest.dtype != dtype:
                 raise ValueError(f"out[{name!r}] has {dest.dtype}{tuple(dest.shape)}, the "
                                  f"checkpoint slice is {dtype}{want}")
+        targets = []
+        for c in e["chunks"]:
+            a, b = c["rows"] if shape else (0, 1)
+            if shape and (b <= s or a >= t):
+                continue
+            tgt = _target(e, c, f"{what + ' ' if what else ''}tensor {name!r} rows {a}:{b}")
+            objects.setdefault(c["sha"], (c["size"], []))[1].append(tgt)
+            targets.append((tgt, a, b))
+        plan.append((name, e, dest, want, s, t, targets))
+
+    _check_sizes(store, objects)  # the index agrees with itself; now the store must agree too
+    result: dict[str, torch.Tensor] = {}
+    copy_back = []
+    for name, e, dest, want, s, t, targets in plan:
+        dtype = _BY_NAME[e["dtype"]][0]
+        shape = e["shape"]
+        if dest is not None:
             result[name] = out[name]
             if not dest.is_contiguous() or dest.device.type != "cpu":
                 tmp = torch.empty(want, dtype=dtype)
@@ -621,11 +658,7 @@ def load_tensors(store: RunStore, index: Mapping[str, dict], names: Optional[Seq
         row_bytes = dtype.itemsize
         for x in shape[1:]:
             row_bytes *= x
-        for c in e["chunks"]:
-            a, b = c["rows"] if shape else (0, 1)
-            if shape and (b <= s or a >= t):
-                continue
-            tgt = _target(e, c, f"{what + ' ' if what else ''}tensor {name!r} rows {a}:{b}")
+        for tgt, a, b in targets:
             if not shape or (s <= a and b <= t):
                 tgt.dest = _raw_bytes(dest[a - s:b - s] if shape else dest)
                 tgt.lo, tgt.hi = 0, tgt.nbytes
@@ -633,11 +666,6 @@ def load_tensors(store: RunStore, index: Mapping[str, dict], names: Optional[Seq
                 lo, hi = max(a, s), min(b, t)
                 tgt.dest = _raw_bytes(dest[lo - s:hi - s])
                 tgt.lo, tgt.hi = (lo - a) * row_bytes, (hi - a) * row_bytes
-            size, targets = objects.setdefault(c["sha"], (c["size"], []))
-            if size != c["size"]:
-                raise UnsafeManifestError(f"{what or 'index'}: object {c['sha']} is listed with "
-                                          f"sizes {size} and {c['size']}")
-            targets.append(tgt)
 
     # largest first: the pool's threads finish together instead of waiting on one big object
     store.map(lambda item: _read_object(store, item[0], item[1][0], item[1][1]),

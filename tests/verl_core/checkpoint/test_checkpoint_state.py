@@ -17,6 +17,7 @@ from verl_core.checkpoint import (
     restore_rng_state,
     unflatten_state,
 )
+from verl_core.checkpoint.state import check_state_tree
 
 
 def test_optimizer_state_roundtrip():
@@ -63,6 +64,42 @@ def test_malformed_tree_is_refused():
         unflatten_state({}, {"$t": "missing"})
     with pytest.raises(CorruptObjectError, match="unknown tag"):
         unflatten_state({}, {"$pickle": "gASV..."})
+
+
+def _deep(n):
+    tree = []
+    for _ in range(n):
+        tree = [tree]
+    return tree
+
+
+@pytest.mark.parametrize("bad", [
+    {"$np": "x", "dtype": "object"}, {"$np": "h", "dtype": "float32"}, {"$np": "x"},
+    {"$t": ["x"]}, {"$t": "missing"}, {"$dtype": "object"}, {"$dtype": ["float32"]},
+    {"$bytes": "not base64!"}, {"$npscalar": "uint8", "v": 300},
+    {"$npscalar": "float64", "v": [1, 2]}, {"$npscalar": None, "v": 1}, {"$device": "gpu:x"},
+    {"$dict": [[[1], 2]]}, {"$pickle": "gASV"}, _deep(5000),
+], ids=lambda b: "deep" if isinstance(b, list) else json.dumps(b))
+def test_check_state_tree_refuses_exactly_what_unflatten_refuses(bad):
+    # verify runs check_state_tree (dtypes from the index, no data); load runs unflatten_state
+    tensors = {"x": torch.arange(3), "h": torch.zeros(2, dtype=torch.bfloat16)}
+    dtypes = {k: v.dtype for k, v in tensors.items()}
+    with pytest.raises(CorruptObjectError, match="here: malformed state tree"):
+        unflatten_state(tensors, {"a": bad}, what="here")
+    with pytest.raises(CorruptObjectError, match="here: malformed state tree"):
+        check_state_tree({"a": bad}, dtypes, what="here")
+
+
+def test_check_state_tree_accepts_what_flatten_writes():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = {"opt": opt.state_dict(), "rng": capture_rng_state(),
+             "perm": np.arange(5, dtype=np.uint32),
+             "k": (1, float("nan"), b"\x00", torch.float16, np.float32(2.5), {3: "int key"})}
+    tensors, tree = flatten_state(state)
+    check_state_tree(json.loads(json.dumps(tree)), {k: v.dtype for k, v in tensors.items()})
 
 
 def test_rng_state_restores_every_generator():

@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 
 from verl_core.checkpoint import CorruptObjectError, UnsafeManifestError, load_tensors, save_tensors
-from verl_core.checkpoint.tensors import RowShard, index_objects, merge_indexes
+from verl_core.checkpoint.tensors import RowShard, index_objects, merge_indexes, validate_index
 
 
 def _all_dtypes():
@@ -222,3 +222,66 @@ def test_header_size_field_is_bounded(store):
                                                                  "rows": [0, 100]}]}}
     with pytest.raises(CorruptObjectError, match="no valid safetensors header"):
         load_tensors(store, index)
+
+
+def _packed_index(store):
+    """``a`` and ``b`` share one object (keys "0" and "1"); ``c`` has one of its own."""
+    g = torch.Generator().manual_seed(0)
+    index = save_tensors(store, {"a": torch.randn(4, 4, generator=g),
+                                 "b": torch.randn(4, 4, generator=g)})
+    index.update(save_tensors(store, {"c": torch.randn(8, 4, generator=g)}))
+    assert index["a"]["chunks"][0]["sha"] == index["b"]["chunks"][0]["sha"]
+    return index
+
+
+def _absurd_shape(ix):
+    ix["a"]["shape"], ix["a"]["chunks"][0]["rows"] = [1 << 24, 1 << 24], [0, 1 << 24]
+
+
+def _wider_dtype(ix):
+    ix["c"]["dtype"] = "float64"  # 256 bytes of data in an object that holds 128
+
+
+def _inflated_size(ix):
+    ix["c"]["chunks"][0]["size"] += 2 << 20  # more than any header could explain
+
+
+def _two_sizes(ix):
+    ix["b"]["chunks"][0]["size"] += 8  # the object a and b share, listed twice differently
+
+
+def _one_key_two_shapes(ix):
+    ix["b"]["shape"] = [2, 8]
+    ix["b"]["chunks"][0].update(rows=[0, 2], key="0")  # a's key, claimed with another shape
+
+
+def _keys_overfill_object(ix):
+    # b alone would fit in the shared object, but not next to a's 64 bytes
+    size = ix["b"]["chunks"][0]["size"]
+    ix["b"]["shape"] = [4, (size - 9) // 16]
+
+
+def _rows_not_a_list(ix):
+    ix["a"]["chunks"][0]["rows"] = 4
+
+
+def _unhashable_dtype(ix):
+    ix["a"]["dtype"] = ["float32"]
+
+
+def _bool_rows(ix):
+    ix["a"]["chunks"][0]["rows"] = [False, 4]
+
+
+@pytest.mark.parametrize("edit", [_absurd_shape, _wider_dtype, _inflated_size, _two_sizes,
+                                  _one_key_two_shapes, _keys_overfill_object, _rows_not_a_list,
+                                  _unhashable_dtype, _bool_rows], ids=lambda f: f.__name__[1:])
+def test_index_must_be_self_consistent_before_anything_is_allocated(store, edit):
+    index = _packed_index(store)
+    assert validate_index(index) is index and set(load_tensors(store, index)) == {"a", "b", "c"}
+    bad = json.loads(json.dumps(index))
+    edit(bad)
+    with pytest.raises(UnsafeManifestError, match="my-index tensor '[abc]'"):
+        validate_index(bad, "my-index")
+    with pytest.raises(UnsafeManifestError):
+        load_tensors(store, bad)
