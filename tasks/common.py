@@ -26,8 +26,9 @@ T = TypeVar("T")
 logging.getLogger("ray").setLevel(logging.WARNING)
 
 # Bump one phase's entry when its behaviour changes; a package version bump invalidates all.
-PHASE_VERSIONS = {"prepare": "1", "rollout": "1", "reward": "1", "advantage": "1",
-                  "update": "1", "checkpoint": "1", "evaluate": "1", "finalize": "1"}
+PHASE_VERSIONS = {"prepare": "2", "rollout": "1", "reward": "2", "advantage": "1",
+                  "update": "1", "checkpoint": "1", "evaluate": "2", "finalize": "1"}
+# prepare/reward/evaluate v2: responses are scored cut at the first EOS, special tokens kept
 
 RETRIES = 3
 """Cluster retries of a phase (Flyte applies them only on a cluster; locally

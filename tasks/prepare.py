@@ -7,20 +7,23 @@ import json
 from flytekit import task
 
 from tasks.common import RETRIES, cache_for
-from verl_core.config import ConfigError, preset, with_overrides
+from verl_core.config import ConfigError, preset, typed_overrides, with_overrides
 from verl_core.engine import runtime
 from verl_core.engine.runtime import RunSpec
 
 
 def build_config(algorithm: str, model: str, train_files: str, val_files: str, steps: int,
                  batch_size: int, rollout_n: int, overrides: str):
-    """Options -> validated RunConfig. 0 / "" keep the preset's value."""
+    """Options -> validated RunConfig. 0 / "" keep the preset's value. Raises ConfigError, a
+    permanent failure (never retried)."""
     over = {}
     if overrides:
         try:
-            over.update(json.loads(overrides))
+            parsed = json.loads(overrides)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--overrides is not a JSON object of dotted keys: {e}") from e
+        # typed first: the micro-batch arithmetic below must not see "8", 2.5 or NaN
+        over.update(typed_overrides(parsed))
     if steps:
         over["total_steps"] = steps
     if model:

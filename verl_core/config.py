@@ -4,7 +4,8 @@ The same dataclasses are the Flyte task inputs (flytekit serialises dataclasses)
 second config system. Field names follow verl's YAML where a verl user would look for them
 (``ppo_mini_batch_size``, ``clip_ratio_low``, ``norm_adv_by_std_in_grpo``, ``kl_loss_type`` …).
 
-Every invalid value raises :class:`ConfigError` naming ``section.field`` and what to do. Derived
+Every field is checked against its annotation first (type; numbers finite), then its range; every
+invalid value raises :class:`ConfigError` naming ``section.field`` and what to do. Derived
 values are properties, never fields filled in at runtime. Presets are plain constructors at the
 bottom of this file.
 """
@@ -12,8 +13,12 @@ bottom of this file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import math
+import numbers
+import typing
 from dataclasses import dataclass, field
 
 
@@ -23,6 +28,66 @@ class ConfigError(ValueError):
 
 def _fail(section: str, name: str, value, why: str) -> None:
     raise ConfigError(f"{section}.{name}={value!r}: {why}")
+
+
+_KINDS = {bool: "True or False", int: "an integer", float: "a finite number", str: "a string"}
+
+
+@functools.cache
+def _fields_of(cls) -> dict[str, tuple[type, object]]:
+    """``{name: (annotated type, default)}``; the annotations resolved, since ``from __future__
+    import annotations`` leaves strings in ``dataclasses.fields``."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls)}
+
+
+def _coerce(kind: type, value):
+    """``value`` as ``kind``, or None when it is not one. A float field takes ints (2 -> 2.0) and
+    an int field integral floats (4.0 -> 4, what JSON tools and ``1e3`` give), so equal configs
+    serialise, and hash, the same. bool is never a number here, though Python says it is an int."""
+    if isinstance(value, bool):
+        return value if kind is bool else None
+    if kind is float and isinstance(value, numbers.Real):
+        try:
+            f = float(value)
+        except OverflowError:  # an int beyond float range
+            return None
+        return f if math.isfinite(f) else None
+    if kind is int and isinstance(value, numbers.Integral):
+        return int(value)
+    if kind is int and isinstance(value, numbers.Real) and math.isfinite(value) \
+            and float(value).is_integer():
+        return int(value)
+    if kind is str and isinstance(value, str):
+        return value
+    if kind not in _KINDS and isinstance(value, kind):
+        return value
+    return None
+
+
+def _checked(section: str, name: str, kind: type, default, value):
+    """``value`` canonicalised for a field annotated ``kind``, or ConfigError naming the field."""
+    ok = _coerce(kind, value)
+    if ok is None:
+        what = _KINDS.get(kind, f"a {kind.__name__}")
+        got = f"not {type(value).__name__}"
+        if kind is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            got = "NaN and infinity are refused"
+        hint = "" if default is dataclasses.MISSING else f"; e.g. the default {default!r}"
+        _fail(section, name, value, f"must be {what} ({got}){hint}")
+    return ok
+
+
+def _check_types(section: str, obj) -> None:
+    """The type pass every section runs first, driven by the field annotations: an int field
+    refuses 2.5 and True, a float field refuses "abc", NaN and infinity, a str field refuses
+    numbers. Valid values are stored canonicalised (see :func:`_coerce`); the range checks of
+    each section run after it, on values of the right type."""
+    for name, (kind, default) in _fields_of(type(obj)).items():
+        value = getattr(obj, name)
+        ok = _checked(section, name, kind, default, value)
+        if ok is not value:
+            object.__setattr__(obj, name, ok)  # frozen: store the canonical value, once, here
 
 
 def _positive(section: str, obj, *names: str) -> None:
@@ -70,6 +135,7 @@ class DataConfig:
     """Largest operand of the generated arithmetic problems."""
 
     def __post_init__(self):
+        _check_types("data", self)
         _positive("data", self, "train_batch_size", "val_batch_size", "max_prompt_length",
                   "synthetic_train_size", "synthetic_val_size", "synthetic_max_operand")
         _one_of("data", "synthetic_task", self.synthetic_task, {"arithmetic"})
@@ -121,6 +187,7 @@ class ModelConfig:
     """Recompute activations in backward to save memory (large models)."""
 
     def __post_init__(self):
+        _check_types("model", self)
         _positive("model", self, "tiny_hidden_size", "tiny_layers", "tiny_heads",
                   "warmup_sft_batch_size")
         _non_negative("model", self, "warmup_sft_steps")
@@ -157,6 +224,7 @@ class RolloutConfig:
     """vLLM only: fraction of GPU memory for weights + KV cache."""
 
     def __post_init__(self):
+        _check_types("rollout", self)
         if self.engine == "vllm":
             _fail("rollout", "engine", self.engine,
                   "the vLLM engine is not in this version yet; use 'hf' (CPU and GPU)")
@@ -187,11 +255,25 @@ class RewardConfig:
     """Score given to a response whose custom scorer timed out."""
     num_workers: int = 2
     """Worker processes for custom scorers."""
+    import_timeout_s: float = 60.0
+    """Deadline for loading a custom scorer in a worker, its import included; one that hangs or
+    kills its process while loading fails the run with an error naming it."""
+    max_timeout_fraction: float = 0.5
+    """A batch in which more than this fraction of custom-scorer calls time out triggers
+    ``on_timeouts`` (every timeout is logged and counted in ``reward/timeouts`` anyway)."""
+    on_timeouts: str = "fail"
+    """``fail`` (an error naming the scorer) or ``warn`` (log it, keep the ``timeout_score``
+    rewards) when a batch has more than ``max_timeout_fraction`` timed-out calls."""
 
     def __post_init__(self):
+        _check_types("reward", self)
         if not self.scorer:
             _fail("reward", "scorer", self.scorer, "must not be empty; use 'auto'")
-        _positive("reward", self, "timeout_s", "num_workers")
+        _positive("reward", self, "timeout_s", "num_workers", "import_timeout_s")
+        if not 0.0 <= self.max_timeout_fraction <= 1.0:
+            _fail("reward", "max_timeout_fraction", self.max_timeout_fraction,
+                  "must be in [0, 1] (1 never fails on timeouts)")
+        _one_of("reward", "on_timeouts", self.on_timeouts, {"fail", "warn"})
 
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
@@ -249,6 +331,7 @@ class AlgorithmConfig:
     """Weight of the value loss (critic has its own optimizer; kept for verl parity)."""
 
     def __post_init__(self):
+        _check_types("algorithm", self)
         _one_of("algorithm", "adv_estimator", self.adv_estimator, set(ADV_ESTIMATORS))
         _one_of("algorithm", "policy_loss", self.policy_loss, set(POLICY_LOSSES))
         _one_of("algorithm", "kl_loss_type", self.kl_loss_type, set(KL_TYPES))
@@ -302,6 +385,7 @@ class OptimConfig:
     """Clip the global gradient norm to this value."""
 
     def __post_init__(self):
+        _check_types("optim", self)
         _positive("optim", self, "lr", "critic_lr", "eps", "grad_clip")
         _non_negative("optim", self, "weight_decay", "warmup_steps")
         _one_of("optim", "lr_schedule", self.lr_schedule, {"constant", "cosine"})
@@ -321,10 +405,27 @@ class TrainerConfig:
     ppo_mini_batch_size: int = 16
     """Prompts per optimizer step (x ``rollout.n`` responses), as in verl."""
     ppo_micro_batch_size: int = 128
-    """Responses per forward/backward (gradient accumulation = mini-batch rows / this)."""
+    """Responses per forward/backward on one worker (gradient accumulation = a worker's rows of
+    a mini-batch / this). Memory only: the loss of a mini-batch does not depend on it."""
+    nnodes: int = 1
+    """Nodes of the worker group (verl's key). Workers = nnodes x n_gpus_per_node."""
+    n_gpus_per_node: int = 1
+    """Workers per node (verl's key): one per GPU; on a CPU machine, worker processes. With more
+    than one worker, training is FSDP2 (gloo on CPU, NCCL on CUDA) and rollout runs on the same
+    workers, each on its block of the batch; the batch semantics do not change."""
+    worker_timeout_s: float = 1800.0
+    """Longest wait on the worker group: one phase call, and every collective between workers.
+    Past it the phase fails as transient and its retry rebuilds the group from the store."""
 
     def __post_init__(self):
-        _positive("trainer", self, "ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size")
+        _check_types("trainer", self)
+        _positive("trainer", self, "ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size",
+                  "nnodes", "n_gpus_per_node", "worker_timeout_s")
+
+    @property
+    def world_size(self) -> int:
+        """W: workers in the group."""
+        return self.nnodes * self.n_gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -339,18 +440,25 @@ class CheckpointConfig:
     save_optimizer_state: bool = True
     """Include optimizer + scheduler state (needed for exact resume; off = weights only)."""
     resume_from_checkpoint: str = "auto"
-    """``auto`` (newest valid checkpoint of this run store, if any), ``none``, or a checkpoint
-    path/URI (``<store>/checkpoints/<name>.json``)."""
+    """``auto`` (newest valid checkpoint of this run store, if any), ``none``, a checkpoint
+    manifest path/URI (``<store>/checkpoints/<name>.json``), or another run store's folder (its
+    newest valid checkpoint). Anything else is a permanent error at prepare."""
     keep_last: int = 3
     """Keep the newest N checkpoints (0: keep all)."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0: off)."""
     async_save: bool = True
     """Snapshot to CPU memory and write in the background while the next phases run."""
+    gc_grace_s: float = 600.0
+    """Garbage collection (after retention deletes a checkpoint) never deletes an object younger
+    than this. Safety margin only: gc never deletes what a kept checkpoint, the assets, the
+    lineage or a pending phase output names, whatever its age."""
 
     def __post_init__(self):
+        _check_types("checkpoint", self)
         _positive("checkpoint", self, "checkpoint_interval")
-        _non_negative("checkpoint", self, "checkpoint_interval_s", "keep_last", "keep_every")
+        _non_negative("checkpoint", self, "checkpoint_interval_s", "keep_last", "keep_every",
+                      "gc_grace_s")
         if not self.resume_from_checkpoint:
             _fail("checkpoint", "resume_from_checkpoint", self.resume_from_checkpoint,
                   "use 'auto', 'none' or a checkpoint path")
@@ -386,6 +494,7 @@ class RunConfig:
     """torch intra-op threads (0: leave torch's default)."""
 
     def __post_init__(self):
+        _check_types("run", self)
         _positive("run", self, "total_steps")
         _non_negative("run", self, "eval_every", "num_threads")
         B, mini = self.data.train_batch_size, self.trainer.ppo_mini_batch_size
@@ -403,6 +512,12 @@ class RunConfig:
             _fail("trainer", "ppo_micro_batch_size", micro,
                   f"must divide the mini-batch rows ({rows}) so every micro-batch has the same "
                   "weight in the accumulated gradient")
+        W = self.trainer.world_size
+        if rows % W:
+            _fail("trainer", "n_gpus_per_node", self.trainer.n_gpus_per_node,
+                  f"x trainer.nnodes={self.trainer.nnodes} = {W} workers must divide the "
+                  f"mini-batch rows ({mini} prompts x rollout.n={self.rollout.n} = {rows}), so "
+                  "every worker gets an equal block; change the worker count or the mini-batch")
         if self.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") \
                 and self.rollout.n < 2:
             _fail("rollout", "n", self.rollout.n,
@@ -442,35 +557,65 @@ class RunConfig:
             d.pop("total_steps")  # a cosine schedule's LR at step k depends on the run length
         d["data"].pop("val_batch_size")
         d["rollout"].pop("micro_batch_size")
-        d["reward"].pop("num_workers")
+        for k in ("nnodes", "n_gpus_per_node", "worker_timeout_s"):
+            d["trainer"].pop(k)  # the same trajectory on any number of workers (up to rounding)
+        for k in ("num_workers", "import_timeout_s", "max_timeout_fraction", "on_timeouts"):
+            d["reward"].pop(k)  # a run that completes scores the same whatever these are
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        sections = {"data": DataConfig, "model": ModelConfig, "rollout": RolloutConfig,
-                    "reward": RewardConfig, "algorithm": AlgorithmConfig, "optim": OptimConfig,
-                    "trainer": TrainerConfig, "checkpoint": CheckpointConfig}
         kw = {}
         known = {f.name for f in dataclasses.fields(cls)}
         for k, v in d.items():
             if k not in known:
                 raise ConfigError(f"unknown config key {k!r}; known: {', '.join(sorted(known))}")
-            if k in sections:
-                sub_known = {f.name for f in dataclasses.fields(sections[k])}
+            if k in SECTIONS and not isinstance(v, dict):
+                raise ConfigError(f"config section {k!r}={v!r}: must be a mapping of its fields, "
+                                  f"e.g. {{\"{k}\": {{...}}}}, or use dotted keys ({k}.<field>)")
+            if k in SECTIONS:
+                sub_known = {f.name for f in dataclasses.fields(SECTIONS[k])}
                 bad = set(v) - sub_known
                 if bad:
                     raise ConfigError(f"unknown key(s) {sorted(bad)} in section {k!r}; "
                                       f"known: {', '.join(sorted(sub_known))}")
-                kw[k] = sections[k](**v)
+                kw[k] = SECTIONS[k](**v)
             else:
                 kw[k] = v
         return cls(**kw)
 
 
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "rollout": RolloutConfig,
+            "reward": RewardConfig, "algorithm": AlgorithmConfig, "optim": OptimConfig,
+            "trainer": TrainerConfig, "checkpoint": CheckpointConfig}
+"""The sections of :class:`RunConfig` by field name."""
+
+
+def typed_overrides(overrides: dict[str, object]) -> dict[str, object]:
+    """Check the keys and value types of dotted overrides against the field annotations without
+    building a config, e.g. ``{"rollout.n": 4.0}`` -> ``{"rollout.n": 4}``; for callers that
+    compute with the values before :func:`with_overrides` (which checks everything again)."""
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"overrides={overrides!r}: must be a mapping of dotted keys to values, "
+                          'e.g. {"optim.lr": 1e-4}')
+    out = {}
+    for key, value in overrides.items():
+        section, _, name = str(key).rpartition(".")
+        fields = _fields_of(SECTIONS[section] if section in SECTIONS else RunConfig)
+        if section and section not in SECTIONS or name not in fields:
+            raise ConfigError(f"unknown config key {key!r}")
+        kind, default = fields[name]
+        out[key] = value if dataclasses.is_dataclass(kind) else \
+            _checked(section or "run", name, kind, default, value)
+    return out
+
+
 def with_overrides(cfg: RunConfig, overrides: dict[str, object]) -> RunConfig:
     """Return ``cfg`` with dotted overrides applied, e.g. ``{"optim.lr": 1e-4, "total_steps": 5}``.
     Re-validates everything."""
+    if not isinstance(overrides, dict):
+        typed_overrides(overrides)  # raises, naming what was given
     d = cfg.to_dict()
     for key, value in overrides.items():
         parts = key.split(".")

@@ -17,10 +17,16 @@ import time
 
 import torch
 
-from verl_core.config import RunConfig, preset, with_overrides
+from verl_core.config import ConfigError, RunConfig, preset, with_overrides
+from verl_core.data.batch import PromptTooLongError
+from verl_core.data.dataset import DatasetError
+from verl_core.models import ModelLoadError
 from verl_core.trainer import RLTrainer, prepare_assets
 
 PHASES = ("rollout", "reward", "advantage", "update")
+USER_ERRORS = (ConfigError, DatasetError, PromptTooLongError, ModelLoadError)
+"""Wrong input (options, data files, model folder): the CLI prints the message, which names the
+field or file and the fix, and exits 2; a traceback would only bury it."""
 
 
 def train(cfg: RunConfig, workdir: str, log=print) -> dict:
@@ -129,11 +135,14 @@ def main(argv=None) -> int:
     if args.train_files or args.val_files:
         overrides["data.train_files"] = args.train_files
         overrides["data.val_files"] = args.val_files
-    cfg = preset(args.algorithm)
-    cfg = with_overrides(cfg, overrides)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="verl-train-")
-    os.makedirs(workdir, exist_ok=True)
-    summary = train(cfg, workdir)
+    try:
+        cfg = with_overrides(preset(args.algorithm), overrides)
+        workdir = args.workdir or tempfile.mkdtemp(prefix="verl-train-")
+        os.makedirs(workdir, exist_ok=True)
+        summary = train(cfg, workdir)
+    except USER_ERRORS as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     if args.summary_json:
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -11,6 +11,7 @@ What is not here: the algorithms' math (``verl_core.algorithms``), the update lo
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
@@ -29,11 +30,16 @@ from verl_core.data.dataset import PromptRow, load_prompt_rows, render_prompt
 from verl_core.data.sampler import ResumableSampler
 from verl_core.data.synthetic import write_arithmetic_dataset
 from verl_core.models import build_tiny_model, load_causal_lm, load_critic, load_tokenizer
+from verl_core.models.tokenizer import build_char_tokenizer
+from verl_core.reward.decode import decode_responses
 from verl_core.reward.manager import RewardScorer
 from verl_core.rollout import SamplingParams, make_engine
+from verl_core.rollout.base import GenerationOutput
 from verl_core.training.forward import batched_logprobs, batched_values
+from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.training.ppo import ppo_update
+from verl_core.training import sharding
 from verl_core.training.sft import supervised_warm_start
 
 
@@ -70,15 +76,18 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
             val_size=cfg.data.synthetic_val_size, max_operand=cfg.data.synthetic_max_operand,
             seed=cfg.seed)
         train_files, val_files = [train], [val]
+    # Every file is checked (rows, columns, prompt lengths) before any model work: a bad row must
+    # not cost a warm start first. The tiny model's tokenizer is the character one.
+    tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer()
+    rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length)
+    load_checked_rows(tok, val_files, cfg.data.max_prompt_length)
     if cfg.model.path:
         model_path = cfg.model.path
-        load_tokenizer(model_path)  # fail fast with a clear message
     else:
         model_path = os.path.join(workdir, "model")
         m = cfg.model
         model, tok = build_tiny_model(hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,
                                       heads=m.tiny_heads, seed=cfg.seed)
-        rows = load_prompt_rows(train_files)
         prompts = [render_prompt(r, tok) for r in rows]
         probe = _AccuracyProbe(model, tok, rows[:256], prompts[:256], cfg)
         t0 = time.perf_counter()
@@ -98,12 +107,17 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
 
 
 def score_batch(batch: Batch, scorer: RewardScorer, tokenizer) -> tuple[Batch, dict]:
-    """Reward phase: decode the responses and score them. Adds ``score`` (N,)."""
-    texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-    res = scorer.score(batch.data_source, texts, batch.ground_truth, batch.extra_info)
+    """Reward phase: decode the responses (each cut at its first EOS, special tokens kept, see
+    ``reward/decode.py``) and score them. Adds ``score`` (N,)."""
+    dec = decode_responses(tokenizer, batch.response_ids, batch.response_mask)
+    res = scorer.score(batch.data_source, dec.texts, batch.ground_truth, batch.extra_info,
+                       special_token=dec.special_token)
     score = torch.tensor(res.scores, dtype=torch.float32)  # (N,)
+    n = max(1, batch.num_rows)
     metrics = {"reward/mean": float(score.mean()), "reward/max": float(score.max()),
-               "reward/min": float(score.min()), "reward/timeouts": float(res.num_timeouts)}
+               "reward/min": float(score.min()), "reward/timeouts": float(res.num_timeouts),
+               "reward/timeout_fraction": res.num_timeouts / n,
+               "reward/special_token_fraction": sum(dec.special_token) / n}
     return batch.replace(score=score), metrics
 
 
@@ -142,14 +156,15 @@ class _AccuracyProbe:
         self.engine = make_engine("hf", model=model, eos_token_id=tok.eos_token_id,
                                   pad_token_id=tok.pad_token_id)
         self.params = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
-        self.scorer = RewardScorer(cfg.reward.scorer)
+        self.scorer = RewardScorer.from_config(cfg.reward)
         self.last = float("nan")
 
     def __call__(self) -> float:
         out = self.engine.generate(self.ids, self.mask, self.params)
-        texts = self.tok.batch_decode(out.response_ids, skip_special_tokens=True)
-        res = self.scorer.score([r.data_source for r in self.rows], texts,
-                                [r.ground_truth for r in self.rows])
+        dec = decode_responses(self.tok, out.response_ids, out.response_mask)
+        res = self.scorer.score([r.data_source for r in self.rows], dec.texts,
+                                [r.ground_truth for r in self.rows],
+                                special_token=dec.special_token)
         self.last = sum(res.scores) / len(res.scores)
         return self.last
 
@@ -159,11 +174,25 @@ def encode_rows(tokenizer, rows: list[PromptRow], max_len: int):
     return encode_prompts(tokenizer, texts, max_len, names=[f"dataset row {r.index}" for r in rows])
 
 
+def load_checked_rows(tokenizer, files: list[str], max_len: int) -> list[PromptRow]:
+    """:func:`load_prompt_rows` (same rows, same indices) plus the prompt-length check, file by
+    file so that an over-long prompt is named by its file and 0-based row."""
+    rows: list[PromptRow] = []
+    for path in files:
+        part = load_prompt_rows([path])  # indices 0.. within this file
+        encode_prompts(tokenizer, [render_prompt(r, tokenizer) for r in part], max_len,
+                       names=[f"{path}: row {r.index} (0-based), column 'prompt'" for r in part])
+        start = len(rows)
+        rows.extend(dataclasses.replace(r, index=start + r.index) for r in part)
+    return rows
+
+
 class RLTrainer:
     """Holds the models, optimizers and data of a run; its methods are the RL phases."""
 
-    def __init__(self, cfg: RunConfig, assets: Assets):
+    def __init__(self, cfg: RunConfig, assets: Assets, dp: DataParallel = SINGLE):
         self.cfg = cfg
+        self.dp = dp  # W > 1: FSDP2-sharded models, each worker rolls out its block of rows
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.tokenizer = tok = load_tokenizer(assets.model_path)
@@ -179,9 +208,18 @@ class RLTrainer:
         self.actor = load_causal_lm(assets.model_path, cfg.model.dtype)
         if cfg.model.gradient_checkpointing:
             self.actor.gradient_checkpointing_enable()
+        # with W > 1 workers the actor is sharded (FSDP2) and rollout runs on a full copy of it,
+        # refreshed from the shards after every change (verl's hybrid engine, colocated)
+        self.rollout_model = self.actor
+        if dp.distributed:
+            self.rollout_model = load_causal_lm(assets.model_path, cfg.model.dtype)
+            sharding.shard(self.actor)
+        self._rollout_stale = False
         self.ref = None
         if algo.uses_reference:
             self.ref = load_causal_lm(assets.model_path, cfg.model.dtype).requires_grad_(False)
+            if dp.distributed:
+                sharding.shard(self.ref)
         total = cfg.total_optimizer_steps
         self.actor_optimizer = make_optimizer(self.actor.parameters(), cfg.optim, cfg.optim.lr)
         self.actor_scheduler = make_scheduler(self.actor_optimizer, cfg.optim, total)
@@ -191,6 +229,8 @@ class RLTrainer:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(derive_seed(cfg.seed, 0, "critic-init"))
                 self.critic = load_critic(assets.model_path, cfg.model.dtype)
+            if dp.distributed:
+                sharding.shard(self.critic)
             self.critic_optimizer = make_optimizer(self.critic.parameters(), cfg.optim,
                                                    cfg.optim.critic_lr)
             self.critic_scheduler = make_scheduler(self.critic_optimizer, cfg.optim, total)
@@ -201,12 +241,11 @@ class RLTrainer:
         self.history: list[dict] = []
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl_type, kl_coef=algo.kl_coef,
                                           target_kl=algo.kl_target, horizon=algo.kl_horizon)
-        self.engine = make_engine(cfg.rollout.engine, model=self.actor, model_path=assets.model_path,
+        self.engine = make_engine(cfg.rollout.engine, model=self.rollout_model,
+                                  model_path=assets.model_path,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                   micro_batch_size=cfg.rollout.micro_batch_size)
-        self.scorer = RewardScorer(cfg.reward.scorer, timeout_s=cfg.reward.timeout_s,
-                                   timeout_score=cfg.reward.timeout_score,
-                                   num_workers=cfg.reward.num_workers)
+        self.scorer = RewardScorer.from_config(cfg.reward)
 
     def close(self):
         self.scorer.close()
@@ -216,6 +255,8 @@ class RLTrainer:
         """Everything an exact resume needs, as checkpoint ``(groups, meta)``. The data position
         and every phase's randomness are functions of (seed, step), so the step is enough for
         them; global RNG states are saved anyway for code that uses them."""
+        if self.dp.distributed:
+            return self._full_state(with_optimizer)
         groups = {"policy": self.actor.state_dict(), "rng": capture_rng_state()}
         meta = {"kl_ctrl": self.kl_ctrl.state_dict(), "sampler": self.sampler.state_dict(),
                 "hf_config": self.actor.config.to_dict(), "guard": dict(self.guard),
@@ -232,33 +273,61 @@ class RLTrainer:
                 meta["critic_scheduler"] = self.critic_scheduler.state_dict()
         return groups, meta
 
+    def _meta(self) -> dict:
+        return {"kl_ctrl": self.kl_ctrl.state_dict(), "sampler": self.sampler.state_dict(),
+                "hf_config": self.actor.config.to_dict(), "guard": dict(self.guard),
+                "metrics_history": [dict(h) for h in self.history]}
+
+    def _full_state(self, with_optimizer: bool) -> tuple[dict, dict]:
+        """W > 1: the same groups one process saves (full tensors, the optimizer by parameter
+        index), gathered from the shards onto rank 0; the other workers get empty groups. So a
+        checkpoint does not depend on the worker count that wrote it. (A collective.)"""
+        def model(m):
+            return sharding.full_model_state(m, rank0_only=True)
+
+        groups = {"policy": model(self.actor), "rng": capture_rng_state()}
+        meta = self._meta()
+        if with_optimizer:
+            groups["optimizer"] = sharding.full_optimizer_state(self.actor, self.actor_optimizer)
+            meta["scheduler"] = self.actor_scheduler.state_dict()
+        if self.ref is not None:
+            groups["reference"] = model(self.ref)
+        if self.critic is not None:
+            groups["critic"] = model(self.critic)
+            if with_optimizer:
+                groups["critic_optimizer"] = sharding.full_optimizer_state(
+                    self.critic, self.critic_optimizer)
+                meta["critic_scheduler"] = self.critic_scheduler.state_dict()
+        return groups, meta
+
     def load_targets(self) -> dict:
         """``{group: {tensor: destination}}`` for ``CheckpointManager.load(out=...)``: the live
         weights, so a resume reads into them instead of allocating a second copy. After a failed
-        load they may hold a partial mix: the caller loads another checkpoint or rebuilds."""
+        load they may hold a partial mix: the caller loads another checkpoint or rebuilds. None
+        when sharded (W > 1): the full tensors are read, then each worker keeps its shard."""
+        if self.dp.distributed:
+            return None
         out = {"policy": self.actor.state_dict()}
         if self.critic is not None:
             out["critic"] = self.critic.state_dict()
         return out
 
     def load_state(self, groups: dict, meta: dict) -> None:
-        """Inverse of :meth:`state` (a checkpoint without optimizer state restarts the moments)."""
-        self.actor.load_state_dict(groups["policy"])
+        """Inverse of :meth:`state` (a checkpoint without optimizer state restarts the moments).
+        With W > 1 every worker passes the full groups and keeps its shard (a collective)."""
+        self._load_model(self.actor, self.actor_optimizer, groups["policy"],
+                         groups.get("optimizer"))
         if "optimizer" in groups:
-            self.actor_optimizer.load_state_dict(groups["optimizer"])
             self.actor_scheduler.load_state_dict(meta["scheduler"])
-        else:  # no stale moments from whatever this trainer held before
-            self.actor_optimizer.state.clear()
         if self.critic is not None:
             if "critic" not in groups:
                 raise ValueError("checkpoint has no critic but this run trains one "
                                  f"(algorithm.adv_estimator={self.cfg.algorithm.adv_estimator!r})")
-            self.critic.load_state_dict(groups["critic"])
+            self._load_model(self.critic, self.critic_optimizer, groups["critic"],
+                             groups.get("critic_optimizer"))
             if "critic_optimizer" in groups:
-                self.critic_optimizer.load_state_dict(groups["critic_optimizer"])
                 self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
-            else:
-                self.critic_optimizer.state.clear()
+        self._rollout_stale = True
         self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
         self.sampler.load_state_dict(meta["sampler"])
         # checkpoints from before guard/history were saved start them empty
@@ -266,6 +335,39 @@ class RLTrainer:
         self.history = [dict(h) for h in meta.get("metrics_history", [])][-HISTORY_STEPS:]
         if "rng" in groups:
             restore_rng_state(groups["rng"])
+
+    def _load_model(self, model, optimizer, weights: dict, optim_state) -> None:
+        if self.dp.distributed:
+            sharding.load_full_model_state(model, weights)
+            if optim_state is not None:
+                sharding.load_full_optimizer_state(model, optimizer, optim_state)
+        else:
+            model.load_state_dict(weights)
+            if optim_state is not None:
+                optimizer.load_state_dict(optim_state)
+        if optim_state is None:  # no stale moments from whatever this trainer held before
+            optimizer.state.clear()
+
+    def _sync_rollout_weights(self) -> None:
+        """W > 1: copy the current weights from the FSDP shards into the rollout model (an
+        all-gather, no round trip through the store). A collective: every worker calls it."""
+        if self.dp.distributed and self._rollout_stale:
+            self.rollout_model.load_state_dict(
+                sharding.full_model_state(self.actor, rank0_only=False))
+        self._rollout_stale = False
+
+    def _generate(self, prompt_ids, prompt_mask, params: SamplingParams):
+        """Generate for all N rows; with W > 1 each worker samples its block (with the random
+        draws the whole batch would use for those rows) and the blocks are gathered."""
+        self._sync_rollout_weights()
+        if not self.dp.distributed:
+            return self.engine.generate(prompt_ids, prompt_mask, params)
+        n = prompt_ids.shape[0]
+        mine = self.dp.block(torch.arange(n))
+        out = self.engine.generate(prompt_ids[mine], prompt_mask[mine], params,
+                                   first_row=int(mine[0]), total_rows=n)
+        parts = self.dp.gather_objects((out.response_ids, out.response_mask, out.logprobs))
+        return _concat_outputs(parts, self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------ phases
     def prompt_indices(self, step: int) -> list[int]:
@@ -288,8 +390,8 @@ class RLTrainer:
                                 max_new_tokens=rc.max_new_tokens,
                                 seed=derive_seed(self.cfg.seed, step, "rollout"))
         t0 = time.perf_counter()
-        out = self.engine.generate(self.train_prompt_ids[rows_idx],
-                                   self.train_prompt_mask[rows_idx], params)
+        out = self._generate(self.train_prompt_ids[rows_idx], self.train_prompt_mask[rows_idx],
+                             params)
         dt = time.perf_counter() - t0
         rows = [self.train_rows[i] for i in rows_idx.tolist()]
         batch = Batch(
@@ -302,11 +404,15 @@ class RLTrainer:
             pad_id=self.tokenizer.pad_token_id,
             meta={"step": step, "kl_coef": self.kl_ctrl.value})
         micro = self.cfg.trainer.ppo_micro_batch_size
+        # with W > 1 each worker runs its block of rows through the sharded model: (N, T)
+        mine = self.dp.block(torch.arange(batch.num_rows))
+        part = batch.select(mine) if self.dp.distributed else batch
         if self.ref is not None:
-            batch = batch.replace(ref_logprobs=batched_logprobs(
-                self.ref, batch, self.cfg.rollout.temperature or 1.0, micro))
+            batch = batch.replace(ref_logprobs=self.dp.gather_rows(batched_logprobs(
+                self.ref, part, self.cfg.rollout.temperature or 1.0, micro)))
         if self.critic is not None:
-            batch = batch.replace(values=batched_values(self.critic, batch, micro))
+            batch = batch.replace(values=self.dp.gather_rows(
+                batched_values(self.critic, part, micro)))
         tokens = float(out.response_mask.sum())
         return batch, {"rollout/time_s": dt, "rollout/tokens_per_s": tokens / max(dt, 1e-9),
                        "response_length/mean": tokens / batch.num_rows}
@@ -330,6 +436,7 @@ class RLTrainer:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(c.seed, step, "update-global"))
             metrics.update(self._ppo_update(batch, step))
+        self._rollout_stale = True
         self._remember(step, batch, metrics)
         return metrics
 
@@ -354,21 +461,46 @@ class RLTrainer:
             micro_batch_rows=c.trainer.ppo_micro_batch_size, epochs=c.trainer.ppo_epochs,
             grad_clip=c.optim.grad_clip, seed=derive_seed(c.seed, step, "update"),
             critic=self.critic, critic_optimizer=self.critic_optimizer,
-            critic_scheduler=self.critic_scheduler)
+            critic_scheduler=self.critic_scheduler, dp=self.dp)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Greedy decoding on the held-out split: accuracy = mean score."""
+        """Greedy decoding on the held-out split: accuracy = mean score. With W > 1 each worker
+        decodes a contiguous share of the rows and the scores are gathered."""
+        self._sync_rollout_weights()
         params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
-        texts, lengths = [], []
+        n, W, r = self.val_prompt_ids.shape[0], self.dp.size, self.dp.rank
+        lo, hi = n * r // W, n * (r + 1) // W  # no collectives in decoding: shares may differ
+        texts, special, lengths = [], [], []
         step = self.cfg.data.val_batch_size
-        for s in range(0, self.val_prompt_ids.shape[0], step):
-            out = self.engine.generate(self.val_prompt_ids[s:s + step],
-                                       self.val_prompt_mask[s:s + step], params)
-            texts += self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        for s in range(lo, hi, step):
+            e = min(s + step, hi)
+            out = self.engine.generate(self.val_prompt_ids[s:e], self.val_prompt_mask[s:e], params)
+            dec = decode_responses(self.tokenizer, out.response_ids, out.response_mask)
+            texts += dec.texts
+            special += dec.special_token
             lengths += out.response_mask.sum(-1).tolist()
-        res = self.scorer.score([r.data_source for r in self.val_rows], texts,
-                                [r.ground_truth for r in self.val_rows],
-                                [r.extra_info for r in self.val_rows])
-        return {"val/accuracy": sum(res.scores) / max(1, len(res.scores)),
+        rows = self.val_rows[lo:hi]
+        res = self.scorer.score([r.data_source for r in rows], texts,
+                                [r.ground_truth for r in rows], [r.extra_info for r in rows],
+                                special_token=special)
+        scores = [s for part in self.dp.gather_objects(list(res.scores)) for s in part]
+        lengths = [x for part in self.dp.gather_objects(lengths) for x in part]
+        return {"val/accuracy": sum(scores) / max(1, len(scores)),
                 "val/response_length": sum(lengths) / max(1, len(lengths))}
+
+
+def _concat_outputs(parts, pad_id: int) -> GenerationOutput:
+    """Concatenate workers' ``(response_ids, response_mask, logprobs)`` blocks in rank order,
+    right-padding to the longest and trimming columns that are padding in every row (what one
+    engine call over all rows returns)."""
+    T = max(p[0].shape[1] for p in parts)
+
+    def cat(i, pad):
+        return torch.cat([torch.nn.functional.pad(p[i], (0, T - p[i].shape[1]), value=pad)
+                          for p in parts], 0)
+
+    ids, mask, logp = cat(0, pad_id), cat(1, 0.0), cat(2, 0.0)
+    T = int(mask.sum(0).nonzero().max()) + 1 if mask.any() else 0
+    return GenerationOutput(response_ids=ids[:, :T], response_mask=mask[:, :T],
+                            logprobs=logp[:, :T])

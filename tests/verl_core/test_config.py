@@ -1,7 +1,12 @@
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 
-from verl_core.config import (AlgorithmConfig, ConfigError, DataConfig, OptimConfig, RunConfig,
-                              TrainerConfig, preset, with_overrides)
+from verl_core.config import (SECTIONS, AlgorithmConfig, ConfigError, DataConfig, OptimConfig,
+                              RunConfig, TrainerConfig, preset, typed_overrides, with_overrides)
 
 
 def test_defaults_are_valid_and_derived_values():
@@ -54,3 +59,113 @@ def test_overrides_and_round_trip():
 def test_synthetic_sizes_checked_against_unique_problems():
     with pytest.raises(ConfigError, match="unique problems"):
         DataConfig(synthetic_max_operand=5, synthetic_train_size=100)
+
+
+# ---------------------------------------------------------------- field types and finiteness
+# One case per kind of wrong value: (dotted key, value, what the message must say).
+WRONG_TYPES = [
+    ("optim.lr", "abc", r"optim.lr='abc': must be a finite number \(not str\)"),
+    ("optim.lr", float("nan"), r"optim.lr=nan: must be a finite number"),
+    ("optim.lr", float("inf"), r"optim.lr=inf: must be a finite number"),
+    ("algorithm.gamma", float("-inf"), r"algorithm.gamma=-inf: must be a finite number"),
+    ("optim.lr", None, r"optim.lr=None: must be a finite number \(not NoneType\)"),
+    ("optim.lr", True, r"optim.lr=True: must be a finite number \(not bool\)"),
+    ("rollout.n", 2.5, r"rollout.n=2.5: must be an integer \(not float\); e.g. the default 8"),
+    ("rollout.n", True, r"rollout.n=True: must be an integer \(not bool\)"),
+    ("rollout.n", "8", r"rollout.n='8': must be an integer \(not str\)"),
+    ("rollout.n", float("nan"), r"rollout.n=nan: must be an integer"),
+    ("data.shuffle", "false", r"data.shuffle='false': must be True or False \(not str\)"),
+    ("data.shuffle", 1, r"data.shuffle=1: must be True or False \(not int\)"),
+    ("model.dtype", 32, r"model.dtype=32: must be a string \(not int\); e.g. the default 'float32'"),
+    ("total_steps", 2.5, r"run.total_steps=2.5: must be an integer"),
+]
+
+
+@pytest.mark.parametrize("key,value,message", WRONG_TYPES)
+def test_wrong_type_or_non_finite_value_is_refused_naming_the_field(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        with_overrides(RunConfig(), {key: value})
+    with pytest.raises(ConfigError, match=message):
+        typed_overrides({key: value})
+
+
+@pytest.mark.parametrize("key,value,message", WRONG_TYPES)
+def test_wrong_type_is_refused_at_construction(key, value, message):
+    section, _, name = key.rpartition(".")
+    with pytest.raises(ConfigError, match=message):
+        if section:
+            RunConfig(**{section: SECTIONS[section](**{name: value})})
+        else:
+            RunConfig(**{name: value})
+
+
+def test_every_field_is_type_checked():
+    """The check is driven by the annotations, so no field can be forgotten: every field of
+    every section refuses a value of a foreign type."""
+    foreign = {int: "x", float: "x", str: 1.5, bool: "x"}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            with pytest.raises(ConfigError, match=rf"^{section}\.{f.name}="):
+                cls(**{f.name: foreign[type(f.default)]})
+
+
+def test_numbers_are_stored_as_the_annotated_type_so_hashes_agree():
+    # 1 and 1.0 (JSON writes either) must give the same config and the same hash
+    a = with_overrides(RunConfig(), {"optim.lr": 1, "rollout.n": 8.0, "algorithm.gamma": 1})
+    b = with_overrides(RunConfig(), {"optim.lr": 1.0, "rollout.n": 8, "algorithm.gamma": 1.0})
+    assert type(a.optim.lr) is float and type(a.rollout.n) is int
+    assert a == b and a.config_hash() == b.config_hash()
+    assert a.trajectory_hash() == b.trajectory_hash()
+    # numpy scalars are stored as Python numbers (json.dumps in config_hash refuses numpy ints)
+    c = with_overrides(RunConfig(), {"optim.lr": np.float32(0.5), "rollout.n": np.int64(8)})
+    assert type(c.optim.lr) is float and type(c.rollout.n) is int and c.config_hash()
+    # the defaults already have their annotated types: the type pass leaves a default config,
+    # and so its hashes, as they were
+    for cfg in (RunConfig(), preset("ppo")):
+        for section in SECTIONS:
+            sub = getattr(cfg, section)
+            for f in dataclasses.fields(sub):
+                assert type(getattr(sub, f.name)).__name__ == f.type, (section, f.name)
+
+
+def test_sections_must_be_mappings():
+    with pytest.raises(ConfigError, match=r"config section 'optim'=5: must be a mapping"):
+        with_overrides(RunConfig(), {"optim": 5})
+    with pytest.raises(ConfigError, match=r"overrides=\[1\]: must be a mapping of dotted keys"):
+        with_overrides(RunConfig(), [1])
+    with pytest.raises(ConfigError, match=r"run.data=\{\}: must be a DataConfig"):
+        RunConfig(data={})
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "verl_core.train", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("optim.lr=abc", "optim.lr='abc': must be a finite number"),
+    ("optim.lr=1e999", "optim.lr=inf: must be a finite number"),  # parsed as float('inf')
+    ("rollout.n=2.5", "rollout.n=2.5: must be an integer"),
+])
+def test_cli_prints_the_error_without_traceback_and_exits_2(setting, message, tmp_path):
+    out = _cli("--steps", "1", "--workdir", str(tmp_path), "--set", setting)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("python -m verl_core.train: error: ")
+    assert not list(tmp_path.iterdir())  # nothing was prepared
+
+
+def test_reward_timeout_policy_fields():
+    from verl_core.config import RewardConfig
+
+    with pytest.raises(ConfigError, match=r"reward.max_timeout_fraction=1.5: must be in \[0, 1\]"):
+        RewardConfig(max_timeout_fraction=1.5)
+    with pytest.raises(ConfigError, match=r"reward.on_timeouts='retry'.*known: fail, warn"):
+        RewardConfig(on_timeouts="retry")
+    with pytest.raises(ConfigError, match=r"reward.import_timeout_s=0.0: must be > 0"):
+        RewardConfig(import_timeout_s=0)
+    # they decide whether a run fails, never its scores: same trajectory, same checkpoints
+    other = RunConfig(reward=RewardConfig(import_timeout_s=5.0, max_timeout_fraction=1.0,
+                                          on_timeouts="warn"))
+    assert other.trajectory_hash() == RunConfig().trajectory_hash()
+    assert other.config_hash() != RunConfig().config_hash()

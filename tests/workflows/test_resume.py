@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -117,3 +118,41 @@ def test_malformed_dataset_fails_before_training(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode != 0 and "bad.parquet" in out and "reward_model" in out
     assert not (tmp_path / "s" / "t" / "logs").exists() or not _phase_log(tmp_path / "s" / "t")
+
+
+def test_long_run_with_aggressive_gc_resumes_on_a_fresh_host(tmp_path):
+    """4x the length of the other tests, keep_last=1 and gc with no grace period (retention
+    collects after every checkpoint); SIGKILL inside step 11, `checkpoint gc --grace-s 0` on the
+    interrupted store, then the same command on a "fresh host" (empty asset cache). The store
+    alone must be enough: the run continues and ends identical to one that never stopped."""
+    steps = 16
+    over = {"checkpoint.keep_last": 1, "checkpoint.gc_grace_s": 0.0}
+    ref = run(ppo_cmd(tmp_path / "ref-store", steps=steps, overrides=over),
+              flyte_env(tmp_path / "a"))
+    ref_sha = _final_weights_sha(_summary(ref.stdout))
+
+    store = tmp_path / "store"
+    env = flyte_env(tmp_path / "b")
+    hang = {"VERL_FAULTS": json.dumps([{"phase": "rollout", "step": 11, "kind": "hang"}])}
+    proc = subprocess.Popen(ppo_cmd(store, steps=steps, overrides=over), cwd=REPO,
+                            env={**env, **hang}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    marker = tmp_path / "b" / "faults" / "rollout-11.entered"
+    deadline = time.time() + 600
+    while not marker.exists():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline, "the run never reached the rollout of step 11"
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    from verl_core.checkpoint import CheckpointManager
+
+    # keep_last=1 held (10, or 8 if the kill beat the background write of 10)
+    assert [i.step for i in CheckpointManager(str(store / "t")).list_checkpoints()] in ([10], [8])
+    gc = run([sys.executable, "-m", "verl_core.checkpoint", "gc",
+              str(store / "t"), "--grace-s", "0"], env)
+    assert "'deleted': 0" not in gc.stdout  # it did collect something (old checkpoints' objects)
+
+    fresh = {**env, "VERL_ASSET_CACHE": str(tmp_path / "fresh-host-assets")}
+    res = run(ppo_cmd(store, steps=steps, overrides=over), fresh)
+    assert _final_weights_sha(_summary(res.stdout)) == ref_sha

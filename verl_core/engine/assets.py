@@ -3,24 +3,71 @@
 A run must be hermetic: every phase, on any pod, reads the *same* bytes the run was prepared with.
 So ``publish_assets`` copies the starting model folder and the dataset parquet files into the
 store as content-addressed objects and returns a small JSON-able index; ``materialize_assets``
-rebuilds a local folder from it (verifying every hash) in a per-host cache, so a worker that
-already has them pays nothing.
+rebuilds a local folder from it in a per-user cache, so a worker that already has them pays
+nothing.
+
+The cache is a convenience, never a source of truth (DESIGN rule 6): it is private to the user
+(mode 0700, owned by them), the size of every file is checked on every use, and the first use in
+a process re-hashes every file against the store's hashes. A cached copy that fails either check
+is thrown away and filled again from the store.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
+import stat
 import tempfile
+import threading
 
 import fsspec
 
-from verl_core.checkpoint.store import RunStore
+from verl_core.checkpoint.store import RunStore, check_sha256, sha256_hex
+from verl_core.errors import PermanentError
 from verl_core.trainer import Assets
 
-_CACHE = os.environ.get("VERL_ASSET_CACHE", os.path.join(tempfile.gettempdir(), "verl-assets"))
+log = logging.getLogger(__name__)
+
+_COMPLETE = ".complete"  # written last into a filled entry: {relpath: [sha, size]}
+_VERIFIED: set[str] = set()  # cache entries re-hashed by this process
+_LOCK = threading.Lock()
+
+
+class AssetCacheError(PermanentError):
+    """The local asset cache folder is not private to this user."""
+
+
+def cache_root() -> str:
+    """``$VERL_ASSET_CACHE``, else ``$XDG_CACHE_HOME/verl-flyte/assets`` (``~/.cache/…``), else a
+    per-user folder in the system temp folder. Created with mode 0700."""
+    root = os.environ.get("VERL_ASSET_CACHE")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "verl-flyte", "assets")
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except OSError:  # no writable home (some containers): a per-user temp folder
+            root = os.path.join(tempfile.gettempdir(), f"verl-assets-{os.getuid()}")
+    return _private_dir(root)
+
+
+def _private_dir(path: str) -> str:
+    """Create ``path`` (0700) or check an existing one: owned by us and not accessible to others.
+    A folder another user can write into could swap the weights a run trains on."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise AssetCacheError(f"asset cache {path} is not a plain folder; point VERL_ASSET_CACHE "
+                              "at a folder of your own")
+    if st.st_uid != os.getuid():
+        raise AssetCacheError(f"asset cache {path} belongs to uid {st.st_uid}, not to you (uid "
+                              f"{os.getuid()}); point VERL_ASSET_CACHE at a folder of your own")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # ours: make it private rather than refuse
+    return path
 
 
 def _files_under(folder: str) -> list[str]:
@@ -33,40 +80,121 @@ def _files_under(folder: str) -> list[str]:
 
 def publish_assets(store: RunStore, assets: Assets, storage_options: dict | None = None) -> dict:
     """Copy the model folder and the dataset files into ``store``. Returns the asset index:
-    ``{"model": {relpath: sha}, "train": [sha...], "val": [sha...], "id": sha-of-index}``."""
+    ``{"model": {relpath: sha}, "train": [sha...], "val": [sha...], "id": sha-of-index}``.
+
+    The index (a gc root) is written before the objects it names, so a concurrent garbage
+    collection can never see one of them without its root."""
+    blobs: dict[str, bytes] = {}
+
+    def add(data: bytes) -> str:
+        sha = sha256_hex([data])
+        blobs[sha] = data
+        return sha
+
     model = {}
     for rel in _files_under(assets.model_path):
         with open(os.path.join(assets.model_path, rel), "rb") as f:
-            model[rel] = store.put_bytes(f.read())
+            model[rel] = add(f.read())
 
-    def put_file(uri: str) -> str:
+    def read(uri: str) -> bytes:
         with fsspec.open(uri, "rb", **(storage_options or {})) as f:
-            return store.put_bytes(f.read())
+            return f.read()
 
-    index = {"model": model, "train": [put_file(u) for u in assets.train_files],
-             "val": [put_file(u) for u in assets.val_files]}
+    index = {"model": model, "train": [add(read(u)) for u in assets.train_files],
+             "val": [add(read(u)) for u in assets.val_files]}
     index["id"] = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
     store.put_json(f"assets/{index['id']}", index)
+    store.map(store.put_bytes, list(blobs.values()))
     return index
 
 
-def materialize_assets(store: RunStore, index: dict) -> Assets:
-    """Local folders holding the assets of ``index`` (hash-verified on first use, then cached)."""
-    root = os.path.join(_CACHE, index["id"])
-    done = os.path.join(root, ".complete")
-    if not os.path.exists(done):
-        tmp = tempfile.mkdtemp(prefix=".partial-", dir=_ensure(_CACHE))
-        for rel, sha in index["model"].items():
-            _write(os.path.join(tmp, "model", rel), store.get_bytes(sha, what=f"model file {rel}"))
-        for split in ("train", "val"):
-            for i, sha in enumerate(index[split]):
-                _write(os.path.join(tmp, "data", f"{split}-{i}.parquet"),
-                       store.get_bytes(sha, what=f"{split} dataset file {i}"))
-        open(os.path.join(tmp, ".complete"), "w").close()
+def _entries(index: dict) -> dict[str, str]:
+    """``{path inside the cache entry: sha}`` for every file of the index."""
+    out = {f"model/{rel}": sha for rel, sha in index["model"].items()}
+    for split in ("train", "val"):
+        for i, sha in enumerate(index[split]):
+            out[f"data/{split}-{i}.parquet"] = sha
+    for rel, sha in out.items():
+        check_sha256(sha, f"asset {rel}")
+        parts = rel.split("/")
+        if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise PermanentError(f"asset index {index.get('id')}: unsafe file name {rel!r}")
+    return out
+
+
+def _file_sha(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_entry(root: str, want: dict[str, str], rehash: bool) -> str | None:
+    """Why the cached entry ``root`` cannot be used (None: it can). Sizes are checked against
+    the record written at fill time, hashes (when ``rehash``) against the store's index."""
+    try:
+        with open(os.path.join(root, _COMPLETE)) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"its fill record is unreadable ({e})"
+    if not isinstance(record, dict):
+        return "its fill record is malformed"
+    for rel, sha in want.items():
+        rec = record.get(rel)
+        if not isinstance(rec, list) or len(rec) != 2 or rec[0] != sha:
+            return f"{rel} is not in its fill record"
+        path = os.path.join(root, rel)
         try:
-            os.replace(tmp, root)  # atomic: a reader sees all of it or nothing
-        except OSError:  # another process finished first: theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
+            size = os.path.getsize(path)
+        except OSError:
+            return f"{rel} is missing"
+        if size != rec[1]:
+            return f"{rel} has {size} bytes, {rec[1]} when filled"
+        if rehash and _file_sha(path) != sha:
+            return f"{rel} does not hash to {sha[:12]}… (changed since it was filled)"
+    return None
+
+
+def _fill(store: RunStore, cache: str, root: str, want: dict[str, str]) -> bool:
+    """Fill ``root`` from the store (every object hash-verified as it is read). False when another
+    process filled it first (theirs is then checked like any cached entry)."""
+    tmp = tempfile.mkdtemp(prefix=".partial-", dir=cache)
+    record = {}
+    for rel, sha in want.items():
+        data = store.get_bytes(sha, what=f"asset file {rel}")
+        _write(os.path.join(tmp, rel), data)
+        record[rel] = [sha, len(data)]
+    with open(os.path.join(tmp, _COMPLETE), "w") as f:
+        json.dump(record, f, sort_keys=True)
+    try:
+        os.replace(tmp, root)  # atomic: a reader sees all of it or nothing
+        return True
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+
+
+def materialize_assets(store: RunStore, index: dict) -> Assets:
+    """Local folders holding the assets of ``index``, from the private cache (filled from the
+    store when absent or failing its checks; see the module docstring)."""
+    want = _entries(index)
+    cache = cache_root()
+    root = os.path.join(cache, check_sha256(index.get("id"), "asset index id"))
+    with _LOCK:
+        why = "absent"
+        if os.path.exists(root):
+            why = _check_entry(root, want, rehash=root not in _VERIFIED)
+            if why is not None:
+                log.warning("cached assets %s are not the run's (%s); filling them again from %s",
+                            root, why, store.uri)
+                _discard(cache, root)
+        if why is not None and not _fill(store, cache, root, want):
+            why = _check_entry(root, want, rehash=True)  # another process filled it first
+            if why is not None:
+                raise PermanentError(f"asset cache {root} was filled by another process and fails "
+                                     f"its check ({why}); delete it and re-run")
+        _VERIFIED.add(root)
     data = os.path.join(root, "data")
     return Assets(model_path=os.path.join(root, "model"),
                   train_files=[os.path.join(data, f"train-{i}.parquet")
@@ -75,9 +203,14 @@ def materialize_assets(store: RunStore, index: dict) -> Assets:
                              for i in range(len(index["val"]))])
 
 
-def _ensure(path: str) -> str:
-    os.makedirs(path, exist_ok=True)
-    return path
+def _discard(cache: str, root: str) -> None:
+    """Move a bad entry aside first (atomic), so no reader ever sees it half-deleted."""
+    aside = tempfile.mkdtemp(prefix=".discard-", dir=cache)
+    try:
+        os.replace(root, os.path.join(aside, "entry"))
+    except OSError:
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _write(path: str, data: bytes) -> None:

@@ -29,11 +29,10 @@ from verl_core.checkpoint.manager import CheckpointManager
 from verl_core.checkpoint.store import RunStore
 from verl_core.config import RunConfig
 from verl_core.engine.assets import materialize_assets, publish_assets
-from verl_core.engine.worker import RunWorker, get_batch, put_batch
+from verl_core.engine.worker import RunWorker, get_batch, pending_doc, put_batch
 from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer
-from verl_core.data.dataset import load_prompt_rows
-from verl_core.trainer import compute_advantages, encode_rows, prepare_assets, score_batch
+from verl_core.trainer import compute_advantages, prepare_assets, score_batch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,11 +89,8 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     uri = run_store_uri(store, run_name)
     st = _store(uri)
     with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
+        # checks every dataset file (rows, columns, prompt lengths) before the warm start
         assets = prepare_assets(cfg, work, log=log_fn)
-        # Fail before any training on a malformed dataset or an over-long prompt.
-        tok = load_tokenizer(assets.model_path)
-        for files in (assets.train_files, assets.val_files):
-            encode_rows(tok, load_prompt_rows(files), cfg.data.max_prompt_length)
         index = publish_assets(st, assets)
     start = resume_step(st, cfg)
     if start:
@@ -243,9 +239,7 @@ def _light(spec: RunSpec):
     if key not in _LIGHT:
         cfg = spec.config
         assets = materialize_assets(spec.open_store(), json.loads(spec.assets_json))
-        scorer = RewardScorer(cfg.reward.scorer, timeout_s=cfg.reward.timeout_s,
-                              timeout_score=cfg.reward.timeout_score,
-                              num_workers=cfg.reward.num_workers)
+        scorer = RewardScorer.from_config(cfg.reward)
         _LIGHT[key] = (load_tokenizer(assets.model_path), scorer, cfg)
     return _LIGHT[key]
 
@@ -255,7 +249,7 @@ def reward_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict]:
     tok, scorer, _ = _light(spec)
     st = spec.open_store()
     batch, metrics = score_batch(get_batch(st, batch_ref), scorer, tok)
-    ref = put_batch(st, batch)
+    ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "reward"))
     metrics["timing/reward_s"] = time.perf_counter() - t0
     return ref, metrics
 
@@ -265,7 +259,7 @@ def advantage_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict
     _, _, cfg = _light(spec)
     st = spec.open_store()
     batch, metrics = compute_advantages(get_batch(st, batch_ref), cfg.algorithm)
-    ref = put_batch(st, batch)
+    ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "advantage"))
     metrics["timing/advantage_s"] = time.perf_counter() - t0
     return ref, metrics
 
@@ -328,11 +322,11 @@ def metrics_table(spec: RunSpec):
 
 
 def finalize_run(spec: RunSpec, step: int) -> dict:
-    """Wait for background checkpoints, export the final policy as a Hugging Face folder into
-    the store, and write the metrics table next to it."""
+    """Make sure the final checkpoint committed (re-saving it if its write was lost), export the
+    final policy as a Hugging Face folder into the store, and write the metrics table next to it."""
     import fsspec
 
-    call_worker(spec, "wait_checkpoints")
+    call_worker(spec, "commit_final", step)  # the final checkpoint is committed, or we fail here
     st = spec.open_store()
     tag = f"{spec.config_hash[:12]}-step{step:06d}"
     with tempfile.TemporaryDirectory(prefix="verl-export-") as tmp:

@@ -30,17 +30,22 @@ from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectE
                                         UnsafeManifestError)
 from verl_core.checkpoint.hf_export import TOKENIZER_DOC, store_tokenizer
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
-from verl_core.checkpoint.store import NotFoundError, RunStore
+from verl_core.checkpoint.store import NotFoundError, RunStore, sha256_hex
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.engine.assets import materialize_assets
 from verl_core.trainer import RLTrainer
+from verl_core.training.dist import SINGLE, DataParallel
 
 log = logging.getLogger(__name__)
 
 
 class StateUnavailableError(PermanentError):
     """The state a phase asks for can be neither found nor rebuilt."""
+
+
+class CheckpointDisagreementError(PermanentError):
+    """The workers of a group would restore different checkpoints (they see different stores)."""
 
 
 # what makes one checkpoint unusable (not the store): the worker then tries an older one
@@ -52,8 +57,25 @@ def _needed(info) -> list[str]:
     return [g for g in info.groups if g != "reference"]
 
 
-def put_batch(store: RunStore, batch: Batch) -> str:
-    return store.put_bytes(batch_to_parquet_bytes(batch))
+PENDING_PHASES = ("rollout", "reward", "advantage")
+"""Phases whose output batch an update consumes (see :func:`pending_doc`)."""
+
+
+def pending_doc(config_hash: str, step: int, phase: str) -> str:
+    """Name of the doc that keeps a phase's output batch alive until the update of ``step`` has
+    consumed it: a re-run whose earlier phases were cache hits reads those batches, so garbage
+    collection must not delete them (``pending/`` is a gc root folder)."""
+    return f"pending/{config_hash[:16]}/{step:09d}-{phase}"
+
+
+def put_batch(store: RunStore, batch: Batch, *, pending: str | None = None) -> str:
+    """Store ``batch`` as a parquet object; with ``pending`` (a :func:`pending_doc` name), also
+    record it as a gc root. The root is written *before* the object, so a concurrent gc (which
+    lists objects before it reads roots) can never see the object without its root."""
+    data = batch_to_parquet_bytes(batch)
+    if pending:
+        store.put_json(pending, {"batch": sha256_hex([data])})
+    return store.put_bytes(data)
 
 
 def get_batch(store: RunStore, ref: str) -> Batch:
@@ -64,8 +86,12 @@ class RunWorker:
     """One run's trainer, checkpoints and lineage in one store."""
 
     def __init__(self, store_uri: str, config_json: str, assets_index: dict,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, dp: DataParallel = SINGLE):
         self.cfg = RunConfig.from_dict(json.loads(config_json))
+        # W > 1: one of W workers run in lock-step by ``engine.group``. Every worker keeps the
+        # whole state machine below; decisions that depend on the store's view (which checkpoint,
+        # whether lineage exists, the time-based interval) are rank 0's, and only rank 0 writes.
+        self.dp = dp
         if self.cfg.num_threads:
             torch.set_num_threads(self.cfg.num_threads)
         self.store = RunStore(store_uri, storage_options)
@@ -73,10 +99,10 @@ class RunWorker:
         self.assets = materialize_assets(self.store, assets_index)
         c = self.cfg.checkpoint
         self.ckpt = CheckpointManager(self.store, keep_last=c.keep_last or None,
-                                      keep_every=c.keep_every or None)
+                                      keep_every=c.keep_every or None, gc_grace_s=c.gc_grace_s)
         self.async_ckpt = AsyncCheckpointer(self.ckpt) if c.async_save else None
-        self.trainer = RLTrainer(self.cfg, self.assets)
-        if not self.store.has_json(TOKENIZER_DOC):  # once per run: `checkpoint export` ships it
+        self.trainer = RLTrainer(self.cfg, self.assets, dp)
+        if self.leader and not self.store.has_json(TOKENIZER_DOC):  # once per run (export)
             store_tokenizer(self.store, self.trainer.tokenizer)
         self.step = 0  # updates applied to the in-memory state
         self.base_step = 0  # step of the state the run started from
@@ -85,6 +111,34 @@ class RunWorker:
             self._rebuild_base()
         self.last_save_time = time.time()
         self.replayed = 0  # updates replayed from lineage (reported in metrics and tests)
+
+    # ------------------------------------------------------------------ workers
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the one worker that writes to the store."""
+        return self.dp.rank == 0
+
+    def _lead(self, value):
+        """Rank 0's ``value`` on every worker (a collective; the value itself when W = 1)."""
+        return self.dp.gather_objects(value)[0] if self.dp.distributed else value
+
+    def _agree(self, name: str) -> None:
+        """Before a restore every worker reads the manifest it is about to load and they compare
+        its sha256: workers that see different stores (a stale NFS cache, another bucket) must
+        not restore different states. A disagreement fails the phase, naming each worker."""
+        if not self.dp.distributed:
+            return
+        try:
+            sha = sha256_hex([self.ckpt.store.get_json_raw(f"checkpoints/{name}")])
+        except Exception as e:  # noqa: BLE001 - reported with the others below
+            sha = f"unreadable ({type(e).__name__}: {e})"
+        shas = self.dp.gather_objects(sha)
+        if len(set(shas)) > 1:
+            raise CheckpointDisagreementError(
+                f"workers disagree on checkpoint {name} of {self.store.uri}: "
+                + ", ".join(f"worker {r}: {h}" for r, h in enumerate(shas))
+                + "; every worker must read the same store (check mounts, caches and "
+                "credentials), then re-run")
 
     # ------------------------------------------------------------------ state
     def _lineage(self, step: int) -> str:
@@ -105,7 +159,7 @@ class RunWorker:
         spec = self.cfg.checkpoint.resume_from_checkpoint
         with self._changing_state():
             self.trainer.close()
-            self.trainer = RLTrainer(self.cfg, self.assets)
+            self.trainer = RLTrainer(self.cfg, self.assets, self.dp)
             self.step = 0
             if spec not in ("auto", "none", ""):
                 mgr, ref = open_checkpoint(spec, self.store.storage_options)
@@ -119,10 +173,14 @@ class RunWorker:
 
     def _load_checkpoint(self, max_step: int | None, min_step: int = -1) -> bool:
         """Load the newest valid checkpoint of this trajectory with min_step < step <= max_step."""
-        infos = [i for i in self.ckpt.list_checkpoints()
-                 if i.error is None and i.config_hash == self.config_hash
-                 and (max_step is None or i.step <= max_step) and i.step > min_step]
-        for info in sorted(infos, key=lambda i: i.step, reverse=True):
+        infos = self._lead(sorted(
+            (i for i in self.ckpt.list_checkpoints()
+             if i.error is None and i.config_hash == self.config_hash
+             and (max_step is None or i.step <= max_step) and i.step > min_step),
+            key=lambda i: i.step, reverse=True))
+        for info in infos:
+            self._agree(info.name)
+            rejected = None
             try:
                 # the reference model is rebuilt from the assets, so its stored copy is not read;
                 # weights are read straight into the live parameters (no second copy in memory),
@@ -130,14 +188,24 @@ class RunWorker:
                 with self._changing_state():
                     groups, meta, _ = self.ckpt.load(info.name, groups=_needed(info),
                                                      out=self.trainer.load_targets())
-                    self._apply(groups, meta, info.step)
+                    if self._lead_all_ok(True):
+                        self._apply(groups, meta, info.step)
             except _REJECTED as e:  # a damaged checkpoint: fall back to an older one.
                 # A store error (an outage, missing permissions) propagates instead: the phase is
                 # retried or fails, rather than quietly replaying from an older checkpoint.
-                log.warning("checkpoint %s rejected (%s); trying an older one", info.name, e)
+                rejected = e
+                self._lead_all_ok(False)
+            if rejected is not None or self.step != info.step:
+                log.warning("checkpoint %s rejected (%s); trying an older one", info.name,
+                            rejected or "rejected by another worker")
                 continue
             return True
         return False
+
+    def _lead_all_ok(self, ok: bool) -> bool:
+        """Whether every worker succeeded (a collective): a checkpoint one worker rejects is
+        skipped by all, so they stay on the same state."""
+        return all(self.dp.gather_objects(ok)) if self.dp.distributed else ok
 
     def ensure_state(self, step: int) -> None:
         """Make the in-memory state the one after ``step`` updates (see the module docstring)."""
@@ -147,7 +215,7 @@ class RunWorker:
         ahead = (self._live_valid and step > self.step
                  and self._load_checkpoint(max_step=step, min_step=self.step))
         if not ahead and (not self._live_valid or step < self.step
-                          or not self._has_lineage(self.step, step)):
+                          or not self._lead(self._has_lineage(self.step, step))):
             if not self._load_checkpoint(max_step=step):
                 self._rebuild_base()
                 if self.step > step:
@@ -176,7 +244,10 @@ class RunWorker:
         self.ensure_state(step)
         t0 = time.perf_counter()
         batch, metrics = self.trainer.rollout(step)
-        ref = put_batch(self.store, batch)
+        if not self.leader:  # the driver takes rank 0's answer
+            return "", metrics
+        ref = put_batch(self.store, batch,
+                        pending=pending_doc(self.config_hash, step, "rollout"))
         metrics["timing/rollout_s"] = time.perf_counter() - t0
         return ref, metrics
 
@@ -188,9 +259,21 @@ class RunWorker:
             metrics = self.trainer.update(batch, step)
             self.step = step + 1
         # record how this state was made before anyone is told it exists
-        self.store.put_json(self._lineage(step), {"step": step, "batch": batch_ref})
+        if self.leader:
+            self.store.put_json(self._lineage(step), {"step": step, "batch": batch_ref})
+            self._drop_pending(step)
         metrics["timing/update_s"] = time.perf_counter() - t0
         return metrics
+
+    def _drop_pending(self, step: int) -> None:
+        """The step's phase outputs are consumed: the lineage record now keeps the batch the
+        update used; the rollout and reward batches may go. Best effort: a leftover doc only keeps
+        a few batches alive, while failing here would fail an update that already happened."""
+        for phase in PENDING_PHASES:
+            try:
+                self.store.delete_json(pending_doc(self.config_hash, step, phase))
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not remove %s: %s", pending_doc(self.config_hash, step, phase), e)
 
     def should_checkpoint(self, step: int) -> bool:
         c = self.cfg.checkpoint
@@ -198,16 +281,20 @@ class RunWorker:
                 or (c.checkpoint_interval_s > 0
                     and time.time() - self.last_save_time >= c.checkpoint_interval_s))
 
-    def checkpoint(self, step: int, force: bool = False) -> dict:
+    def checkpoint(self, step: int, force: bool = False, sync: bool = False) -> dict:
         """Save the state after ``step`` updates if the interval says so. Async saves return as
-        soon as the state is snapshotted; the write finishes in the background."""
-        if not (force or self.should_checkpoint(step)):
+        soon as the state is snapshotted; the write finishes in the background (``sync``: wait
+        for the commit)."""
+        if not self._lead(force or self.should_checkpoint(step)):
             return {"checkpoint/saved": 0.0}
         self.ensure_state(step)
         t0 = time.perf_counter()
+        # W > 1: gathered from the shards onto rank 0 (a collective); rank 0 writes
         groups, meta = self.trainer.state(with_optimizer=self.cfg.checkpoint.save_optimizer_state)
         meta["step"] = step
-        if self.async_ckpt is not None:
+        if not self.leader:
+            pass
+        elif self.async_ckpt is not None and not sync:
             self.async_ckpt.save(step, groups, meta, config_hash=self.config_hash)
         else:
             self.ckpt.save(step, groups, meta, config_hash=self.config_hash)
@@ -219,6 +306,28 @@ class RunWorker:
             return self.async_ckpt.wait()
         return None
 
+    def has_checkpoint(self, step: int) -> bool:
+        """A committed checkpoint of this trajectory at ``step`` is in the store."""
+        return any(i.error is None and i.step == step and i.config_hash == self.config_hash
+                   for i in self.ckpt.list_checkpoints())
+
+    def commit_final(self, step: int) -> dict:
+        """Make sure the run's last state is a committed checkpoint (DESIGN rule 7).
+
+        An async checkpoint phase returns before its write commits, so its cached result does not
+        prove a checkpoint exists: the write may have died with the process or failed (a full
+        disk) after the phase was cached. Intermediate checkpoints are a speed knob (lineage
+        replay rebuilds any state), but the final one is what an extension resumes from and what
+        ``verify latest`` promises, so it is waited for here and, if it never committed, saved
+        again synchronously. A background error propagates (the phase fails, nothing is cached)."""
+        self.wait_checkpoints()
+        if self._lead(self.leader and self.has_checkpoint(step)):
+            return {"checkpoint/resaved": 0.0}
+        log.warning("the checkpoint of step %d never committed in %s; saving it again", step,
+                    self.store.uri)
+        out = self.checkpoint(step, force=True, sync=True)
+        return {"checkpoint/resaved": 1.0, **out}
+
     def evaluate(self, step: int) -> dict:
         self.ensure_state(step)
         return self.trainer.evaluate()
@@ -226,9 +335,11 @@ class RunWorker:
     def export_final(self, step: int, folder: str) -> str:
         """Write the policy after ``step`` updates as a Hugging Face folder (local path)."""
         self.ensure_state(step)
-        os.makedirs(folder, exist_ok=True)
-        self.trainer.actor.save_pretrained(folder, safe_serialization=True)
-        self.trainer.tokenizer.save_pretrained(folder)
+        self.trainer._sync_rollout_weights()  # W > 1: the full weights, gathered from the shards
+        if self.leader:
+            os.makedirs(folder, exist_ok=True)
+            self.trainer.rollout_model.save_pretrained(folder, safe_serialization=True)
+            self.trainer.tokenizer.save_pretrained(folder)
         return folder
 
     def close(self):

@@ -5,8 +5,9 @@ function is ``compute_score`` (verl's default name). The function has verl's sig
 
     fn(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, ...}
 
-Loading only: running the scorer with a timeout in worker processes is ``manager.py``'s job.
-Every failure raises :class:`ScorerLoadError` naming the spec.
+Loading only: ``manager.py`` calls :func:`load_scorer` in worker processes, never in the
+trainer, and runs it there with timeouts. Every failure raises :class:`ScorerLoadError` naming the
+spec.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 import sys
 from typing import Callable
 
+from verl_core.errors import PermanentError
+
 __all__ = ["ScorerLoadError", "load_scorer", "parse_spec", "DEFAULT_FUNCTION"]
 
 DEFAULT_FUNCTION = "compute_score"
@@ -25,8 +28,9 @@ DEFAULT_FUNCTION = "compute_score"
 CustomScorer = Callable[[str, str, str, "dict | None"], "float | dict"]
 
 
-class ScorerLoadError(ValueError):
-    """A custom scorer spec cannot be loaded; the message names the spec and what to do."""
+class ScorerLoadError(PermanentError, ValueError):
+    """A custom scorer spec cannot be loaded (bad spec, import error, or an import that hangs or
+    kills its process); the message names the spec and what to do."""
 
 
 def _is_file_spec(target: str) -> bool:

@@ -37,8 +37,14 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 params: SamplingParams) -> GenerationOutput:
-        """prompt_ids, prompt_mask: (N, P) left-padded. Deterministic for a given params.seed."""
+                 params: SamplingParams, *, first_row: int = 0,
+                 total_rows: int | None = None) -> GenerationOutput:
+        """prompt_ids, prompt_mask: (n, P) left-padded. Deterministic for a given params.seed.
+
+        ``first_row``/``total_rows``: these n rows are rows ``first_row..`` of a batch of
+        ``total_rows`` (default: the whole batch); each row's sample is the one a single call
+        over the whole batch would draw, so W workers each generating a block sample what one
+        worker would (up to float rounding)."""
 
     @abc.abstractmethod
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

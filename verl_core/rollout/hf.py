@@ -109,12 +109,16 @@ class HFEngine(RolloutEngine):
     def load_weights(self, state_dict):
         self.model.load_state_dict(state_dict)
 
-    def generate(self, prompt_ids, prompt_mask, params: SamplingParams) -> GenerationOutput:
+    def generate(self, prompt_ids, prompt_mask, params: SamplingParams, *, first_row: int = 0,
+                 total_rows: int | None = None) -> GenerationOutput:
         was_training = self.model.training
         self.model.eval()
         device = next(self.model.parameters()).device
+        n = prompt_ids.shape[0]
         g = torch.Generator().manual_seed(params.seed)
-        uniforms = torch.rand((prompt_ids.shape[0], params.max_new_tokens), generator=g)  # (N, T)
+        # (total, T) draws of the whole batch; these rows use theirs: (n, T)
+        uniforms = torch.rand((total_rows or n, params.max_new_tokens), generator=g)
+        uniforms = uniforms[first_row:first_row + n]
         outs = []
         for s in range(0, prompt_ids.shape[0], self.micro_batch_size):
             sl = slice(s, s + self.micro_batch_size)

@@ -100,7 +100,7 @@ def test_bad_specs_name_the_spec(scorer_file, tmp_path, spec_fmt, match):
     with pytest.raises(ScorerLoadError, match=match) as e:
         load_scorer(spec)
     assert repr(spec) in str(e.value)
-    # the manager fails fast in the caller too, before starting any worker
+    # the manager reports the same error, found by loading in a worker (never in the caller)
     with pytest.raises(ScorerLoadError):
         score_responses(spec, *_inputs(["1"]))
 

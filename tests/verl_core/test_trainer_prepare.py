@@ -1,0 +1,86 @@
+"""prepare_assets: every dataset file is checked before the warm start (no model work first)."""
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from verl_core.config import preset
+from verl_core.data.batch import PromptTooLongError
+from verl_core.data.dataset import DatasetError, load_prompt_rows
+from verl_core.engine import runtime
+from verl_core.models.tokenizer import build_char_tokenizer
+from verl_core.train import main
+from verl_core.trainer import load_checked_rows, prepare_assets
+
+
+def _row(content="12+7=", gt="19"):
+    return {"data_source": "synthetic/arithmetic",
+            "prompt": [{"role": "user", "content": content}],
+            "reward_model": {"style": "rule", "ground_truth": gt}}
+
+
+def _write(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    return str(path)
+
+
+def _bad_file(tmp_path, kind):
+    """A file whose row 2 (0-based) is bad in the way ``kind`` says, or which lacks a column."""
+    good = [_row(f"{a}+1=", str(a + 1)) for a in range(2)]
+    if kind == "bad_row":
+        return _write(tmp_path / "bad.parquet", good + [_row(content="")]), "row 2", "'prompt'"
+    if kind == "missing_column":
+        rows = [{k: v for k, v in r.items() if k != "reward_model"} for r in good]
+        return _write(tmp_path / "bad.parquet", rows), "missing column", "reward_model"
+    assert kind == "long_prompt"
+    return _write(tmp_path / "bad.parquet", good + [_row("9" * 200, "1")]), "row 2", "'prompt'"
+
+
+# (A train file's bad row or missing column was already refused before the warm start, which
+# reads the train rows; the val files and prompt lengths were checked only after it.)
+@pytest.mark.parametrize("kind,which", [("bad_row", "val"), ("missing_column", "val"),
+                                        ("long_prompt", "train"), ("long_prompt", "val")])
+def test_bad_dataset_file_is_refused_before_the_warm_start(tmp_path, kind, which):
+    bad, where, column = _bad_file(tmp_path, kind)
+    good = _write(tmp_path / "good.parquet", [_row(f"{a}+2=", str(a + 2)) for a in range(64)])
+    files = {"train": good, "val": good, which: bad}
+    # Enough warm-start steps that running them first would be slow; the check needs no model.
+    cfg = preset("grpo", **{"data.train_files": files["train"], "data.val_files": files["val"],
+                            "model.warmup_sft_steps": 2000, "model.warmup_target_accuracy": 1.0})
+    logs = []
+    t0 = time.perf_counter()
+    with pytest.raises((DatasetError, PromptTooLongError)) as e:
+        prepare_assets(cfg, str(tmp_path / "work"), log=logs.append)
+    assert time.perf_counter() - t0 < 5
+    msg = str(e.value)
+    assert bad in msg and where in msg and column in msg, msg
+    assert not logs and not (tmp_path / "work" / "model").exists()  # no warm start, no model
+
+
+def test_prepare_run_refuses_a_bad_val_file_before_publishing(tmp_path):
+    bad, _, _ = _bad_file(tmp_path, "long_prompt")
+    good = _write(tmp_path / "good.parquet", [_row()] * 8)
+    cfg = preset("grpo", **{"data.train_files": good, "data.val_files": bad,
+                            "model.warmup_sft_steps": 2000, "model.warmup_target_accuracy": 1.0})
+    logs = []
+    with pytest.raises(PromptTooLongError, match=rf"{bad}: row 2 \(0-based\), column 'prompt' "
+                                                 r"has 201 tokens > data.max_prompt_length=64"):
+        runtime.prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=logs.append)
+    assert not logs
+
+
+def test_cli_names_the_bad_file_and_exits_2(tmp_path, capsys):
+    bad, _, _ = _bad_file(tmp_path, "bad_row")
+    good = _write(tmp_path / "good.parquet", [_row()] * 8)
+    rc = main(["--train-files", good, "--val-files", bad, "--workdir", str(tmp_path / "w"),
+               "--set", "model.warmup_target_accuracy=1.0"])
+    out = capsys.readouterr()
+    assert rc == 2 and bad in out.err and "row 2" in out.err, out.err
+    assert "warm start" not in out.out
+
+
+def test_checked_rows_are_the_loaded_rows(tmp_path):
+    a = _write(tmp_path / "a.parquet", [_row("1+1=", "2"), _row("2+3=", "5")])
+    b = _write(tmp_path / "b.parquet", [_row("7-4=", "3")])
+    assert load_checked_rows(build_char_tokenizer(), [a, b], 64) == load_prompt_rows([a, b])

@@ -1,0 +1,60 @@
+"""Turning generated token ids into the text every scorer sees.
+
+A response is what the policy generated up to its first EOS: tokens past the response mask
+(padding) and from the first EOS on are dropped, and the rest is decoded with special tokens
+KEPT as their text. Stripping them instead (``skip_special_tokens=True``) would let ``1<pad>12``
+score as ``112``. A special token before the first EOS is flagged: rule scorers count such a
+response as a wrong answer; custom scorers see the token's text (e.g. ``1<pad>12``) and decide.
+
+No torch import (custom-scorer workers import this package): tensors are read with ``tolist``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DecodedResponses", "decode_responses", "special_token_ids"]
+
+
+@dataclass(frozen=True)
+class DecodedResponses:
+    """N responses as scorers see them."""
+
+    texts: list[str]
+    """(N,) each response cut at its first EOS, decoded with special tokens kept as text."""
+    special_token: list[bool]
+    """(N,) whether a special token (pad, bos, unk, ...) comes before the first EOS."""
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Ids that ``skip_special_tokens=True`` would strip: the named special tokens plus every
+    added token marked special."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False):
+            ids.add(int(i))
+    return frozenset(ids)
+
+
+def decode_responses(tokenizer, response_ids, response_mask=None) -> DecodedResponses:
+    """Decode N generated responses for scoring.
+
+    ``response_ids``: (N, T) ids, right-padded (a tensor or nested lists); ``response_mask``:
+    (N, T), nonzero on generated tokens (EOS included); None when every id was generated.
+    """
+    rows = response_ids.tolist() if hasattr(response_ids, "tolist") else list(response_ids)
+    masks = (response_mask.tolist() if hasattr(response_mask, "tolist") else response_mask) \
+        if response_mask is not None else [None] * len(rows)
+    eos = tokenizer.eos_token_id
+    special = special_token_ids(tokenizer)
+    kept: list[list[int]] = []
+    flags: list[bool] = []
+    for ids, mask in zip(rows, masks):
+        ids = [int(t) for t, m in zip(ids, mask) if m] if mask is not None else list(ids)
+        if eos is not None and eos in ids:
+            ids = ids[:ids.index(eos)]
+        kept.append(ids)
+        flags.append(any(t in special for t in ids))
+    texts = tokenizer.batch_decode(kept, skip_special_tokens=False) if kept else []
+    return DecodedResponses(texts=list(texts), special_token=flags)
+
