@@ -5,12 +5,17 @@
 
 Everything is measured in the same process on the same filesystem (``--dir``, default a temp dir):
 
-* the same as a resume does it: into a live model and optimizer (``load_state_dict``), ours
-  reading the weights straight into the parameters (``out=``), as ``RunWorker`` does;
+* hash throughput on 16 MiB objects (the chunk size): sha256 and BLAKE3, one thread and the
+  store's I/O pool;
 * save/load MB/s of the full training state (policy + AdamW state + RNG) with ``CheckpointManager``
-  (sha256 of every object, atomic renames, manifest verify; with and without fsync) against
-  ``torch.save`` / ``torch.load`` of the same state dict (``weights_only=True`` cannot load
-  it: the numpy RNG state is refused, so the baseline needs a full unpickle);
+  (every save through torch.distributed.checkpoint with the run store as its storage layer;
+  objects named and verified by sha256 or by BLAKE3, atomic renames, manifest verify; with and
+  without fsync) against ``torch.save`` / ``torch.load`` of the same state dict
+  (``weights_only=True`` cannot load it: the numpy RNG state is refused, so the baseline needs a
+  full unpickle);
+* the same as a resume does it: into a live model and optimizer (``load_state_dict``), ours
+  reading the weights straight into the parameters (``load(out=)``, as ``RunWorker`` does, and
+  ``load_distributed``, DCP's in-place load as a data-parallel worker does it);
 * bytes written by a 2nd checkpoint after one optimizer step, full fine-tune vs the bottom half of
   the decoder layers (and the embeddings) frozen;
 * time the training loop is blocked by ``AsyncCheckpointer.save`` vs a synchronous save.
@@ -29,6 +34,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from verl_core.checkpoint import (  # noqa: E402
     AsyncCheckpointer,
@@ -75,6 +87,28 @@ def nbytes(obj) -> int:
     return 0
 
 
+def hash_rates(repeat: int) -> list[tuple[str, str, str]]:
+    """GB/s of sha256 and BLAKE3 over 16 MiB objects, one thread and the store's I/O pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verl_core.checkpoint.store import hash_hex
+
+    bufs = [os.urandom(16 << 20) for _ in range(8)]
+    rows = []
+    for algo in ("sha256", "blake3"):
+        for threads in (1, 4):
+            times = []
+            with ThreadPoolExecutor(threads) as ex:
+                for _ in range(repeat + 1):
+                    t0 = time.perf_counter()
+                    list(ex.map(lambda b: hash_hex([b], algo), bufs))
+                    times.append(time.perf_counter() - t0)
+            rate = len(bufs) * (16 << 20) / statistics.median(times[1:]) / 1e9
+            rows.append((f"hash  {algo}, 16 MiB objects, {threads} thread(s)", "",
+                         f"{rate:7.2f} GB/s"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--hidden", type=int, default=512)
@@ -85,7 +119,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
-    rows: list[tuple[str, str, str]] = []
+    rows: list[tuple[str, str, str]] = hash_rates(args.repeat)
+    algos = ("sha256", "blake3")
     try:
         model, opt = build(args, freeze_half=False)
         train_step(model, opt, args.vocab)  # AdamW state exists
@@ -110,56 +145,70 @@ def main() -> None:
                 os.close(fd)
             return path
 
-        def ours_save(i, fsync):
-            root = os.path.join(base, f"store-{int(fsync)}-{i}")
-            mgr = CheckpointManager(RunStore(root, fsync=fsync))
+        def ours_save(i, fsync, algo):
+            root = os.path.join(base, f"store-{algo}-{int(fsync)}-{i}")
+            mgr = CheckpointManager(RunStore(root, fsync=fsync), hash_algo=algo)
             return mgr, mgr.save(1, state, {"step": 1})
 
-        res: dict[str, list[float]] = {k: [] for k in ("ts", "tsf", "os", "osf", "tl", "ol")}
+        res: dict[str, list[float]] = {}
+        saved: dict[str, tuple] = {}
         for i in range(args.repeat + 1):
-            saves = [("ts", lambda: torch_save(i)), ("os", lambda: ours_save(i, False)),
-                     ("tsf", lambda: torch_save(i, True)), ("osf", lambda: ours_save(i, True))]
-            for key, fn in saves[i % 4:] + saves[: i % 4]:  # rotate who goes first
+            saves = [("ts", lambda: torch_save(i)), ("tsf", lambda: torch_save(i, True))]
+            for a in algos:
+                saves += [(f"os-{a}", lambda a=a: ours_save(i, False, a)),
+                          (f"osf-{a}", lambda a=a: ours_save(i, True, a))]
+            k = i % len(saves)
+            for key, fn in saves[k:] + saves[:k]:  # rotate who goes first
                 os.sync()  # start every write with no dirty-page backlog (page cache throttling)
                 t0 = time.perf_counter()
                 out = fn()
-                res[key].append(time.perf_counter() - t0)
+                res.setdefault(key, []).append(time.perf_counter() - t0)
                 if key == "ts":
                     pt = out
-                if key == "osf":
-                    mgr, info = out
-            for key, fn in (("tl", lambda: torch.load(pt, weights_only=False)),
-                            ("ol", lambda: mgr.load(info.name))):
-                # weights_only=True refuses this state (numpy RNG arrays): the baseline needs
-                # a full unpickle
+                if key.startswith("osf-"):
+                    saved[key[4:]] = out
+            loads = [("tl", lambda: torch.load(pt, weights_only=False))]
+            # weights_only=True refuses this state (numpy RNG arrays): the baseline needs a full
+            # unpickle
+            loads += [(f"ol-{a}", lambda a=a: saved[a][0].load(saved[a][1].name)) for a in algos]
+            k = i % len(loads)
+            for key, fn in loads[k:] + loads[:k]:
                 os.sync()
                 t0 = time.perf_counter()
                 fn()
-                res[key].append(time.perf_counter() - t0)
+                res.setdefault(key, []).append(time.perf_counter() - t0)
             for name in os.listdir(base):  # keep the disk small
                 if name.endswith(f"-{i - 1}") or name.endswith(f"-{i - 1}.pt"):
                     p = os.path.join(base, name)
                     shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
-        t_ts, t_tsf, t_os, t_osf, t_tl, t_ol = (statistics.median(res[k][1:]) for k in
-                                                 ("ts", "tsf", "os", "osf", "tl", "ol"))
+        t = {k: statistics.median(v[1:]) for k, v in res.items()}
         rows += [
-            ("save  torch.save", f"{t_ts:6.2f} s", f"{mb / t_ts:7.0f} MB/s"),
-            ("save  torch.save + fsync", f"{t_tsf:6.2f} s", f"{mb / t_tsf:7.0f} MB/s"),
-            ("save  CheckpointManager (fsync off)", f"{t_os:6.2f} s", f"{mb / t_os:7.0f} MB/s"),
-            ("save  CheckpointManager (fsync on, default)", f"{t_osf:6.2f} s",
-             f"{mb / t_osf:7.0f} MB/s"),
-            ("load  torch.load (full unpickle: the only way this state loads)", f"{t_tl:6.2f} s",
-             f"{mb / t_tl:7.0f} MB/s"),
-            ("load  CheckpointManager (every object re-hashed)", f"{t_ol:6.2f} s",
-             f"{mb / t_ol:7.0f} MB/s"),
-            ("ratio save CheckpointManager / torch.save (fsync on / off)",
-             f"{t_tsf / t_osf:6.2f}x", f"{t_ts / t_os:.2f}x without fsync (>= 1: not slower)"),
-            ("ratio load CheckpointManager / torch.load", f"{t_tl / t_ol:6.2f}x",
-             "(>= 1: not slower)"),
+            ("save  torch.save", f"{t['ts']:6.2f} s", f"{mb / t['ts']:7.0f} MB/s"),
+            ("save  torch.save + fsync", f"{t['tsf']:6.2f} s", f"{mb / t['tsf']:7.0f} MB/s"),
         ]
+        for a in algos:
+            rows += [
+                (f"save  CheckpointManager {a} (fsync off)", f"{t['os-' + a]:6.2f} s",
+                 f"{mb / t['os-' + a]:7.0f} MB/s"),
+                (f"save  CheckpointManager {a} (fsync on, default)", f"{t['osf-' + a]:6.2f} s",
+                 f"{mb / t['osf-' + a]:7.0f} MB/s"),
+            ]
+        rows.append(("load  torch.load (full unpickle: the only way this state loads)",
+                     f"{t['tl']:6.2f} s", f"{mb / t['tl']:7.0f} MB/s"))
+        rows += [(f"load  CheckpointManager {a} (every object re-hashed)", f"{t['ol-' + a]:6.2f} s",
+                  f"{mb / t['ol-' + a]:7.0f} MB/s") for a in algos]
+        for a in algos:
+            rows += [
+                (f"ratio save CheckpointManager {a} / torch.save (fsync on / off)",
+                 f"{t['tsf'] / t['osf-' + a]:6.2f}x",
+                 f"{t['ts'] / t['os-' + a]:.2f}x without fsync (>= 1: not slower)"),
+                (f"ratio load CheckpointManager {a} / torch.load",
+                 f"{t['tl'] / t['ol-' + a]:6.2f}x", "(>= 1: not slower)"),
+            ]
         # ---------------------------------------------------------------- resume into a model
         # What a resume does: torch.load + load_state_dict, against a verified load straight into
-        # the live parameters (as RunWorker does); both then load the optimizer moments.
+        # the live parameters (as RunWorker does) and DCP's in-place load_distributed (as a
+        # data-parallel worker does); all then load the optimizer moments.
         m2, o2 = build(args, freeze_half=False)
         train_step(m2, o2, args.vocab)
         live = {"policy": m2.state_dict()}
@@ -169,25 +218,50 @@ def main() -> None:
             m2.load_state_dict(sd["policy"])
             o2.load_state_dict(sd["optimizer"])
 
-        def ours_resume():
+        def ours_resume(a):
+            mgr, info = saved[a]
             groups, _, _ = mgr.load(info.name, out=live)
             m2.load_state_dict(groups["policy"])  # the same tensors: nothing is copied
             o2.load_state_dict(groups["optimizer"])
 
-        rt: dict[str, list[float]] = {"t": [], "o": []}
+        fqn_saved = {}  # the same state keyed by parameter name, as FSDP2 workers save it
+        for a in algos:
+            mgr = saved[a][0]
+            fqn_saved[a] = mgr, mgr.save(2, {"policy": get_model_state_dict(model),
+                                             "optimizer": get_optimizer_state_dict(model, opt),
+                                             "rng": state["rng"]}, {"step": 2})
+
+        def dcp_resume(a):
+            mgr, info = fqn_saved[a]
+            target = {"policy": get_model_state_dict(m2),
+                      "optimizer": get_optimizer_state_dict(m2, o2)}
+            mgr.load_distributed(info.name, target, groups=["policy", "optimizer"])
+            set_model_state_dict(m2, target["policy"])
+            set_optimizer_state_dict(m2, o2, target["optimizer"])
+
+        resumes = [("t", torch_resume)] + [(f"o-{a}", lambda a=a: ours_resume(a)) for a in algos]
+        resumes += [(f"d-{a}", lambda a=a: dcp_resume(a)) for a in algos]
+        rt: dict[str, list[float]] = {}
         for i in range(args.repeat + 1):
-            for key, fn in ((("t", torch_resume), ("o", ours_resume)) if i % 2 else
-                            (("o", ours_resume), ("t", torch_resume))):
+            k = i % len(resumes)
+            for key, fn in resumes[k:] + resumes[:k]:
                 t0 = time.perf_counter()
                 fn()
-                rt[key].append(time.perf_counter() - t0)
-        t_rt, t_ro = statistics.median(rt["t"][1:]), statistics.median(rt["o"][1:])
-        rows += [
-            ("resume torch.load + load_state_dict (model, optimizer)", f"{t_rt:6.2f} s",
-             f"{mb / t_rt:7.0f} MB/s"),
-            ("resume CheckpointManager.load(out=live params) + optimizer", f"{t_ro:6.2f} s",
-             f"{mb / t_ro:7.0f} MB/s, {t_rt / t_ro:.2f}x of torch (>= 1: not slower)"),
-        ]
+                rt.setdefault(key, []).append(time.perf_counter() - t0)
+        r = {k: statistics.median(v[1:]) for k, v in rt.items()}
+        rows.append(("resume torch.load + load_state_dict (model, optimizer)", f"{r['t']:6.2f} s",
+                     f"{mb / r['t']:7.0f} MB/s"))
+        for a in algos:
+            rows += [
+                (f"resume CheckpointManager.load(out=live params) + optimizer, {a}",
+                 f"{r['o-' + a]:6.2f} s",
+                 f"{mb / r['o-' + a]:7.0f} MB/s, {r['t'] / r['o-' + a]:.2f}x of torch (>= 1: not "
+                 "slower)"),
+                (f"resume CheckpointManager.load_distributed (DCP, in place), {a}",
+                 f"{r['d-' + a]:6.2f} s",
+                 f"{mb / r['d-' + a]:7.0f} MB/s, {r['t'] / r['d-' + a]:.2f}x of torch"),
+            ]
+        mgr, info = saved[algos[0]]
 
         _, manifest = mgr.read_manifest(info.name)
         n_tensors = sum(len(g["tensors"]) for g in manifest["groups"].values())

@@ -1,8 +1,10 @@
 """Durable checkpoints: content-addressed chunks, verified manifests, async save, HF export.
 
-Modules (imports point down): ``store`` (bytes over fsspec) <- ``tensors`` (safetensors chunks)
-and ``state`` (nested state without pickle) <- ``manager`` (manifests, commit, load, retention)
-<- ``async_save`` and ``hf_export``. ``python -m verl_core.checkpoint`` lists, verifies and exports.
+Modules (imports point down): ``store`` (bytes over fsspec, sha256/BLAKE3 names) <- ``tensors``
+(safetensors chunks) and ``state`` (nested state without pickle) <- ``dcp`` (the run store as
+torch.distributed.checkpoint's storage layer) <- ``manager`` (manifests, commit, load, retention,
+the collective save/load of a data-parallel group) <- ``async_save`` and ``hf_export``.
+``python -m verl_core.checkpoint`` lists, verifies and exports.
 
 Typical use::
 
@@ -13,14 +15,22 @@ Typical use::
               meta={"hf_config": model.config.to_dict(), "sampler": sampler.state_dict()},
               config_hash=cfg.config_hash())
     groups, meta, info = ckpt.load("auto")                     # newest *valid* checkpoint
+
+Every rank of an FSDP2 group (``dp`` from ``verl_core.training.dist``)::
+
+    state = {"policy": get_model_state_dict(model),
+             "optimizer": get_optimizer_state_dict(model, optim)}
+    info = ckpt.save_distributed(step, state, meta, config_hash=h, dp=dp)   # or async_save_…
+    meta, info = ckpt.load_distributed("auto", state, dp=dp)   # any W: DCP reshards, in place
+    set_model_state_dict(model, state["policy"]); set_optimizer_state_dict(model, optim, …)
 """
 
 from verl_core.checkpoint.async_save import AsyncCheckpointer, snapshot_state
 from verl_core.checkpoint.errors import (
+    CheckpointDisagreementError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     CorruptObjectError,
-    IncompleteCheckpointError,
     NoValidCheckpointError,
     PermanentError,
     StoreFullError,
@@ -30,7 +40,12 @@ from verl_core.checkpoint.errors import (
     VerlError,
 )
 from verl_core.checkpoint.hf_export import export_hf, load_tokenizer_files, store_tokenizer
-from verl_core.checkpoint.manager import CheckpointInfo, CheckpointManager, open_checkpoint
+from verl_core.checkpoint.manager import (
+    CheckpointInfo,
+    CheckpointManager,
+    SaveHandle,
+    open_checkpoint,
+)
 from verl_core.checkpoint.state import (
     capture_rng_state,
     flatten_state,
@@ -38,15 +53,15 @@ from verl_core.checkpoint.state import (
     unflatten_state,
 )
 from verl_core.checkpoint.store import NotFoundError, RunStore, StorePermissionError
-from verl_core.checkpoint.tensors import RowShard, load_tensors, save_tensors
+from verl_core.checkpoint.tensors import load_tensors, save_tensors
 
 __all__ = [
-    "RunStore", "CheckpointManager", "CheckpointInfo", "AsyncCheckpointer", "open_checkpoint",
-    "save_tensors", "load_tensors", "RowShard", "flatten_state", "unflatten_state",
+    "RunStore", "CheckpointManager", "CheckpointInfo", "SaveHandle", "AsyncCheckpointer",
+    "open_checkpoint", "save_tensors", "load_tensors", "flatten_state", "unflatten_state",
     "capture_rng_state", "restore_rng_state", "snapshot_state", "export_hf", "store_tokenizer",
     "load_tokenizer_files",
     "VerlError", "TransientError", "PermanentError", "StoreUnavailableError", "CorruptObjectError",
     "UnsafeManifestError", "CheckpointNotFoundError", "NoValidCheckpointError",
-    "IncompleteCheckpointError", "CheckpointSaveError", "NotFoundError", "StorePermissionError",
+    "CheckpointDisagreementError", "CheckpointSaveError", "NotFoundError", "StorePermissionError",
     "StoreFullError",
 ]

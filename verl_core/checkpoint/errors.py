@@ -1,6 +1,6 @@
 """Checkpoint-specific errors; all derive from :mod:`verl_core.errors`.
 
-Transient (retry the phase): :class:`StoreUnavailableError`, :class:`IncompleteCheckpointError`.
+Transient (retry the phase): :class:`StoreUnavailableError`.
 Permanent (fail fast, name the object): everything else.
 """
 
@@ -11,7 +11,7 @@ from verl_core.errors import PermanentError, TransientError, VerlError
 __all__ = [
     "VerlError", "TransientError", "PermanentError",
     "StoreUnavailableError", "CorruptObjectError", "UnsafeManifestError",
-    "CheckpointNotFoundError", "NoValidCheckpointError", "IncompleteCheckpointError",
+    "CheckpointNotFoundError", "NoValidCheckpointError", "CheckpointDisagreementError",
     "CheckpointSaveError", "StoreFullError",
 ]
 
@@ -44,8 +44,16 @@ class NoValidCheckpointError(PermanentError):
     """``auto`` resume found checkpoints but every one of them failed verification."""
 
 
-class IncompleteCheckpointError(TransientError):
-    """A sharded checkpoint cannot be committed yet: some shards have not written their record."""
+class CheckpointDisagreementError(PermanentError):
+    """Data-parallel workers were about to restore different checkpoints (or some found none).
+    The message names every rank and the manifest (step and sha256) it chose; nothing was loaded.
+    Usually the workers do not see the same run store (different paths or buckets, a stale
+    mount), or a save committed between their reads of ``latest``."""
+
+    def __init__(self, message: str, choices: dict | None = None):
+        super().__init__(message)
+        self.choices = dict(choices or {})
+        """``{rank: manifest name or None}``."""
 
 
 class CheckpointSaveError(PermanentError):

@@ -1,40 +1,58 @@
 """Checkpoints: manifests over content-addressed chunks, commit protocol, verified load, retention.
 
 What belongs here: what makes a set of objects *a checkpoint* and when it becomes visible. Bytes and
-paths are ``store.py``'s business, tensor chunks ``tensors.py``'s, nested state ``state.py``'s.
+paths are ``store.py``'s business, tensor chunks ``tensors.py``'s, nested state ``state.py``'s, and
+torch.distributed.checkpoint's storage layer ``dcp.py``'s.
 
-Commit protocol (a reader never sees an uncommitted checkpoint; DESIGN durability rule 2):
+Every save goes through torch.distributed.checkpoint (DCP), one process (``dp=SINGLE``) or a
+data-parallel group (:meth:`CheckpointManager.save_distributed`): the state is split into tensors
+(to DCP, which plans which rank writes what; FSDP2 shards are written by their owners, replicated
+tensors by one rank) and a JSON state tree (the non-tensor leaves, to the manifest; nothing is
+pickled). Commit protocol (a reader never sees an uncommitted checkpoint; DESIGN durability rule 2):
 
-1. an in-flight marker ``inflight/<id>.json`` is written (garbage collection never deletes objects
-   while another save is in flight);
-2. every object (tensor chunks, the meta JSON) is written; existing ones are skipped (incremental);
-3. the manifest is written to ``checkpoints/<step:012d>-<sha256 of the manifest>.json``, after all
-   of its objects; its name carries its own hash, so a damaged manifest is detected too;
-4. the manifest is read back and verified (hash, and every object present with its size);
+1. rank 0 writes an in-flight marker ``inflight/<id>.json`` (garbage collection never deletes
+   objects while another save is in flight; DCP's planning collective orders every rank's writes
+   after it);
+2. every rank writes its objects (tensor chunks); existing ones are skipped (incremental);
+3. DCP's finish step, on rank 0 once every rank has reported its objects written: the meta JSON
+   object, then the manifest ``checkpoints/<step:012d>-<sha256 of the manifest>.json``; its name
+   carries its own hash, so a damaged manifest is detected too;
+4. the manifest is read back and verified (hash, and every object of every rank present with its
+   size; with ``verify_on_save="hash"`` re-hashed);
 5. only then ``latest.json`` moves (an atomic single-file write) and a record is appended to the
-   ``checkpoints`` log;
-6. retention deletes manifests outside ``keep_last``/``keep_every`` and collects unreferenced
-   objects.
+   ``checkpoints`` log; every rank returns the same :class:`CheckpointInfo`;
+6. retention (rank 0) deletes manifests outside ``keep_last``/``keep_every`` and collects
+   unreferenced objects.
 
 A process killed anywhere in 1-4 leaves the previous checkpoint as ``latest``; leftovers are
 unreferenced objects that a later garbage collection removes.
 
-Loading verifies every object it reads (size, sha256, and a chunk header that must describe exactly
+Loading verifies every object it reads (size, hash, and a chunk header that must describe exactly
 the dtype/shape the manifest promises). ``load("auto")`` tries ``latest``, then its parent chain,
 then every other checkpoint newest first, and logs each rejection with the object and the reason.
+:meth:`~CheckpointManager.load_distributed` loads in place into any sharding (DCP reshards: a
+checkpoint written by W workers loads on W' workers or one process), after every worker has agreed
+on the manifest (:meth:`~CheckpointManager.agree_on`).
 
-Manifest (JSON, ``format = verl-checkpoint/1``)::
+Manifest (JSON, ``format = verl-checkpoint/2``)::
 
+    hash            algorithm naming this checkpoint's new objects: "blake3" or "sha256"
     step, created, created_iso, config_hash, package_version, incarnation_id,
     parent          name of the checkpoint this one continues (or null)
-    meta            {"sha", "size"} of a JSON object with the caller's meta
-    groups          {group: {"shared": bool, "tree": <state tree>, "tensors": <tensor index>}}
-    shards          [{"shard_id", "num_shards", "record_sha"}] (one entry for unsharded saves)
+    meta            {"sha", "size"} of a JSON object with the caller's meta (named by ``hash``)
+    groups          {group: {"shared": bool, "hash": algorithm of its objects,
+                             "tree": <state tree>, "tensors": <tensor index>}}
+    world_size      data-parallel workers that wrote it (any count loads it)
     objects         {sha: size} of every object the checkpoint needs
+
+``verl-checkpoint/1`` manifests (sha256 objects, ``shards`` instead of ``world_size``, groups
+without ``hash``) still load, verify and export; a shared group stored by them keeps its sha256
+name when a ``/2`` checkpoint links it (its group doc says so).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -42,6 +60,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
@@ -49,13 +68,17 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 import verl_core
+from verl_core.checkpoint import dcp
 from verl_core.checkpoint.errors import (
+    CheckpointDisagreementError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     CorruptObjectError,
-    IncompleteCheckpointError,
     NoValidCheckpointError,
     PermanentError,
+    StoreFullError,
+    StoreUnavailableError,
+    TransientError,
     UnsafeManifestError,
 )
 from verl_core.checkpoint.state import (
@@ -70,28 +93,34 @@ from verl_core.checkpoint.store import (
     RunStore,
     StorePermissionError,
     canonical_json,
+    check_hash_algo,
     check_sha256,
     is_sha256,
     sha256_hex,
 )
 from verl_core.checkpoint.tensors import (
     DEFAULT_CHUNK_BYTES,
-    as_row_shard,
     check_object,
     index_dtypes,
     index_objects,
     load_tensors,
-    merge_indexes,
-    save_tensors,
+    torch_dtype,
     validate_index,
 )
+from verl_core.training.dist import SINGLE, DataParallel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "CheckpointInfo", "open_checkpoint", "MANIFEST_FORMAT"]
+__all__ = ["CheckpointManager", "CheckpointInfo", "SaveHandle", "open_checkpoint",
+           "MANIFEST_FORMAT", "DEFAULT_HASH"]
 
-MANIFEST_FORMAT = "verl-checkpoint/1"
-SHARD_FORMAT = "verl-checkpoint-shard/1"
+MANIFEST_FORMAT = "verl-checkpoint/2"
+MANIFEST_FORMATS = ("verl-checkpoint/1", MANIFEST_FORMAT)
+"""Formats :meth:`CheckpointManager.load` reads; saves write the last one."""
+DEFAULT_HASH = "blake3"
+"""Algorithm that names a new checkpoint's objects (``CheckpointManager(hash_algo=...)``):
+BLAKE3 hashes ~2.5x faster than sha256 with SHA-NI on these CPUs, which took verified loads from
+below to above torch.load's speed (BENCHMARKS.md, issue 10)."""
 _NAME_RE = re.compile(r"^(\d{12})-([0-9a-f]{64})$")
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$")
 _LOAD_ERRORS = (CorruptObjectError, UnsafeManifestError, NotFoundError, CheckpointNotFoundError)
@@ -187,6 +216,38 @@ def _existing_store(root: str, storage_options: Optional[dict]) -> Optional[RunS
     return store
 
 
+@dataclass
+class _SaveJob:
+    """A save prepared on one rank: what DCP writes and what the manifest records."""
+
+    step: int
+    tensors: dict
+    """``{"<group>/<tensor>": tensor or DTensor}``: what DCP plans and writes."""
+    trees: dict
+    """``{group: JSON state tree}``, complete on rank 0 (every group any rank passed)."""
+    meta_tree: Any
+    """Rank 0's meta, encoded (``state.to_json``)."""
+
+
+class SaveHandle:
+    """A background save (:meth:`CheckpointManager.async_save_distributed`).
+
+    ``wait()`` blocks until it committed and returns its :class:`CheckpointInfo` (the same on every
+    rank), or re-raises its error. An error nobody waited for is raised by the next async save."""
+
+    def __init__(self, future: Future, step: int):
+        self._future = future
+        self.step = step
+        self._seen = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> "CheckpointInfo":
+        self._seen = True
+        return self._future.result()
+
+
 class CheckpointManager:
     """Save, verify, load and retire checkpoints in one :class:`RunStore`.
 
@@ -200,12 +261,14 @@ class CheckpointManager:
         gc_grace_s: never garbage-collect an object younger than this (guards against races with
             writers in other processes that have not announced themselves yet).
         inflight_timeout_s: an in-flight marker older than this belongs to a dead writer.
+        hash_algo: ``"blake3"`` or ``"sha256"``: names the objects new checkpoints write (and is
+            recorded in their manifests; checkpoints of either kind load).
     """
 
     def __init__(self, store: Union[RunStore, str], *, keep_last: Optional[int] = None,
                  keep_every: Optional[int] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  verify_on_save: str = "size", gc_grace_s: float = 600.0,
-                 inflight_timeout_s: float = 3600.0):
+                 inflight_timeout_s: float = 3600.0, hash_algo: str = DEFAULT_HASH):
         self.store = RunStore(store) if isinstance(store, str) else store
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: must be >= 1 or None")
@@ -217,9 +280,14 @@ class CheckpointManager:
         self.chunk_bytes = chunk_bytes
         self.verify_on_save = verify_on_save
         self.gc_grace_s, self.inflight_timeout_s = gc_grace_s, inflight_timeout_s
+        self.hash_algo = check_hash_algo(hash_algo, "hash_algo")
         self._lock = threading.RLock()
         self._last_name: Optional[str] = None
         self._parents: dict[str, Optional[str]] = {}
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[SaveHandle] = None
+        self._snapshot_pool: dict = {}
+        self._async_groups: dict = {}
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store.uri!r}, keep_last={self.keep_last}, " \
@@ -229,7 +297,8 @@ class CheckpointManager:
     def save(self, step: int, groups: Mapping[str, Any], meta: Optional[Mapping] = None, *,
              config_hash: str = "",
              shared_groups: Sequence[str] = ("reference",)) -> CheckpointInfo:
-        """Save one checkpoint and make it ``latest`` once verified.
+        """Save one checkpoint from this process and make it ``latest`` once verified
+        (:meth:`save_distributed` with ``dp=SINGLE``).
 
         Args:
             step: training step (>= 0).
@@ -242,29 +311,175 @@ class CheckpointManager:
                 save (or whenever they change); later saves that omit them link the stored copy.
         Returns the committed :class:`CheckpointInfo`.
         """
-        _check_step(step)
-        with self._lock:
-            marker = self._begin("save", step)
-            try:
-                flat = _flatten_groups(groups)  # refuse bad state before writing anything
-                meta_tree = _encode_meta(meta)
-                group_docs = {g: self._save_group(g, t, tree, g in shared_groups)
-                              for g, (t, tree) in flat.items()}
-                group_docs.update(self._inherit_shared(shared_groups, group_docs))
-                info = self._commit(step, group_docs, meta_tree, config_hash,
-                                    shards=[{"shard_id": 0, "num_shards": 1, "record_sha": None}])
-            finally:
-                self._end(marker)
-            self._retain()
-            return info
+        return self.save_distributed(step, groups, meta, config_hash=config_hash,
+                                     shared_groups=shared_groups)
 
-    def _save_group(self, gname: str, tensors: Mapping[str, Any], tree: Any, shared: bool) -> dict:
-        index = save_tensors(self.store, tensors, chunk_bytes=self.chunk_bytes)
-        doc = {"shared": shared, "tree": tree, "tensors": index}
-        if shared:
-            self.store.put_json(f"shared/groups/{gname}",
-                                {"group": doc, "objects": index_objects(index)})
-        return doc
+    def save_distributed(self, step: int, state: Mapping[str, Any],
+                         meta: Optional[Mapping] = None, *, config_hash: str = "",
+                         dp: DataParallel = SINGLE,
+                         shared_groups: Sequence[str] = ("reference",)) -> CheckpointInfo:
+        """Save one checkpoint from every worker of ``dp`` (a collective: every rank calls it with
+        the same step) and return the committed :class:`CheckpointInfo`, the same on every rank.
+
+        ``state`` is ``{group: state_dict}``, e.g. ``{"policy": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optim)}``: tensors may be DTensors sharded by
+        FSDP2 (each rank writes its own rows) or plain tensors (written once, by one rank). The
+        non-tensor leaves (param_groups, counters …) go to the manifest's JSON state tree, never
+        pickled; a group's tree (keys and non-tensor values) must be the same on every rank that
+        passes the group, and a group may be passed by some ranks only (e.g. rank 0's RNG).
+        ``meta`` is taken from rank 0. Rank 0 commits (manifest, verify, ``latest``) once every
+        rank's objects are written; a failure on any rank raises on every rank and leaves the
+        previous ``latest``. ``shared_groups``: see :meth:`save`.
+        """
+        job = self._prepare_save(step, state, meta, dp)
+        return self._write(job, config_hash, tuple(shared_groups), dp, self._process_group(dp))
+
+    def async_save_distributed(self, step: int, state: Mapping[str, Any],
+                               meta: Optional[Mapping] = None, *, config_hash: str = "",
+                               dp: DataParallel = SINGLE,
+                               shared_groups: Sequence[str] = ("reference",)) -> SaveHandle:
+        """:meth:`save_distributed` in the background: returns once every tensor is copied to CPU
+        memory (buffers reused from one save to the next), so training may change the state right
+        away; ``handle.wait()`` returns the :class:`CheckpointInfo` or raises the save's error.
+
+        At most one save is pending: this first waits for the previous one (and raises its error if
+        nobody collected it). Collective like :meth:`save_distributed`; with ``dp.size > 1`` the
+        background writes coordinate over a dedicated gloo group, created (collectively, over the
+        default process group) on the first call, so they never interleave with training's
+        collectives."""
+        if self._pending is not None:
+            prev, self._pending = self._pending, None
+            try:
+                prev._future.result()
+            except BaseException:
+                if not prev._seen:
+                    raise
+        job = self._prepare_save(step, state, meta, dp)
+        job.tensors = {k: dcp.snapshot_state(v, self._snapshot_pool, (k,))
+                       for k, v in job.tensors.items()}
+        dcp.sync_device()  # non_blocking device->host copies must land before we return
+        pg = self._async_group(dp)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="async-checkpoint")
+        handle = SaveHandle(self._executor.submit(self._write, job, config_hash,
+                                                  tuple(shared_groups), dp, pg), step)
+        self._pending = handle
+        return handle
+
+    def close(self) -> None:
+        """Wait for a pending background save (its error is raised if nobody collected it) and
+        stop the background thread."""
+        try:
+            if self._pending is not None and not self._pending._seen:
+                self._pending.wait()
+        finally:
+            self._pending = None
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    @staticmethod
+    def _process_group(dp: DataParallel) -> Any:
+        return dp.cpu_group if dp.cpu_group is not None else dp.group
+
+    def _async_group(self, dp: DataParallel) -> Any:
+        if not dp.distributed:
+            return None
+        import torch.distributed as dist
+
+        key = id(self._process_group(dp))
+        if key not in self._async_groups:
+            ranks = None if self._process_group(dp) is None else \
+                dist.get_process_group_ranks(self._process_group(dp))
+            self._async_groups[key] = dist.new_group(ranks=ranks, backend="gloo")
+        return self._async_groups[key]
+
+    def _prepare_save(self, step: int, state: Mapping[str, Any], meta: Optional[Mapping],
+                      dp: DataParallel) -> _SaveJob:
+        """Flatten every group into tensors + JSON tree and check, across ranks, that the trees
+        agree (a collective with ``dp.size > 1``). Refusals are raised on every rank, before
+        anything is written."""
+        _check_step(step)
+        err: Optional[CheckpointSaveError] = None
+        flat: dict = {}
+        meta_tree: Any = None
+        try:
+            flat = _flatten_groups(state)
+            meta_tree = _encode_meta(meta)
+        except CheckpointSaveError as e:
+            err = e
+        trees = {g: tree for g, (_, tree) in flat.items()}
+        if dp.distributed:
+            digests = {g: hashlib.sha256(canonical_json(t)).hexdigest() for g, t in trees.items()}
+            everyone = dp.gather_objects((digests, None if err is None else str(err)))
+            failed = [f"rank {r}: {msg}" for r, (_, msg) in enumerate(everyone) if msg]
+            if failed:
+                raise err or CheckpointSaveError(f"checkpoint of step {step} refused: "
+                                                 + "; ".join(failed))
+            owners: dict[str, dict[str, list[int]]] = {}  # group -> digest -> ranks
+            for r, (d, _) in enumerate(everyone):
+                for g, h in d.items():
+                    owners.setdefault(g, {}).setdefault(h, []).append(r)
+            differ = {g: by for g, by in owners.items() if len(by) > 1}
+            if differ:
+                raise CheckpointSaveError(
+                    f"checkpoint of step {step}: workers passed different non-tensor state "
+                    "(keys or values) for " + "; ".join(
+                        f"group {g!r} (" + ", ".join(f"ranks {rs} -> tree {h[:12]}"
+                                                     for h, rs in by.items()) + ")"
+                        for g, by in sorted(differ.items()))
+                    + "; the JSON part of a group must be identical on every worker that passes "
+                    "it (save per-worker state under per-worker group names)")
+            # rank 0 writes the manifest: it needs the trees of groups only other ranks passed
+            missing = {g: min(r for rs in by.values() for r in rs)
+                       for g, by in owners.items() if g not in everyone[0][0]}
+            if missing:
+                got = dp.gather_objects({g: trees[g] for g, r in missing.items()
+                                         if r == dp.rank})
+                for part in got:
+                    trees.update(part)
+        elif err is not None:
+            raise err
+        tensors = {f"{g}{dcp.SEP}{n}": t for g, (ts, _) in flat.items() for n, t in ts.items()}
+        return _SaveJob(step, tensors, trees, meta_tree)
+
+    def _write(self, job: _SaveJob, config_hash: str, shared_groups: tuple,
+               dp: DataParallel, pg: Any) -> CheckpointInfo:
+        with self._lock:
+            marker = self._begin("save", job.step) if dp.rank == 0 else None
+            try:
+                writer = dcp.StoreWriter(
+                    self.store, chunk_bytes=self.chunk_bytes, algo=self.hash_algo,
+                    finish=lambda index: self._commit_index(job, index, config_hash,
+                                                            shared_groups, dp.size))
+                info = dcp.save(job.tensors, writer, process_group=pg,
+                                no_dist=not dp.distributed, rank=dp.rank)
+            finally:
+                if marker is not None:
+                    self._end(marker)
+            self._last_name = info.name
+        if dp.rank == 0:
+            self._retain()
+        return info
+
+    def _commit_index(self, job: _SaveJob, index: Mapping[str, dict], config_hash: str,
+                      shared_groups: tuple, world_size: int) -> CheckpointInfo:
+        """DCP's finish step (rank 0): every rank's objects are written; build the group docs
+        from their joined chunk lists and the trees, and commit."""
+        group_docs = {g: {"shared": g in shared_groups, "hash": self.hash_algo, "tree": tree,
+                          "tensors": {}} for g, tree in job.trees.items()}
+        for key, entry in index.items():
+            g, name = key.split(dcp.SEP, 1)
+            group_docs[g]["tensors"][name] = entry
+        for g, doc in group_docs.items():
+            what = f"checkpoint of step {job.step} group {g!r}"
+            validate_index(doc["tensors"], what)  # every rank's rows are there, exactly once
+            check_state_tree(doc["tree"], index_dtypes(doc["tensors"]), what=what)
+            if doc["shared"]:
+                self.store.put_json(f"shared/groups/{g}",
+                                    {"group": doc, "objects": index_objects(doc["tensors"])})
+        group_docs.update(self._inherit_shared(shared_groups, group_docs))
+        return self._commit(job.step, group_docs, job.meta_tree, config_hash, world_size)
 
     def _inherit_shared(self, shared_groups: Sequence[str], have: Mapping[str, dict]) -> dict:
         out = {}
@@ -279,7 +494,7 @@ class CheckpointManager:
             if not isinstance(group, dict):
                 raise CorruptObjectError(f"shared/groups/{g}.json in {self.store.uri} is malformed")
             validate_index(group.get("tensors"), f"shared group {g!r}")
-            out[g] = group
+            out[g] = {**group, "hash": group.get("hash", "sha256")}  # written by /1: sha256
         return out
 
     def _begin(self, kind: str, step: int) -> str:
@@ -295,9 +510,9 @@ class CheckpointManager:
             log.warning("could not remove in-flight marker %s: %s", marker, e)
 
     def _commit(self, step: int, group_docs: Mapping[str, dict], meta_tree: Any,
-                config_hash: str, shards: list) -> CheckpointInfo:
+                config_hash: str, world_size: int) -> CheckpointInfo:
         meta_bytes = canonical_json(meta_tree)
-        meta_sha = self.store.put_bytes(meta_bytes)
+        meta_sha = self.store.put_bytes(meta_bytes, algo=self.hash_algo)
         objects: dict[str, int] = {meta_sha: len(meta_bytes)}
         for doc in group_docs.values():
             objects.update(index_objects(doc["tensors"]))
@@ -305,6 +520,7 @@ class CheckpointManager:
         now = time.time()
         manifest = {
             "format": MANIFEST_FORMAT,
+            "hash": self.hash_algo,
             "step": step,
             "created": now,
             "created_iso": datetime.fromtimestamp(now, timezone.utc).isoformat(),
@@ -314,7 +530,7 @@ class CheckpointManager:
             "parent": parent,
             "meta": {"sha": meta_sha, "size": len(meta_bytes)},
             "groups": dict(group_docs),
-            "shards": shards,
+            "world_size": world_size,
             "objects": objects,
         }
         raw = canonical_json(manifest)
@@ -337,110 +553,6 @@ class CheckpointManager:
         log.info("checkpoint %s committed (step %d, %.1f MB referenced)", name, step,
                  info.nbytes / 1e6)
         return info
-
-    # ---------------------------------------------------------------------- sharded saves
-    def save_shard(self, step: int, shard_id: int, num_shards: int, groups: Mapping[str, Any], *,
-                   save_id: str = "default", shared_groups: Sequence[str] = ("reference",)) -> str:
-        """Write one worker's part of a checkpoint (no manifest yet); returns the record's sha256.
-
-        DTensors sharded on dim 0 (FSDP2) contribute only their local rows; plain tensors are
-        written by every worker that passes them and deduplicated by content. ``save_id``
-        separates attempts of the same step (pass e.g. the Flyte attempt id when retrying)."""
-        _check_step(step)
-        if not 0 <= shard_id < num_shards:
-            raise ValueError(f"shard_id={shard_id} must be in [0, num_shards={num_shards})")
-        key = self._staging_key(step, save_id)
-        marker = self._begin("shard", step)
-        try:
-            group_docs = {}
-            for g, (tensors, tree) in _flatten_groups(groups).items():
-                index = save_tensors(self.store, tensors, chunk_bytes=self.chunk_bytes)
-                group_docs[g] = {"shared": g in shared_groups, "tree": tree, "tensors": index}
-            record = {"format": SHARD_FORMAT, "step": step, "shard_id": shard_id,
-                      "num_shards": num_shards, "save_id": save_id, "groups": group_docs,
-                      "objects": {s: n for d in group_docs.values()
-                                  for s, n in index_objects(d["tensors"]).items()},
-                      "created": time.time(), "host": socket.gethostname()}
-            raw = canonical_json(record)
-            self.store.put_json_raw(f"{key}/shard-{shard_id:05d}-of-{num_shards:05d}", raw)
-            return sha256_hex([raw])
-        finally:
-            self._end(marker)
-
-    def commit(self, step: int, num_shards: int, meta: Optional[Mapping] = None, *,
-               config_hash: str = "", save_id: str = "default",
-               shared_groups: Sequence[str] = ("reference",), wait_s: float = 0.0,
-               poll_s: float = 0.1) -> CheckpointInfo:
-        """Collect every shard record of ``step`` into one manifest and commit it.
-
-        Waits up to ``wait_s`` for missing shards, then raises :class:`IncompleteCheckpointError`
-        naming them (transient: the phase can be retried). Workers must disagree on nothing: the
-        same tensors, shapes and state trees, and identical bytes wherever their rows overlap."""
-        _check_step(step)
-        meta_tree = _encode_meta(meta)
-        key = self._staging_key(step, save_id)
-        want = {f"{key}/shard-{i:05d}-of-{num_shards:05d}" for i in range(num_shards)}
-        deadline = time.monotonic() + wait_s
-        while True:
-            have = set(self.store.list_json(key))
-            missing = sorted(want - have)
-            if not missing:
-                break
-            if time.monotonic() >= deadline:
-                raise IncompleteCheckpointError(
-                    f"checkpoint step {step} (save_id {save_id!r}) cannot commit: shard records "
-                    f"missing: {', '.join(m.rsplit('/', 1)[-1] for m in missing)}")
-            time.sleep(poll_s)
-        with self._lock:
-            records, shards = [], []
-            for i, name in enumerate(sorted(want)):
-                raw = self.store.get_json_raw(name)
-                try:
-                    rec = json.loads(raw)
-                except ValueError as e:
-                    raise CorruptObjectError(f"shard record {name}.json is not JSON ({e})") from e
-                if (not isinstance(rec, dict) or rec.get("format") != SHARD_FORMAT
-                        or rec.get("step") != step or rec.get("shard_id") != i
-                        or rec.get("num_shards") != num_shards
-                        or not isinstance(rec.get("groups"), dict)):
-                    raise CorruptObjectError(f"shard record {name}.json does not belong to step "
-                                             f"{step} shard {i}/{num_shards}")
-                records.append(rec)
-                shards.append({"shard_id": i, "num_shards": num_shards,
-                               "record_sha": sha256_hex([raw])})
-            group_docs = {}
-            for g in sorted({g for r in records for g in r["groups"]}):
-                _check_group(g)
-                parts = [r["groups"][g] for r in records if g in r["groups"]]
-                trees = [json.dumps(p.get("tree"), sort_keys=True) for p in parts]
-                if len(set(trees)) != 1:
-                    raise CorruptObjectError(f"step {step}: workers saved different structures "
-                                             f"for group {g!r}; cannot merge them")
-                index = merge_indexes([p["tensors"] for p in parts], f"group {g!r}")
-                group_docs[g] = {"shared": bool(parts[0].get("shared")), "tree": parts[0]["tree"],
-                                 "tensors": index}
-                if g in shared_groups:
-                    self.store.put_json(f"shared/groups/{g}",
-                                        {"group": group_docs[g], "objects": index_objects(index)})
-            group_docs.update(self._inherit_shared(shared_groups, group_docs))
-            marker = self._begin("commit", step)
-            try:
-                info = self._commit(step, group_docs, meta_tree, config_hash, shards=shards)
-            finally:
-                self._end(marker)
-            for name in want:
-                try:
-                    self.store.delete_json(name)
-                except Exception as e:  # noqa: BLE001 - leftovers are harmless
-                    log.warning("could not remove shard record %s: %s", name, e)
-            self._retain()
-            return info
-
-    @staticmethod
-    def _staging_key(step: int, save_id: str) -> str:
-        if not re.match(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$", save_id or ""):
-            raise ValueError(f"save_id={save_id!r}: use letters, digits, _ . -")
-        return f"staging/{step:012d}-{save_id}"
 
     # ====================================================================== reading
     def _latest_name(self) -> Optional[str]:
@@ -584,9 +696,9 @@ class CheckpointManager:
         """Problems of checkpoint ``ref`` (empty list: valid). Checks the manifest's hash and
         structure, decodes its meta object and state trees exactly as :meth:`load` does (so a
         checkpoint that verifies is one load accepts), and checks every object's presence and
-        size; with ``hashes`` also re-reads and re-hashes every object and checks each chunk's
-        header. ``repair`` moves damaged objects to the store's ``quarantine/`` so the next save
-        that holds their tensors writes them again."""
+        size; with ``hashes`` also re-reads and re-hashes every object (with the algorithm its
+        manifest names) and checks each chunk's header. ``repair`` moves damaged objects to the
+        store's ``quarantine/`` so the next save that holds their tensors writes them again."""
         try:
             name = self.resolve(ref)
             info, m = self._read_manifest(name)  # the state trees are decoded here
@@ -598,6 +710,7 @@ class CheckpointManager:
         except _LOAD_ERRORS as e:
             problems.append(str(e))
         owners = _object_owners(m)
+        algos = _object_algos(m)
         refs: dict[str, list] = {}  # sha -> [(entry, chunk, label)]: each object read once
         for g, doc in m["groups"].items():
             for tname, e in doc["tensors"].items():
@@ -609,17 +722,18 @@ class CheckpointManager:
         def check(item):
             sha, size = item
             where = owners.get(sha, "")
+            algo = algos.get(sha, _manifest_algo(m))
             try:
                 if hashes and sha in refs:
                     try:
-                        check_object(self.store, sha, size, refs[sha])
+                        check_object(self.store, sha, size, refs[sha], algo)
                     except CorruptObjectError as e:
-                        if repair and self._quarantine(sha):
+                        if repair and self._quarantine(sha, algo):
                             return f"{e} (moved to quarantine/)"
                         raise
                     return None
                 if hashes:
-                    actual = len(self.store.get_bytes(sha, verify=True, what=where))
+                    actual = len(self.store.get_bytes(sha, verify=True, what=where, algo=algo))
                 else:
                     actual = self.store.object_size(sha)
                     if actual is None:
@@ -635,30 +749,36 @@ class CheckpointManager:
         return problems + [p for p in self.store.map(check, objects) if p]
 
     def load(self, ref: Union[str, int] = "auto", groups: Optional[Sequence[str]] = None, *,
-             row_slices: Optional[Mapping[str, Mapping[str, tuple[int, int]]]] = None,
              out: Optional[Mapping[str, Mapping[str, torch.Tensor]]] = None,
              ) -> tuple[dict[str, Any], dict, CheckpointInfo]:
-        """Load and verify a checkpoint: ``(groups, meta, info)``.
+        """Load and verify a checkpoint into this process: ``(groups, meta, info)``. Any
+        checkpoint loads, whatever the number of workers that wrote it.
 
         Args:
             ref: ``auto`` (newest valid: latest, its parents, then the rest newest first, with a
                 warning naming each rejected checkpoint and why), or anything :meth:`resolve`
                 accepts (no fallback then: a damaged checkpoint raises).
             groups: group names to load (default all). Unknown names raise KeyError.
-            row_slices: ``{group: {tensor: (start, stop)}}`` rows to read (resharding): only the
-                chunks overlapping each slice are read and verified.
             out: ``{group: {tensor: destination}}`` to load in place (a model's parameters).
         Raises :class:`CheckpointNotFoundError` when the store has no checkpoint,
         :class:`NoValidCheckpointError` when ``auto`` rejected all of them, and
         :class:`CorruptObjectError`/:class:`UnsafeManifestError` for an explicit damaged ref.
         """
-        return self._with_fallback(ref, lambda name: self._load(name, groups, row_slices, out))
+        return self._with_fallback(ref, lambda name: self._load_verified(name, groups, out))
 
-    def _with_fallback(self, ref, fn):
+    def _with_fallback(self, ref, fn, dp: DataParallel = SINGLE):
         if ref != "auto":
             return fn(self.resolve(ref))
         rejected = []
-        for name in self._auto_candidates():
+        candidates = self._auto_candidates()
+        while True:
+            name = next(candidates, None)
+            if dp.distributed:  # every rank tries the same candidate, or none does
+                if all(n is None for n in dp.gather_objects(name)):
+                    break
+                name = self.agree_on(name, dp)
+            elif name is None:
+                break
             try:
                 result = fn(name)
             except _LOAD_ERRORS as e:
@@ -676,22 +796,16 @@ class CheckpointManager:
             "(start fresh with resume_from_checkpoint='none' or restore the objects named here): "
             + " | ".join(rejected))
 
-    def _load(self, name, groups, row_slices, out):
+    def _quarantine(self, sha: str, algo: str) -> bool:
+        """Move object ``sha`` aside if its bytes do not hash to it under ``algo`` (the algorithm
+        of the manifest naming it), so the next save that holds its tensors writes it again."""
         try:
-            return self._load_verified(name, groups, row_slices, out)
-        except CorruptObjectError as e:
-            if e.sha:  # a damaged object must not poison later checkpoints that reuse it
-                self._quarantine(e.sha)
-            raise
-
-    def _quarantine(self, sha: str) -> bool:
-        try:
-            return self.store.quarantine_object(sha)
+            return self.store.quarantine_object(sha, algo=algo)
         except Exception as e:  # noqa: BLE001 - the load's own error is the one to report
             log.warning("could not quarantine damaged object %s: %s", sha, e)
             return False
 
-    def _load_verified(self, name, groups, row_slices, out):
+    def _load_verified(self, name, groups, out):
         info, m = self._read_manifest(name)
         wanted = list(m["groups"]) if groups is None else list(groups)
         for g in wanted:
@@ -703,8 +817,14 @@ class CheckpointManager:
         for g in wanted:
             doc = m["groups"][g]
             what = f"checkpoint {name} group {g!r}"
-            tensors = load_tensors(self.store, doc["tensors"], row_slice=(row_slices or {}).get(g),
-                                   out=(out or {}).get(g), what=what)
+            algo = _group_algo(m, doc)
+            try:
+                tensors = load_tensors(self.store, doc["tensors"], out=(out or {}).get(g),
+                                       what=what, algo=algo)
+            except CorruptObjectError as e:
+                if e.sha:  # a damaged object must not poison later checkpoints that reuse it
+                    self._quarantine(e.sha, algo)
+                raise
             result[g] = unflatten_state(tensors, doc["tree"], what=what)
         self._last_name = name
         return result, meta, info
@@ -715,7 +835,11 @@ class CheckpointManager:
         ``state.to_json``'s encoding. :meth:`verify` runs this too, so the two never disagree."""
         what = f"checkpoint {name} meta"
         sha, size = m["meta"]["sha"], m["meta"]["size"]
-        raw = self.store.get_bytes(sha, what=what)
+        try:
+            raw = self.store.get_bytes(sha, what=what, algo=_manifest_algo(m))
+        except CorruptObjectError:
+            self._quarantine(sha, _manifest_algo(m))
+            raise
         if len(raw) != size:
             raise CorruptObjectError(f"{what}: object {sha} has {len(raw)} bytes, the manifest "
                                      f"says {size}")
@@ -752,34 +876,117 @@ class CheckpointManager:
                 return None
         return self.load(resume_from_checkpoint, groups)
 
-    def load_into(self, ref: Union[str, int], group: str,
-                  target: Mapping[str, Any]) -> CheckpointInfo:
-        """Load ``group`` in place into ``target`` (e.g. ``model.state_dict()``): plain tensors get
-        the whole tensor, DTensors sharded on dim 0 (FSDP2) only their local rows, so a checkpoint
-        written by W workers loads into W' workers reading each chunk only where it is needed."""
-        return self._with_fallback(ref, lambda name: self._load_into(name, group, target))
+    # ---------------------------------------------------------------------- collective loads
+    def agree_on(self, name: Optional[str], dp: DataParallel = SINGLE) -> str:
+        """Every rank of ``dp`` passes the manifest name it is about to load (``<step>-<sha256 of
+        the manifest>``, or None if it found none); returns it when all agree, else raises
+        :class:`CheckpointDisagreementError` on every rank, naming each rank's step and manifest
+        sha. A collective (nothing to compare with ``dp.size == 1``)."""
+        names = dp.gather_objects(name) if dp.distributed else [name]
+        if len(set(names)) == 1 and names[0] is not None:
+            return names[0]
 
-    def _load_into(self, name: str, group: str, target: Mapping[str, Any]) -> CheckpointInfo:
-        info, m = self._read_manifest(name)
-        if group not in m["groups"]:
-            raise KeyError(f"group {group!r} is not in checkpoint {name}")
-        index = m["groups"][group]["tensors"]
-        missing = sorted(set(target) - set(index))
-        if missing:
-            raise KeyError(f"checkpoint {name} group {group!r} lacks {missing[:10]}")
-        slices, dests = {}, {}
-        for k, v in target.items():
-            rs = as_row_shard(v, k)
-            if list(rs.global_shape) != index[k]["shape"]:
-                raise ValueError(f"{k}: checkpoint shape {index[k]['shape']} != target "
-                                 f"{list(rs.global_shape)}")
-            if rs.local.dim():
-                slices[k] = (rs.row_offset, rs.row_offset + rs.local.shape[0])
-            dests[k] = rs.local
+        def choice(n: Optional[str]) -> str:
+            if n is None:
+                return "none (no checkpoint found)"
+            m = _NAME_RE.match(n) if isinstance(n, str) else None
+            return f"step {int(m.group(1))} manifest sha256 {m.group(2)}" if m else repr(n)
+
+        if len(set(names)) == 1:
+            raise CheckpointNotFoundError(f"no worker found a checkpoint to restore in "
+                                          f"{self.store.uri}")
+        raise CheckpointDisagreementError(
+            f"workers disagree on the checkpoint to restore from {self.store.uri}: "
+            + "; ".join(f"rank {r}: {choice(n)}" for r, n in enumerate(names))
+            + ". Nothing was loaded. Every worker must see the same run store (the same path or "
+            "bucket, no stale mount or cache) and the same `latest`; fix that, then re-run",
+            {r: n for r, n in enumerate(names)})
+
+    def load_distributed(self, ref: Union[str, int], state: Mapping[str, Any], *,
+                         dp: DataParallel = SINGLE, groups: Optional[Sequence[str]] = None,
+                         ) -> tuple[dict, CheckpointInfo]:
+        """Load checkpoint ``ref`` in place into ``state`` on every rank of ``dp`` (a collective);
+        returns ``(meta, info)``, the same on every rank.
+
+        ``state`` is ``{group: state_dict}`` as :meth:`save_distributed` takes it (e.g. from
+        ``get_model_state_dict``/``get_optimizer_state_dict``, then applied with
+        ``set_model_state_dict``/``set_optimizer_state_dict``); ``groups`` limits the load to some
+        of them (default: all of ``state``). Its tensors, DTensors of any sharding or plain tensors,
+        are filled in place with torch.distributed.checkpoint's read plan, so a checkpoint written
+        by W workers loads on any number of workers, each reading (and hash-verifying) only the
+        objects holding its rows. Then each group dict is rebuilt from the checkpoint's JSON state
+        tree (its non-tensor values) around those same tensor objects; a tensor of the checkpoint
+        the target lacks is loaded whole into a new plain tensor. Every target tensor must be in the
+        checkpoint with the same shape and dtype.
+
+        ``ref`` is resolved on every rank, which must agree on the manifest
+        (:meth:`agree_on`) before anything is read. ``auto`` falls back collectively: a checkpoint
+        that fails on any rank is rejected on all of them and the next candidate is tried. Errors
+        are raised on every rank.
+        """
+        wanted = list(state) if groups is None else list(groups)
+        for g in wanted:
+            if g not in state:
+                raise KeyError(f"group {g!r} is not in the state passed to load_distributed")
+        return self._with_fallback_collective(
+            ref, dp, lambda name: self._load_dcp(name, {g: state[g] for g in wanted}, dp,
+                                                 rebuild=True))
+
+    def load_into(self, ref: Union[str, int], group: str, target: Mapping[str, Any], *,
+                  dp: DataParallel = SINGLE) -> CheckpointInfo:
+        """Load the tensors of ``group`` in place into ``target`` (e.g. ``model.state_dict()`` or
+        ``dict(model.named_parameters())``; a subset of the group's tensors is fine) and return the
+        checkpoint's info. DTensor targets (FSDP2) get their own rows: pass ``dp`` and call it on
+        every rank. The target dict itself is not changed."""
+        return self._with_fallback_collective(
+            ref, dp, lambda name: self._load_dcp(name, {group: target}, dp, rebuild=False)[1])
+
+    def _with_fallback_collective(self, ref, dp: DataParallel, fn):
+        """:meth:`_with_fallback` for loads that every rank runs together: each candidate is agreed
+        on first (:meth:`agree_on`), and rejected on every rank when it fails on any (``fn``
+        raises the same error on every rank)."""
+        if not dp.distributed:
+            return self._with_fallback(ref, fn)
+        if ref != "auto":
+            try:
+                name, err = self.resolve(ref), None
+            except _LOAD_ERRORS as e:
+                name, err = None, e
+            try:
+                name = self.agree_on(name, dp)
+            except CheckpointNotFoundError:
+                if err is not None:
+                    raise err from None
+                raise
+            return fn(name)
+        return self._with_fallback("auto", fn, dp)
+
+    def _load_dcp(self, name: str, state: Mapping[str, Any], dp: DataParallel, *,
+                  rebuild: bool) -> tuple[dict, CheckpointInfo]:
+        info, m = _collectively(dp, lambda: self._read_manifest(name))
+        meta = _collectively(dp, lambda: self._read_meta(name, m))
+        # every rank checks its targets, and all stop if any rank's do not fit: a rank that
+        # skipped DCP's collectives would leave the others waiting for it
+        flat, extra, tensors = _collectively(dp, lambda: _load_targets(name, m, state, rebuild))
+        reader = dcp.StoreReader(self.store, {g: m["groups"][g] for g in state},
+                                 keys=set(tensors), what=f"checkpoint {name}",
+                                 default_algo=_manifest_algo(m), on_corrupt=self._quarantine)
         with torch.no_grad():
-            load_tensors(self.store, index, names=list(target), row_slice=slices, out=dests,
-                         what=f"checkpoint {name} group {group!r}")
-        return info
+            dcp.load(tensors, reader, process_group=self._process_group(dp),
+                     no_dist=not dp.distributed, rank=dp.rank)
+        if rebuild:
+            for g, sd in state.items():
+                what = f"checkpoint {name} group {g!r}"
+                value = unflatten_state({**flat[g], **extra[g]}, m["groups"][g]["tree"],
+                                        what=what)
+                if isinstance(sd, dict) and isinstance(value, dict):
+                    sd.clear()
+                    sd.update(value)
+                else:
+                    raise CorruptObjectError(f"{what}: the stored state is a "
+                                             f"{type(value).__name__}; load it with load()")
+        self._last_name = name
+        return meta, info
 
     # ====================================================================== retention + GC
     def _retain(self) -> None:
@@ -925,14 +1132,21 @@ def _validate_manifest(m: Any, name: str, step: int) -> None:
     decoding of every group's state tree (against its index, no tensor data needed): whatever
     reads a manifest (load, verify, list) rejects the same ones."""
     w = f"manifest checkpoints/{name}.json"
-    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
-        raise UnsafeManifestError(f"{w}: not a {MANIFEST_FORMAT} manifest")
+    if not isinstance(m, dict) or m.get("format") not in MANIFEST_FORMATS:
+        raise UnsafeManifestError(f"{w}: not a {' or '.join(MANIFEST_FORMATS)} manifest")
     if m.get("step") != step:
         raise UnsafeManifestError(f"{w}: step {m.get('step')!r} does not match its name")
+    v1 = m["format"] == MANIFEST_FORMATS[0]
     for key, typ in (("created", (int, float)), ("groups", dict), ("objects", dict),
-                     ("meta", dict), ("shards", list)):
+                     ("meta", dict)) + ((("shards", list),) if v1 else (("world_size", int),)):
         if not isinstance(m.get(key), typ):
             raise UnsafeManifestError(f"{w}: field {key!r} missing or of the wrong type")
+    if v1:
+        if "hash" in m or any(isinstance(d, dict) and "hash" in d for d in m["groups"].values()):
+            raise UnsafeManifestError(f"{w}: a {MANIFEST_FORMATS[0]} manifest names no hash "
+                                      "algorithm (its objects are sha256)")
+    else:
+        check_hash_algo(m.get("hash"), f"{w} hash")
     if m.get("parent") is not None:
         _parse_name(m["parent"])
     objects = m["objects"]
@@ -948,6 +1162,8 @@ def _validate_manifest(m: Any, name: str, step: int) -> None:
         if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), dict) \
                 or "tree" not in doc:
             raise UnsafeManifestError(f"{w}: group {g!r} is malformed")
+        if not v1:
+            check_hash_algo(doc.get("hash"), f"{w} group {g!r} hash")
         validate_index(doc["tensors"], f"{w} group {g!r}")
         check_state_tree(doc["tree"], index_dtypes(doc["tensors"]), what=f"{w} group {g!r}")
         for tname, e in doc["tensors"].items():
@@ -955,6 +1171,13 @@ def _validate_manifest(m: Any, name: str, step: int) -> None:
                 if objects.get(c["sha"]) != c["size"]:
                     raise UnsafeManifestError(f"{w}: group {g!r} tensor {tname!r} chunk {c['sha']} "
                                               "is not listed in objects with its size")
+    algos: dict[str, str] = {m["meta"]["sha"]: _manifest_algo(m)}
+    for g, doc in m["groups"].items():  # one name, one algorithm: else verify cannot judge it
+        for e in doc["tensors"].values():
+            for c in e["chunks"]:
+                if algos.setdefault(c["sha"], _group_algo(m, doc)) != _group_algo(m, doc):
+                    raise UnsafeManifestError(f"{w}: object {c['sha']} is named under two hash "
+                                              "algorithms")
 
 
 def _object_owners(m: Mapping) -> dict[str, str]:
@@ -965,3 +1188,93 @@ def _object_owners(m: Mapping) -> dict[str, str]:
                 owners.setdefault(c["sha"], f"group {g!r} tensor {tname!r} rows "
                                             f"{c['rows'][0]}:{c['rows'][1]}")
     return owners
+
+
+def _load_targets(name: str, m: Mapping, state: Mapping[str, Any], rebuild: bool):
+    """``(flat, extra, tensors)`` of a collective load of checkpoint ``name`` (manifest ``m``)
+    into ``state``: each group's target tensors by name (``flat``; with ``rebuild`` the group is
+    flattened like a save flattens it, else it is a ``{name: tensor}`` target), new whole tensors
+    for what the checkpoint has and the target lacks (``extra``, ``rebuild`` only), and the DCP
+    state dict of both (``tensors``). Every target tensor must be in the checkpoint with its
+    shape (global, for DTensors) and dtype."""
+    flat: dict[str, dict] = {}
+    extra: dict[str, dict] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for g, sd in state.items():
+        if g not in m["groups"]:
+            raise KeyError(f"group {g!r} is not in checkpoint {name}; it has "
+                           f"{', '.join(m['groups'])}")
+        index = m["groups"][g]["tensors"]
+        ts = flat[g] = flatten_state(sd)[0] if rebuild else dict(sd)
+        missing = sorted(set(ts) - set(index))
+        if missing:
+            raise KeyError(f"checkpoint {name} group {g!r} lacks {len(missing)} tensor(s) of the "
+                           f"target: {', '.join(missing[:10])}")
+        for n, t in ts.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"target {g!r}/{n!r} is a {type(t).__name__}, not a tensor")
+            e = index[n]
+            if list(t.shape) != e["shape"] or t.dtype != torch_dtype(e["dtype"]):
+                raise ValueError(f"checkpoint {name} group {g!r} tensor {n!r} is "
+                                 f"{e['dtype']}{e['shape']}, the target is "
+                                 f"{t.dtype}{list(t.shape)}")
+            tensors[f"{g}{dcp.SEP}{n}"] = t
+        if rebuild:  # checkpoint tensors the target lacks are loaded whole, as plain tensors
+            extra[g] = {n: torch.empty(e["shape"], dtype=torch_dtype(e["dtype"]))
+                        for n, e in index.items() if n not in ts}
+            tensors.update({f"{g}{dcp.SEP}{n}": t for n, t in extra[g].items()})
+    return flat, extra, tensors
+
+
+def _manifest_algo(m: Mapping) -> str:
+    """Hash algorithm of a (validated) manifest's own new objects, the meta included."""
+    return m.get("hash", "sha256")
+
+
+def _group_algo(m: Mapping, doc: Mapping) -> str:
+    """Hash algorithm naming the objects of one group of manifest ``m``."""
+    return doc.get("hash", _manifest_algo(m))
+
+
+def _object_algos(m: Mapping) -> dict[str, str]:
+    """``{sha: hash algorithm}`` of every object a (validated) manifest names."""
+    algos = {m["meta"]["sha"]: _manifest_algo(m)}
+    for doc in m["groups"].values():
+        algo = _group_algo(m, doc)
+        for e in doc["tensors"].values():
+            for c in e["chunks"]:
+                algos[c["sha"]] = algo
+    return algos
+
+
+def _collectively(dp: DataParallel, fn):
+    """``fn()`` on every rank; if it raised on any, raise on every rank (this rank's own error,
+    else the lowest failing rank's), so that all ranks take the same path afterwards."""
+    try:
+        result, err = fn(), None
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        result, err = None, e
+    if not dp.distributed:
+        if err is not None:
+            raise err
+        return result
+    summary = None if err is None else (type(err).__name__, str(err), getattr(err, "sha", None))
+    errors = dp.gather_objects(summary)  # plain strings between ranks, no exception objects
+    if err is not None:
+        raise err
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        r, (kind, msg, sha) = failed[0]
+        cls = _SHARED_ERRORS.get(kind)
+        if cls is CorruptObjectError:
+            raise CorruptObjectError(f"rank {r}: {msg}", sha=sha)
+        raise cls(f"rank {r}: {msg}") if cls is not None else \
+            PermanentError(f"rank {r}: {kind}: {msg}")
+    return result
+
+
+_SHARED_ERRORS = {c.__name__: c for c in (
+    CorruptObjectError, UnsafeManifestError, NotFoundError, CheckpointNotFoundError,
+    NoValidCheckpointError, StorePermissionError, StoreUnavailableError, StoreFullError,
+    PermanentError, TransientError, KeyError, ValueError, TypeError)}
+"""Errors another rank reports by name that this rank re-raises as the same class."""

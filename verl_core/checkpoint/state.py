@@ -19,7 +19,9 @@ JSON tree encoding (a plain JSON value stays itself; a few ``$``-tagged objects 
     {"$npscalar": "float64", "v": x} a numpy scalar
 
 Tensor names are the '/'-joined key path (``state/0/exp_avg``), so a flat ``model.state_dict()``
-keeps its own keys, which is what resharding and HF export rely on.
+keeps its own keys, which is what resharding and HF export rely on. This tree is also where the
+non-tensor values of a torch.distributed.checkpoint save go (``manager.save_distributed``): DCP
+itself only ever sees the tensors, so its default of pickling everything else never applies.
 """
 
 from __future__ import annotations
@@ -47,17 +49,9 @@ _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
 
 
-def _is_tensor_like(v: Any) -> bool:
-    if isinstance(v, torch.Tensor):
-        return True
-    from verl_core.checkpoint.tensors import RowShard
-
-    return isinstance(v, RowShard)
-
-
 def flatten_state(obj: Any, *, allow_tensors: bool = True) -> tuple[dict[str, Any], Any]:
     """Split nested state into ``(tensors, tree)``: ``tensors`` maps path names to tensors (or
-    DTensors/RowShards, kept as they are), ``tree`` is JSON-able and references them by name."""
+    DTensors, kept as they are), ``tree`` is JSON-able and references them by name."""
     tensors: dict[str, Any] = {}
 
     def name_for(path: list[str]) -> str:
@@ -77,7 +71,7 @@ def flatten_state(obj: Any, *, allow_tensors: bool = True) -> tuple[dict[str, An
             if math.isfinite(v):
                 return v
             return {"$f": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
-        if _is_tensor_like(v):
+        if isinstance(v, torch.Tensor):  # DTensors too: torch.distributed.checkpoint plans them
             if not allow_tensors:
                 raise CheckpointSaveError(f"{where}: tensors are not allowed here (meta must be "
                                           "JSON-able); put them in a tensor group instead")

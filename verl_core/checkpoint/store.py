@@ -7,11 +7,19 @@ and retention (``manager.py``).
 Layout under the store root (a local folder, NFS, ``s3://bucket/prefix`` or any fsspec URL)::
 
     store.json                    {"format", "incarnation_id", "created"}: written once
-    objects/<sha[:2]>/<sha>       immutable blobs named by the sha256 of their bytes
+    objects/<sha[:2]>/<sha>       immutable blobs named by the 64-hex hash of their bytes (sha256,
+                                  or BLAKE3 for checkpoint data: the manifest names the algorithm)
     <doc>.json                    small named JSON docs (manifests, pointers, shared indexes)
     logs/<name>.jsonl             local append-only JSON-lines log (one O_APPEND write per record)
     logs/<name>/<ns>-<uuid>.json  the same log on object stores (S3 cannot append)
     quarantine/<sha>-<ns>         damaged objects moved aside by loads and ``verify --repair``
+
+Hash algorithms (:data:`HASH_ALGOS`): an object's name is the hex digest of its bytes under one of
+them; the name does not say which, the doc that references it does (a checkpoint manifest's
+``"hash"``). Every read and every quarantine check is made with that algorithm, so a store can
+hold objects of both (the same bytes under two algorithms are two objects; nothing else changes).
+Objects outside checkpoints (assets, lineage batches, the tokenizer) are sha256, the default of
+every method here. Both digests are 64 hex characters, so gc's scan for live names sees both.
 
 Why content addressing: writing an object that already exists is skipped, which is what makes
 checkpoints incremental (frozen layers, the reference model and unchanged chunks cost nothing),
@@ -53,7 +61,8 @@ from verl_core.errors import PermanentError, VerlError
 log = logging.getLogger(__name__)
 
 __all__ = ["RunStore", "StoreStats", "NotFoundError", "StorePermissionError", "is_sha256",
-           "check_sha256", "check_doc_name", "sha256_hex", "canonical_json"]
+           "check_sha256", "check_doc_name", "sha256_hex", "hash_hex", "new_hasher",
+           "check_hash_algo", "HASH_ALGOS", "canonical_json"]
 
 STORE_FORMAT = "verl-run-store/1"
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -96,11 +105,45 @@ def check_doc_name(name: object) -> str:
     return name
 
 
-def sha256_hex(parts: Iterable[Any]) -> str:
-    h = hashlib.sha256()
+HASH_ALGOS = ("sha256", "blake3")
+"""Object-name hash algorithms a manifest may name. Both give 64 hex characters."""
+
+
+def check_hash_algo(algo: object, what: str = "hash algorithm") -> str:
+    """Return ``algo`` if it is one of :data:`HASH_ALGOS`, else raise :class:`UnsafeManifestError`
+    (a manifest naming an unknown algorithm cannot be verified, so nothing it names is read)."""
+    if algo not in HASH_ALGOS:
+        raise UnsafeManifestError(f"{what} {algo!r} is not one of {', '.join(HASH_ALGOS)}")
+    return algo  # type: ignore[return-value]
+
+
+def new_hasher(algo: str = "sha256"):
+    """A fresh hashlib-style object (``update``, ``hexdigest``) for ``algo``. BLAKE3 runs single
+    threaded per object: the store's I/O pool already hashes several objects at once, and both
+    implementations release the GIL on large inputs."""
+    if algo == "sha256":
+        return hashlib.sha256()
+    if algo == "blake3":
+        try:
+            from blake3 import blake3
+        except ImportError as e:  # a dependency since issue 10; an old environment may lack it
+            raise PermanentError("this checkpoint's objects are named by BLAKE3 hashes; install "
+                                 "the `blake3` package (pip install blake3) to read or write "
+                                 "them") from e
+        return blake3()
+    raise UnsafeManifestError(f"hash algorithm {algo!r} is not one of {', '.join(HASH_ALGOS)}")
+
+
+def hash_hex(parts: Iterable[Any], algo: str = "sha256") -> str:
+    """Hex digest of the concatenation of ``parts`` (bytes-like) under ``algo``."""
+    h = new_hasher(algo)
     for p in parts:
         h.update(p)
     return h.hexdigest()
+
+
+def sha256_hex(parts: Iterable[Any]) -> str:
+    return hash_hex(parts, "sha256")
 
 
 def canonical_json(doc: Any, sort_keys: bool = False) -> bytes:
@@ -463,9 +506,10 @@ class RunStore:
     def has_object(self, sha: str) -> bool:
         return self.object_size(sha) is not None
 
-    def put_parts(self, parts: Sequence[Any], *,
-                  sha: Optional[str] = None) -> tuple[str, int, bool]:
-        """Store the concatenation of ``parts`` (bytes-like, written without joining locally).
+    def put_parts(self, parts: Sequence[Any], *, sha: Optional[str] = None,
+                  algo: str = "sha256") -> tuple[str, int, bool]:
+        """Store the concatenation of ``parts`` (bytes-like, written without joining locally),
+        named by its ``algo`` hash.
 
         Returns ``(sha, size, written)``; ``written`` is False when an object of that hash and size
         already existed (the incremental case). ``sha`` may be passed if the caller already hashed.
@@ -473,7 +517,7 @@ class RunStore:
         views = [memoryview(p).cast("B") for p in parts]
         size = sum(v.nbytes for v in views)
         if sha is None:
-            sha = sha256_hex(views)
+            sha = hash_hex(views, algo)
         path = self.object_path(sha)
         with _io(f"writing object {sha} to {self.uri}"):
             existing = self._size(path)
@@ -487,13 +531,15 @@ class RunStore:
         self._count(objects_written=1, bytes_written=size)
         return sha, size, True
 
-    def put_bytes(self, data: Any) -> str:
-        """Store ``data`` as an immutable object and return its sha256 hex (skipped if present)."""
-        return self.put_parts([data])[0]
+    def put_bytes(self, data: Any, *, algo: str = "sha256") -> str:
+        """Store ``data`` as an immutable object and return its ``algo`` hex digest (skipped if
+        present)."""
+        return self.put_parts([data], algo=algo)[0]
 
-    def get_bytes(self, sha: str, verify: bool = True, *, what: str = "") -> bytes:
-        """Read object ``sha``. Missing, or (with ``verify``) a hash mismatch, raises
-        :class:`CorruptObjectError` naming the object and ``what`` it was for."""
+    def get_bytes(self, sha: str, verify: bool = True, *, what: str = "",
+                  algo: str = "sha256") -> bytes:
+        """Read object ``sha``. Missing, or (with ``verify``) a mismatch of its ``algo`` hash,
+        raises :class:`CorruptObjectError` naming the object and ``what`` it was for."""
         path = self.object_path(sha)
         label = f"object {sha}" + (f" ({what})" if what else "")
         try:
@@ -504,7 +550,7 @@ class RunStore:
                                      sha=sha, path=path) from e
         self._count(objects_read=1, bytes_read=len(data))
         if verify:
-            got = hashlib.sha256(data).hexdigest()
+            got = hash_hex([data], algo)
             if got != sha:
                 raise CorruptObjectError(
                     f"{label} at {path} is corrupted: its {len(data)} bytes hash to {got}",
@@ -550,9 +596,11 @@ class RunStore:
         with _io(f"deleting object {sha}"):
             self._rm(path)
 
-    def quarantine_object(self, sha: str) -> bool:
+    def quarantine_object(self, sha: str, *, algo: str) -> bool:
         """Move a damaged object out of ``objects/`` into ``quarantine/<sha>-<ns>`` and return
-        True; return False (and touch nothing) if it is missing or its bytes hash to ``sha``.
+        True; return False (and touch nothing) if it is missing or its bytes hash to ``sha`` under
+        ``algo`` (the algorithm of the manifest that names it: judged by another one, every intact
+        object would look damaged, which is why there is no default).
 
         Why: saves skip an object that already exists with the right size, so a damaged object
         shared by many checkpoints (the reference model, a frozen layer) would otherwise stay
@@ -565,7 +613,7 @@ class RunStore:
                 data = self._read_file(path)
             except FileNotFoundError:
                 return False
-            if hashlib.sha256(data).hexdigest() == sha:
+            if hash_hex([data], algo) == sha:
                 return False
             if self.is_local:
                 self._makedirs(os.path.dirname(dest))

@@ -5,7 +5,7 @@ Nested state (optimizer, RNG, counters) is flattened first by ``state.py``; mani
 ``manager.py``'s business.
 
 Every object is a valid safetensors file whose tensors are named by position (``"0"``, ``"1"``, …)
-with a canonical header, so identical content always gives identical bytes and the same sha256:
+with a canonical header, so identical content always gives identical bytes and the same hash:
 an unchanged layer (or the reference model, or a frozen half of the network) is written once per
 store, ever. A tensor larger than ``chunk_bytes`` (default 16 MiB) is cut along dim 0 into objects
 of its own; smaller tensors are packed, in order, into shared objects of up to ``chunk_bytes``
@@ -20,7 +20,8 @@ Objects are named by the sha256 or the BLAKE3 of their bytes (``algo``, recorded
 The index of one tensor (JSON, embedded in manifests)::
 
     {"dtype": "float32", "shape": [rows, ...],
-     "chunks": [{"sha": <sha256>, "size": <object bytes>, "rows": [start, stop], "key": "3"}, ...]}
+     "chunks": [{"sha": <64-hex hash>, "size": <object bytes>, "rows": [start, stop],
+                 "key": "3"}, ...]}
 
 ``key`` names the tensor inside the object; indexes written before packing have no key and one
 tensor named ``"data"`` per object, and still load. A 0-dim tensor has one chunk with rows [0, 1].
@@ -37,13 +38,12 @@ object to be read, so a manifest cannot make a reader allocate more than the sto
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -195,44 +195,52 @@ class _Packer:
         self._cur, self._bytes, self._key = [], 0, None
 
 
-def save_tensors(store: RunStore, tensors: Mapping[str, Any], *,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+def save_tensors(store: RunStore, tensors: Mapping[str, torch.Tensor], *,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, algo: str = "sha256",
+                 layout: Optional[Mapping[str, tuple[Sequence[int], int]]] = None) -> dict:
     """Write every tensor as content-addressed objects; return the index ``{name: entry}``.
 
     A tensor larger than ``chunk_bytes`` is cut along dim 0 into objects of its own; smaller ones
     are packed, in order, into shared objects of up to ``chunk_bytes`` (fewer files: each file
-    costs a create, a rename and, with fsync, a journal commit). Values may be tensors (any device;
-    copied to CPU piece by piece), DTensors sharded on dim 0 (this rank's rows are written, the
-    entry covers only them) or :class:`RowShard`. Row shards and whole tensors are packed apart,
-    so workers that pass the same whole tensors write identical objects. Existing objects are not
-    rewritten (see ``store.stats`` for bytes written vs skipped).
+    costs a create, a rename and, with fsync, a journal commit). Tensors may be on any device
+    (copied to CPU piece by piece). Objects are named by their ``algo`` hash; existing ones are
+    not rewritten (see ``store.stats`` for bytes written vs skipped).
+
+    ``layout`` (``{name: (global_shape, row_offset)}``) says that a tensor holds only rows
+    ``[row_offset, row_offset + rows)`` of a bigger one (one worker's FSDP shard): its entry
+    describes the whole tensor but lists only the chunks of those rows, for the caller to join
+    with the other workers' chunks. Row pieces and whole tensors are packed apart, so workers that
+    pass the same whole tensors write identical objects.
     """
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes={chunk_bytes!r}: must be a positive int")
     singles: list[list[tuple]] = []  # pieces: (name, row_start, row_stop, tensor_rows)
-    packers = {True: _Packer(chunk_bytes), False: _Packer(chunk_bytes)}  # by "is a row shard"
+    packers = {True: _Packer(chunk_bytes), False: _Packer(chunk_bytes)}  # by "is a row piece"
     index: dict[str, dict] = {}
-    for name, value in tensors.items():
+    for name, t in tensors.items():
         if not isinstance(name, str):
             raise CheckpointSaveError(f"tensor names must be str, got {name!r}")
-        rs = as_row_shard(value, name)
-        t = rs.local
+        if not isinstance(t, torch.Tensor) or _is_dtensor(t):
+            raise CheckpointSaveError(
+                f"tensor {name!r}: expected a plain torch.Tensor, got {type(t).__name__} (sharded "
+                "DTensors are saved with CheckpointManager.save_distributed)")
         if t.dtype not in _BY_DTYPE:
             raise CheckpointSaveError(f"tensor {name!r}: dtype {t.dtype} is not supported; "
                                       f"known: {', '.join(DTYPE_NAMES)}")
-        shape = list(rs.global_shape)
-        if list(t.shape[1:]) != shape[1:] or (shape == [] and t.dim() != 0):
-            raise CheckpointSaveError(f"tensor {name!r}: local shape {tuple(t.shape)} does not fit "
-                                      f"global shape {tuple(shape)}")
+        shape, off = (list(t.shape), 0) if layout is None or name not in layout else \
+            (list(layout[name][0]), int(layout[name][1]))
+        rows = t.shape[0] if shape else 1
+        if list(t.shape[1:]) != shape[1:] or (shape == [] and t.dim() != 0) or \
+                (shape and not 0 <= off <= off + rows <= shape[0]):
+            raise CheckpointSaveError(f"tensor {name!r}: local rows {off}:{off + rows} of shape "
+                                      f"{tuple(t.shape)} do not fit global shape {tuple(shape)}")
         entry = {"dtype": _BY_DTYPE[t.dtype][0], "shape": shape, "chunks": []}
         index[name] = entry
-        if shape and t.shape[0] == 0 and shape[0] != 0:
+        if shape and rows == 0 and shape[0] != 0:
             continue  # this worker owns no rows of it
-        off = rs.row_offset if shape else 0
         if _nbytes(t) <= chunk_bytes:
-            rows = t.shape[0] if shape else 1
-            is_shard = bool(shape) and (off != 0 or rows != shape[0])
-            packers[is_shard].add((name, off, off + rows, t), _nbytes(t), _block_key(name))
+            is_piece = bool(shape) and (off != 0 or rows != shape[0])
+            packers[is_piece].add((name, off, off + rows, t), _nbytes(t), _block_key(name))
             continue
         for a, b in _row_ranges(list(t.shape), t.element_size(), chunk_bytes, t.shape[0]):
             singles.append([(name, off + a, off + b, t[a:b])])
@@ -241,7 +249,7 @@ def save_tensors(store: RunStore, tensors: Mapping[str, Any], *,
 
     def write(pack):
         header, data = encode_pack([piece[3] for piece in pack])
-        sha, size, _ = store.put_parts([header, *data])
+        sha, size, _ = store.put_parts([header, *data], algo=algo)
         return [(name, {"sha": sha, "size": size, "rows": [a, b], "key": str(i)})
                 for i, (name, a, b, _) in enumerate(pack)]
 
@@ -260,17 +268,17 @@ def _fail(what: str, why: str) -> None:
     raise UnsafeManifestError(f"{what}: {why}")
 
 
-def validate_index(index: Any, what: str = "index", *, partial: bool = False) -> dict:
+def validate_index(index: Any, what: str = "index") -> dict:
     """Check an index read from a manifest before anything in it is used as a path or a size.
 
     Nothing a reader allocates may rest on a claim the index does not back up, so it must agree
-    with itself: every chunk's rows lie inside its tensor's shape and, unless ``partial`` (one
-    shard's record, which covers only some rows), the chunks of each tensor tile its rows exactly
-    once, so the tensor's numel x element size is the sum of its chunks' payloads; an object is
-    listed with one size; a key inside an object holds one dtype and shape; and the payloads of an
-    object's tensors, its 8-byte header length and a header of at most ``_MAX_HEADER`` bytes add up
-    to its size. What is left to trust is that the objects have the sizes listed, which
-    :func:`load_tensors` asks the store before it allocates anything."""
+    with itself: every chunk's rows lie inside its tensor's shape and the chunks of each tensor
+    tile its rows exactly once, so the tensor's numel x element size is the sum of its chunks'
+    payloads; an object is listed with one size; a key inside an object holds one dtype and
+    shape; and the payloads of an object's tensors, its 8-byte header length and a header of at
+    most ``_MAX_HEADER`` bytes add up to its size. What is left to trust is that the objects have
+    the sizes listed, which :func:`read_chunks` asks the store before anything is read (and
+    :func:`load_tensors` before it allocates)."""
     if not isinstance(index, dict):
         _fail(what, "must be an object of tensor entries")
     objects: dict[str, tuple[int, dict, str]] = {}  # sha -> (size, {key: target}, first label)
@@ -309,14 +317,13 @@ def validate_index(index: Any, what: str = "index", *, partial: bool = False) ->
             if (held.code, held.shape) != (t.code, t.shape):
                 _fail(w, f"object {c['sha']} key {key!r} is claimed as {held.code}{held.shape} "
                          f"and as {t.code}{t.shape}")
-        if not partial:
-            pos = 0
-            for a, b in sorted(c["rows"] for c in chunks):
-                if a != pos:
-                    _fail(w, f"chunks do not tile the rows: gap or overlap at row {pos}")
-                pos = b
-            if rows > 0 and pos != rows:
-                _fail(w, f"chunks cover rows [0, {pos}) of {rows}")
+        pos = 0
+        for a, b in sorted(c["rows"] for c in chunks):
+            if a != pos:
+                _fail(w, f"chunks do not tile the rows: gap or overlap at row {pos}")
+            pos = b
+        if rows > 0 and pos != rows:
+            _fail(w, f"chunks cover rows [0, {pos}) of {rows}")
     for sha, (size, keys, label) in objects.items():
         payload = sum(t.nbytes for t in keys.values())
         if not 0 <= size - 8 - payload <= _MAX_HEADER:
@@ -324,36 +331,6 @@ def validate_index(index: Any, what: str = "index", *, partial: bool = False) ->
                          f"{payload} bytes of tensor data the index puts in it (plus an 8-byte "
                          f"length and a header of at most {_MAX_HEADER} bytes)")
     return index
-
-
-def merge_indexes(pieces: Sequence[dict], what: str = "tensors") -> dict:
-    """Merge per-worker indexes (each covering some rows of each tensor) into one full index.
-    Replicated tensors (identical chunks from several workers) are kept once; conflicting or
-    missing rows raise :class:`IncompleteCheckpointError`-worthy :class:`UnsafeManifestError`."""
-    merged: dict[str, dict] = {}
-    for piece in pieces:
-        validate_index(piece, what, partial=True)
-        for name, e in piece.items():
-            m = merged.setdefault(name, {"dtype": e["dtype"], "shape": e["shape"], "chunks": {}})
-            if (m["dtype"], m["shape"]) != (e["dtype"], e["shape"]):
-                _fail(f"{what} tensor {name!r}", f"workers disagree on dtype/shape: "
-                      f"{m['dtype']}{m['shape']} vs {e['dtype']}{e['shape']}")
-            for c in e["chunks"]:
-                key = tuple(c["rows"])
-                old = m["chunks"].get(key)
-                if old is not None and _ref(old) != _ref(c):
-                    _fail(f"{what} tensor {name!r}", f"workers wrote different data for rows {key}")
-                m["chunks"][key] = c
-    out = {}
-    for name, m in merged.items():
-        chunks = sorted(m["chunks"].values(), key=lambda c: c["rows"])
-        out[name] = {"dtype": m["dtype"], "shape": m["shape"], "chunks": chunks}
-    return validate_index(out, what)
-
-
-def _ref(chunk: Mapping) -> tuple[str, str]:
-    """(object sha, tensor key inside it); indexes written before packing have no key: "data"."""
-    return chunk["sha"], chunk.get("key", "data")
 
 
 def index_objects(index: Mapping[str, dict]) -> dict[str, int]:
@@ -503,12 +480,14 @@ def _deliver(entries: Mapping[str, tuple], targets: Sequence[_Target], fill) -> 
                 t.dest[...] = buf[t.lo:t.hi]
 
 
-def _read_object(store: RunStore, sha: str, size: int, targets: Sequence[_Target]) -> None:
-    """Read object ``sha`` once, deliver every target, verify size, header and sha256."""
+def _read_object(store: RunStore, sha: str, size: int, targets: Sequence[_Target],
+                 algo: str = "sha256") -> None:
+    """Read object ``sha`` once, deliver every target, verify size, header and ``algo`` hash."""
     what = _object_label(sha, targets)
     path = store.local_object_path(sha)
     if path is None:
-        data = store.get_bytes(sha, verify=True, what=targets[0].label if targets else "")
+        data = store.get_bytes(sha, verify=True, what=targets[0].label if targets else "",
+                               algo=algo)
         if len(data) != size:  # hash matched, so the manifest itself is inconsistent
             raise CorruptObjectError(f"{what} has {len(data)} bytes, the manifest says {size}",
                                      sha=sha)
@@ -525,7 +504,7 @@ def _read_object(store: RunStore, sha: str, size: int, targets: Sequence[_Target
 
         _deliver(entries, targets, fill_from_bytes)
         return
-    h = hashlib.sha256()
+    h = new_hasher(algo)
     try:
         with open(path, "rb", buffering=0) as f:
             actual = os.fstat(f.fileno()).st_size
@@ -565,10 +544,10 @@ def _read_object(store: RunStore, sha: str, size: int, targets: Sequence[_Target
 
 
 def check_object(store: RunStore, sha: str, size: int,
-                 refs: Sequence[tuple[Mapping, Mapping, str]]) -> None:
-    """Read object ``sha`` and check its size, hash and header against every ``(index entry,
-    chunk, label)`` that references it (a packed object holds several tensors)."""
-    _read_object(store, sha, size, [_target(e, c, label) for e, c, label in refs])
+                 refs: Sequence[tuple[Mapping, Mapping, str]], algo: str = "sha256") -> None:
+    """Read object ``sha`` and check its size, ``algo`` hash and header against every ``(index
+    entry, chunk, label)`` that references it (a packed object holds several tensors)."""
+    _read_object(store, sha, size, [_target(e, c, label) for e, c, label in refs], algo)
 
 
 def _check_sizes(store: RunStore, objects: Mapping[str, tuple[int, Sequence[_Target]]]) -> None:
@@ -588,23 +567,81 @@ def _check_sizes(store: RunStore, objects: Mapping[str, tuple[int, Sequence[_Tar
     store.map(check, list(objects.items()))
 
 
-RowSlice = Union[None, tuple[int, int], Mapping[str, tuple[int, int]]]
+@dataclass
+class ChunkRead:
+    """Rows ``[lo, hi)`` of one stored chunk (counted from the chunk's first row), for ``dest``.
+
+    ``dest`` has the shape of those rows (``[hi - lo, *shape[1:]]``; ``[]`` for a 0-dim tensor)
+    and the tensor's dtype, on any device; it may be a view into a model's parameter or an FSDP
+    shard. None: read and verify only."""
+
+    entry: Mapping
+    """The tensor's index entry (``dtype``, ``shape``, ``chunks``)."""
+    chunk: Mapping
+    """One of ``entry["chunks"]``."""
+    lo: int
+    hi: int
+    dest: Optional[torch.Tensor]
+    label: str
+    """Names the tensor in error messages (checkpoint, group, tensor)."""
+
+
+def read_chunks(store: RunStore, reads: Sequence[ChunkRead], *, algo: str = "sha256",
+                check_sizes: bool = True) -> None:
+    """Fill every ``read.dest`` from the store, reading each object once (however many reads and
+    tensors it serves) and verifying its size, its ``algo`` hash and its header. The store is asked
+    for the size of every object before anything is read. A destination that is not a contiguous
+    CPU tensor is filled through a CPU buffer of its size, then copied (e.g. to the GPU).
+    ``check_sizes=False``: the caller already asked the store (before allocating the dests)."""
+    objects: dict[str, tuple[int, list[_Target]]] = {}
+    copy_back = []
+    for r in reads:
+        e, c = r.entry, r.chunk
+        a, b = c["rows"] if e["shape"] else (0, 1)
+        if not 0 <= r.lo <= r.hi <= b - a:
+            raise ValueError(f"{r.label}: rows {r.lo}:{r.hi} are outside chunk rows {a}:{b}")
+        tgt = _target(e, c, f"{r.label} rows {a}:{b}")
+        objects.setdefault(c["sha"], (c["size"], []))[1].append(tgt)
+        if r.dest is None:
+            continue
+        dtype = _BY_NAME[e["dtype"]][0]
+        want = ([r.hi - r.lo] + e["shape"][1:]) if e["shape"] else []
+        dest = r.dest.detach()  # same storage; parameters may require grad
+        if list(dest.shape) != want or dest.dtype != dtype:
+            raise ValueError(f"{r.label}: destination {dest.dtype}{list(dest.shape)} does not fit "
+                             f"rows {a + r.lo}:{a + r.hi} ({dtype}{want})")
+        if not dest.is_contiguous() or dest.device.type != "cpu":
+            tmp = torch.empty(want, dtype=dtype)
+            copy_back.append((dest, tmp))
+            dest = tmp
+        row_bytes = tgt.nbytes // (b - a) if e["shape"] and b > a else tgt.nbytes
+        tgt.dest = _raw_bytes(dest)
+        tgt.lo, tgt.hi = (r.lo * row_bytes, r.hi * row_bytes) if e["shape"] else (0, tgt.nbytes)
+
+    if check_sizes:  # the index agrees with itself; now the store must agree too
+        _check_sizes(store, objects)
+    # largest first: the pool's threads finish together instead of waiting on one big object
+    store.map(lambda item: _read_object(store, item[0], item[1][0], item[1][1], algo),
+              sorted(objects.items(), key=lambda item: -item[1][0]))
+    with torch.no_grad():
+        for dest, tmp in copy_back:
+            dest.copy_(tmp)
 
 
 def load_tensors(store: RunStore, index: Mapping[str, dict], names: Optional[Sequence[str]] = None,
-                 row_slice: RowSlice = None, *, out: Optional[Mapping[str, torch.Tensor]] = None,
-                 what: str = "") -> dict[str, torch.Tensor]:
-    """Rebuild tensors from ``index``, verifying every object read (each is read once, even when
-    it packs several of the tensors).
+                 *, out: Optional[Mapping[str, torch.Tensor]] = None, what: str = "",
+                 algo: str = "sha256") -> dict[str, torch.Tensor]:
+    """Rebuild whole tensors from ``index``, verifying every object read (each is read once, even
+    when it packs several of the tensors).
 
     Args:
         names: tensors to load (default all); unknown names raise KeyError listing known ones.
-        row_slice: ``(start, stop)`` rows for every selected tensor, or ``{name: (start, stop)}``;
-            only objects overlapping the slice are read (resharding). 0-dim tensors ignore it.
-        out: optional preallocated destinations (``{name: tensor}``, e.g. a model's own parameters
-            or an FSDP rank's local shard) written in place; shapes must match the slice.
+        out: optional preallocated destinations (``{name: tensor}``, e.g. a model's own
+            parameters) written in place; their shapes and dtypes must match.
         what: label for error messages (e.g. ``"checkpoint 0000…-ab12 group policy"``).
-    Returns ``{name: tensor}`` (the ``out`` tensors where given).
+        algo: the hash algorithm the objects are named by (the manifest's ``hash``).
+    Returns ``{name: tensor}`` (the ``out`` tensors where given). Nothing is allocated before the
+    index has validated and the store has confirmed every object's size.
     """
     validate_index(index, what or "index")
     names = list(index) if names is None else list(names)
@@ -612,65 +649,30 @@ def load_tensors(store: RunStore, index: Mapping[str, dict], names: Optional[Seq
         if n not in index:
             raise KeyError(f"tensor {n!r} is not in {what or 'the index'}; known: "
                            f"{', '.join(sorted(index)[:20])}{' …' if len(index) > 20 else ''}")
-    objects: dict[str, tuple[int, list[_Target]]] = {}
-    plan = []  # (name, entry, destination from `out` or None, slice shape, rows s:t, targets)
+    label = f"{what} " if what else ""
+    for name in names:  # destinations are checked before anything is read or allocated
+        e = index[name]
+        dest = None if out is None else out.get(name)
+        if dest is not None and (list(dest.shape) != e["shape"] or
+                                 dest.dtype != _BY_NAME[e["dtype"]][0]):
+            raise ValueError(f"out[{name!r}] has {dest.dtype}{list(dest.shape)}, the checkpoint "
+                             f"has {e['dtype']}{e['shape']}")
+    # sizes first, then allocation: read_chunks would check them too, but after the allocation
+    _check_sizes(store, {c["sha"]: (c["size"], [_target(index[n], c, f"{label}tensor {n!r}")])
+                         for n in names for c in index[n]["chunks"]})
+    result: dict[str, torch.Tensor] = {}
+    reads = []
     for name in names:
         e = index[name]
-        dtype = _BY_NAME[e["dtype"]][0]
-        shape = e["shape"]
-        rows = shape[0] if shape else 1
-        rs = row_slice.get(name) if isinstance(row_slice, Mapping) else row_slice
-        s, t = (0, rows) if (rs is None or not shape) else (int(rs[0]), int(rs[1]))
-        if not 0 <= s <= t <= rows:
-            raise ValueError(f"row slice {(s, t)} of tensor {name!r} is outside [0, {rows}]")
-        want = tuple(([t - s] + shape[1:]) if shape else [])
         dest = None if out is None else out.get(name)
-        if dest is not None:
-            dest = dest.detach()  # same storage; parameters may require grad
-            if tuple(dest.shape) != want or dest.dtype != dtype:
-                raise ValueError(f"out[{name!r}] has {dest.dtype}{tuple(dest.shape)}, the "
-                                 f"checkpoint slice is {dtype}{want}")
-        targets = []
-        for c in e["chunks"]:
-            a, b = c["rows"] if shape else (0, 1)
-            if shape and (b <= s or a >= t):
-                continue
-            tgt = _target(e, c, f"{what + ' ' if what else ''}tensor {name!r} rows {a}:{b}")
-            objects.setdefault(c["sha"], (c["size"], []))[1].append(tgt)
-            targets.append((tgt, a, b))
-        plan.append((name, e, dest, want, s, t, targets))
-
-    _check_sizes(store, objects)  # the index agrees with itself; now the store must agree too
-    result: dict[str, torch.Tensor] = {}
-    copy_back = []
-    for name, e, dest, want, s, t, targets in plan:
-        dtype = _BY_NAME[e["dtype"]][0]
-        shape = e["shape"]
-        if dest is not None:
-            result[name] = out[name]
-            if not dest.is_contiguous() or dest.device.type != "cpu":
-                tmp = torch.empty(want, dtype=dtype)
-                copy_back.append((dest, tmp))
-                dest = tmp
-        else:
-            dest = torch.empty(want, dtype=dtype)
+        if dest is None:
+            dest = torch.empty(e["shape"], dtype=_BY_NAME[e["dtype"]][0])
             result[name] = dest
-        row_bytes = dtype.itemsize
-        for x in shape[1:]:
-            row_bytes *= x
-        for tgt, a, b in targets:
-            if not shape or (s <= a and b <= t):
-                tgt.dest = _raw_bytes(dest[a - s:b - s] if shape else dest)
-                tgt.lo, tgt.hi = 0, tgt.nbytes
-            else:
-                lo, hi = max(a, s), min(b, t)
-                tgt.dest = _raw_bytes(dest[lo - s:hi - s])
-                tgt.lo, tgt.hi = (lo - a) * row_bytes, (hi - a) * row_bytes
-
-    # largest first: the pool's threads finish together instead of waiting on one big object
-    store.map(lambda item: _read_object(store, item[0], item[1][0], item[1][1]),
-              sorted(objects.items(), key=lambda item: -item[1][0]))
-    for dest, tmp in copy_back:
-        with torch.no_grad():
-            dest.copy_(tmp)
+        else:
+            result[name] = out[name]
+        for c in e["chunks"]:
+            a, b = c["rows"] if e["shape"] else (0, 1)
+            reads.append(ChunkRead(e, c, 0, b - a, dest[a:b] if e["shape"] else dest,
+                                   f"{label}tensor {name!r}"))
+    read_chunks(store, reads, algo=algo, check_sizes=False)
     return result

@@ -151,7 +151,7 @@ def test_state_tree_load_refuses_fails_verify_too(manager, bad):
 ], ids=["pickle", "list", "tag", "truncated"])
 def test_meta_load_refuses_fails_verify_too(manager, blob):
     _save_good(manager)
-    sha = manager.store.put_bytes(blob)
+    sha = manager.store.put_bytes(blob, algo=manager.hash_algo)  # its hash matches: a valid object
     name = _forge(manager, lambda m: _set_meta(m, sha, len(blob)))
     _rejected_everywhere(manager, name, CorruptObjectError, rf"{name} meta")
 

@@ -1,4 +1,4 @@
-"""Chunked safetensors serialisation: exact round trips, determinism, row slices, strict reads."""
+"""Chunked safetensors serialisation: exact round trips, determinism, row reads, strict reads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 
 from verl_core.checkpoint import CorruptObjectError, UnsafeManifestError, load_tensors, save_tensors
-from verl_core.checkpoint.tensors import RowShard, index_objects, merge_indexes, validate_index
+from verl_core.checkpoint.tensors import ChunkRead, index_objects, read_chunks, validate_index
 
 
 def _all_dtypes():
@@ -136,42 +136,44 @@ def test_pack_header_must_tile_its_data(store):
         load_tensors(store, index)
 
 
-def test_row_slice_reads_only_needed_chunks(store):
+def test_row_reads_fetch_only_the_objects_holding_them(store):
+    # what dcp.StoreReader does for a worker that owns rows 25:47 (resharding)
     a = torch.randn(100, 8)  # 32 bytes per row, 10 rows per chunk
     index = save_tensors(store, {"a": a}, chunk_bytes=320)
-    assert len(index["a"]["chunks"]) == 10
+    e = index["a"]
+    assert len(e["chunks"]) == 10
+    out = torch.empty(22, 8)
+    reads = []
+    for c in e["chunks"]:
+        lo, hi = max(c["rows"][0], 25), min(c["rows"][1], 47)
+        if lo < hi:
+            reads.append(ChunkRead(e, c, lo - c["rows"][0], hi - c["rows"][0],
+                                   out[lo - 25:hi - 25], "a"))
     store.reset_stats()
-    part = load_tensors(store, index, row_slice=(25, 47))["a"]
-    assert torch.equal(part, a[25:47])
+    read_chunks(store, reads)
+    assert torch.equal(out, a[25:47])
     assert store.stats.objects_read == 3  # rows 20-30, 30-40, 40-50
-    out = torch.empty(10, 8)
-    load_tensors(store, index, row_slice={"a": (90, 100)}, out={"a": out})
-    assert torch.equal(out, a[90:])
+    with pytest.raises(ValueError, match="does not fit"):
+        read_chunks(store, [ChunkRead(e, e["chunks"][0], 0, 5, torch.empty(4, 8), "a")])
 
 
-def test_row_shards_merge_into_one_index(store):
-    a = torch.randn(11, 3)
-    p0 = save_tensors(store, {"a": RowShard(a[:6], (11, 3), 0), "r": a}, chunk_bytes=48)
-    p1 = save_tensors(store, {"a": RowShard(a[6:], (11, 3), 6), "r": a}, chunk_bytes=48)
-    merged = merge_indexes([p0, p1])
-    assert torch.equal(load_tensors(store, merged)["a"], a)
-    assert torch.equal(load_tensors(store, merged)["r"], a)
-    with pytest.raises(UnsafeManifestError, match="cover"):
-        merge_indexes([p0])  # rows 6..11 missing
-
-
-def test_packed_row_shards_and_replicated_tensors_merge(store):
-    # whole tensors are packed apart from row shards, so both workers write the same objects
-    # for the replicated ones and the merge accepts them
+def test_row_pieces_of_two_workers_join_into_one_index(store):
+    # each worker writes its rows of "a" (FSDP2 shard) and the whole replicated "r"; whole
+    # tensors are packed apart from row pieces, so both write the same objects for "r"
     a, r, step = torch.randn(11, 3), torch.randn(4, 4), torch.tensor(7.0)
-    p0 = save_tensors(store, {"a": RowShard(a[:6], (11, 3), 0), "r": r, "step": step})
-    p1 = save_tensors(store, {"a": RowShard(a[6:], (11, 3), 6), "r": r, "step": step})
-    assert p0["r"] == p1["r"] and p0["a"]["chunks"][0]["sha"] != p0["r"]["chunks"][0]["sha"]
-    got = load_tensors(store, merge_indexes([p0, p1]))
+    p0 = save_tensors(store, {"a": a[:6], "r": r, "step": step}, chunk_bytes=48,
+                      layout={"a": ((11, 3), 0)})
+    p1 = save_tensors(store, {"a": a[6:], "r": r, "step": step}, chunk_bytes=48,
+                      layout={"a": ((11, 3), 6)})
+    assert p0["r"] == p1["r"] and p0["a"]["shape"] == [11, 3]
+    assert {c["sha"] for c in p0["a"]["chunks"]}.isdisjoint(c["sha"] for c in p0["r"]["chunks"])
+    joined = {**p0, "a": {**p0["a"], "chunks": p0["a"]["chunks"] + p1["a"]["chunks"]}}
+    got = load_tensors(store, validate_index(joined))
     assert torch.equal(got["a"], a) and torch.equal(got["r"], r) and torch.equal(got["step"], step)
-    p1_bad = save_tensors(store, {"a": RowShard(a[6:], (11, 3), 6), "r": r + 1, "step": step})
-    with pytest.raises(UnsafeManifestError, match="different data"):
-        merge_indexes([p0, p1_bad])
+    with pytest.raises(UnsafeManifestError, match="cover"):
+        validate_index(p0)  # rows 6..11 are missing
+    with pytest.raises(Exception, match="do not fit"):
+        save_tensors(store, {"a": a[6:]}, layout={"a": ((11, 3), 7)})
 
 
 def _first_chunk_path(store, index, name):
