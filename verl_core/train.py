@@ -31,6 +31,12 @@ field or file and the fix, and exits 2; a traceback would only bury it."""
 
 def train(cfg: RunConfig, workdir: str, log=print) -> dict:
     """Run ``cfg`` end to end in this process. Returns a summary with per-step metrics."""
+    if cfg.trainer.world_size > 1:
+        raise ConfigError(
+            f"trainer.nnodes x trainer.n_gpus_per_node = {cfg.trainer.world_size}: the plain loop "
+            "trains in this one process; run a worker group through the workflow: pyflyte run "
+            "workflows/ppo.py ppo --overrides '{\"trainer.n_gpus_per_node\": "
+            f"{cfg.trainer.n_gpus_per_node}}}'")
     t_start = time.perf_counter()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)

@@ -252,69 +252,65 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ state
     def state(self, *, with_optimizer: bool = True) -> tuple[dict, dict]:
-        """Everything an exact resume needs, as checkpoint ``(groups, meta)``. The data position
+        """Everything an exact resume needs, as checkpoint ``(groups, meta)`` for
+        ``CheckpointManager.save_distributed`` (every worker calls it; no communication).
+
+        Models and optimizers are in torch.distributed.checkpoint's layout (``get_model_state_dict``
+        / ``get_optimizer_state_dict``: parameters by name), DTensor shards when W > 1, so a
+        checkpoint holds the same groups whatever W wrote it and loads on any W. The data position
         and every phase's randomness are functions of (seed, step), so the step is enough for
-        them; global RNG states are saved anyway for code that uses them."""
-        if self.dp.distributed:
-            return self._full_state(with_optimizer)
-        groups = {"policy": self.actor.state_dict(), "rng": capture_rng_state()}
+        them; rank 0's global RNG state is saved anyway for code that uses it."""
+        groups = {"policy": self._model_state(self.actor)}
+        if self.dp.rank == 0:
+            groups["rng"] = capture_rng_state()
         meta = {"kl_ctrl": self.kl_ctrl.state_dict(), "sampler": self.sampler.state_dict(),
                 "hf_config": self.actor.config.to_dict(), "guard": dict(self.guard),
                 "metrics_history": [dict(h) for h in self.history]}
-        if with_optimizer:
-            groups["optimizer"] = self.actor_optimizer.state_dict()
+        # an optimizer that never stepped has no state to save (and asking torch for its state
+        # dict would create one: a zero-gradient step); a resume then starts it fresh too
+        if with_optimizer and self.actor_optimizer.state:
+            groups["optimizer"] = self._optim_state(self.actor, self.actor_optimizer)
             meta["scheduler"] = self.actor_scheduler.state_dict()
         if self.ref is not None:  # a "shared" group: stored once per run, linked by later saves
-            groups["reference"] = self.ref.state_dict()
+            groups["reference"] = self._model_state(self.ref)
         if self.critic is not None:
-            groups["critic"] = self.critic.state_dict()
-            if with_optimizer:
-                groups["critic_optimizer"] = self.critic_optimizer.state_dict()
+            groups["critic"] = self._model_state(self.critic)
+            if with_optimizer and self.critic_optimizer.state:
+                groups["critic_optimizer"] = self._optim_state(self.critic, self.critic_optimizer)
                 meta["critic_scheduler"] = self.critic_scheduler.state_dict()
         return groups, meta
 
-    def _meta(self) -> dict:
-        return {"kl_ctrl": self.kl_ctrl.state_dict(), "sampler": self.sampler.state_dict(),
-                "hf_config": self.actor.config.to_dict(), "guard": dict(self.guard),
-                "metrics_history": [dict(h) for h in self.history]}
+    @staticmethod
+    def _model_state(model) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    def _full_state(self, with_optimizer: bool) -> tuple[dict, dict]:
-        """W > 1: the same groups one process saves (full tensors, the optimizer by parameter
-        index), gathered from the shards onto rank 0; the other workers get empty groups. So a
-        checkpoint does not depend on the worker count that wrote it. (A collective.)"""
-        def model(m):
-            return sharding.full_model_state(m, rank0_only=True)
+        return get_model_state_dict(model)
 
-        groups = {"policy": model(self.actor), "rng": capture_rng_state()}
-        meta = self._meta()
-        if with_optimizer:
-            groups["optimizer"] = sharding.full_optimizer_state(self.actor, self.actor_optimizer)
-            meta["scheduler"] = self.actor_scheduler.state_dict()
-        if self.ref is not None:
-            groups["reference"] = model(self.ref)
+    @staticmethod
+    def _optim_state(model, optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer)
+
+    def load_targets(self, groups=("policy", "critic")) -> dict:
+        """``{group: state_dict}`` views of the live state for a load to fill in place
+        (``CheckpointManager.load(out=...)`` with W = 1, ``load_distributed`` with W > 1: shards),
+        so a resume never holds a second copy. After a failed load they may hold a partial mix:
+        the caller loads another checkpoint or rebuilds. Optimizer views (W > 1 only) give the
+        optimizer zero-initialised moments first (torch's way); the load overwrites them."""
+        out = {"policy": self._model_state(self.actor)}
         if self.critic is not None:
-            groups["critic"] = model(self.critic)
-            if with_optimizer:
-                groups["critic_optimizer"] = sharding.full_optimizer_state(
-                    self.critic, self.critic_optimizer)
-                meta["critic_scheduler"] = self.critic_scheduler.state_dict()
-        return groups, meta
-
-    def load_targets(self) -> dict:
-        """``{group: {tensor: destination}}`` for ``CheckpointManager.load(out=...)``: the live
-        weights, so a resume reads into them instead of allocating a second copy. After a failed
-        load they may hold a partial mix: the caller loads another checkpoint or rebuilds. None
-        when sharded (W > 1): the full tensors are read, then each worker keeps its shard."""
+            out["critic"] = self._model_state(self.critic)
         if self.dp.distributed:
-            return None
-        out = {"policy": self.actor.state_dict()}
-        if self.critic is not None:
-            out["critic"] = self.critic.state_dict()
-        return out
+            out["optimizer"] = self._optim_state(self.actor, self.actor_optimizer)
+            if self.critic is not None:
+                out["critic_optimizer"] = self._optim_state(self.critic, self.critic_optimizer)
+        return {g: v for g, v in out.items() if g in groups}
 
     def load_state(self, groups: dict, meta: dict) -> None:
         """Inverse of :meth:`state` (a checkpoint without optimizer state restarts the moments).
-        With W > 1 every worker passes the full groups and keeps its shard (a collective)."""
+        Optimizer state may be by parameter name (torch.distributed.checkpoint's layout, what
+        :meth:`state` saves) or by index (``Optimizer.state_dict()``, checkpoints written before)."""
         self._load_model(self.actor, self.actor_optimizer, groups["policy"],
                          groups.get("optimizer"))
         if "optimizer" in groups:
@@ -337,16 +333,19 @@ class RLTrainer:
             restore_rng_state(groups["rng"])
 
     def _load_model(self, model, optimizer, weights: dict, optim_state) -> None:
-        if self.dp.distributed:
-            sharding.load_full_model_state(model, weights)
-            if optim_state is not None:
-                sharding.load_full_optimizer_state(model, optimizer, optim_state)
-        else:
-            model.load_state_dict(weights)
-            if optim_state is not None:
-                optimizer.load_state_dict(optim_state)
+        from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        set_model_state_dict(model, weights)  # W > 1: the loaded shards (in place already)
         if optim_state is None:  # no stale moments from whatever this trainer held before
             optimizer.state.clear()
+        elif all(isinstance(k, int) for k in optim_state.get("state", {})):
+            if self.dp.distributed:
+                raise ValueError("this checkpoint stores the optimizer by parameter index (written "
+                                 "before worker groups); resume it with one worker first")
+            optimizer.load_state_dict(optim_state)
+        else:
+            set_optimizer_state_dict(model, optimizer, optim_state)
 
     def _sync_rollout_weights(self) -> None:
         """W > 1: copy the current weights from the FSDP shards into the rollout model (an

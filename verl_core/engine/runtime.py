@@ -29,6 +29,7 @@ from verl_core.checkpoint.manager import CheckpointManager
 from verl_core.checkpoint.store import RunStore
 from verl_core.config import RunConfig
 from verl_core.engine.assets import materialize_assets, publish_assets
+from verl_core.engine.group import WorkerGroup, WorkerLostError  # noqa: F401 (re-exported)
 from verl_core.engine.worker import RunWorker, get_batch, pending_doc, put_batch
 from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer
@@ -134,12 +135,22 @@ def _worker_key(spec: RunSpec) -> tuple:
 
 
 def worker_for(spec: RunSpec):
-    """A callable-style handle: ``call(worker, "rollout", step)``. A Ray actor when Ray is
-    initialised (kept alive for the whole run), else an in-process :class:`RunWorker`."""
+    """A callable-style handle: ``call(worker, "rollout", step)``. With ``trainer.nnodes x
+    trainer.n_gpus_per_node`` > 1 a :class:`WorkerGroup` (Ray actors, FSDP2; Ray is started
+    locally if needed); else a Ray actor when Ray is initialised (kept alive for the whole run),
+    else an in-process :class:`RunWorker`."""
     key = _worker_key(spec)
     if key not in _WORKERS:
         index = json.loads(spec.assets_json)
-        if _ray_ready():
+        tc = spec.config.trainer
+        if tc.world_size > 1:
+            if not _ray_ready():
+                start_local_ray()
+            _WORKERS[key] = WorkerGroup(spec.store, spec.config_json, index, nnodes=tc.nnodes,
+                                        n_gpus_per_node=tc.n_gpus_per_node,
+                                        timeout_s=tc.worker_timeout_s,
+                                        num_threads=spec.config.num_threads)
+        elif _ray_ready():
             import ray
 
             cfg_id = hashlib.sha256(spec.config_json.encode()).hexdigest()[:12]
@@ -166,12 +177,9 @@ class _RayRunWorker(RunWorker):
         return getattr(self, method)(*args)
 
 
-class WorkerLostError(TransientError):
-    """The Ray actor holding the run's worker died (node lost, OOM-killed). Transient: the next
-    attempt starts a new actor, which rebuilds the state from the run store."""
-
-
 def call(worker, method: str, *args):
+    if isinstance(worker, WorkerGroup):
+        return worker.call(method, *args)
     if isinstance(worker, RunWorker):
         return getattr(worker, method)(*args)
     import ray
@@ -185,7 +193,12 @@ def call_worker(spec: RunSpec, method: str, *args):
     worker = worker_for(spec)
     try:
         return call(worker, method, *args)
+    except WorkerLostError:
+        _WORKERS.pop(_worker_key(spec), None)  # the group is gone: the retry starts a new one
+        raise
     except Exception as e:
+        if isinstance(worker, WorkerGroup):  # it tore itself down when the error surfaced
+            _WORKERS.pop(_worker_key(spec), None)
         if type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
             _WORKERS.pop(_worker_key(spec), None)
             raise WorkerLostError(f"the run's worker died during {method}: {e}") from e
@@ -218,7 +231,7 @@ def release_workers() -> None:
     """Close in-process workers and kill actors (end of a run, tests)."""
     for key, w in list(_WORKERS.items()):
         try:
-            if isinstance(w, RunWorker):
+            if isinstance(w, (RunWorker, WorkerGroup)):
                 w.close()
             else:
                 import ray

@@ -25,7 +25,6 @@ import time
 
 import torch
 
-from verl_core.checkpoint.async_save import AsyncCheckpointer
 from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectError, PermanentError,
                                         UnsafeManifestError)
 from verl_core.checkpoint.hf_export import TOKENIZER_DOC, store_tokenizer
@@ -34,6 +33,7 @@ from verl_core.checkpoint.store import NotFoundError, RunStore, sha256_hex
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.engine.assets import materialize_assets
+from verl_core.guard.faults import maybe_inject
 from verl_core.trainer import RLTrainer
 from verl_core.training.dist import SINGLE, DataParallel
 
@@ -42,10 +42,6 @@ log = logging.getLogger(__name__)
 
 class StateUnavailableError(PermanentError):
     """The state a phase asks for can be neither found nor rebuilt."""
-
-
-class CheckpointDisagreementError(PermanentError):
-    """The workers of a group would restore different checkpoints (they see different stores)."""
 
 
 # what makes one checkpoint unusable (not the store): the worker then tries an older one
@@ -100,7 +96,7 @@ class RunWorker:
         c = self.cfg.checkpoint
         self.ckpt = CheckpointManager(self.store, keep_last=c.keep_last or None,
                                       keep_every=c.keep_every or None, gc_grace_s=c.gc_grace_s)
-        self.async_ckpt = AsyncCheckpointer(self.ckpt) if c.async_save else None
+        self._pending_save = None  # the SaveHandle of a background checkpoint write
         self.trainer = RLTrainer(self.cfg, self.assets, dp)
         if self.leader and not self.store.has_json(TOKENIZER_DOC):  # once per run (export)
             store_tokenizer(self.store, self.trainer.tokenizer)
@@ -121,24 +117,6 @@ class RunWorker:
     def _lead(self, value):
         """Rank 0's ``value`` on every worker (a collective; the value itself when W = 1)."""
         return self.dp.gather_objects(value)[0] if self.dp.distributed else value
-
-    def _agree(self, name: str) -> None:
-        """Before a restore every worker reads the manifest it is about to load and they compare
-        its sha256: workers that see different stores (a stale NFS cache, another bucket) must
-        not restore different states. A disagreement fails the phase, naming each worker."""
-        if not self.dp.distributed:
-            return
-        try:
-            sha = sha256_hex([self.ckpt.store.get_json_raw(f"checkpoints/{name}")])
-        except Exception as e:  # noqa: BLE001 - reported with the others below
-            sha = f"unreadable ({type(e).__name__}: {e})"
-        shas = self.dp.gather_objects(sha)
-        if len(set(shas)) > 1:
-            raise CheckpointDisagreementError(
-                f"workers disagree on checkpoint {name} of {self.store.uri}: "
-                + ", ".join(f"worker {r}: {h}" for r, h in enumerate(shas))
-                + "; every worker must read the same store (check mounts, caches and "
-                "credentials), then re-run")
 
     # ------------------------------------------------------------------ state
     def _lineage(self, step: int) -> str:
@@ -163,13 +141,28 @@ class RunWorker:
             self.step = 0
             if spec not in ("auto", "none", ""):
                 mgr, ref = open_checkpoint(spec, self.store.storage_options)
-                groups, meta, info = mgr.load(ref, groups=_needed(mgr.read_manifest(ref)[0]))
-                self._apply(groups, meta, info.step)
-                self.base_step = info.step
+                self._load_from(mgr, mgr.read_manifest(ref)[0])
+                self.base_step = self.step
 
-    def _apply(self, groups, meta, step: int) -> None:
+    def _load_from(self, mgr: CheckpointManager, info) -> None:
+        """Read checkpoint ``info`` of ``mgr`` into the live state and take its step.
+
+        The reference model is rebuilt from the assets, so its stored copy is not read; weights
+        are read straight into the live parameters (no second copy in memory), which is why the
+        caller marks the state unknown while this runs. With W > 1 every worker reads only its
+        shards' rows (DCP resharding, whatever W wrote them), after the workers agreed on the
+        manifest (``load_distributed`` compares every worker's choice and refuses to restore if
+        they differ, naming each worker and manifest hash)."""
+        needed = _needed(info)
+        if self.dp.distributed:
+            state = self.trainer.load_targets(groups=needed)
+            meta, _ = mgr.load_distributed(info.name, state, dp=self.dp, groups=list(state))
+            groups = state
+        else:
+            groups, meta, _ = mgr.load(info.name, groups=needed,
+                                       out=self.trainer.load_targets(groups=needed))
         self.trainer.load_state(groups, meta)
-        self.step = step
+        self.step = info.step
 
     def _load_checkpoint(self, max_step: int | None, min_step: int = -1) -> bool:
         """Load the newest valid checkpoint of this trajectory with min_step < step <= max_step."""
@@ -179,33 +172,17 @@ class RunWorker:
              and (max_step is None or i.step <= max_step) and i.step > min_step),
             key=lambda i: i.step, reverse=True))
         for info in infos:
-            self._agree(info.name)
-            rejected = None
             try:
-                # the reference model is rebuilt from the assets, so its stored copy is not read;
-                # weights are read straight into the live parameters (no second copy in memory),
-                # which is why a failed load leaves the state marked unknown
                 with self._changing_state():
-                    groups, meta, _ = self.ckpt.load(info.name, groups=_needed(info),
-                                                     out=self.trainer.load_targets())
-                    if self._lead_all_ok(True):
-                        self._apply(groups, meta, info.step)
-            except _REJECTED as e:  # a damaged checkpoint: fall back to an older one.
+                    self._load_from(self.ckpt, info)
+            except _REJECTED as e:  # a damaged checkpoint: fall back to an older one (with W > 1
+                # load_distributed raises on every worker, so they all move on together).
                 # A store error (an outage, missing permissions) propagates instead: the phase is
                 # retried or fails, rather than quietly replaying from an older checkpoint.
-                rejected = e
-                self._lead_all_ok(False)
-            if rejected is not None or self.step != info.step:
-                log.warning("checkpoint %s rejected (%s); trying an older one", info.name,
-                            rejected or "rejected by another worker")
+                log.warning("checkpoint %s rejected (%s); trying an older one", info.name, e)
                 continue
             return True
         return False
-
-    def _lead_all_ok(self, ok: bool) -> bool:
-        """Whether every worker succeeded (a collective): a checkpoint one worker rejects is
-        skipped by all, so they stay on the same state."""
-        return all(self.dp.gather_objects(ok)) if self.dp.distributed else ok
 
     def ensure_state(self, step: int) -> None:
         """Make the in-memory state the one after ``step`` updates (see the module docstring)."""
@@ -255,6 +232,8 @@ class RunWorker:
         self.ensure_state(step)
         t0 = time.perf_counter()
         batch = get_batch(self.store, batch_ref)
+        if self.dp.distributed:  # VERL_FAULTS drills: a worker hanging (or killed) mid-update
+            maybe_inject(f"update-rank{self.dp.rank}", step)
         with self._changing_state():
             metrics = self.trainer.update(batch, step)
             self.step = step + 1
@@ -290,21 +269,24 @@ class RunWorker:
         self.ensure_state(step)
         t0 = time.perf_counter()
         # W > 1: gathered from the shards onto rank 0 (a collective); rank 0 writes
+        # W > 1: every worker writes its own shards (DCP), rank 0 commits the manifest
         groups, meta = self.trainer.state(with_optimizer=self.cfg.checkpoint.save_optimizer_state)
         meta["step"] = step
-        if not self.leader:
-            pass
-        elif self.async_ckpt is not None and not sync:
-            self.async_ckpt.save(step, groups, meta, config_hash=self.config_hash)
+        if self.cfg.checkpoint.async_save and not sync:
+            self._pending_save = self.ckpt.async_save_distributed(
+                step, groups, meta, config_hash=self.config_hash, dp=self.dp)
         else:
-            self.ckpt.save(step, groups, meta, config_hash=self.config_hash)
+            self.wait_checkpoints()
+            self.ckpt.save_distributed(step, groups, meta, config_hash=self.config_hash,
+                                       dp=self.dp)
         self.last_save_time = time.time()
         return {"checkpoint/saved": 1.0, "checkpoint/blocked_s": time.perf_counter() - t0}
 
     def wait_checkpoints(self):
-        if self.async_ckpt is not None:
-            return self.async_ckpt.wait()
-        return None
+        """Block until the background checkpoint write committed; its info, or None if there is
+        none (re-raises its error)."""
+        handle, self._pending_save = self._pending_save, None
+        return handle.wait() if handle is not None else None
 
     def has_checkpoint(self, step: int) -> bool:
         """A committed checkpoint of this trajectory at ``step`` is in the store."""
@@ -346,6 +328,8 @@ class RunWorker:
         try:
             self.wait_checkpoints()
         finally:
-            if self.async_ckpt is not None:
-                self.async_ckpt.close(raise_errors=False)
+            try:
+                self.ckpt.close()
+            except Exception as e:  # noqa: BLE001 - already reported by wait_checkpoints
+                log.error("background checkpoint failed: %s", e)
             self.trainer.close()

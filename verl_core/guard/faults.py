@@ -9,7 +9,12 @@ kinds:
   transient  raise a TransientError (a flaky store, a lost worker) the first ``times`` attempts
   permanent  raise a PermanentError (bad data) every time
   hang       write ``<dir>/<phase>-<step>.entered``, then sleep ``seconds`` (default 3600): a test
-             waits for the marker and kills the process in the middle of the phase
+             waits for the marker and kills the process in the middle of the phase (with
+             ``times``: only the first ``times`` attempts hang)
+
+Phases: the task-level names (``rollout``, ``reward``, ``advantage``, ``update``, ``checkpoint``,
+``evaluate``, ``finalize``), plus ``update-rank<r>`` inside worker r of a worker group, in the
+middle of its update (after the batch is read, before the optimizer steps).
 """
 
 from __future__ import annotations
@@ -49,16 +54,24 @@ def maybe_inject(phase: str, step: int) -> None:
         os.makedirs(state_dir, exist_ok=True)
         kind = f.get("kind", "transient")
         if kind == "hang":
+            if "times" in f and _count(state_dir, phase, step) >= int(f["times"]):
+                continue
             with open(os.path.join(state_dir, f"{phase}-{step}.entered"), "w") as fh:
                 fh.write(str(os.getpid()))
             time.sleep(float(f.get("seconds", 3600)))
             continue
         if kind == "permanent":
             raise InjectedPermanentFault(f"injected permanent fault in {phase} of step {step}")
-        counter = os.path.join(state_dir, f"{phase}-{step}.attempts")
-        n = int(open(counter).read()) if os.path.exists(counter) else 0
-        with open(counter, "w") as fh:
-            fh.write(str(n + 1))
+        n = _count(state_dir, phase, step)
         if n < int(f.get("times", 1)):
             raise InjectedTransientFault(
                 f"injected transient fault in {phase} of step {step} (attempt {n + 1})")
+
+
+def _count(state_dir: str, phase: str, step: int) -> int:
+    """Attempts of (phase, step) before this one; counts this one (shared across processes)."""
+    counter = os.path.join(state_dir, f"{phase}-{step}.attempts")
+    n = int(open(counter).read()) if os.path.exists(counter) else 0
+    with open(counter, "w") as fh:
+        fh.write(str(n + 1))
+    return n

@@ -1,0 +1,183 @@
+"""The worker group: W = ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` Ray actors training one
+run in lock-step with FSDP2, rolling out on the same workers (verl's colocated hybrid engine).
+
+What belongs here: placing the actors (one placement group per node), the rendezvous of their
+process group, fanning a phase call out to every worker with a deadline, and tearing the group
+down when any worker fails. What a worker does per phase is :class:`RunWorker`'s (rank-aware: only
+rank 0 writes to the store); the data-parallel math is ``training/dist.py`` and ``sharding.py``.
+
+Failure semantics: a worker that dies, or a phase call that outlives ``trainer.worker_timeout_s``,
+kills the whole group (the others may be blocked in a collective with the dead one) and raises
+:class:`WorkerLostError` (transient): the retry builds a new group, which rebuilds its state from
+the store (checkpoint + lineage replay), exactly as a single worker does. An error a worker raises
+itself (bad data, a damaged store) also takes the group down, then propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from verl_core.checkpoint.errors import TransientError
+from verl_core.engine.worker import RunWorker
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLostError(TransientError):
+    """A worker of the run died or stopped answering (node lost, OOM-killed, a hung collective).
+    Transient: the next attempt starts new workers, which rebuild the state from the run store."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _rendezvous_address() -> tuple[str, int]:
+    """(IP, free port) of the node this runs on: rank 0's node, where the TCP store listens."""
+    import ray
+
+    return ray.util.get_node_ip_address(), _free_port()
+
+
+class GroupWorker(RunWorker):
+    """One rank of the group (the body of a Ray actor)."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, store_uri: str,
+                 config_json: str, assets_index: dict, num_threads: int, timeout_s: float):
+        import torch
+
+        from verl_core.training.dist import init_process_group
+
+        torch.set_num_threads(num_threads)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray gives each actor one GPU: CUDA_VISIBLE_DEVICES
+        dp = init_process_group(backend, init_method, rank, world_size, timeout_s)
+        super().__init__(store_uri, config_json, assets_index, dp=dp)
+
+    def ready(self) -> int:
+        return self.dp.rank
+
+    def call(self, method: str, *args):
+        return getattr(self, method)(*args)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            self.close()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """Driver-side handle of the W workers of one run; ``call(method, *args)`` returns rank 0's
+    result once every worker has finished."""
+
+    def __init__(self, store_uri: str, config_json: str, assets_index: dict, *, nnodes: int,
+                 n_gpus_per_node: int, timeout_s: float, num_threads: int = 0):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.timeout_s = timeout_s
+        self.world_size = W = nnodes * n_gpus_per_node
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        use_gpu = gpus >= W
+        # CPU workers: an equal share of the free CPUs, at most one each (fractional when W
+        # exceeds them, e.g. W = 3 on 2 cores: the OS shares the cores, placement still succeeds)
+        cpus = max(0.01, min(1.0, float(ray.available_resources().get("CPU", 0)) / W))
+        bundle = {"CPU": cpus, **({"GPU": 1} if use_gpu else {})}
+        self._pgs = [placement_group([dict(bundle)] * n_gpus_per_node, strategy="STRICT_PACK")
+                     for _ in range(nnodes)]
+        self.actors: list = []
+        try:
+            ray.get([pg.ready() for pg in self._pgs], timeout=timeout_s)
+
+            def on(rank: int):
+                return PlacementGroupSchedulingStrategy(
+                    placement_group=self._pgs[rank // n_gpus_per_node],
+                    placement_group_bundle_index=rank % n_gpus_per_node)
+
+            ip, port = ray.get(ray.remote(num_cpus=0)(_rendezvous_address).options(
+                scheduling_strategy=on(0)).remote(), timeout=timeout_s)
+            threads = num_threads or max(1, (os.cpu_count() or 1) // W)
+            actor_cls = ray.remote(GroupWorker)
+            self.actors = [
+                actor_cls.options(num_cpus=cpus, num_gpus=1 if use_gpu else 0,
+                                  scheduling_strategy=on(r)).remote(
+                    r, W, f"tcp://{ip}:{port}", store_uri, config_json, assets_index, threads,
+                    timeout_s)
+                for r in range(W)]
+            self._wait([a.ready.remote() for a in self.actors], "start")
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("worker group of %d started (rendezvous %s:%d)", W, ip, port)
+
+    def _wait(self, refs: list, what: str) -> list:
+        """Results of ``refs`` (one per worker), failing fast: the first worker that dies or
+        raises ends the wait, and so does the deadline."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(refs)
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, left))
+                if not done:
+                    raise GetTimeoutError(f"no answer within trainer.worker_timeout_s="
+                                          f"{self.timeout_s:g}s")
+                ray.get(done)  # raises the worker's error or its death at once
+            return ray.get(list(refs))
+        except (GetTimeoutError, RayActorError) as e:
+            self.shutdown()
+            raise WorkerLostError(f"worker group lost during {what}: {type(e).__name__}: {e}; "
+                                  "the retry starts a new group") from e
+        except BaseException:
+            self.shutdown()  # the others may wait forever in a collective with the failed one
+            raise
+
+    def call(self, method: str, *args):
+        return self._wait([a.call.remote(method, *args) for a in self.actors], method)[0]
+
+    def close(self) -> None:
+        """Orderly end of the run: close every worker (pending checkpoint writes finish)."""
+        import ray
+
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=self.timeout_s)
+            for a in self.actors:
+                a.__ray_terminate__.remote()  # a clean exit, after the queued calls
+            self.actors = []
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Kill the actors and free their placement groups (idempotent)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception as e:  # noqa: BLE001 - already gone
+                log.debug("kill: %s", e)
+        self.actors = []
+        for pg in self._pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception as e:  # noqa: BLE001
+                log.debug("remove placement group: %s", e)
+        self._pgs = []
