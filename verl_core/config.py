@@ -21,6 +21,9 @@ import numbers
 import typing
 from dataclasses import dataclass, field
 
+from verl_core.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorTraits
+from verl_core.algorithms.policy_losses import POLICY_LOSSES as POLICY_LOSS_REGISTRY
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the field and the fix."""
@@ -276,10 +279,14 @@ class RewardConfig:
         _one_of("reward", "on_timeouts", self.on_timeouts, {"fail", "warn"})
 
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-POLICY_LOSSES = ("vanilla", "gspo")
-KL_TYPES = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+POLICY_LOSSES = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "sapo", "geo_mean", "gpg",
+                 "dro", "clip_cov", "kl_cov", "bypass_mode")
+KL_TYPES = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse",
+            "k1+", "k2+", "k3+", "abs+", "low_var_kl+", "kl+", "mse+")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm", "token-sum")
+ROLLOUT_IS_LEVELS = ("", "token", "sequence")
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 
 
 @dataclass(frozen=True)
@@ -288,7 +295,9 @@ class AlgorithmConfig:
     ``actor`` loss fields)."""
 
     adv_estimator: str = "grpo"
-    """Advantage estimator; ``gae`` trains a critic."""
+    """Advantage estimator: a name (or alias) of ``ADVANTAGE_ESTIMATORS``
+    (``verl_core/algorithms/advantages.py``), whose entry's traits say what it needs: ``gae``
+    trains a critic, the group estimators need ``rollout.n >= 2``, ``remax`` a greedy rollout."""
     gamma: float = 1.0
     """Discount factor (gae, reinforce_plus_plus)."""
     lam: float = 1.0
@@ -296,7 +305,9 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group std (False gives Dr.GRPO's mean-only baseline)."""
     policy_loss: str = "vanilla"
-    """``vanilla`` (PPO clip with clip-higher and dual-clip) or ``gspo`` (sequence-level ratio)."""
+    """``vanilla`` (PPO clip with clip-higher and dual-clip), ``gspo``, ``cispo``, ``dppo_tv``,
+    ``dppo_kl``, ``sapo``, ``geo_mean``, ``gpg``, ``dro``, ``clip_cov``, ``kl_cov``,
+    ``bypass_mode`` (see ``verl_core/algorithms/policy_losses.py``)."""
     clip_ratio_low: float = 0.2
     """Lower clip: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.28
@@ -304,7 +315,8 @@ class AlgorithmConfig:
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (must be > 1)."""
     loss_agg_mode: str = "token-mean"
-    """How the token loss matrix is reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean."""
+    """How the token loss matrix is reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean,
+    seq-mean-token-sum-norm, token-sum."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (loss -= entropy_coeff * entropy)."""
     use_kl_loss: bool = False
@@ -312,7 +324,8 @@ class AlgorithmConfig:
     kl_loss_coef: float = 0.001
     """Coefficient of the KL loss term."""
     kl_loss_type: str = "low_var_kl"
-    """KL estimator for the loss: k1, k2, k3 (= low_var_kl), abs."""
+    """KL estimator for the loss: k1, k2, k3 (= low_var_kl), abs; a ``+`` form (``k3+`` …) keeps
+    the value and takes k2's gradient, an unbiased KL gradient (straight-through)."""
     use_kl_in_reward: bool = False
     """Subtract ``beta * KL`` from token rewards (PPO/InstructGPT style)."""
     kl_penalty: str = "kl"
@@ -330,9 +343,45 @@ class AlgorithmConfig:
     vf_coef: float = 1.0
     """Weight of the value loss (critic has its own optimizer; kept for verl parity)."""
 
+    # -- policy-loss options (verl actor.loss_scale_factor, actor.policy_loss.*, actor.tau_*,
+    #    algorithm.rollout_correction.*); defaults are verl's
+    loss_scale_factor: float = 0.0
+    """The constant C of ``seq-mean-token-sum-norm`` (Dr. GRPO: the generation budget); 0 divides
+    by the batch's padded response width, as verl's null."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of the valid tokens whose gradient is detached, in (0, 1]."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the advantage-logp covariance of a candidate token."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of the covariance of a candidate token (> clip_cov_lb)."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of the valid tokens (largest covariance) given the |log ratio| penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of the |log ratio| penalty."""
+    tau_pos: float = 1.0
+    """sapo: gate temperature for positive-advantage tokens (> 0)."""
+    tau_neg: float = 1.05
+    """sapo: gate temperature for the other tokens (> 0)."""
+    dro_beta: float = 0.0
+    """dro: coefficient of the quadratic log-ratio penalty; must be set > 0 for ``dro``."""
+    rollout_is: str = ""
+    """Rollout correction: importance weights pi_train / pi_rollout per ``token`` or per
+    ``sequence``, multiplying every policy loss (``bypass_mode``: its reinforce form); empty: off."""
+    rollout_is_threshold: float = 2.0
+    """Rollout correction: upper bound of the weights (truncated IS)."""
+    rollout_is_threshold_lower: float = 0.0
+    """Rollout correction: > 0 zeroes weights outside [lower, threshold] (IcePop) instead of
+    truncating; must be <= rollout_is_threshold."""
+    rollout_is_batch_normalize: bool = False
+    """Rollout correction: rescale the weights to mean 1 over the batch (not with bypass_mode)."""
+    bypass_loss_type: str = "ppo_clip"
+    """bypass_mode: ``ppo_clip`` (PPO against the rollout log-probs) or ``reinforce`` (importance-
+    weighted REINFORCE); verl's ``rollout_correction.loss_type``."""
+
     def __post_init__(self):
         _check_types("algorithm", self)
-        _one_of("algorithm", "adv_estimator", self.adv_estimator, set(ADV_ESTIMATORS))
+        _one_of("algorithm", "adv_estimator", self.adv_estimator,
+                set(ADVANTAGE_ESTIMATORS.names(include_aliases=True)))
         _one_of("algorithm", "policy_loss", self.policy_loss, set(POLICY_LOSSES))
         _one_of("algorithm", "kl_loss_type", self.kl_loss_type, set(KL_TYPES))
         _one_of("algorithm", "kl_penalty", self.kl_penalty, set(KL_TYPES))
@@ -349,14 +398,50 @@ class AlgorithmConfig:
         if self.clip_ratio_c <= 1.0:
             _fail("algorithm", "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
         _non_negative("algorithm", self, "entropy_coeff", "kl_loss_coef", "kl_coef", "vf_coef")
+        self._check_policy_loss_options()
+
+    def _check_policy_loss_options(self) -> None:
+        _non_negative("algorithm", self, "loss_scale_factor", "ppo_kl_coef", "dro_beta",
+                      "rollout_is_threshold_lower")
+        _positive("algorithm", self, "tau_pos", "tau_neg", "rollout_is_threshold")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                _fail("algorithm", name, getattr(self, name), "must be in (0, 1]")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            _fail("algorithm", "clip_cov_lb", self.clip_cov_lb,
+                  f"must be < clip_cov_ub={self.clip_cov_ub}")
+        if self.policy_loss == "dro" and self.dro_beta <= 0:
+            _fail("algorithm", "dro_beta", self.dro_beta, "must be > 0 with policy_loss=dro")
+        _one_of("algorithm", "rollout_is", self.rollout_is, set(ROLLOUT_IS_LEVELS))
+        if self.rollout_is_threshold_lower > self.rollout_is_threshold:
+            _fail("algorithm", "rollout_is_threshold_lower", self.rollout_is_threshold_lower,
+                  f"must be <= rollout_is_threshold={self.rollout_is_threshold}")
+        _one_of("algorithm", "bypass_loss_type", self.bypass_loss_type, set(BYPASS_LOSS_TYPES))
+        if self.old_logp_from_rollout and self.rollout_is_batch_normalize:
+            _fail("algorithm", "rollout_is_batch_normalize", True,
+                  "is not offered with policy_loss=bypass_mode: its weights are computed per "
+                  "micro-batch, so normalising them would make the loss depend on the split")
+
+    @property
+    def estimator_traits(self) -> EstimatorTraits:
+        """What the advantage estimator needs (critic, groups, greedy baseline, Σπ²), from its
+        registry entry."""
+        return ADVANTAGE_ESTIMATORS.traits(self.adv_estimator)
 
     @property
     def uses_critic(self) -> bool:
-        return self.adv_estimator == "gae"
+        return self.estimator_traits.needs_critic
 
     @property
     def uses_reference(self) -> bool:
         return self.use_kl_loss or self.use_kl_in_reward
+
+    @property
+    def old_logp_from_rollout(self) -> bool:
+        """The update takes the rollout engine's log-probs as the behaviour policy instead of
+        recomputing them (``bypass_mode``, verl's ``rollout_correction.bypass_mode``): the policy
+        loss's registry trait."""
+        return POLICY_LOSS_REGISTRY.traits(self.policy_loss).old_logp_from_rollout
 
 
 @dataclass(frozen=True)
@@ -518,8 +603,7 @@ class RunConfig:
                   f"x trainer.nnodes={self.trainer.nnodes} = {W} workers must divide the "
                   f"mini-batch rows ({mini} prompts x rollout.n={self.rollout.n} = {rows}), so "
                   "every worker gets an equal block; change the worker count or the mini-batch")
-        if self.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") \
-                and self.rollout.n < 2:
+        if self.algorithm.estimator_traits.needs_groups and self.rollout.n < 2:
             _fail("rollout", "n", self.rollout.n,
                   f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses "
                   "within a group; use rollout.n >= 2")
@@ -651,6 +735,7 @@ def preset(algorithm: str, **overrides) -> RunConfig:
     """``ppo`` means GAE + critic; any other estimator name uses the GRPO-style preset."""
     if algorithm == "ppo":
         return ppo_preset(**overrides)
-    if algorithm not in ADV_ESTIMATORS:
-        raise ConfigError(f"algorithm={algorithm!r}: unknown; known: ppo, {', '.join(ADV_ESTIMATORS)}")
+    if algorithm not in ADVANTAGE_ESTIMATORS:
+        known = ", ".join(ADVANTAGE_ESTIMATORS.names(include_aliases=True))
+        raise ConfigError(f"algorithm={algorithm!r}: unknown; known: ppo, {known}")
     return grpo_preset(**{"algorithm.adv_estimator": algorithm, **overrides})

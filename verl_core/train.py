@@ -117,8 +117,10 @@ def _parse_value(text: str):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_core.train", description=__doc__.splitlines()[0])
     p.add_argument("--algorithm", default="grpo",
-                   help="ppo (GAE + critic), grpo, rloo, reinforce_plus_plus, "
-                        "reinforce_plus_plus_baseline")
+                   help="ppo (GAE + critic), or an advantage estimator: grpo, rloo, "
+                        "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, "
+                        "grpo_passk, gdpo, optimal_token_baseline, tir_optimal_token_baseline "
+                        "(grpo_vectorized, rloo_vectorized: aliases)")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
     p.add_argument("--model", default="", help="local HF model folder (default: tiny model)")
     p.add_argument("--train-files", default="", help="comma-separated parquet files")

@@ -35,7 +35,7 @@ from verl_core.reward.decode import decode_responses
 from verl_core.reward.manager import RewardScorer
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.base import GenerationOutput
-from verl_core.training.forward import batched_logprobs, batched_values
+from verl_core.training.forward import batched_logprobs, batched_sum_pi_squared, batched_values
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.training.ppo import ppo_update
@@ -108,7 +108,9 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
 
 def score_batch(batch: Batch, scorer: RewardScorer, tokenizer) -> tuple[Batch, dict]:
     """Reward phase: decode the responses (each cut at its first EOS, special tokens kept, see
-    ``reward/decode.py``) and score them. Adds ``score`` (N,)."""
+    ``reward/decode.py``) and score them. Adds ``score`` (N,). A batch that carries greedy
+    baseline responses (ReMax) also gets ``baseline_score`` (N,): each prompt's greedy response
+    is scored once, by the same scorer, and its score given to the prompt's G rows."""
     dec = decode_responses(tokenizer, batch.response_ids, batch.response_mask)
     res = scorer.score(batch.data_source, dec.texts, batch.ground_truth, batch.extra_info,
                        special_token=dec.special_token)
@@ -118,7 +120,30 @@ def score_batch(batch: Batch, scorer: RewardScorer, tokenizer) -> tuple[Batch, d
                "reward/min": float(score.min()), "reward/timeouts": float(res.num_timeouts),
                "reward/timeout_fraction": res.num_timeouts / n,
                "reward/special_token_fraction": sum(dec.special_token) / n}
-    return batch.replace(score=score), metrics
+    changes = {"score": score}
+    if batch.baseline_response_ids is not None:
+        changes["baseline_score"], baseline_metrics = _score_baseline(batch, scorer, tokenizer)
+        metrics.update(baseline_metrics)
+    return batch.replace(**changes), metrics
+
+
+def _score_baseline(batch: Batch, scorer: RewardScorer, tokenizer) -> tuple[torch.Tensor, dict]:
+    """``baseline_score`` (N,): the score of each row's greedy baseline response, computed once
+    per group (its rows share the prompt, hence the greedy response)."""
+    first: dict[int, int] = {}  # group id -> its first row
+    for i, g in enumerate(batch.group.tolist()):
+        first.setdefault(g, i)
+    rows = list(first.values())  # (B,)
+    idx = torch.tensor(rows, dtype=torch.long)
+    dec = decode_responses(tokenizer, batch.baseline_response_ids[idx],
+                           batch.baseline_response_mask[idx])
+    res = scorer.score([batch.data_source[i] for i in rows], dec.texts,
+                       [batch.ground_truth[i] for i in rows], [batch.extra_info[i] for i in rows],
+                       special_token=dec.special_token)
+    per_group = dict(zip(first, res.scores))
+    baseline = torch.tensor([per_group[g] for g in batch.group.tolist()], dtype=torch.float32)
+    return baseline, {"reward/baseline_mean": sum(res.scores) / max(1, len(rows)),
+                      "reward/baseline_timeouts": float(res.num_timeouts)}
 
 
 def compute_advantages(batch: Batch, algo) -> tuple[Batch, dict]:
@@ -137,9 +162,13 @@ def compute_advantages(batch: Batch, algo) -> tuple[Batch, dict]:
             kl_coef=meta["kl_coef"], kl_penalty=algo.kl_penalty)
         meta["reward_kl"] = float(kl_m["kl"])
         metrics["actor/reward_kl"] = meta["reward_kl"]
+    # every estimator takes every optional input; the batch has those its traits asked for
+    # (rollout / reward phases), the rest are None. The rollout log-probs are the behaviour
+    # policy's, as for the reward KL above.
     adv, ret = get_advantage_estimator(algo.adv_estimator)(
         token_rewards, mask, batch.group, batch.values, gamma=algo.gamma, lam=algo.lam,
-        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, baseline_score=batch.baseline_score,
+        old_logprobs=batch.response_logprobs, sum_pi_squared=batch.sum_pi_squared)
     metrics["advantages/mean"] = float(masked_mean(adv, mask))
     metrics["advantages/abs_max"] = float((adv.abs() * mask).max()) if mask.any() else 0.0
     if batch.values is not None:
@@ -368,6 +397,22 @@ class RLTrainer:
         parts = self.dp.gather_objects((out.response_ids, out.response_mask, out.logprobs))
         return _concat_outputs(parts, self.tokenizer.pad_token_id)
 
+    def _generate_greedy(self, prompt_ids, prompt_mask) -> GenerationOutput:
+        """One greedy (argmax) response per prompt row: (B, T_b). With W > 1 the rows are padded
+        to a multiple of W with copies of the last one (greedy decoding draws nothing, so the
+        copies change no other row) and the copies dropped after."""
+        B = prompt_ids.shape[0]
+        pad = -B % self.dp.size
+        if pad:
+            prompt_ids = torch.cat([prompt_ids, prompt_ids[-1:].expand(pad, -1)])
+            prompt_mask = torch.cat([prompt_mask, prompt_mask[-1:].expand(pad, -1)])
+        params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        out = self._generate(prompt_ids, prompt_mask, params)
+        mask = out.response_mask[:B]
+        T = int(mask.sum(0).nonzero().max()) + 1 if mask.any() else 0  # drop the copies' columns
+        return GenerationOutput(response_ids=out.response_ids[:B, :T], response_mask=mask[:, :T],
+                                logprobs=out.logprobs[:B, :T])
+
     # ------------------------------------------------------------------ phases
     def prompt_indices(self, step: int) -> list[int]:
         """Dataset indices of step ``step``'s prompts: a pure function of (seed, step)."""
@@ -379,7 +424,9 @@ class RLTrainer:
 
     def rollout(self, step: int) -> tuple[Batch, dict]:
         """Sample G responses for each of the B prompts of ``step``, then the per-token inputs
-        the later phases need from a model: reference log-probs (KL) and critic values (GAE).
+        the later phases need from a model: reference log-probs (KL) and critic values (GAE),
+        and what the advantage estimator's traits ask for: one greedy response per prompt
+        (``needs_greedy_baseline``, ReMax) and Σ_v π_v² per token (``needs_sum_pi_squared``).
         Everything that needs model weights happens here or in :meth:`update`, so the reward and
         advantage phases are light functions of the batch."""
         rc, G = self.cfg.rollout, self.cfg.rollout.n
@@ -392,6 +439,16 @@ class RLTrainer:
         out = self._generate(self.train_prompt_ids[rows_idx], self.train_prompt_mask[rows_idx],
                              params)
         dt = time.perf_counter() - t0
+        traits = self.cfg.algorithm.estimator_traits
+        extra, metrics = {}, {}
+        if traits.needs_greedy_baseline:
+            t1 = time.perf_counter()
+            greedy = self._generate_greedy(self.train_prompt_ids[idx], self.train_prompt_mask[idx])
+            prompt_of_row = torch.arange(len(idx)).repeat_interleave(G)  # (N,) row -> prompt b
+            extra = {"baseline_response_ids": greedy.response_ids[prompt_of_row],  # (N, T_b)
+                     "baseline_response_mask": greedy.response_mask[prompt_of_row]}
+            metrics["rollout/greedy_time_s"] = time.perf_counter() - t1
+            metrics["rollout/greedy_length_mean"] = float(greedy.response_mask.sum()) / len(idx)
         rows = [self.train_rows[i] for i in rows_idx.tolist()]
         batch = Batch(
             prompt_ids=self.train_prompt_ids[rows_idx], prompt_mask=self.train_prompt_mask[rows_idx],
@@ -401,7 +458,7 @@ class RLTrainer:
             uid=[str(r.index) for r in rows], ground_truth=[r.ground_truth for r in rows],
             data_source=[r.data_source for r in rows], extra_info=[r.extra_info for r in rows],
             pad_id=self.tokenizer.pad_token_id,
-            meta={"step": step, "kl_coef": self.kl_ctrl.value})
+            meta={"step": step, "kl_coef": self.kl_ctrl.value}, **extra)
         micro = self.cfg.trainer.ppo_micro_batch_size
         # with W > 1 each worker runs its block of rows through the sharded model: (N, T)
         mine = self.dp.block(torch.arange(batch.num_rows))
@@ -412,9 +469,14 @@ class RLTrainer:
         if self.critic is not None:
             batch = batch.replace(values=self.dp.gather_rows(
                 batched_values(self.critic, part, micro)))
+        if traits.needs_sum_pi_squared:
+            # the rollout model: the weights (and temperature) that sampled the responses, whose
+            # log-probs are the estimator's old_logprobs (with W > 1 a full, unsharded copy)
+            batch = batch.replace(sum_pi_squared=self.dp.gather_rows(batched_sum_pi_squared(
+                self.rollout_model, part, self.cfg.rollout.temperature or 1.0, micro)))
         tokens = float(out.response_mask.sum())
         return batch, {"rollout/time_s": dt, "rollout/tokens_per_s": tokens / max(dt, 1e-9),
-                       "response_length/mean": tokens / batch.num_rows}
+                       "response_length/mean": tokens / batch.num_rows, **metrics}
 
     def reward(self, batch: Batch) -> tuple[Batch, dict]:
         return score_batch(batch, self.scorer, self.tokenizer)

@@ -37,13 +37,30 @@ def test_learning_rate_must_be_positive(lr):
 def test_unknown_algorithm_lists_known_ones():
     with pytest.raises(ConfigError, match=r"adv_estimator='grpoo'.*grpo.*rloo"):
         AlgorithmConfig(adv_estimator="grpoo")
-    with pytest.raises(ConfigError, match="known: ppo, gae, grpo"):
+    with pytest.raises(ConfigError, match="known: ppo, gae, gdpo, gpg, grpo, .*, remax, rloo"):
         preset("nope")
 
 
 def test_group_estimators_need_several_samples():
     with pytest.raises(ConfigError, match="rollout.n"):
         with_overrides(RunConfig(), {"rollout.n": 1, "trainer.ppo_micro_batch_size": 16})
+
+
+@pytest.mark.parametrize("name", ["grpo_passk", "opo", "gpg", "gdpo", "optimal_token_baseline",
+                                  "tir_optimal_token_baseline", "rloo_vectorized"])
+def test_every_group_estimator_needs_several_samples(name):
+    # the rule reads the registry entry's needs_groups trait, not a list of names in config.py
+    over = {"algorithm.adv_estimator": name, "rollout.n": 1, "trainer.ppo_micro_batch_size": 16}
+    with pytest.raises(ConfigError, match=f"rollout.n=1: algorithm.adv_estimator='{name}' "
+                                          "compares responses within a group; use rollout.n >= 2"):
+        with_overrides(RunConfig(), over)
+
+
+def test_remax_and_reinforce_plus_plus_run_with_one_sample():
+    for name in ("remax", "reinforce_plus_plus"):
+        cfg = with_overrides(RunConfig(), {"algorithm.adv_estimator": name, "rollout.n": 1,
+                                           "trainer.ppo_micro_batch_size": 16})
+        assert cfg.rollout.n == 1 and not cfg.algorithm.uses_critic
 
 
 def test_overrides_and_round_trip():
@@ -169,3 +186,45 @@ def test_reward_timeout_policy_fields():
                                           on_timeouts="warn"))
     assert other.trajectory_hash() == RunConfig().trajectory_hash()
     assert other.config_hash() != RunConfig().config_hash()
+
+
+# ---------------------------------------------------------------- policy-loss options (issue 9)
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(policy_loss="dro"), "algorithm.dro_beta=0.0: must be > 0 with policy_loss=dro"),
+    (dict(clip_cov_ratio=0.0), "algorithm.clip_cov_ratio=0.0: must be in"),
+    (dict(kl_cov_ratio=1.5), "algorithm.kl_cov_ratio=1.5: must be in"),
+    (dict(clip_cov_lb=5.0), "algorithm.clip_cov_lb=5.0: must be < clip_cov_ub"),
+    (dict(tau_neg=0.0), "algorithm.tau_neg=0.0: must be > 0"),
+    (dict(loss_scale_factor=-1.0), "algorithm.loss_scale_factor=-1.0: must be >= 0"),
+    (dict(rollout_is="seq"), "algorithm.rollout_is='seq': unknown value; known: , sequence, token"),
+    (dict(rollout_is_threshold=0.0), "algorithm.rollout_is_threshold=0.0: must be > 0"),
+    (dict(rollout_is_threshold_lower=3.0), "must be <= rollout_is_threshold=2.0"),
+    (dict(bypass_loss_type="ppo"), "algorithm.bypass_loss_type='ppo': unknown value"),
+    (dict(policy_loss="bypass_mode", rollout_is_batch_normalize=True),
+     "algorithm.rollout_is_batch_normalize=True: is not offered with policy_loss=bypass_mode"),
+    (dict(loss_agg_mode="token-median"), "algorithm.loss_agg_mode='token-median': unknown"),
+    (dict(kl_loss_type="k4+"), "algorithm.kl_loss_type='k4+': unknown"),
+])
+def test_policy_loss_options_are_validated(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
+        AlgorithmConfig(**kwargs)
+
+
+def test_new_losses_modes_and_estimators_are_accepted():
+    for loss in ("cispo", "dppo_tv", "dppo_kl", "sapo", "geo_mean", "gpg", "clip_cov", "kl_cov",
+                 "bypass_mode"):
+        AlgorithmConfig(policy_loss=loss)
+    AlgorithmConfig(policy_loss="dro", dro_beta=0.05)
+    for mode in ("token-sum", "seq-mean-token-sum-norm"):
+        AlgorithmConfig(loss_agg_mode=mode, loss_scale_factor=512.0)
+    for kl in ("k1+", "kl+", "abs+", "k2+", "mse+", "k3+", "low_var_kl+"):
+        AlgorithmConfig(kl_loss_type=kl, kl_penalty=kl)
+    AlgorithmConfig(rollout_is="sequence", rollout_is_threshold=5.0, rollout_is_threshold_lower=0.5,
+                    rollout_is_batch_normalize=True)
+
+
+def test_only_bypass_mode_takes_the_rollout_logprobs_as_old():
+    from verl_core.config import POLICY_LOSSES as NAMES
+    for name in NAMES:
+        algo = AlgorithmConfig(policy_loss=name, dro_beta=0.1)
+        assert algo.old_logp_from_rollout == (name == "bypass_mode"), name

@@ -50,6 +50,17 @@ def test_ppo_with_critic_and_kl_runs(tmp_path):
     assert last["actor/kl_coef"] != cfg.algorithm.kl_coef
 
 
+@pytest.mark.slow
+def test_remax_trains_against_a_greedy_baseline(tmp_path):
+    cfg = _small("remax", tmp_path, total_steps=2)
+    summary = train(cfg, str(tmp_path / "run"), log=lambda *_: None)
+    assert [h["step"] for h in summary["history"]] == [1, 2]
+    for h in summary["history"]:
+        assert 0.0 <= h["reward/baseline_mean"] <= 1.0 and h["rollout/greedy_length_mean"] > 0
+        assert all(v == v for v in h.values() if isinstance(v, float))  # no NaN metrics
+    assert (tmp_path / "run" / "final_model" / "model.safetensors").exists()
+
+
 def test_cli_rejects_bad_values_before_training(tmp_path, capsys):
     assert main(["--steps", "1", "--set", "optim.lr=-1.0", "--workdir", str(tmp_path)]) == 2
     assert "optim.lr=-1.0: must be > 0" in capsys.readouterr().err

@@ -5,19 +5,25 @@ caller reduces and logs. No config objects, I/O or host syncs in here. Each fami
 :class:`Registry` whose entries share one signature, so callers look algorithms up by the
 config's name and never branch on it:
 
-* ``ADVANTAGE_ESTIMATORS`` (``algorithm.adv_estimator``): gae, grpo, rloo, reinforce_plus_plus,
-  reinforce_plus_plus_baseline;
-* ``POLICY_LOSSES`` (``algorithm.policy_loss``): vanilla, gspo;
+* ``ADVANTAGE_ESTIMATORS`` (``algorithm.adv_estimator``): gae, grpo (alias grpo_vectorized),
+  rloo (alias rloo_vectorized), reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo,
+  gpg, grpo_passk, gdpo, optimal_token_baseline, tir_optimal_token_baseline; each entry carries
+  its :class:`EstimatorTraits` (critic, groups, greedy baseline, Σπ²);
+* ``POLICY_LOSSES`` (``algorithm.policy_loss``): vanilla, gspo, cispo, dppo_tv, dppo_kl, sapo,
+  geo_mean, gpg, dro, clip_cov, kl_cov, bypass_mode; hyper-parameters in one
+  :class:`PolicyLossOptions`, rollout importance weights from :func:`rollout_is_weights`;
 * ``KL_ESTIMATORS`` (``algorithm.kl_loss_type`` / ``kl_penalty``): k1/kl, abs, k2/mse,
-  k3/low_var_kl;
+  k3/low_var_kl, and their straight-through ``+`` forms (k1+/kl+, abs+, k2+/mse+,
+  k3+/low_var_kl+);
 * ``LOSS_AGG_MODES`` (``algorithm.loss_agg_mode``): token-mean, seq-mean-token-sum,
-  seq-mean-token-mean.
+  seq-mean-token-mean, seq-mean-token-sum-norm, token-sum.
 
 Shapes: N rows (responses), T response tokens, V vocabulary (see ``verl_core``'s docstring).
 """
 
 from verl_core.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    EstimatorTraits,
     get_advantage_estimator,
     register_advantage,
 )
@@ -30,8 +36,15 @@ from verl_core.algorithms.kl import (
     kl_loss,
     make_kl_controller,
 )
-from verl_core.algorithms.policy_losses import POLICY_LOSSES, get_policy_loss, register_policy_loss
+from verl_core.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    PolicyLossOptions,
+    PolicyLossTraits,
+    get_policy_loss,
+    register_policy_loss,
+)
 from verl_core.algorithms.registry import Registry, UnknownNameError
+from verl_core.algorithms.rollout_correction import rollout_is_weights
 from verl_core.algorithms.utils import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -49,7 +62,10 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "AdaptiveKLController",
+    "EstimatorTraits",
     "FixedKLController",
+    "PolicyLossOptions",
+    "PolicyLossTraits",
     "Registry",
     "UnknownNameError",
     "agg_loss",
@@ -69,5 +85,6 @@ __all__ = [
     "outcome_to_token_rewards",
     "register_advantage",
     "register_policy_loss",
+    "rollout_is_weights",
     "value_loss",
 ]

@@ -3,20 +3,31 @@
 Every estimator has exactly one signature (enforced at registration)::
 
     fn(token_level_rewards (N, T), response_mask (N, T), group_index (N,) long,
-       values (N, T) | None, *, gamma: float, lam: float, norm_adv_by_std_in_grpo: bool)
+       values (N, T) | None, *, gamma: float, lam: float, norm_adv_by_std_in_grpo: bool,
+       baseline_score (N,) | None = None, old_logprobs (N, T) | None = None,
+       sum_pi_squared (N, T) | None = None, reward_components (N, K) | None = None)
     -> (advantages (N, T), returns (N, T))
 
 so the trainer calls ``get_advantage_estimator(cfg.adv_estimator)(...)`` whatever the name.
 Arguments an estimator does not use are accepted and ignored. ``group_index[i]`` says which prompt
 row ``i`` answers; only equality matters (any long values, groups need not be contiguous).
-Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline) read one score per response,
-``token_level_rewards.sum(-1)``, as verl does; rewards outside the mask are expected to be 0
-(``outcome_to_token_rewards`` and ``apply_kl_penalty`` guarantee it).
+Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline, opo, gpg, grpo_passk, gdpo) read one
+score per response, ``token_level_rewards.sum(-1)``, as verl does; rewards outside the mask are
+expected to be 0 (``outcome_to_token_rewards`` and ``apply_kl_penalty`` guarantee it).
 
-Numbers follow verl's ``verl/trainer/ppo/core_algos.py`` (function named in each docstring) on
-every position where ``response_mask`` is set. One deliberate difference: every estimator
-returns exactly 0 where ``response_mask`` is 0 (verl leaves whitened or carried values there that
-every consumer masks out anyway).
+The optional keywords are the inputs only some estimators read: ``baseline_score`` the score of a
+greedy response to the row's prompt (remax), ``old_logprobs`` / ``sum_pi_squared`` the sampled
+token's log-prob and Σ_v π_v² under the rollout policy (the optimal-token-baseline pair),
+``reward_components`` K separately scored reward dimensions (gdpo). Each entry's *traits*
+(:class:`EstimatorTraits`, declared at registration) say which of these the run must produce
+and whether the estimator needs a critic or groups of responses; the config and the trainer ask
+the registry (``ADVANTAGE_ESTIMATORS.traits(name)``), never a list of names.
+
+Numbers follow verl's ``verl/trainer/ppo/core_algos.py`` (v0.9; function named in each
+docstring) on every position where ``response_mask`` is set. One deliberate difference: every
+estimator returns exactly 0 where ``response_mask`` is 0 (verl leaves whitened or carried values
+there, e.g. reward-to-go inside an observation span, that every consumer masks out anyway).
+Other differences are named in the estimator's docstring.
 
 Group statistics are computed in float64 with ``index_add_`` over ``group_index``, not Python
 dicts; on CUDA they are bitwise reproducible under ``torch.use_deterministic_algorithms(True)``. The token
@@ -27,6 +38,7 @@ What does not belong here: policy losses, KL, anything that reads a config.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,20 +48,45 @@ from verl_core.algorithms.registry import Registry
 from verl_core.algorithms.utils import masked_whiten
 
 GRPO_EPSILON = 1e-6  # verl's epsilon in (s - mean) / (std + eps)
+OTB_EPSILON = 1e-8  # verl's epsilon in the optimal token baseline's denominator
+GPG_F_NORM = 1.0  # verl's F_norm in GPG's A = α (s - mean) / F_norm
+
+
+@dataclass(frozen=True)
+class EstimatorTraits:
+    """What an advantage estimator needs from the rest of the run, declared where it is
+    registered (``@register_advantage("gae", needs_critic=True)``)."""
+
+    needs_critic: bool = False
+    """Reads ``values`` (N, T): the trainer builds and trains a critic."""
+    needs_groups: bool = False
+    """Compares the responses to one prompt with each other: the config refuses ``rollout.n < 2``."""
+    needs_greedy_baseline: bool = False
+    """Reads ``baseline_score`` (N,): the rollout also decodes one greedy response per prompt and
+    the reward phase scores it."""
+    needs_sum_pi_squared: bool = False
+    """Reads ``old_logprobs`` and ``sum_pi_squared`` (N, T): the rollout runs one more no-grad
+    forward pass of the policy for Σ_v π_v² at every response token."""
 
 
 def _estimator_prototype(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
                          values: Optional[Tensor], *, gamma: float, lam: float,
-                         norm_adv_by_std_in_grpo: bool) -> tuple[Tensor, Tensor]:
+                         norm_adv_by_std_in_grpo: bool,
+                         baseline_score: Optional[Tensor] = None,
+                         old_logprobs: Optional[Tensor] = None,
+                         sum_pi_squared: Optional[Tensor] = None,
+                         reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     raise NotImplementedError  # the one signature every estimator repeats
 
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator", prototype=_estimator_prototype)
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", prototype=_estimator_prototype,
+                                traits=EstimatorTraits)
 
 
-def register_advantage(name: str, *aliases: str):
-    """Decorator registering an advantage estimator under ``name`` (and ``aliases``)."""
-    return ADVANTAGE_ESTIMATORS.register(name, *aliases)
+def register_advantage(name: str, *aliases: str, **traits):
+    """Decorator registering an advantage estimator under ``name`` (and ``aliases``), with its
+    :class:`EstimatorTraits` as keywords."""
+    return ADVANTAGE_ESTIMATORS.register(name, *aliases, **traits)
 
 
 def get_advantage_estimator(name: str):
@@ -71,6 +108,35 @@ def _check(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tens
         raise ValueError(f"values must be (N, T)=({N}, {T}), got {tuple(values.shape)}")
 
 
+def _need(estimator: str, name: str, x: Optional[Tensor], shape: tuple, what: str) -> Tensor:
+    """``x`` when it is given with ``shape`` (``None`` in it: any size), else a ValueError saying
+    what the estimator needs and where it comes from."""
+    if x is None:
+        raise ValueError(f"the {estimator!r} advantage estimator needs {name} {what}; got {name}=None")
+    if x.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, x.shape)):
+        raise ValueError(f"{name} must have shape {tuple('K' if s is None else s for s in shape)}, "
+                         f"got {tuple(x.shape)}")
+    return x
+
+
+def _dense_groups(group_index: Tensor) -> tuple[Tensor, int]:
+    """(group (N,) dense ids in [0, K), K). ``unique`` syncs on CUDA to size its output; the
+    only other read-back in this module is grpo_passk's check for groups of one."""
+    ids, group = torch.unique(group_index, return_inverse=True)
+    return group, ids.numel()
+
+
+def _group_sum(x: Tensor, group: Tensor, K: int) -> Tensor:
+    """Σ over each group's rows: x (N, ...) -> (K, ...)."""
+    return torch.zeros((K, *x.shape[1:]), dtype=x.dtype, device=x.device).index_add_(0, group, x)
+
+
+def _reward_to_go(token_level_rewards: Tensor, mask: Tensor) -> Tensor:
+    """G_t = Σ_{t' >= t} m_t' r_t' (N, T) float64: undiscounted, masked rewards left out (verl's
+    ``(r * mask).flip(-1).cumsum(-1).flip(-1)``)."""
+    return (token_level_rewards.to(torch.float64) * mask).flip(-1).cumsum(-1).flip(-1)
+
+
 def _group_stats(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row statistics of the row's group, in float64.
 
@@ -87,8 +153,7 @@ def _group_stats(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, T
     that into a spurious advantage of ~0.06 (verl, which works in float32, has this artefact).
     """
     x = scores.to(torch.float64)
-    ids, group = torch.unique(group_index, return_inverse=True)  # group: (N,) dense ids in [0, K)
-    K = ids.numel()  # unique syncs once on CUDA to size its output; nothing else is read back
+    group, K = _dense_groups(group_index)  # group: (N,) dense ids in [0, K)
     count = torch.zeros(K, dtype=x.dtype, device=x.device).index_add_(0, group, torch.ones_like(x))
     total = torch.zeros(K, dtype=x.dtype, device=x.device).index_add_(0, group, x)
     mean = total / count  # (K,) every group has >= 1 row
@@ -99,11 +164,15 @@ def _group_stats(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, T
 
 
 # ---------------------------------------------------------------- estimators
-@register_advantage("gae")
+@register_advantage("gae", needs_critic=True)
 @torch.no_grad()
 def gae(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
         values: Optional[Tensor], *, gamma: float, lam: float,
-        norm_adv_by_std_in_grpo: bool) -> tuple[Tensor, Tensor]:
+        norm_adv_by_std_in_grpo: bool,
+        baseline_score: Optional[Tensor] = None,
+        old_logprobs: Optional[Tensor] = None,
+        sum_pi_squared: Optional[Tensor] = None,
+        reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438).
 
     Follows verl ``compute_gae_advantage_return`` (recent form): the backward recursion moves
@@ -146,11 +215,15 @@ def gae(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
     return advantages, returns
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", "grpo_vectorized", needs_groups=True)
 @torch.no_grad()
 def grpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
          values: Optional[Tensor], *, gamma: float, lam: float,
-         norm_adv_by_std_in_grpo: bool) -> tuple[Tensor, Tensor]:
+         norm_adv_by_std_in_grpo: bool,
+         baseline_score: Optional[Tensor] = None,
+         old_logprobs: Optional[Tensor] = None,
+         sum_pi_squared: Optional[Tensor] = None,
+         reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Group-relative outcome advantage (GRPO, Shao et al. 2024, arXiv:2402.03300 sec. 4.1.2).
 
     Follows verl ``compute_grpo_outcome_advantage``: with s_i the response score and the group's
@@ -160,24 +233,32 @@ def grpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
     broadcast over the response's tokens. A group of one response uses mean 0 and std 1, so its
     advantage is s / (1 + 1e-6) (or s): verl's convention, not a zero.
 
+    ``grpo_vectorized`` is an alias: verl's ``compute_grpo_vectorized_outcome_advantage`` gives
+    the same numbers (singletons included), it only differs in how verl computes them.
+
     Args:
         token_level_rewards: (N, T); the score is its row sum.
         response_mask: (N, T). group_index: (N,) long.
-        values, gamma, lam: unused.
+        values, gamma, lam, baseline_score, old_logprobs, sum_pi_squared, reward_components: unused.
     Returns:
         advantages (N, T) and returns (N, T), equal (verl returns the same tensor twice).
     """
     _check(token_level_rewards, response_mask, group_index, values)
-    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
+    scores = token_level_rewards.sum(dim=-1)  # (N,) s_i
+    adv = _grpo_scores(scores, group_index, norm_adv_by_std_in_grpo)
+    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+
+
+def _grpo_scores(scores: Tensor, group_index: Tensor, norm_by_std: bool) -> Tensor:
+    """GRPO's per-response advantage (N,) float64 of scores (N,); see :func:`grpo`."""
+    scores = scores.to(torch.float64)
     count, mean, std = _group_stats(scores, group_index)  # (N,) each
     single = count < 2
     mean = torch.where(single, torch.zeros_like(mean), mean)
     std = torch.where(single, torch.ones_like(std), std)
-    if norm_adv_by_std_in_grpo:
-        adv = (scores - mean) / (std + GRPO_EPSILON)  # (s - μ) / (σ + ε)
-    else:
-        adv = scores - mean  # Dr. GRPO: s - μ
-    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+    if norm_by_std:
+        return (scores - mean) / (std + GRPO_EPSILON)  # (s - μ) / (σ + ε)
+    return scores - mean  # Dr. GRPO: s - μ
 
 
 def _outcome_over_tokens(adv: Tensor, dtype: torch.dtype, response_mask: Tensor):
@@ -188,17 +269,27 @@ def _outcome_over_tokens(adv: Tensor, dtype: torch.dtype, response_mask: Tensor)
     return advantages, advantages.clone()
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", "rloo_vectorized", needs_groups=True)
 @torch.no_grad()
 def rloo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
          values: Optional[Tensor], *, gamma: float, lam: float,
-         norm_adv_by_std_in_grpo: bool) -> tuple[Tensor, Tensor]:
+         norm_adv_by_std_in_grpo: bool,
+         baseline_score: Optional[Tensor] = None,
+         old_logprobs: Optional[Tensor] = None,
+         sum_pi_squared: Optional[Tensor] = None,
+         reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740;
     Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free").
 
     Follows verl ``compute_rloo_outcome_advantage``: in a group of n > 1 responses with mean μ,
         A_i = s_i * n/(n-1) - μ * n/(n-1)  =  s_i - mean_{j != i} s_j
     broadcast over the response's tokens; a group of one keeps its raw score.
+
+    ``rloo_vectorized`` is an alias. Deliberate difference: verl's
+    ``compute_rloo_vectorized_outcome_advantage`` gives a group of one advantage 0 where its
+    ``compute_rloo_outcome_advantage`` keeps the raw score; both names follow the latter here, so
+    the two names never disagree (with ``rollout.n >= 2``, which the config requires, there are no
+    groups of one and verl's two functions agree too).
 
     Args:
         token_level_rewards: (N, T); the score is its row sum.
@@ -219,7 +310,11 @@ def rloo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
 @torch.no_grad()
 def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
                         values: Optional[Tensor], *, gamma: float, lam: float,
-                        norm_adv_by_std_in_grpo: bool) -> tuple[Tensor, Tensor]:
+                        norm_adv_by_std_in_grpo: bool,
+                        baseline_score: Optional[Tensor] = None,
+                        old_logprobs: Optional[Tensor] = None,
+                        sum_pi_squared: Optional[Tensor] = None,
+                        reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted returns, whitened over the batch.
 
     Follows verl ``compute_reinforce_plus_plus_outcome_advantage`` as fixed for verl issue #7278
@@ -255,11 +350,15 @@ def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, grou
     return advantages, returns
 
 
-@register_advantage("reinforce_plus_plus_baseline")
+@register_advantage("reinforce_plus_plus_baseline", needs_groups=True)
 @torch.no_grad()
 def reinforce_plus_plus_baseline(token_level_rewards: Tensor, response_mask: Tensor,
                                  group_index: Tensor, values: Optional[Tensor], *, gamma: float,
-                                 lam: float, norm_adv_by_std_in_grpo: bool) -> tuple[Tensor, Tensor]:
+                                 lam: float, norm_adv_by_std_in_grpo: bool,
+                                 baseline_score: Optional[Tensor] = None,
+                                 old_logprobs: Optional[Tensor] = None,
+                                 sum_pi_squared: Optional[Tensor] = None,
+                                 reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with a group-mean baseline (Hu 2025, arXiv:2501.03262).
 
     Follows verl ``compute_reinforce_plus_plus_baseline_outcome_advantage``:
@@ -284,3 +383,387 @@ def reinforce_plus_plus_baseline(token_level_rewards: Tensor, response_mask: Ten
     tiled = centred.unsqueeze(-1) * mask  # (N, T) the score on every valid token
     advantages = masked_whiten(tiled, mask) * mask
     return advantages, advantages.clone()
+
+
+@register_advantage("remax", needs_greedy_baseline=True)
+@torch.no_grad()
+def remax(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
+          values: Optional[Tensor], *, gamma: float, lam: float,
+          norm_adv_by_std_in_grpo: bool,
+          baseline_score: Optional[Tensor] = None,
+          old_logprobs: Optional[Tensor] = None,
+          sum_pi_squared: Optional[Tensor] = None,
+          reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """ReMax: REINFORCE with the greedy response's reward as baseline (Li et al. 2023,
+    "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large
+    Language Models", arXiv:2310.10505).
+
+    Follows verl ``compute_remax_outcome_advantage``: with b the score of the greedy (argmax)
+    response to the row's prompt, generated by the rollout and scored by the reward phase,
+        G_t = Σ_{t' >= t} m_t' r_t'     reward-to-go over valid tokens (undiscounted, as verl)
+        A_t = G_t - b
+    The baseline costs one greedy decode per prompt instead of a critic or a group, so ReMax
+    works with ``rollout.n = 1``.
+
+    Args:
+        token_level_rewards: (N, T) r_t. response_mask: (N, T).
+        baseline_score: (N,) b, the greedy response's score (the same for a prompt's G rows);
+            required.
+        group_index, values, gamma, lam, norm_adv_by_std_in_grpo, old_logprobs, sum_pi_squared,
+        reward_components: unused.
+    Returns:
+        advantages (N, T), returns (N, T) = G; 0 where masked.
+    """
+    _check(token_level_rewards, response_mask, group_index, values)
+    N = token_level_rewards.shape[0]
+    b = _need("remax", "baseline_score", baseline_score, (N,),
+              "(N,), the score of a greedy response to each row's prompt (the trainer's rollout "
+              "makes it when the estimator's traits say needs_greedy_baseline)")
+    mask = response_mask.to(torch.float64)  # (N, T)
+    returns = _reward_to_go(token_level_rewards, mask) * mask  # G_t
+    advantages = (returns - b.to(torch.float64).unsqueeze(-1)) * mask  # A_t = G_t - b
+    dtype = token_level_rewards.dtype
+    return advantages.to(dtype), returns.to(dtype)
+
+
+@register_advantage("opo", needs_groups=True)
+@torch.no_grad()
+def opo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
+        values: Optional[Tensor], *, gamma: float, lam: float,
+        norm_adv_by_std_in_grpo: bool,
+        baseline_score: Optional[Tensor] = None,
+        old_logprobs: Optional[Tensor] = None,
+        sum_pi_squared: Optional[Tensor] = None,
+        reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """On-Policy RL with Optimal reward baseline (OPO, Hao et al. 2025, "On-Policy RL with Optimal
+    Reward Baseline", arXiv:2505.23585).
+
+    Follows verl ``compute_opo_outcome_advantage``: the baseline is the group's mean score
+    weighted by response length l_j (valid tokens), the variance-minimising baseline when the
+    gradient's squared norm grows with length:
+        b = Σ_j l_j s_j / Σ_j l_j      over the group
+        A_i = s_i - b                   broadcast over the response's tokens
+    A group of one has b = 0 (keeps its raw score), as in verl. A group whose responses are all
+    empty has b = 0 too (verl divides by zero there; its advantages are masked out either way).
+
+    Args:
+        token_level_rewards: (N, T); the score is its row sum.
+        response_mask: (N, T); l_i is its row sum. group_index: (N,) long.
+        the other arguments: unused.
+    Returns:
+        advantages (N, T) and returns (N, T), equal.
+    """
+    _check(token_level_rewards, response_mask, group_index, values)
+    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
+    length = response_mask.sum(dim=-1).to(torch.float64)  # (N,) l_i
+    count, mean, _ = _group_stats(scores, group_index)  # (N,) n, μ
+    group, K = _dense_groups(group_index)
+    # b = Σ l s / Σ l, written as μ + Σ l (s - μ) / Σ l: the same number, but exactly μ when all
+    # scores are equal, so such a group gets advantage 0 (as GRPO's float64 statistics ensure)
+    weighted = _group_sum(length * (scores - mean), group, K)[group]  # (N,) Σ l (s - μ)
+    total_length = _group_sum(length, group, K)[group]  # (N,) Σ l
+    b = torch.where((count > 1) & (total_length > 0), mean + weighted / total_length.clamp(min=1.0),
+                    torch.zeros_like(scores))
+    return _outcome_over_tokens(scores - b, token_level_rewards.dtype, response_mask)
+
+
+@register_advantage("gpg", needs_groups=True)
+@torch.no_grad()
+def gpg(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
+        values: Optional[Tensor], *, gamma: float, lam: float,
+        norm_adv_by_std_in_grpo: bool,
+        baseline_score: Optional[Tensor] = None,
+        old_logprobs: Optional[Tensor] = None,
+        sum_pi_squared: Optional[Tensor] = None,
+        reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Group Policy Gradient (GPG, Chu et al. 2025, "GPG: A Simple and Strong Reinforcement
+    Learning Baseline for Model Reasoning", arXiv:2504.02546).
+
+    Follows verl ``compute_gpg_outcome_advantage``: the group mean as baseline, no std, rescaled
+    by α, the paper's "accurate gradient estimation" factor that undoes the dilution of the
+    batch-mean gradient by rows that carry no signal:
+        α = N / max(1, #{i : s_i != 0})      over the whole batch
+        A_i = α (s_i - mean_group(s)) / F_norm,   F_norm = 1
+    (the paper counts the rows of groups whose rewards are all equal; verl counts zero scores,
+    which is what we do, to give verl's numbers).
+    A group of one uses mean 0, as in verl. GPG's paper pairs this with a plain policy-gradient
+    loss (verl's ``policy_loss="gpg"``); here it is an advantage like any other, usable with any
+    policy loss. ``norm_adv_by_std_in_grpo`` is not read (verl's GPG never divides by the std).
+
+    Args:
+        token_level_rewards: (N, T); the score is its row sum.
+        response_mask: (N, T). group_index: (N,) long.
+        the other arguments: unused.
+    Returns:
+        advantages (N, T) and returns (N, T), equal.
+    """
+    _check(token_level_rewards, response_mask, group_index, values)
+    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
+    count, mean, _ = _group_stats(scores, group_index)
+    mean = torch.where(count < 2, torch.zeros_like(mean), mean)
+    nonzero = (scores != 0).sum().to(torch.float64).clamp(min=1.0)  # #{s_i != 0}, at least 1
+    alpha = scores.numel() / nonzero  # α = N / #{s_i != 0}
+    adv = alpha * (scores - mean) / GPG_F_NORM  # A = α (s - μ) / F_norm
+    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+
+
+@register_advantage("grpo_passk", needs_groups=True)
+@torch.no_grad()
+def grpo_passk(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
+               values: Optional[Tensor], *, gamma: float, lam: float,
+               norm_adv_by_std_in_grpo: bool,
+               baseline_score: Optional[Tensor] = None,
+               old_logprobs: Optional[Tensor] = None,
+               sum_pi_squared: Optional[Tensor] = None,
+               reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Pass@k advantage (Tang et al. 2025, "Optimizing Language Models for Inference Time
+    Objectives using Reinforcement Learning", arXiv:2503.19595, the paper verl cites; see also
+    Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration and Exploitation",
+    arXiv:2508.10751).
+
+    Follows verl ``compute_grpo_passk_outcome_advantage``: the objective is the best score of the
+    k = n responses of a group; its leave-one-out gradient credits only the best response, by how
+    much it beats the runner-up:
+        A_i = s_(1) - s_(2)   for the best response, if it is the only one with the top score
+        A_i = 0               for every other response (and for all of them on a tie at the top)
+        A_i /= std_group + 1e-6   if ``norm_adv_by_std_in_grpo``
+    with s_(1) >= s_(2) the group's two largest scores (equal on a tie, so a tie gives 0 to all,
+    whichever row verl's ``topk`` would have picked).
+
+    Raises ``ValueError`` on a group of one response, as verl does (pass@k needs k >= 2 samples);
+    the config refuses ``rollout.n < 2`` for it.
+
+    Args:
+        token_level_rewards: (N, T); the score is its row sum.
+        response_mask: (N, T). group_index: (N,) long.
+        norm_adv_by_std_in_grpo: divide by the group's unbiased std. The rest: unused.
+    Returns:
+        advantages (N, T) and returns (N, T), equal.
+    """
+    _check(token_level_rewards, response_mask, group_index, values)
+    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
+    group, K = _dense_groups(group_index)
+    count = _group_sum(torch.ones_like(scores), group, K)  # (K,)
+    lone = int((count < 2).sum())  # a host sync, like unique's; pass@k is undefined otherwise
+    if lone:
+        raise ValueError("the 'grpo_passk' advantage estimator needs at least 2 responses per "
+                         f"group; {lone} group(s) have 1 (use rollout.n >= 2)")
+    neg_inf = torch.full((K,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    top = neg_inf.scatter_reduce(0, group, scores, "amax")  # (K,) s_(1)
+    is_top = scores == top[group]  # (N,)
+    n_top = _group_sum(is_top.to(scores.dtype), group, K)[group]  # (N,) rows with the top score
+    runner_up = neg_inf.scatter_reduce(0, group, scores.masked_fill(is_top, float("-inf")),
+                                       "amax")  # (K,) best score below the top
+    best = is_top & (n_top == 1)  # the unique best response of its group
+    adv = torch.where(best, scores - runner_up[group], torch.zeros_like(scores))  # s_(1) - s_(2)
+    if norm_adv_by_std_in_grpo:
+        _, _, std = _group_stats(scores, group_index)
+        adv = adv / (std + GRPO_EPSILON)
+    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+
+
+@register_advantage("gdpo", needs_groups=True)
+@torch.no_grad()
+def gdpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
+         values: Optional[Tensor], *, gamma: float, lam: float,
+         norm_adv_by_std_in_grpo: bool,
+         baseline_score: Optional[Tensor] = None,
+         old_logprobs: Optional[Tensor] = None,
+         sum_pi_squared: Optional[Tensor] = None,
+         reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Group reward-Decoupled normalization Policy Optimization (GDPO, Liu et al. 2026, "GDPO:
+    Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL Optimization",
+    arXiv:2601.05242).
+
+    Follows verl ``compute_gdpo_outcome_advantage``: each of K reward dimensions r_k is
+    normalised within its group separately (GRPO's formula, so one dominant reward cannot drown
+    the others), the K advantages are summed, then whitened over the batch:
+        A_k,i = GRPO(r_k)_i          (s - μ_group) / (σ_group + 1e-6), or s - μ with Dr. GRPO
+        a_i = Σ_k A_k,i              equal weights
+        A = masked_whiten(a tiled over the response's tokens)   over all valid tokens of the batch
+
+    Where this cannot follow verl: verl reads the K dimensions from the keys its reward manager
+    stores (``algorithm.gdpo_reward_keys``, weights ``gdpo_reward_weights``). The batches here carry
+    one score per response (a dict-returning scorer's other keys are not stored), and the config
+    has no such keys, so the trainer passes no ``reward_components``: GDPO then uses the one
+    score, which is verl's own fallback (GRPO, then batch whitening). Called with
+    ``reward_components`` it computes the multi-reward form, with equal weights (verl's default).
+
+    Args:
+        token_level_rewards: (N, T); with no components its row sum is the one dimension.
+        response_mask: (N, T). group_index: (N,) long.
+        norm_adv_by_std_in_grpo: as in GRPO, per dimension.
+        reward_components: (N, K) optional, the K scores of each response.
+        The rest: unused.
+    Returns:
+        advantages (N, T) and returns (N, T), equal; 0 where masked.
+    """
+    _check(token_level_rewards, response_mask, group_index, values)
+    N = token_level_rewards.shape[0]
+    if reward_components is None:
+        comps = token_level_rewards.sum(dim=-1, keepdim=True)  # (N, 1)
+    else:
+        comps = _need("gdpo", "reward_components", reward_components, (N, None), "(N, K)")
+    total = torch.zeros(N, dtype=torch.float64, device=comps.device)  # (N,) a_i
+    for k in range(comps.shape[1]):
+        total += _grpo_scores(comps[:, k], group_index, norm_adv_by_std_in_grpo)  # Σ_k A_k
+    mask = response_mask.to(token_level_rewards.dtype)  # (N, T)
+    tiled = total.to(token_level_rewards.dtype).unsqueeze(-1) * mask  # (N, T)
+    advantages = masked_whiten(tiled, mask) * mask
+    return advantages, advantages.clone()
+
+
+# ---------------------------------------------------------------- optimal token baseline
+def _token_baseline(returns: Tensor, energy: Tensor, valid: Tensor, lengths: Tensor,
+                    group_index: Tensor, member: Tensor) -> Tensor:
+    """The optimal token baseline of every row, float64, on aligned positions.
+
+    Args:
+        returns: (N, L) G_t. energy: (N, L) W_t. valid: (N, L) 1 where the position exists.
+        lengths: (N,) long, valid positions per row. member: (N,) bool, rows that count in their
+        group (others get a baseline but are not part of anyone's).
+    Returns:
+        baseline (N, L):
+            B_t = Σ_i G_t^i W_t^i m_t^i / (Σ_i W_t^i m_t^i + 1e-8)    over the members of the group
+            B = 0 for a group of one member (its advantage is its return);
+            and, as verl's ``handle_zero_tail``, B_t = 0 for t >= l_(2) on the group's longest
+            member when it is the only one of that length, l_(2) the second-longest length
+            (past l_(2) the baseline would average the longest response with nothing but itself).
+    """
+    group, K = _dense_groups(group_index)
+    keep = member.to(torch.float64).unsqueeze(-1) * valid  # (N, L)
+    num = _group_sum(returns * energy * keep, group, K)  # (K, L) Σ G W
+    den = _group_sum(energy * keep, group, K) + OTB_EPSILON  # (K, L) Σ W + ε
+    baseline = (num / den)[group]  # (N, L) B*_t
+    count = _group_sum(member.to(torch.float64), group, K)[group]  # (N,) members
+    baseline = torch.where((count > 1).unsqueeze(-1), baseline, torch.zeros_like(baseline))
+    # zero tail: the unique longest member, from the second-longest length on
+    L = torch.where(member, lengths, torch.full_like(lengths, -1))  # (N,) -1 outside
+    none = torch.full((K,), -1, dtype=L.dtype, device=L.device)
+    longest = none.scatter_reduce(0, group, L, "amax")  # (K,) l_(1)
+    at_max = member & (lengths == longest[group])  # (N,)
+    n_at_max = _group_sum(at_max.to(torch.float64), group, K)[group]  # (N,)
+    second = none.scatter_reduce(0, group, L.masked_fill(at_max, -1), "amax")  # (K,) l_(2)
+    tail_row = at_max & (n_at_max == 1) & (count > 1)  # (N,)
+    pos = torch.arange(returns.shape[1], device=returns.device)  # (L,)
+    tail = tail_row.unsqueeze(-1) & (pos.unsqueeze(0) >= second[group].unsqueeze(-1))  # (N, L)
+    return baseline.masked_fill(tail, 0.0)
+
+
+def _token_energy(old_logprobs: Tensor, sum_pi_squared: Tensor, mask: Tensor) -> Tensor:
+    """W_t = Σ_{j <= t} m_j (1 - 2 π_j + Σ_v π_v²)  (N, T) float64: the logit-gradient proxy
+    ||e_j - π||² of each sampled token's score-function norm, accumulated over valid tokens."""
+    pi = old_logprobs.to(torch.float64).exp()  # π_j, the sampled token's probability
+    w = 1.0 - 2.0 * pi + sum_pi_squared.to(torch.float64)  # ||s_j||² = 1 - 2π_j + Σπ²
+    return (w * mask).cumsum(dim=-1)  # W_t
+
+
+_OTB_INPUTS = ("(N, T), from the rollout (the trainer makes them when the estimator's traits say "
+               "needs_sum_pi_squared)")
+
+
+@register_advantage("optimal_token_baseline", needs_groups=True, needs_sum_pi_squared=True)
+@torch.no_grad()
+def optimal_token_baseline(token_level_rewards: Tensor, response_mask: Tensor,
+                           group_index: Tensor, values: Optional[Tensor], *, gamma: float,
+                           lam: float, norm_adv_by_std_in_grpo: bool,
+                           baseline_score: Optional[Tensor] = None,
+                           old_logprobs: Optional[Tensor] = None,
+                           sum_pi_squared: Optional[Tensor] = None,
+                           reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Optimal Token Baseline (OTB, Li et al. 2026, "The Optimal Token Baseline: Variance
+    Reduction for Long-Horizon LLM-RL", arXiv:2602.07078).
+
+    Follows verl ``compute_optimal_token_baseline_advantage``: a baseline per token position t,
+    the group's rewards-to-go weighted by each trajectory's accumulated gradient energy so far:
+        G_t = Σ_{t' >= t} m_t' r_t'                         reward-to-go
+        W_t = Σ_{j <= t} m_j (1 - 2 π_j + Σ_v π_v,j²)       realized energy (logit-gradient proxy)
+        B_t = Σ_i G_t^i W_t^i m_t^i / (Σ_i W_t^i m_t^i + 1e-8)   over the group, at column t
+        A_t = G_t - B_t
+    with verl's ``handle_zero_tail=True`` (see :func:`_token_baseline`); a group of one keeps
+    A = G. Positions are columns, as in verl: for responses with masked spans inside
+    (multi-turn), ``tir_optimal_token_baseline`` aligns valid tokens instead.
+
+    Where this cannot follow verl: verl optionally scales w_j by ρ̄_j² (truncated rollout
+    importance weights, ``rollout_is_weights``). Rollout and training share weights and engine
+    here, so ρ = 1 and there are none. π_j is the rollout's log-prob of the sampled token (it
+    stands in for verl's recomputed ``old_log_probs``, as in the reward KL).
+
+    Args:
+        token_level_rewards: (N, T) r_t. response_mask: (N, T). group_index: (N,) long.
+        old_logprobs: (N, T) log π_j of the sampled tokens; required.
+        sum_pi_squared: (N, T) Σ_v π_v² of the policy at each position; required.
+        The rest: unused.
+    Returns:
+        advantages (N, T), returns (N, T) = G; 0 where masked.
+    """
+    _check(token_level_rewards, response_mask, group_index, values)
+    N, T = token_level_rewards.shape
+    logp = _need("optimal_token_baseline", "old_logprobs", old_logprobs, (N, T), _OTB_INPUTS)
+    sq = _need("optimal_token_baseline", "sum_pi_squared", sum_pi_squared, (N, T), _OTB_INPUTS)
+    mask = response_mask.to(torch.float64)  # (N, T)
+    returns = _reward_to_go(token_level_rewards, mask)  # (N, T) G_t
+    energy = _token_energy(logp, sq, mask)  # (N, T) W_t
+    lengths = response_mask.sum(dim=-1).long()  # (N,)
+    baseline = _token_baseline(returns, energy, mask, lengths, group_index,
+                               member=torch.ones_like(lengths, dtype=torch.bool))
+    advantages = (returns - baseline) * mask  # A_t = G_t - B_t
+    dtype = token_level_rewards.dtype
+    return advantages.to(dtype), (returns * mask).to(dtype)
+
+
+@register_advantage("tir_optimal_token_baseline", needs_groups=True, needs_sum_pi_squared=True)
+@torch.no_grad()
+def tir_optimal_token_baseline(token_level_rewards: Tensor, response_mask: Tensor,
+                               group_index: Tensor, values: Optional[Tensor], *, gamma: float,
+                               lam: float, norm_adv_by_std_in_grpo: bool,
+                               baseline_score: Optional[Tensor] = None,
+                               old_logprobs: Optional[Tensor] = None,
+                               sum_pi_squared: Optional[Tensor] = None,
+                               reward_components: Optional[Tensor] = None
+                               ) -> tuple[Tensor, Tensor]:
+    """Optimal Token Baseline for tool-integrated (multi-turn) responses (Li et al. 2026,
+    arXiv:2602.07078).
+
+    Follows verl ``compute_multi_turn_optimal_token_baseline_advantage``: the same G_t, W_t and
+    B = Σ G W / (Σ W + 1e-8) as ``optimal_token_baseline``, but trajectories are aligned by the
+    k-th *valid* token rather than by column, so observation spans inside a response (tool
+    output, masked) do not shift one trajectory against another:
+        k(t) = Σ_{t' <= t} m_t' - 1          the valid-token index of column t
+        B_k over the group at valid index k;  A_t = G_t - B_k(t)
+    Responses with no valid token take no part in their group (a group left with one member
+    keeps A = G); zero tail as in ``optimal_token_baseline``, on valid-token indices. The same
+    note on rollout importance weights applies.
+
+    Args:
+        token_level_rewards: (N, T) r_t. response_mask: (N, T). group_index: (N,) long.
+        old_logprobs: (N, T) log π_j of the sampled tokens; required.
+        sum_pi_squared: (N, T) Σ_v π_v² at each position; required.
+        The rest: unused.
+    Returns:
+        advantages (N, T), returns (N, T) = G; 0 where masked.
+    """
+    _check(token_level_rewards, response_mask, group_index, values)
+    N, T = token_level_rewards.shape
+    name = "tir_optimal_token_baseline"
+    logp = _need(name, "old_logprobs", old_logprobs, (N, T), _OTB_INPUTS)
+    sq = _need(name, "sum_pi_squared", sum_pi_squared, (N, T), _OTB_INPUTS)
+    mask = response_mask.to(torch.float64)  # (N, T)
+    returns = _reward_to_go(token_level_rewards, mask)  # (N, T) G_t
+    energy = _token_energy(logp, sq, mask)  # (N, T) W_t
+    valid = response_mask.bool()
+    lengths = valid.sum(dim=-1)  # (N,) long
+    # column t -> valid-token index k(t); masked columns go to a spare last slot, dropped after
+    k = torch.where(valid, valid.long().cumsum(dim=-1) - 1, torch.full_like(lengths, T)[:, None])
+    packed_returns = torch.zeros(N, T + 1, dtype=torch.float64, device=mask.device)
+    packed_returns.scatter_(1, k, returns)
+    packed_energy = torch.zeros_like(packed_returns).scatter_(1, k, energy)
+    packed_returns, packed_energy = packed_returns[:, :T], packed_energy[:, :T]  # (N, T) by k
+    packed_valid = (torch.arange(T, device=mask.device)[None] < lengths[:, None]).to(torch.float64)
+    baseline = _token_baseline(packed_returns, packed_energy, packed_valid, lengths, group_index,
+                               member=lengths > 0)  # (N, T) B_k
+    packed_adv = torch.cat([packed_returns - baseline,
+                            torch.zeros(N, 1, dtype=torch.float64, device=mask.device)], dim=1)
+    advantages = packed_adv.gather(1, k) * mask  # A_t = G_t - B_k(t)
+    dtype = token_level_rewards.dtype
+    return advantages.to(dtype), (returns * mask).to(dtype)

@@ -8,8 +8,18 @@ Per-token KL estimators from samples of the policy (J. Schulman, "Approximating 
 * ``k2`` (alias ``mse``): ½ (log r)^2                     biased, low variance, >= 0
 * ``k3`` (alias ``low_var_kl``): e^{log r} - log r - 1    unbiased, low variance, >= 0
 
+Each has a straight-through twin named with a ``+`` (``k1+``/``kl+``, ``abs+``, ``k2+``/``mse+``,
+``k3+``/``low_var_kl+``): the value of the base estimator, the gradient of k2. k1 and k3 are
+unbiased estimates of the KL's *value*, but differentiating them does not estimate the KL's
+gradient (k1's gradient ∇log π has expectation 0; k3's estimates ∇KL(π_ref || π), the other
+direction); k2's gradient, (log π - log π_ref) ∇log π, is an unbiased estimate of the per-token
+∇KL(π || π_ref) (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for
+RL", arXiv:2506.09477; their other caveat, that a per-token loss misses a token's effect on the
+later tokens' distributions, applies to every estimator here). Use a ``+`` form in
+``kl_loss``; in the reward penalty, which carries no gradient, it equals its base estimator.
+
 Each estimator: ``fn(logp (N, T), ref_logp (N, T)) -> (N, T)``. Definitions follow verl's
-``kl_penalty`` in ``verl/trainer/ppo/core_algos.py``.
+``kl_penalty`` / ``kl_penalty_forward`` in ``verl/trainer/ppo/core_algos.py``.
 
 Two uses, as in verl: ``apply_kl_penalty`` subtracts β·KL from the token rewards before advantage
 estimation (Ziegler et al. 2019, arXiv:1909.08593; InstructGPT), with β from a
@@ -18,6 +28,8 @@ estimation (Ziegler et al. 2019, arXiv:1909.08593; InstructGPT), with β from a
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -62,6 +74,42 @@ def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     log_r = torch.clamp(ref_logp - logp, min=-20.0, max=20.0)  # log r = log π_ref - log π
     kld = torch.exp(log_r) - log_r - 1.0  # k3 = r - log r - 1
     return torch.clamp(kld, min=-10.0, max=10.0)
+
+
+def _straight_through(value: Tensor, logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """``value``'s numbers with k2's gradient, (N, T), as verl ``kl_penalty`` for a ``+`` name:
+
+        out = k2 - sg[k2] + sg[value]       value: sg[value]; ∇out = ∇k2 = (logp - ref_logp) ∇logp
+
+    (k2 - sg[k2] is exactly 0 in floating point, so the value is ``value`` bit for bit.)
+    """
+    k2_val = k2(logp, ref_logp)
+    return k2_val - k2_val.detach() + value.detach()
+
+
+@KL_ESTIMATORS.register("k1+", "kl+")
+def k1_plus(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1's value, k2's gradient (straight-through), (N, T)."""
+    return _straight_through(k1(logp, ref_logp), logp, ref_logp)
+
+
+@KL_ESTIMATORS.register("abs+")
+def abs_kl_plus(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """|log π - log π_ref|'s value, k2's gradient (straight-through), (N, T)."""
+    return _straight_through(abs_kl(logp, ref_logp), logp, ref_logp)
+
+
+@KL_ESTIMATORS.register("k2+", "mse+")
+def k2_plus(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 itself (value and gradient already k2's), (N, T); accepted because verl accepts it."""
+    return _straight_through(k2(logp, ref_logp), logp, ref_logp)
+
+
+@KL_ESTIMATORS.register("k3+", "low_var_kl+")
+def k3_plus(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3's value (clamped as in :func:`k3`), k2's gradient (straight-through), (N, T). Unlike
+    k3 the gradient is not cut where k3's clamps bind."""
+    return _straight_through(k3(logp, ref_logp), logp, ref_logp)
 
 
 # ---------------------------------------------------------------- controllers (host-side state)
@@ -153,7 +201,7 @@ def apply_kl_penalty(token_level_scores: Tensor, logp: Tensor, ref_logp: Tensor,
 
 
 def kl_loss(logp: Tensor, ref_logp: Tensor, response_mask: Tensor, *, kl_loss_type: str,
-            loss_agg_mode: str) -> Tensor:
+            loss_agg_mode: str, loss_scale_factor: Optional[float] = None) -> Tensor:
     """KL(π || π_ref) estimated per token and aggregated into a scalar loss term.
 
     Follows verl's actor (``dp_actor.update_policy``: ``kl_penalty`` then ``agg_loss``); the
@@ -161,6 +209,8 @@ def kl_loss(logp: Tensor, ref_logp: Tensor, response_mask: Tensor, *, kl_loss_ty
 
     Args:
         logp: (N, T) current policy (carries the gradient). ref_logp: (N, T). response_mask: (N, T).
-        kl_loss_type: a ``KL_ESTIMATORS`` name. loss_agg_mode: a ``LOSS_AGG_MODES`` name.
+        kl_loss_type: a ``KL_ESTIMATORS`` name (a ``+`` form for an unbiased gradient).
+        loss_agg_mode: a ``LOSS_AGG_MODES`` name; loss_scale_factor: its C (see ``agg_loss``).
     """
-    return agg_loss(KL_ESTIMATORS.get(kl_loss_type)(logp, ref_logp), response_mask, loss_agg_mode)
+    return agg_loss(KL_ESTIMATORS.get(kl_loss_type)(logp, ref_logp), response_mask, loss_agg_mode,
+                    loss_scale_factor=loss_scale_factor)

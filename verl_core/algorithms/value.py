@@ -7,6 +7,8 @@ Definitions follow verl ``compute_value_loss`` and ``compute_entropy_loss`` in
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -15,7 +17,8 @@ from verl_core.algorithms.utils import entropy_from_logits, masked_mean
 
 
 def value_loss(vpreds: Tensor, values: Tensor, returns: Tensor, response_mask: Tensor, *,
-               cliprange_value: float, loss_agg_mode: str) -> tuple[Tensor, dict[str, Tensor]]:
+               cliprange_value: float, loss_agg_mode: str,
+               loss_scale_factor: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss, as in OpenAI baselines' PPO2 and verl ``compute_value_loss`` (the PPO
     paper, Schulman et al. 2017, arXiv:1707.06347, uses the plain squared error):
 
@@ -28,7 +31,8 @@ def value_loss(vpreds: Tensor, values: Tensor, returns: Tensor, response_mask: T
         values: (N, T) critic values at rollout time V_old.
         returns: (N, T) targets R (e.g. GAE returns).
         response_mask: (N, T).
-        cliprange_value: ε_v. loss_agg_mode: a ``LOSS_AGG_MODES`` name.
+        cliprange_value: ε_v. loss_agg_mode: a ``LOSS_AGG_MODES`` name; loss_scale_factor: its C
+        (see ``agg_loss``).
     Note the argument order (vpreds, values, returns); verl's is (vpreds, returns, values).
     Returns:
         loss (scalar) and ``{"vf_clipfrac": 0-d}``: masked token fraction where the clipped term
@@ -37,17 +41,21 @@ def value_loss(vpreds: Tensor, values: Tensor, returns: Tensor, response_mask: T
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)  # V^clip
     vf_losses1 = (vpreds - returns) ** 2  # (V - R)^2
     vf_losses2 = (vpred_clipped - returns) ** 2  # (V^clip - R)^2
-    loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode)
+    loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode,
+                          loss_scale_factor=loss_scale_factor)
     vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).to(vpreds.dtype), response_mask)
     return loss, {"vf_clipfrac": vf_clipfrac.detach()}
 
 
-def entropy_loss(logits: Tensor, response_mask: Tensor, loss_agg_mode: str) -> Tensor:
+def entropy_loss(logits: Tensor, response_mask: Tensor, loss_agg_mode: str, *,
+                 loss_scale_factor: Optional[float] = None) -> Tensor:
     """Aggregated token entropy of the policy, a scalar (the caller subtracts
     ``entropy_coeff`` times it from the actor loss).
 
     Args:
         logits: (N, T, V) policy logits at the response positions.
-        response_mask: (N, T). loss_agg_mode: a ``LOSS_AGG_MODES`` name.
+        response_mask: (N, T). loss_agg_mode: a ``LOSS_AGG_MODES`` name; loss_scale_factor: its
+        C (see ``agg_loss``).
     """
-    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)
+    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode,
+                    loss_scale_factor=loss_scale_factor)

@@ -7,7 +7,9 @@ read back gives bit-identical tensors (resume equivalence depends on it).
 
 Columns: ``uid, group, prompt_ids, response_ids, response_logprobs, ground_truth, data_source,
 extra_info`` (rollout); + ``score``, ``ref_logprobs`` (reward); + ``values`` (critic);
-+ ``advantages``, ``returns`` (advantage).
++ ``advantages``, ``returns`` (advantage). Only for estimators whose traits ask for them:
+``baseline_response_ids`` (rollout, a greedy response per prompt) + ``baseline_score`` (reward);
+``sum_pi_squared`` (rollout).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-_TOKEN_COLS = ("response_logprobs", "ref_logprobs", "values", "advantages", "returns")
+_TOKEN_COLS = ("response_logprobs", "ref_logprobs", "values", "advantages", "returns",
+               "sum_pi_squared")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,11 @@ class Batch:
     values: Optional[torch.Tensor] = None  # (N, T) float32 critic values
     advantages: Optional[torch.Tensor] = None  # (N, T) float32
     returns: Optional[torch.Tensor] = None  # (N, T) float32
+    # greedy (argmax) response to the row's prompt, the same for a prompt's G rows (ReMax)
+    baseline_response_ids: Optional[torch.Tensor] = None  # (N, T_b) long, right-padded with pad_id
+    baseline_response_mask: Optional[torch.Tensor] = None  # (N, T_b) float32, 1 on generated tokens
+    baseline_score: Optional[torch.Tensor] = None  # (N,) float32, the greedy response's score
+    sum_pi_squared: Optional[torch.Tensor] = None  # (N, T) float32, Σ_v π_v² of the rollout policy
 
     @property
     def num_rows(self) -> int:
@@ -157,6 +165,11 @@ def batch_to_table(batch: Batch) -> pa.Table:
             cols[name] = _to_list_array(v.float(), resp_mask, pa.float32())
     if batch.score is not None:
         cols["score"] = pa.array(batch.score.float().numpy(), pa.float32())
+    if batch.baseline_response_ids is not None:  # lengths carry the mask, as for response_ids
+        cols["baseline_response_ids"] = _to_list_array(batch.baseline_response_ids,
+                                                       batch.baseline_response_mask, pa.int32())
+    if batch.baseline_score is not None:
+        cols["baseline_score"] = pa.array(batch.baseline_score.float().numpy(), pa.float32())
     meta = {b"pad_id": str(batch.pad_id).encode(),
             b"verl_meta": json.dumps(batch.meta, sort_keys=True).encode()}
     return pa.table(cols).replace_schema_metadata(meta)
@@ -179,8 +192,13 @@ def table_to_batch(table: pa.Table) -> Batch:
     for name in _TOKEN_COLS:
         if name in table.column_names:
             kw[name] = torch.from_numpy(_from_list_array(table.column(name), 0.0, np.float32)[0])
-    if "score" in table.column_names:
-        kw["score"] = torch.tensor(table.column("score").to_numpy(), dtype=torch.float32)
+    for name in ("score", "baseline_score"):
+        if name in table.column_names:
+            kw[name] = torch.tensor(table.column(name).to_numpy(), dtype=torch.float32)
+    if "baseline_response_ids" in table.column_names:
+        bid, bmask = _from_list_array(table.column("baseline_response_ids"), pad_id, np.int64)
+        kw["baseline_response_ids"] = torch.from_numpy(bid)
+        kw["baseline_response_mask"] = torch.from_numpy(bmask.astype(np.float32))
     logprobs = kw.pop("response_logprobs", torch.zeros_like(response_mask))
     return Batch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,

@@ -65,6 +65,24 @@ def batched_logprobs(model, batch, temperature: float, micro_batch_size: int) ->
 
 
 @torch.no_grad()
+def batched_sum_pi_squared(model, batch, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """No-grad Σ_v π_v² of the (temperature-scaled) policy at every response position: (N, T),
+    0 on padding. The optimal-token-baseline estimators read it (verl's ``sum_pi_squared``)."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for s in range(0, batch.num_rows, micro_batch_size):
+        sl = slice(s, s + micro_batch_size)
+        logits = response_logits(model, batch.prompt_ids[sl], batch.prompt_mask[sl],
+                                 batch.response_ids[sl], batch.response_mask[sl], temperature)
+        # Σ_v π_v² = exp(logsumexp(2z) - 2 logsumexp(z)), without forming the probabilities
+        sq = torch.exp(torch.logsumexp(2 * logits, -1) - 2 * torch.logsumexp(logits, -1))
+        out.append(sq * batch.response_mask[sl])
+    model.train(was_training)
+    return torch.cat(out, 0)
+
+
+@torch.no_grad()
 def batched_values(critic, batch, micro_batch_size: int) -> torch.Tensor:
     """No-grad critic values of every row: (N, T)."""
     was_training = critic.training

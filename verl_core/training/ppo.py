@@ -8,11 +8,20 @@ seed): the mini-batch order comes from a generator seeded per step, never from g
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import torch
 
-from verl_core.algorithms import agg_loss, get_policy_loss, kl_loss, micro_batch_weight, value_loss
+from verl_core.algorithms import (
+    PolicyLossOptions,
+    agg_loss,
+    get_policy_loss,
+    kl_loss,
+    micro_batch_weight,
+    rollout_is_weights,
+    value_loss,
+)
 from verl_core.config import AlgorithmConfig
 from verl_core.data.batch import Batch
 from verl_core.training.dist import SINGLE, DataParallel
@@ -39,6 +48,12 @@ def _optimizer_step(model, optimizer, scheduler, grad_clip: float) -> tuple[torc
     return grad_norm.detach(), finite
 
 
+def loss_options(algo: AlgorithmConfig) -> PolicyLossOptions:
+    """The config's policy-loss hyper-parameters as the losses' record (same field names)."""
+    return PolicyLossOptions(**{f.name: getattr(algo, f.name)
+                                for f in dataclasses.fields(PolicyLossOptions)})
+
+
 def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: AlgorithmConfig, *,
                temperature: float, mini_batch_rows: int, micro_batch_rows: int, epochs: int,
                grad_clip: float, seed: int, critic=None, critic_optimizer=None,
@@ -47,6 +62,13 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
 
     batch must carry ``advantages`` (N, T); ``ref_logprobs`` when ``algo.use_kl_loss``; ``values``
     and ``returns`` when a critic is trained. Returns mean metrics over micro-batches.
+
+    The behaviour policy's log-probs are recomputed with the trainer's forward, except for a
+    policy loss with the ``old_logp_from_rollout`` trait (``bypass_mode``), which takes the
+    rollout engine's ``response_logprobs``. With ``algo.rollout_is`` set, every policy loss is
+    weighted by the truncated importance ratio of the recomputed to the rollout log-probs
+    (:func:`~verl_core.algorithms.rollout_is_weights`, once for the whole batch, as verl does
+    before its update), and ``rollout_corr/*`` metrics are reported.
 
     Each micro-batch's loss is weighted by its share of the mini-batch's denominator
     (:func:`~verl_core.algorithms.micro_batch_weight`), so the gradient of an optimizer step is
@@ -61,17 +83,34 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
         raise ValueError("algorithm.use_kl_loss needs batch.ref_logprobs from the reference model")
     N = batch.num_rows
     temperature = temperature or 1.0  # greedy rollouts score under the plain softmax
-    # Recompute the behaviour policy's log-probs with the trainer's own forward (as verl does):
-    # rollout engines (vLLM, bf16 kernels) can differ from it numerically.
-    # each worker computes its block of rows, then every worker gets all of them: (N, T)
-    mine = dp.block(torch.arange(N))
-    old_logp = dp.gather_rows(batched_logprobs(actor, batch.select(mine) if dp.distributed
-                                               else batch, temperature, micro_batch_rows))
+    sums: dict[str, list[torch.Tensor]] = defaultdict(list)
+    is_weights = None  # (N, T) rollout importance weights, or None
+    if algo.old_logp_from_rollout:
+        old_logp = batch.response_logprobs  # (N, T) bypass: the rollout engine's own log-probs
+    else:
+        # Recompute the behaviour policy's log-probs with the trainer's own forward (as verl
+        # does): rollout engines (vLLM, bf16 kernels) can differ from it numerically.
+        # each worker computes its block of rows, then every worker gets all of them: (N, T)
+        mine = dp.block(torch.arange(N))
+        old_logp = dp.gather_rows(batched_logprobs(actor, batch.select(mine) if dp.distributed
+                                                   else batch, temperature, micro_batch_rows))
+        if algo.rollout_is:
+            is_weights, is_metrics = rollout_is_weights(
+                old_logp, batch.response_logprobs.to(old_logp.device), batch.response_mask,
+                level=algo.rollout_is, threshold=algo.rollout_is_threshold,
+                threshold_lower=algo.rollout_is_threshold_lower,
+                batch_normalize=algo.rollout_is_batch_normalize)
+            for k, v in is_metrics.items():
+                sums[f"rollout_corr/{k}"].append(v)
     policy_loss = get_policy_loss(algo.policy_loss)
+    options = loss_options(algo)
+    scale = algo.loss_scale_factor or None  # seq-mean-token-sum-norm's C; None: the width T
     gen = torch.Generator().manual_seed(seed)
+    # clip_cov's random draws: a stream of their own (Mersenne Twister seeded with seed + 1),
+    # so the mini-batch order drawn from `gen` is the same whatever the loss
+    loss_gen = torch.Generator().manual_seed(seed + 1)
     lr_used = actor_optimizer.param_groups[0]["lr"]
     critic_lr_used = critic_optimizer.param_groups[0]["lr"] if critic is not None else 0.0
-    sums: dict[str, list[torch.Tensor]] = defaultdict(list)
     skipped = 0
     actor.train()
     if critic is not None:
@@ -91,15 +130,18 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                 pg_loss, pg_metrics = policy_loss(
                     old_logp[micro], logp, mb.advantages, mask,
                     clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
-                    clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode)
+                    clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode,
+                    loss_scale_factor=scale,
+                    rollout_is_weights=None if is_weights is None else is_weights[micro],
+                    options=options, generator=loss_gen)
                 loss = pg_loss
                 if need_entropy:
-                    ent = agg_loss(entropy, mask, algo.loss_agg_mode)
+                    ent = agg_loss(entropy, mask, algo.loss_agg_mode, loss_scale_factor=scale)
                     loss = loss - algo.entropy_coeff * ent  # entropy bonus
                     sums["actor/entropy"].append(ent.detach())
                 if algo.use_kl_loss:
                     kl = kl_loss(logp, mb.ref_logprobs, mask, kl_loss_type=algo.kl_loss_type,
-                                 loss_agg_mode=algo.loss_agg_mode)
+                                 loss_agg_mode=algo.loss_agg_mode, loss_scale_factor=scale)
                     loss = loss + algo.kl_loss_coef * kl
                     sums["actor/kl_loss"].append(kl.detach())
                 (loss * weight).backward()
@@ -118,7 +160,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                                            mb.response_ids, mb.response_mask)
                     vf_loss, vf_metrics = value_loss(
                         vpreds, mb.values, mb.returns, mb.response_mask,
-                        cliprange_value=algo.cliprange_value, loss_agg_mode=algo.loss_agg_mode)
+                        cliprange_value=algo.cliprange_value, loss_agg_mode=algo.loss_agg_mode,
+                        loss_scale_factor=scale)
                     (algo.vf_coef * vf_loss * weight).backward()
                     sums["critic/vf_loss"].append(vf_loss.detach())
                     for k, v in vf_metrics.items():

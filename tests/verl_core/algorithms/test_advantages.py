@@ -113,11 +113,13 @@ def naive_gae(rewards, values, mask, gamma, lam):
     return naive_whiten(adv, M), returns
 
 
-def random_batch(seed, dtype=torch.float64):
-    """Rewards/mask/groups with random group sizes (incl. 1), shuffled non-contiguous ids,
-    right padding, some rows with no valid token and some masks with holes."""
+def random_batch(seed, dtype=torch.float64, min_group=1):
+    """Rewards/mask/groups with random group sizes (incl. 1 unless ``min_group`` > 1), shuffled
+    non-contiguous ids, right padding, some rows with no valid token and some masks with holes;
+    every third seed has 0/1 scores (ties)."""
     g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(1, 5, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+    sizes = torch.randint(min_group, 5, (int(torch.randint(2, 6, (1,), generator=g)),),
+                          generator=g).tolist()
     ids = [1000 + 7 * k for k in range(len(sizes))]  # arbitrary, sparse group ids
     index = torch.tensor([i for i, n in zip(ids, sizes) for _ in range(n)])
     index = index[torch.randperm(len(index), generator=g)]
@@ -188,7 +190,8 @@ def test_grpo_two_groups_and_singleton():
         rel=1e-6)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg",
+                                  "grpo_passk"])
 @pytest.mark.parametrize("value, n", [(1.0, 3), (0.7, 8), (0.1, 16), (0.3, 8)])
 def test_all_equal_group_gives_exactly_zero(name, value, n):
     # (s - mean) / (std + 1e-6) with s == mean must be 0: no signal, no NaN. In float32 the mean
@@ -364,12 +367,18 @@ def test_gae_matches_naive(seed, gamma, lam):
     assert_on_mask(ret, ref_ret, mask)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+GROUP_ESTIMATORS = sorted(n for n in ADVANTAGE_ESTIMATORS.names()
+                          if ADVANTAGE_ESTIMATORS.traits(n).needs_groups)
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
 def test_group_estimators_do_not_depend_on_row_order(name):
-    rewards, mask, index, values = random_batch(5)
-    adv, _ = run(name, rewards, mask, index, values=values)
+    rewards, mask, index, values = random_batch(5, min_group=2)
+    extras = random_extras(5, mask)
+    adv, _ = run(name, rewards, mask, index, values=values, **extras)
     perm = torch.randperm(len(index), generator=torch.Generator().manual_seed(0))
-    adv_p, _ = run(name, rewards[perm], mask[perm], index[perm], values=values[perm])
+    adv_p, _ = run(name, rewards[perm], mask[perm], index[perm], values=values[perm],
+                   **{k: v[perm] for k, v in extras.items()})
     assert torch.allclose(adv_p, adv[perm], atol=1e-12)
 
 
@@ -382,11 +391,13 @@ def test_gae_without_values_raises():
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS.names()))
 def test_one_signature_no_grad_and_shapes(name):
-    rewards, mask, index, values = random_batch(3, dtype=torch.float32)
+    rewards, mask, index, values = random_batch(3, dtype=torch.float32, min_group=2)
     values.requires_grad_(True)
     rewards.requires_grad_(True)
     fn = ADVANTAGE_ESTIMATORS.get(name)
-    adv, ret = fn(rewards, mask.bool(), index, values, gamma=1.0, lam=0.95, norm_adv_by_std_in_grpo=True)
+    extras = {k: v.float() for k, v in random_extras(3, mask).items()}  # every estimator takes all
+    adv, ret = fn(rewards, mask.bool(), index, values, gamma=1.0, lam=0.95,
+                  norm_adv_by_std_in_grpo=True, **extras)
     assert adv.shape == ret.shape == rewards.shape
     assert adv.dtype == ret.dtype == torch.float32
     assert not adv.requires_grad and not ret.requires_grad
@@ -410,3 +421,412 @@ def test_gae_with_bf16_values_runs_in_float32():
     adv, ret = run("gae", rewards, mask, index, values=values.to(torch.bfloat16), lam=0.95)
     ref_adv, _ = run("gae", rewards, mask, index, values=values.to(torch.bfloat16).float(), lam=0.95)
     assert adv.dtype == ret.dtype == torch.float32 and torch.equal(adv, ref_adv)
+
+
+# ================================================================ verl 0.9's other estimators
+def random_extras(seed, mask, K=3):
+    """The optional inputs for a batch with ``mask`` (N, T), float64: ``baseline_score`` (N,) and
+    ``reward_components`` (N, K) with ties (0/1 values every other seed), and a consistent
+    ``old_logprobs`` / ``sum_pi_squared`` pair: each position has a random distribution p over 5
+    tokens, the sampled token's log p and Σ p², so 1 - 2π + Σπ² = ||e - p||² > 0 as for a model."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    N, T = mask.shape
+    if seed % 2:
+        baseline = torch.randint(0, 2, (N,), generator=g).double()
+        comps = torch.randint(0, 2, (N, K), generator=g).double()
+    else:
+        baseline = torch.randn(N, generator=g, dtype=torch.float64)
+        comps = torch.randn(N, K, generator=g, dtype=torch.float64)
+    p = torch.softmax(2 * torch.randn(N, T, 5, generator=g, dtype=torch.float64), -1)
+    tok = torch.randint(0, 5, (N, T, 1), generator=g)
+    m = mask.double()
+    return dict(baseline_score=baseline, reward_components=comps,
+                old_logprobs=p.gather(-1, tok)[..., 0].log() * m, sum_pi_squared=(p ** 2).sum(-1) * m)
+
+
+def naive_reward_to_go(rewards, mask):
+    out = []
+    for r, m in zip(rewards.tolist(), mask.tolist()):
+        row, running = [0.0] * len(r), 0.0
+        for t in reversed(range(len(r))):
+            running += r[t] * m[t]  # verl: (r * mask).flip(-1).cumsum(-1).flip(-1)
+            row[t] = running
+        out.append(row)
+    return out
+
+
+def naive_remax(rewards, mask, baseline):
+    G = naive_reward_to_go(rewards, mask)
+    return [[gt - b for gt in row] for row, b in zip(G, baseline.tolist())], G
+
+
+def naive_opo(rewards, mask, index):
+    scores = [sum(r) for r in rewards.tolist()]
+    lengths = [sum(m) for m in mask.tolist()]
+    groups = naive_group(list(zip(scores, lengths)), index.tolist())
+    out = []
+    for s, g in zip(scores, index.tolist()):
+        members = groups[g]
+        total = sum(length for _, length in members)
+        if len(members) == 1 or total == 0:
+            b = 0.0
+        else:
+            b = sum(length * v for v, length in members) / total  # length-weighted mean
+        out.append(s - b)
+    return [[a * m for m in mrow] for a, mrow in zip(out, mask.tolist())]
+
+
+def naive_gpg(rewards, mask, index):
+    scores = [sum(r) for r in rewards.tolist()]
+    alpha = len(scores) / max(1, sum(1 for s in scores if s != 0))
+    groups = naive_group(scores, index.tolist())
+    out = []
+    for s, g in zip(scores, index.tolist()):
+        mean = sum(groups[g]) / len(groups[g]) if len(groups[g]) > 1 else 0.0
+        out.append(alpha * (s - mean) / 1.0)
+    return [[a * m for m in mrow] for a, mrow in zip(out, mask.tolist())]
+
+
+def naive_passk(rewards, mask, index, norm_by_std):
+    scores = [sum(r) for r in rewards.tolist()]
+    rows = defaultdict(list)
+    for i, g in enumerate(index.tolist()):
+        rows[g].append(i)
+    out = [0.0] * len(scores)
+    for members in rows.values():
+        vals = [scores[i] for i in members]
+        order = sorted(range(len(vals)), key=lambda j: -vals[j])
+        r1, r2 = vals[order[0]], vals[order[1]]
+        adv = r1 - r2  # 0 on a tie at the top, whichever row gets it
+        if norm_by_std:
+            mean = sum(vals) / len(vals)
+            adv /= math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) + 1e-6
+        out[members[order[0]]] = adv
+    return [[a * m for m in mrow] for a, mrow in zip(out, mask.tolist())]
+
+
+def naive_grpo_scores(scores, index, norm_by_std):
+    groups = naive_group(scores, index)
+    out = []
+    for s, g in zip(scores, index):
+        vals = groups[g]
+        if len(vals) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean = sum(vals) / len(vals)
+            std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+        out.append((s - mean) / (std + 1e-6) if norm_by_std else s - mean)
+    return out
+
+
+def naive_gdpo(components, mask, index, norm_by_std):
+    """verl compute_gdpo_outcome_advantage: GRPO per dimension, summed, whitened over the batch."""
+    K = len(components[0])
+    total = [0.0] * len(components)
+    for k in range(K):
+        adv_k = naive_grpo_scores([c[k] for c in components], index.tolist(), norm_by_std)
+        total = [a + b for a, b in zip(total, adv_k)]
+    tiled = [[a * m for m in mrow] for a, mrow in zip(total, mask.tolist())]
+    return naive_whiten(tiled, mask.tolist())
+
+
+def naive_energy(old_logprobs, sum_pi_squared, mask):
+    out = []
+    for lp, sq, m in zip(old_logprobs.tolist(), sum_pi_squared.tolist(), mask.tolist()):
+        row, running = [], 0.0
+        for a, b, mm in zip(lp, sq, m):
+            running += (1 - 2 * math.exp(a) + b) * mm  # W_t = Σ_{j<=t} (1 - 2π_j + Σπ²) m_j
+            row.append(running)
+        out.append(row)
+    return out
+
+
+def naive_zero_tail(baseline_rows, lengths):
+    """verl handle_zero_tail on one group: {row: baseline list}, {row: length}."""
+    ordered = sorted(lengths.values())
+    longest, second = ordered[-1], ordered[-2]
+    at_max = [i for i, n in lengths.items() if n == longest]
+    if len(at_max) == 1 and longest > second:
+        row = baseline_rows[at_max[0]]
+        for t in range(second, len(row)):
+            row[t] = 0.0
+
+
+def naive_otb(rewards, mask, index, old_logprobs, sum_pi_squared):
+    """verl compute_optimal_token_baseline_advantage, loops over groups and columns."""
+    G = naive_reward_to_go(rewards, mask)
+    W = naive_energy(old_logprobs, sum_pi_squared, mask)
+    M = mask.tolist()
+    N, T = len(G), len(G[0])
+    B = [[0.0] * T for _ in range(N)]
+    groups = defaultdict(list)
+    for i, g in enumerate(index.tolist()):
+        groups[g].append(i)
+    for members in groups.values():
+        if len(members) == 1:
+            continue
+        for t in range(T):
+            num = sum(G[i][t] * W[i][t] * M[i][t] for i in members)
+            den = sum(W[i][t] * M[i][t] for i in members) + 1e-8
+            for i in members:
+                B[i][t] = num / den
+        naive_zero_tail({i: B[i] for i in members}, {i: int(sum(M[i])) for i in members})
+    adv = [[(G[i][t] - B[i][t]) * M[i][t] for t in range(T)] for i in range(N)]
+    return adv, G
+
+
+def naive_tir_otb(rewards, mask, index, old_logprobs, sum_pi_squared):
+    """verl compute_multi_turn_optimal_token_baseline_advantage: valid tokens packed per row,
+    empty rows left out of their group, the baseline per valid-token index."""
+    G = naive_reward_to_go(rewards, mask)
+    W = naive_energy(old_logprobs, sum_pi_squared, mask)
+    M = mask.tolist()
+    N, T = len(G), len(G[0])
+    cols = [[t for t in range(T) if M[i][t]] for i in range(N)]
+    Gp = [[G[i][t] for t in cols[i]] + [0.0] * (T - len(cols[i])) for i in range(N)]
+    Wp = [[W[i][t] for t in cols[i]] + [0.0] * (T - len(cols[i])) for i in range(N)]
+    B = [[0.0] * T for _ in range(N)]
+    groups = defaultdict(list)
+    for i, g in enumerate(index.tolist()):
+        if cols[i]:
+            groups[g].append(i)
+    for members in groups.values():
+        if len(members) == 1:
+            continue
+        for k in range(T):
+            num = sum(Gp[i][k] * Wp[i][k] for i in members)
+            den = sum(Wp[i][k] for i in members) + 1e-8
+            for i in members:
+                B[i][k] = num / den
+        naive_zero_tail({i: B[i] for i in members}, {i: len(cols[i]) for i in members})
+    adv = [[0.0] * T for _ in range(N)]
+    for i in range(N):
+        for k, t in enumerate(cols[i]):
+            adv[i][t] = Gp[i][k] - B[i][k]
+    return adv, G
+
+
+# ---------------------------------------------------------------- hand-computed cases
+def test_remax_hand_computed():
+    rewards = torch.tensor([[0.0, 0.5, 1.0], [0.0, 2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, ret = run("remax", rewards, mask, baseline_score=torch.tensor([1.0, 3.0]))
+    # row 0: reward-to-go G = [1.5, 1.5, 1.0]; minus the greedy baseline 1 -> [0.5, 0.5, 0]
+    # row 1: G = [2, 2, (masked)]; minus 3 -> [-1, -1, 0]
+    assert ret.tolist() == [[1.5, 1.5, 1.0], [2.0, 2.0, 0.0]]
+    assert adv.tolist() == [[0.5, 0.5, 0.0], [-1.0, -1.0, 0.0]]
+
+
+def test_opo_hand_computed():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [2.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 0]])
+    index = torch.tensor([0, 0, 0, 5])
+    adv, _ = run("opo", rewards, mask, index)
+    # group 0: scores 1, 0, 1 with lengths 2, 2, 1 -> b = (2·1 + 2·0 + 1·1) / 5 = 0.6
+    # (the plain mean would be 2/3); group 5 is a group of one: b = 0
+    assert adv[:, 0].tolist() == pytest.approx([0.4, -0.6, 0.4, 2.0], abs=1e-7)
+    assert adv[2:, 1].tolist() == [0.0, 0.0]  # masked
+
+
+def test_gpg_hand_computed():
+    rewards, mask = outcome([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    index = torch.tensor([0, 0, 0, 0, 1, 1])
+    adv, _ = run("gpg", rewards, mask, index)
+    # α = 6 rows / 3 non-zero scores = 2; group 0 mean 0.25 -> 2·0.75, 2·(-0.25);
+    # group 1 is all ones: mean 1, advantage 0 (it still counts in α)
+    assert adv[:, 0].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 0.0, 0.0])
+
+
+def test_grpo_passk_hand_computed():
+    rewards, mask = outcome([0.2, 0.9, 0.5, 1.0, 1.0, 0.0])
+    index = torch.tensor([0, 0, 0, 1, 1, 1])
+    adv, _ = run("grpo_passk", rewards, mask, index, norm_adv_by_std_in_grpo=False)
+    # group 0: best 0.9, runner-up 0.5 -> only the best gets 0.4
+    # group 1: a tie at the top (1.0, 1.0) -> 0 for all
+    assert adv[:, 0].tolist() == pytest.approx([0.0, 0.4, 0.0, 0.0, 0.0, 0.0])
+    adv, _ = run("grpo_passk", rewards, mask, index)
+    # with the std: group 0 mean 8/15, unbiased std sqrt(((1/3)² + (11/30)² + (1/30)²) / 2) ≈ 0.35119
+    std = math.sqrt(((0.2 - 1.6 / 3) ** 2 + (0.9 - 1.6 / 3) ** 2 + (0.5 - 1.6 / 3) ** 2) / 2)
+    assert adv[1, 0].item() == pytest.approx(0.4 / (std + 1e-6))
+
+
+def test_gdpo_decouples_reward_dimensions():
+    # GDPO's motivating case: two binary rewards, two responses. (1, 0) vs (0, 1) sum to the same
+    # total, so GRPO on the sum gives both 0; per-dimension normalisation does too (±0.707 each,
+    # summed to 0). (1, 1) vs (0, 0) and (1, 1) vs (1, 0) differ in the sum and in GDPO.
+    comps = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
+    index = torch.tensor([0, 0, 1, 1, 2, 2])
+    rewards, mask = outcome([0.0] * 6, T=2)
+    adv, ret = run("gdpo", rewards, mask, index, reward_components=comps, norm_adv_by_std_in_grpo=False)
+    # Dr. GRPO per dimension: group 0: (0.5, -0.5) and (-0.5, 0.5) -> sums 0, 0;
+    # group 1: (0.5, 0.5), (-0.5, -0.5) -> 1, -1; group 2: (0, 0.5), (0, -0.5) -> 0.5, -0.5.
+    # Whitened over 12 tokens: mean 0, unbiased var = 2·(0 + 0 + 1 + 1 + 0.25 + 0.25) / 11 = 5/11
+    std = math.sqrt(5 / 11 + 1e-8)
+    assert adv[:, 0].tolist() == pytest.approx([0, 0, 1 / std, -1 / std, 0.5 / std, -0.5 / std])
+    assert torch.equal(adv, ret)
+
+
+def test_gdpo_without_components_is_whitened_grpo():
+    rewards, mask, index, _ = random_batch(4)
+    adv, _ = run("gdpo", rewards, mask, index)
+    grpo_adv, _ = run("grpo", rewards, mask, index)
+    assert_on_mask(adv, naive_whiten(grpo_adv.tolist(), mask.tolist()), mask)
+
+
+def test_optimal_token_baseline_hand_computed():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    mask = torch.ones(2, 2)
+    # w = 1 - 2π + Σπ²: row 0 [0.5, 0.5] -> W = [0.5, 1.0]; row 1 [0.5, 1.125] -> W = [0.5, 1.625]
+    logp = torch.tensor([[0.5, 0.5], [0.5, 0.25]]).log()
+    sq = torch.tensor([[0.5, 0.5], [0.5, 0.625]])
+    adv, ret = run("optimal_token_baseline", rewards, mask, old_logprobs=logp, sum_pi_squared=sq)
+    # G = [[1, 1], [0, 0]]; B_0 = (1·0.5 + 0·0.5) / (0.5 + 0.5) = 0.5; B_1 = 1·1 / (1 + 1.625)
+    b1 = 1 / 2.625
+    assert ret.tolist() == [[1.0, 1.0], [0.0, 0.0]]
+    assert adv.flatten().tolist() == pytest.approx([0.5, 1 - b1, -0.5, -b1], rel=1e-6)
+
+
+def test_optimal_token_baseline_zero_tail():
+    # lengths 1 and 3 in one group: past t = 1 the longest response is alone, its baseline is 0
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    logp = torch.full((2, 3), math.log(0.5)) * mask
+    sq = torch.full((2, 3), 0.5) * mask  # w = 0.5 on every valid token
+    adv, ret = run("optimal_token_baseline", rewards, mask, old_logprobs=logp, sum_pi_squared=sq)
+    # t = 0: G = 1 and 2, W = 0.5 each -> B_0 = 1.5; t >= 1 on row 1: B = 0 -> A = G = 2
+    assert adv.flatten().tolist() == pytest.approx([-0.5, 0.0, 0.0, 0.5, 2.0, 2.0], rel=1e-6)
+
+
+def test_tir_optimal_token_baseline_aligns_valid_tokens():
+    # Row 1 has a 2-token observation span; packed, both rows are 2-token responses. TIR gives the
+    # valid tokens what OTB gives the packed rows; OTB itself compares columns and differs.
+    rewards = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 1]])
+    logp = torch.tensor([[0.5, 0.5, 1.0, 1.0], [0.5, 1.0, 1.0, 0.25]]).log() * mask
+    sq = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.5, 0.0, 0.0, 0.625]]) * mask
+    adv, ret = run("tir_optimal_token_baseline", rewards, mask, old_logprobs=logp, sum_pi_squared=sq)
+    b1 = 1 / 2.625  # as in test_optimal_token_baseline_hand_computed
+    assert adv.flatten().tolist() == pytest.approx([0.5, 1 - b1, 0, 0, -0.5, 0, 0, -b1], rel=1e-6)
+    otb, _ = run("optimal_token_baseline", rewards, mask, old_logprobs=logp, sum_pi_squared=sq)
+    assert not torch.allclose(otb, adv)
+
+
+# ---------------------------------------------------------------- vectorised vs naive
+@pytest.mark.parametrize("seed", SEEDS)
+def test_remax_matches_naive(seed):
+    rewards, mask, index, _ = random_batch(seed)
+    b = random_extras(seed, mask)["baseline_score"]
+    adv, ret = run("remax", rewards, mask, index, baseline_score=b)
+    ref_adv, ref_ret = naive_remax(rewards, mask, b)
+    assert_on_mask(adv, ref_adv, mask)
+    assert_on_mask(ret, ref_ret, mask)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_opo_matches_naive(seed):
+    rewards, mask, index, _ = random_batch(seed)
+    adv, ret = run("opo", rewards, mask, index)
+    assert_on_mask(adv, naive_opo(rewards, mask, index), mask)
+    assert torch.equal(adv, ret)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gpg_matches_naive(seed):
+    rewards, mask, index, _ = random_batch(seed)
+    adv, _ = run("gpg", rewards, mask, index)
+    assert_on_mask(adv, naive_gpg(rewards, mask, index), mask)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk_matches_naive(seed, norm):
+    rewards, mask, index, _ = random_batch(seed, min_group=2)
+    adv, _ = run("grpo_passk", rewards, mask, index, norm_adv_by_std_in_grpo=norm)
+    assert_on_mask(adv, naive_passk(rewards, mask, index, norm), mask)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("norm", [True, False])
+def test_gdpo_matches_naive(seed, norm):
+    rewards, mask, index, _ = random_batch(seed)
+    comps = random_extras(seed, mask)["reward_components"]
+    adv, _ = run("gdpo", rewards, mask, index, reward_components=comps, norm_adv_by_std_in_grpo=norm)
+    assert_on_mask(adv, naive_gdpo(comps.tolist(), mask, index, norm), mask)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name, naive", [("optimal_token_baseline", naive_otb),
+                                         ("tir_optimal_token_baseline", naive_tir_otb)])
+def test_optimal_token_baselines_match_naive(seed, name, naive):
+    rewards, mask, index, _ = random_batch(seed)
+    x = random_extras(seed, mask)
+    adv, ret = run(name, rewards, mask, index, old_logprobs=x["old_logprobs"],
+                   sum_pi_squared=x["sum_pi_squared"])
+    ref_adv, ref_ret = naive(rewards, mask, index, x["old_logprobs"], x["sum_pi_squared"])
+    assert_on_mask(adv, ref_adv, mask)
+    assert_on_mask(ret, ref_ret, mask)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("N, T", [(2, 3), (8, 17), (16, 40)])
+@pytest.mark.parametrize("name, naive", [("optimal_token_baseline", naive_otb),
+                                         ("tir_optimal_token_baseline", naive_tir_otb)])
+def test_optimal_token_baselines_with_holes_match_naive(seed, N, T, name, naive):
+    rewards, mask = random_holes(seed, N, T)
+    index = torch.randint(0, max(1, N // 3), (N,), generator=torch.Generator().manual_seed(seed))
+    x = random_extras(seed, mask)
+    adv, ret = run(name, rewards, mask, index, old_logprobs=x["old_logprobs"],
+                   sum_pi_squared=x["sum_pi_squared"])
+    ref_adv, ref_ret = naive(rewards, mask, index, x["old_logprobs"], x["sum_pi_squared"])
+    assert_on_mask(adv, ref_adv, mask)
+    assert_on_mask(ret, ref_ret, mask)
+
+
+# ---------------------------------------------------------------- names, traits, edge cases
+def test_verl_0_9_names_are_all_registered():
+    verl = {"gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo",
+            "opo", "grpo_passk", "gpg", "rloo_vectorized", "grpo_vectorized",
+            "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo"}  # AdvantageEstimator
+    assert set(ADVANTAGE_ESTIMATORS.names(include_aliases=True)) == verl
+
+
+def test_vectorized_names_are_aliases():
+    assert ADVANTAGE_ESTIMATORS.get("grpo_vectorized") is ADVANTAGE_ESTIMATORS.get("grpo")
+    assert ADVANTAGE_ESTIMATORS.get("rloo_vectorized") is ADVANTAGE_ESTIMATORS.get("rloo")
+    # a group of one keeps its raw score under both names (verl's rloo_vectorized gives it 0)
+    rewards, mask = outcome([1.0, 0.0, 5.0])
+    adv, _ = run("rloo_vectorized", rewards, mask, torch.tensor([0, 0, 1]))
+    assert adv[:, 0].tolist() == [1.0, -1.0, 5.0]
+
+
+def test_traits_live_on_the_registry_entries():
+    t = ADVANTAGE_ESTIMATORS.traits
+    assert t("gae").needs_critic and not any(t(n).needs_critic for n in ADVANTAGE_ESTIMATORS
+                                             if n != "gae")
+    assert set(GROUP_ESTIMATORS) == {"grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg",
+                                     "grpo_passk", "gdpo", "optimal_token_baseline",
+                                     "tir_optimal_token_baseline"}
+    assert t("grpo_vectorized") is t("grpo")
+    assert [n for n in ADVANTAGE_ESTIMATORS if t(n).needs_greedy_baseline] == ["remax"]
+    assert [n for n in ADVANTAGE_ESTIMATORS if t(n).needs_sum_pi_squared] == [
+        "optimal_token_baseline", "tir_optimal_token_baseline"]
+
+
+@pytest.mark.parametrize("name, missing", [("remax", "baseline_score"),
+                                           ("optimal_token_baseline", "old_logprobs"),
+                                           ("optimal_token_baseline", "sum_pi_squared"),
+                                           ("tir_optimal_token_baseline", "sum_pi_squared")])
+def test_missing_inputs_raise_naming_them(name, missing):
+    rewards, mask = outcome([1.0, 0.0])
+    extras = {k: v for k, v in random_extras(0, mask).items() if k != missing}
+    with pytest.raises(ValueError, match=f"{name}.*needs {missing}"):
+        run(name, rewards, mask, **extras)
+    extras[missing] = torch.zeros(3)  # the wrong shape
+    with pytest.raises(ValueError, match=f"{missing} must have shape"):
+        run(name, rewards, mask, **extras)
+
+
+def test_grpo_passk_refuses_a_group_of_one():
+    rewards, mask = outcome([1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="at least 2 responses per group; 1 group"):
+        run("grpo_passk", rewards, mask, torch.tensor([0, 0, 1]))

@@ -123,7 +123,7 @@ def test_kl_loss_is_aggregated_estimator(mode):
     assert torch.allclose(loss, agg_loss(KL_ESTIMATORS.get("k3")(logp, ref), mask, mode))
     loss.backward()  # gradient flows into the policy log-probs, not into masked positions
     assert (logp.grad[~mask.bool()] == 0).all() and logp.grad[mask.bool()].abs().sum() > 0
-    with pytest.raises(KeyError, match="known: abs, k1, k2, k3, kl, low_var_kl, mse"):
+    with pytest.raises(KeyError, match=r"known: abs, abs\+, k1, k1\+, k2, k2\+, k3, k3\+, kl"):
         kl_loss(logp, ref, mask, kl_loss_type="k4", loss_agg_mode=mode)
 
 
@@ -188,3 +188,95 @@ def test_make_kl_controller():
         make_kl_controller("pid", kl_coef=0.1, target_kl=0.1, horizon=10)
     with pytest.raises(ValueError):
         AdaptiveKLController(0.1, target_kl=0.1, horizon=0)
+
+
+# ---------------------------------------------------------------- straight-through "+" forms
+PLUS = {"k1+": "k1", "abs+": "abs", "k2+": "k2", "k3+": "k3"}
+
+
+def naive_estimate(name, lp, rp):
+    """verl kl_penalty_forward on one pair of Python floats."""
+    d = lp - rp
+    if name == "k1":
+        return d
+    if name == "abs":
+        return abs(d)
+    if name == "k2":
+        return 0.5 * d * d
+    log_r = min(max(rp - lp, -20.0), 20.0)
+    return min(max(math.exp(log_r) - log_r - 1.0, -10.0), 10.0)
+
+
+def test_plus_aliases_are_the_same_functions():
+    for alias, name in (("kl+", "k1+"), ("mse+", "k2+"), ("low_var_kl+", "k3+")):
+        assert KL_ESTIMATORS.get(alias) is KL_ESTIMATORS.get(name)
+
+
+@pytest.mark.parametrize("plus, base", sorted(PLUS.items()))
+@pytest.mark.parametrize("seed", range(4))
+def test_plus_forms_match_naive_value_and_k2_gradient(plus, base, seed):
+    # value: the base estimator, bit for bit; gradient: k2's, d/dlogp ½(logp - ref)^2 = logp - ref,
+    # whatever the base (also where k3's clamps bind and its own gradient is 0)
+    g = torch.Generator().manual_seed(seed)
+    logp = (torch.randn(4, 6, generator=g, dtype=torch.float64) * 8).requires_grad_(True)
+    ref = torch.randn(4, 6, generator=g, dtype=torch.float64) * 8
+    out = KL_ESTIMATORS.get(plus)(logp, ref)
+    assert torch.equal(out.detach(), KL_ESTIMATORS.get(base)(logp, ref).detach())
+    weights = torch.rand(4, 6, generator=g, dtype=torch.float64)  # tells the elements apart
+    (grad,) = torch.autograd.grad((out * weights).sum(), logp)
+    for i in range(4):
+        for t in range(6):
+            lp, rp = logp[i, t].item(), ref[i, t].item()
+            assert out[i, t].item() == naive_estimate(base, lp, rp) or \
+                out[i, t].item() == pytest.approx(naive_estimate(base, lp, rp), rel=1e-12)
+            assert grad[i, t].item() == pytest.approx(weights[i, t].item() * (lp - rp), rel=1e-12)
+    # towards ref_logp too the gradient is k2's, -(logp - ref) (verl's formula; the reference
+    # is frozen in practice)
+    ref2 = ref.clone().requires_grad_(True)
+    (g_ref,) = torch.autograd.grad(KL_ESTIMATORS.get(plus)(logp, ref2).sum(), ref2)
+    assert torch.allclose(g_ref, -(logp - ref).detach(), rtol=1e-12, atol=0)
+
+
+def test_plus_forms_in_kl_loss_and_reward_penalty():
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(3, 5, generator=g, requires_grad=True)
+    ref = torch.randn(3, 5, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0]])
+    for mode in ("token-mean", "seq-mean-token-sum-norm"):
+        plus = kl_loss(logp, ref, mask, kl_loss_type="k3+", loss_agg_mode=mode, loss_scale_factor=4.0)
+        base = kl_loss(logp, ref, mask, kl_loss_type="k3", loss_agg_mode=mode, loss_scale_factor=4.0)
+        k2 = kl_loss(logp, ref, mask, kl_loss_type="k2", loss_agg_mode=mode, loss_scale_factor=4.0)
+        assert plus.item() == base.item()
+        (g_plus,) = torch.autograd.grad(plus, logp)
+        (g_k2,) = torch.autograd.grad(k2, logp)
+        assert torch.allclose(g_plus, g_k2, rtol=1e-6, atol=1e-8)
+    scores = torch.randn(3, 5, generator=g)
+    r_plus, m_plus = apply_kl_penalty(scores, logp.detach(), ref, mask, kl_coef=0.1, kl_penalty="low_var_kl+")
+    r_base, m_base = apply_kl_penalty(scores, logp.detach(), ref, mask, kl_coef=0.1, kl_penalty="low_var_kl")
+    assert torch.equal(r_plus, r_base) and m_plus["kl"] == m_base["kl"]
+
+
+def test_plus_gradient_is_an_unbiased_kl_gradient_where_k3_is_not():
+    # π = softmax(θ) over 6 tokens; tokens sampled from π. The sample mean of ∇_θ k3+(token)
+    # approaches ∇_θ KL(π_θ || π_ref) (computed exactly); the mean of ∇_θ k3 approaches the
+    # gradient of the other direction, KL(π_ref || π_θ), and the mean of ∇_θ k1 approaches 0.
+    g = torch.Generator().manual_seed(1)
+    theta = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    ref_all = torch.randn(6, generator=g, dtype=torch.float64).log_softmax(-1)
+    logp_all = theta.log_softmax(-1)
+    (true_grad,) = torch.autograd.grad((logp_all.exp() * (logp_all - ref_all)).sum(), theta)
+    (reverse_grad,) = torch.autograd.grad((ref_all.exp() * (ref_all - theta.log_softmax(-1))).sum(),
+                                          theta)
+    tokens = torch.multinomial(logp_all.detach().exp(), 400_000, replacement=True, generator=g)
+
+    def mean_grad(name):
+        lp = theta.log_softmax(-1)[tokens]
+        (grad,) = torch.autograd.grad(KL_ESTIMATORS.get(name)(lp, ref_all[tokens]).mean(), theta)
+        return grad
+
+    scale = true_grad.abs().max()
+    for name in ("k3+", "k1+", "abs+", "k2"):
+        assert (mean_grad(name) - true_grad).abs().max() < 0.05 * scale, name
+    assert (mean_grad("k3") - reverse_grad).abs().max() < 0.05 * scale
+    assert (mean_grad("k3") - true_grad).abs().max() > 0.2 * scale  # k3's gradient is the wrong one
+    assert mean_grad("k1").abs().max() < 0.05 * scale

@@ -106,14 +106,13 @@ def test_real_registries_reject_duplicates_and_wrong_signatures():
     with pytest.raises(TypeError):
         register_advantage("not_a_real_estimator")(lambda token_level_rewards, response_mask: None)
     assert "not_a_real_estimator" not in ADVANTAGE_ESTIMATORS
-    with pytest.raises(KeyError, match="known: gae, grpo, reinforce_plus_plus"):
+    with pytest.raises(KeyError, match="known: gae, gdpo, gpg, grpo, grpo_passk, grpo_vectorized, "):
         get_advantage_estimator("ppo")
-    with pytest.raises(ValueError, match="known: gspo, vanilla"):
+    with pytest.raises(ValueError, match="known: bypass_mode, cispo, clip_cov, .*, vanilla"):
         get_policy_loss("ppo_clip")
 
 
-@pytest.mark.parametrize("registry, names", [
-    (ADVANTAGE_ESTIMATORS, config.ADV_ESTIMATORS),
+@pytest.mark.parametrize("registry, names", [  # advantage estimators: the config asks the registry
     (POLICY_LOSSES, config.POLICY_LOSSES),
     (KL_ESTIMATORS, config.KL_TYPES),
     (LOSS_AGG_MODES, config.LOSS_AGG_MODES),
@@ -123,6 +122,35 @@ def test_every_config_name_resolves(registry, names):
         assert callable(registry.get(name)), name
     # and nothing registered is unreachable from the config
     assert set(registry.names(include_aliases=True)) <= set(names)
+
+
+def test_config_accepts_every_estimator_and_asks_the_registry_for_its_traits():
+    for name in ADVANTAGE_ESTIMATORS.names(include_aliases=True):
+        algo = config.AlgorithmConfig(adv_estimator=name)
+        assert algo.estimator_traits is ADVANTAGE_ESTIMATORS.traits(name)
+        assert algo.uses_critic == ADVANTAGE_ESTIMATORS.traits(name).needs_critic
+    assert config.AlgorithmConfig(adv_estimator="gae").uses_critic
+
+
+def test_traits_are_typed_and_checked_at_registration():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Traits:
+        needs_x: bool = False
+
+    reg = Registry("thing", traits=Traits)
+    reg.register("a", "alias", needs_x=True)(lambda: 1)
+    reg.register("b")(lambda: 2)
+    assert reg.traits("a") == Traits(needs_x=True) and reg.traits("alias") is reg.traits("a")
+    assert reg.traits("b") == Traits()
+    with pytest.raises(TypeError, match="bad traits"):
+        reg.register("c", needs_y=True)
+    with pytest.raises(UnknownNameError):
+        reg.traits("zzz")
+    with pytest.raises(TypeError, match="no traits"):
+        Registry("plain").register("a", needs_x=True)
+    assert Registry("plain").register("a")(lambda: 0)() == 0
 
 
 def test_two_pending_decorators_for_one_name_cannot_both_register():

@@ -21,7 +21,14 @@ def _batch(seed=0, with_extras=True):
         kw = dict(score=torch.rand(N, generator=g), ref_logprobs=-torch.rand(N, T, generator=g) * rmask,
                   advantages=torch.randn(N, T, generator=g) * rmask,
                   returns=torch.randn(N, T, generator=g) * rmask,
-                  values=torch.randn(N, T, generator=g) * rmask)
+                  values=torch.randn(N, T, generator=g) * rmask,
+                  sum_pi_squared=torch.rand(N, T, generator=g) * rmask,
+                  baseline_score=torch.tensor([1.0, 1.0, 0.0, 0.0, 0.5, 0.5]))
+        # a greedy response per prompt, repeated over the prompt's rows (lengths 3, 1, 0 -> T_b = 3)
+        blen = torch.tensor([3, 3, 1, 1, 0, 0])
+        bmask = (torch.arange(3)[None] < blen[:, None]).float()
+        bids = torch.randint(4, 90, (N, 3), generator=g)[[0, 0, 2, 2, 4, 4]] * bmask.long()
+        kw.update(baseline_response_ids=bids, baseline_response_mask=bmask)
     return Batch(prompt_ids=pids, prompt_mask=pmask, response_ids=rids, response_mask=rmask,
                  response_logprobs=lp, group=torch.tensor([0, 0, 1, 1, 2, 2]),
                  uid=list("aabbcc"), ground_truth=["1", "1", "2", "2", "3", "3"],
@@ -34,7 +41,9 @@ def test_parquet_round_trip_is_bit_exact(extras):
     b = _batch(with_extras=extras)
     r = batch_from_parquet_bytes(batch_to_parquet_bytes(b))
     for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "response_logprobs",
-                 "group", "score", "ref_logprobs", "advantages", "returns", "values"):
+                 "group", "score", "ref_logprobs", "advantages", "returns", "values",
+                 "sum_pi_squared", "baseline_response_ids", "baseline_response_mask",
+                 "baseline_score"):
         a, c = getattr(b, name), getattr(r, name)
         if a is None:
             assert c is None
@@ -42,6 +51,26 @@ def test_parquet_round_trip_is_bit_exact(extras):
             assert torch.equal(a, c), name
     assert (r.uid, r.ground_truth, r.extra_info, r.meta) == (b.uid, b.ground_truth, b.extra_info,
                                                              b.meta)
+
+
+def test_baseline_columns_round_trip_through_parquet_file(tmp_path):
+    # the ReMax and OTB columns survive the phase boundary (parquet on disk), dtypes included
+    import pyarrow.parquet as pq
+
+    from verl_core.data.batch import batch_to_table, table_to_batch
+
+    b = _batch()
+    pq.write_table(batch_to_table(b), tmp_path / "b.parquet")
+    table = pq.read_table(tmp_path / "b.parquet")
+    assert table.column("baseline_response_ids").to_pylist()[4] == []  # an empty greedy response
+    r = table_to_batch(table)
+    assert r.baseline_response_ids.dtype == torch.long and r.baseline_score.dtype == torch.float32
+    assert r.baseline_response_mask.dtype == torch.float32 and r.sum_pi_squared.dtype == torch.float32
+    for name in ("baseline_response_ids", "baseline_response_mask", "baseline_score",
+                 "sum_pi_squared"):
+        assert torch.equal(getattr(r, name), getattr(b, name)), name
+    s = b.select(torch.tensor([5, 0]))
+    assert torch.equal(s.baseline_response_ids, b.baseline_response_ids[[5, 0]])
 
 
 def test_select_rows():

@@ -1,17 +1,20 @@
 """The PPO update on the real tiny model: accumulation, determinism, direction of the update."""
 import copy
+import dataclasses
+import math
 
 import pytest
 import torch
 
-from verl_core.algorithms import micro_batch_weight
+from verl_core.algorithms import POLICY_LOSSES, PolicyLossOptions, micro_batch_weight
 from verl_core.config import AlgorithmConfig, OptimConfig
 from verl_core.data.batch import Batch
 from verl_core.models import build_tiny_model
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.training.forward import batched_logprobs
 from verl_core.training.optim import lr_factor, make_optimizer, make_scheduler
-from verl_core.training.ppo import ppo_update
+from verl_core.training import ppo as ppo_module
+from verl_core.training.ppo import loss_options, ppo_update
 
 
 def _rollout(seed=0, n_prompts=4, G=4):
@@ -44,7 +47,8 @@ def _run(model, batch, micro, seed=0, epochs=1, algo=None, sched_out=None):
     return m
 
 
-def _grads_at_each_step(model, batch, *, mini, micro, mode="token-mean"):
+def _grads_at_each_step(model, batch, *, mini, micro, mode="token-mean", algo=None,
+                        metrics_out=None):
     """Run ``ppo_update`` and return the gradient each optimizer step received, one dict per step,
     read by a step pre-hook (after clipping, which grad_clip=1e9 makes a multiplication by 1).
     SGD at lr 0 leaves the weights as they were, so every step sees the same point."""
@@ -53,8 +57,11 @@ def _grads_at_each_step(model, batch, *, mini, micro, mode="token-mean"):
     grads = []
     opt.register_step_pre_hook(lambda *_: grads.append(
         {n: p.grad.detach().clone() for n, p in model.named_parameters()}))
-    ppo_update(model, opt, sched, batch, AlgorithmConfig(loss_agg_mode=mode), temperature=1.0,
-               mini_batch_rows=mini, micro_batch_rows=micro, epochs=1, grad_clip=1e9, seed=0)
+    m = ppo_update(model, opt, sched, batch, algo or AlgorithmConfig(loss_agg_mode=mode),
+                   temperature=1.0, mini_batch_rows=mini, micro_batch_rows=micro, epochs=1,
+                   grad_clip=1e9, seed=0)
+    if metrics_out is not None:
+        metrics_out.append(m)
     return grads
 
 
@@ -67,16 +74,50 @@ def _ragged(batch):
     return batch.replace(response_mask=mask, advantages=batch.advantages * mask)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                  "seq-mean-token-sum-norm", "token-sum"])
 @pytest.mark.parametrize("ragged", [False, True])
 def test_micro_batch_accumulation_matches_one_big_batch(mode, ragged):
     model, batch = _rollout()
     if ragged:
         batch = _ragged(batch)
         assert len(set(batch.response_mask.sum(-1).tolist())) > 2
+    _assert_split_invariant(model, batch, AlgorithmConfig(loss_agg_mode=mode))
+
+
+def _off_policy(batch, seed=0):
+    """The batch with its rollout log-probs moved off the trainer's (noise on valid tokens), so
+    rollout IS weights and bypass mode see a real mismatch."""
+    g = torch.Generator().manual_seed(seed)
+    noise = 0.3 * torch.randn(batch.response_logprobs.shape, generator=g)
+    return batch.replace(response_logprobs=batch.response_logprobs + noise * batch.response_mask)
+
+
+@pytest.mark.parametrize("algo_kw", [
+    dict(policy_loss="gspo"), dict(policy_loss="cispo"), dict(policy_loss="dppo_tv"),
+    dict(policy_loss="dppo_kl"), dict(policy_loss="sapo"), dict(policy_loss="geo_mean"),
+    dict(policy_loss="gpg"), dict(policy_loss="dro", dro_beta=0.1),
+    dict(policy_loss="bypass_mode"),
+    dict(policy_loss="bypass_mode", bypass_loss_type="reinforce", rollout_is="token"),
+    dict(policy_loss="vanilla", rollout_is="token", rollout_is_threshold=1.2),
+    dict(policy_loss="vanilla", rollout_is="sequence", rollout_is_threshold_lower=0.5,
+         rollout_is_batch_normalize=True),
+], ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_new_losses_and_rollout_weights_do_not_depend_on_the_split(algo_kw):
+    # geo_mean, sapo and gspo honour loss_agg_mode (verl fixes their aggregation), which is what
+    # keeps them split-invariant under the mode's micro-batch weights; the rollout IS weights are
+    # computed once for the whole batch. (clip_cov and kl_cov select tokens per micro-batch, as
+    # verl does, and are not split-invariant by design.)
+    model, batch = _rollout()
+    batch = _off_policy(_ragged(batch))
+    _assert_split_invariant(model, batch, AlgorithmConfig(loss_agg_mode="token-mean", **algo_kw))
+
+
+def _assert_split_invariant(model, batch, algo):
+    mode = algo.loss_agg_mode
     N = batch.num_rows
-    [one] = _grads_at_each_step(copy.deepcopy(model), batch, mini=N, micro=N, mode=mode)
-    rows = _grads_at_each_step(copy.deepcopy(model), batch, mini=1, micro=1, mode=mode)
+    [one] = _grads_at_each_step(copy.deepcopy(model), batch, mini=N, micro=N, algo=algo)
+    rows = _grads_at_each_step(copy.deepcopy(model), batch, mini=1, micro=1, algo=algo)
     assert len(rows) == N  # one step per row: row i's gradient g_i of its own loss
     # row i's weight in the mini-batch loss (its share of the tokens, or of the non-empty rows)
     w = [float(micro_batch_weight(batch.response_mask[i:i + 1], batch.response_mask, mode))
@@ -103,7 +144,7 @@ def test_micro_batch_accumulation_matches_one_big_batch(mode, ragged):
     L = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
     n = max(N * L, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
     for micro in (1, 4):
-        [acc] = _grads_at_each_step(copy.deepcopy(model), batch, mini=N, micro=micro, mode=mode)
+        [acc] = _grads_at_each_step(copy.deepcopy(model), batch, mini=N, micro=micro, algo=algo)
         for name, g in one.items():
             S = sum(wi * r[name].abs() for wi, r in zip(w, rows))
             diff = (acc[name] - g).abs()
@@ -162,3 +203,77 @@ def test_lr_schedule_warmup_then_schedule(schedule):
     else:
         assert f[4] == pytest.approx(1.0) and f[20] == pytest.approx(0.1)
         assert all(x >= y for x, y in zip(f[4:], f[5:]))
+
+
+# ---------------------------------------------------------------- policy-loss options plumbing
+def test_loss_options_carry_every_config_field_with_verls_defaults():
+    algo = AlgorithmConfig()
+    assert loss_options(algo) == PolicyLossOptions()  # the config's defaults are the losses'
+    names = [f.name for f in dataclasses.fields(PolicyLossOptions)]
+    changed = AlgorithmConfig(policy_loss="dro", dro_beta=0.2, tau_neg=2.0, clip_cov_ratio=0.5,
+                              rollout_is="sequence", bypass_loss_type="reinforce")
+    opts = loss_options(changed)
+    for n in names:
+        assert getattr(opts, n) == getattr(changed, n), n
+
+
+def test_rollout_is_weights_scale_the_gradient():
+    # rollout log-probs = the trainer's - log 2 on every valid token: w = exp(log 2) = 2 (under a
+    # threshold of 10), so the vanilla gradient doubles; the metrics report the weights.
+    model, batch = _rollout()
+    N = batch.num_rows
+    old = batched_logprobs(model, batch, 1.0, N)
+    halved = batch.replace(response_logprobs=(old - math.log(2.0)) * batch.response_mask)
+    [base] = _grads_at_each_step(copy.deepcopy(model), halved, mini=N, micro=N)
+    metrics = []
+    algo = AlgorithmConfig(rollout_is="token", rollout_is_threshold=10.0)
+    [weighted] = _grads_at_each_step(copy.deepcopy(model), halved, mini=N, micro=N, algo=algo,
+                                     metrics_out=metrics)
+    for name, g in base.items():
+        assert torch.allclose(weighted[name], 2.0 * g, rtol=1e-4, atol=1e-7), name
+    assert metrics[0]["rollout_corr/rollout_is_mean"] == pytest.approx(2.0, rel=1e-5)
+    assert metrics[0]["rollout_corr/kl"] == pytest.approx(-math.log(2.0), rel=1e-5)
+    assert metrics[0]["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+    # truncated at 1.5: the gradient is 1.5 times the base one
+    algo = AlgorithmConfig(rollout_is="token", rollout_is_threshold=1.5)
+    [truncated] = _grads_at_each_step(copy.deepcopy(model), halved, mini=N, micro=N, algo=algo)
+    for name, g in base.items():
+        assert torch.allclose(truncated[name], 1.5 * g, rtol=1e-4, atol=1e-7), name
+
+
+def test_bypass_mode_takes_the_rollout_logprobs_without_recomputing(monkeypatch):
+    model, batch = _rollout()
+    N = batch.num_rows
+    # with rollout log-probs equal to the trainer's, bypass (ppo_clip) is vanilla bit for bit
+    same = batch.replace(response_logprobs=batched_logprobs(model, batch, 1.0, N))
+    [vanilla] = _grads_at_each_step(copy.deepcopy(model), same, mini=N, micro=N)
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("bypass_mode must not recompute the old log-probs")
+
+    monkeypatch.setattr(ppo_module, "batched_logprobs", no_recompute)
+    bypass = AlgorithmConfig(policy_loss="bypass_mode")
+    [got] = _grads_at_each_step(copy.deepcopy(model), same, mini=N, micro=N, algo=bypass)
+    assert all(torch.equal(got[n], g) for n, g in vanilla.items())
+    # and it follows the rollout log-probs when they differ
+    [moved] = _grads_at_each_step(copy.deepcopy(model), _off_policy(same), mini=N, micro=N,
+                                  algo=bypass)
+    assert any(not torch.equal(moved[n], g) for n, g in vanilla.items())
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES.names()))
+def test_every_policy_loss_trains_deterministically(name):
+    model, batch = _rollout()
+    batch = _off_policy(batch)
+    algo = AlgorithmConfig(policy_loss=name, dro_beta=0.1, clip_cov_ratio=0.2, clip_cov_lb=-1e3,
+                           clip_cov_ub=1e3, kl_cov_ratio=0.2, loss_agg_mode="seq-mean-token-sum-norm",
+                           loss_scale_factor=4.0, use_kl_loss=True, kl_loss_type="k3+",
+                           entropy_coeff=0.01)
+    batch = batch.replace(ref_logprobs=batch.response_logprobs)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    ma = _run(a, batch, micro=4, epochs=2, algo=algo)
+    mb = _run(b, batch, micro=4, epochs=2, algo=algo)
+    assert ma == mb and all(v == v for v in ma.values())  # equal (clip_cov's draws seeded), no NaN
+    assert ma["update/skipped_nonfinite_steps"] == 0.0
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
+    assert any(not torch.equal(pa, p0) for pa, p0 in zip(a.parameters(), model.parameters()))
