@@ -34,7 +34,7 @@ from verl_core.models.tokenizer import build_char_tokenizer
 from verl_core.reward.decode import decode_responses
 from verl_core.reward.manager import RewardScorer
 from verl_core.rollout import SamplingParams, make_engine
-from verl_core.rollout.base import GenerationOutput
+from verl_core.rollout.base import GenerationOutput, concat_outputs
 from verl_core.training.forward import batched_logprobs, batched_sum_pi_squared, batched_values
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.optim import make_optimizer, make_scheduler
@@ -394,8 +394,7 @@ class RLTrainer:
         mine = self.dp.block(torch.arange(n))
         out = self.engine.generate(prompt_ids[mine], prompt_mask[mine], params,
                                    first_row=int(mine[0]), total_rows=n)
-        parts = self.dp.gather_objects((out.response_ids, out.response_mask, out.logprobs))
-        return _concat_outputs(parts, self.tokenizer.pad_token_id)
+        return concat_outputs(self.dp.gather_objects(out), self.tokenizer.pad_token_id)
 
     def _generate_greedy(self, prompt_ids, prompt_mask) -> GenerationOutput:
         """One greedy (argmax) response per prompt row: (B, T_b). With W > 1 the rows are padded
@@ -549,19 +548,3 @@ class RLTrainer:
         lengths = [x for part in self.dp.gather_objects(lengths) for x in part]
         return {"val/accuracy": sum(scores) / max(1, len(scores)),
                 "val/response_length": sum(lengths) / max(1, len(lengths))}
-
-
-def _concat_outputs(parts, pad_id: int) -> GenerationOutput:
-    """Concatenate workers' ``(response_ids, response_mask, logprobs)`` blocks in rank order,
-    right-padding to the longest and trimming columns that are padding in every row (what one
-    engine call over all rows returns)."""
-    T = max(p[0].shape[1] for p in parts)
-
-    def cat(i, pad):
-        return torch.cat([torch.nn.functional.pad(p[i], (0, T - p[i].shape[1]), value=pad)
-                          for p in parts], 0)
-
-    ids, mask, logp = cat(0, pad_id), cat(1, 0.0), cat(2, 0.0)
-    T = int(mask.sum(0).nonzero().max()) + 1 if mask.any() else 0
-    return GenerationOutput(response_ids=ids[:, :T], response_mask=mask[:, :T],
-                            logprobs=logp[:, :T])

@@ -62,8 +62,8 @@ def store_tokenizer(store: RunStore, tokenizer: Any) -> dict:
     # the doc (a gc root) first, then the objects it names: a concurrent gc never sees them
     # without their root
     store.put_json(TOKENIZER_DOC, doc)
-    for b in data.values():
-        store.put_bytes(b)
+    for name, b in data.items():
+        store.put_parts([b], sha=files[name]["sha"])
     return doc
 
 

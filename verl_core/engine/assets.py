@@ -104,7 +104,7 @@ def publish_assets(store: RunStore, assets: Assets, storage_options: dict | None
              "val": [add(read(u)) for u in assets.val_files]}
     index["id"] = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
     store.put_json(f"assets/{index['id']}", index)
-    store.map(store.put_bytes, list(blobs.values()))
+    store.map(lambda kv: store.put_parts([kv[1]], sha=kv[0]), list(blobs.items()))
     return index
 
 

@@ -69,9 +69,10 @@ def put_batch(store: RunStore, batch: Batch, *, pending: str | None = None) -> s
     record it as a gc root. The root is written *before* the object, so a concurrent gc (which
     lists objects before it reads roots) can never see the object without its root."""
     data = batch_to_parquet_bytes(batch)
+    sha = sha256_hex([data])
     if pending:
-        store.put_json(pending, {"batch": sha256_hex([data])})
-    return store.put_bytes(data)
+        store.put_json(pending, {"batch": sha})
+    return store.put_parts([data], sha=sha)[0]  # hashed once
 
 
 def get_batch(store: RunStore, ref: str) -> Batch:

@@ -32,6 +32,23 @@ class GenerationOutput:
     logprobs: torch.Tensor  # (N, T) float32, log p(token) of each sampled token, 0 on padding
 
 
+def concat_outputs(parts: list[GenerationOutput], pad_id: int) -> GenerationOutput:
+    """Concatenate outputs of row blocks (micro-batches, or workers' blocks) in order,
+    right-padding each to the longest and trimming trailing columns that are padding in every
+    row: what one call over all the rows returns."""
+    T = max(p.response_ids.shape[1] for p in parts)
+
+    def cat(name: str, pad) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(getattr(p, name).cpu(),
+                                                  (0, T - getattr(p, name).shape[1]), value=pad)
+                          for p in parts], 0)
+
+    ids, mask, logp = cat("response_ids", pad_id), cat("response_mask", 0.0), cat("logprobs", 0.0)
+    T = int(mask.sum(0).nonzero().max()) + 1 if mask.any() else 0  # every row stopped early
+    return GenerationOutput(response_ids=ids[:, :T], response_mask=mask[:, :T],
+                            logprobs=logp[:, :T])
+
+
 class RolloutEngine(abc.ABC):
     """Generates responses for left-padded prompts."""
 

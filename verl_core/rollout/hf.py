@@ -14,7 +14,8 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from verl_core.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, register_engine
+from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams,
+                                    concat_outputs, register_engine)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -129,21 +130,7 @@ class HFEngine(RolloutEngine):
                 uniforms[sl].to(device), params, eos_token_id=self.eos_token_id,
                 pad_token_id=self.pad_token_id))
         self.model.train(was_training)
-        width = max(o.response_ids.shape[1] for o in outs)
-
-        def cat(name, pad):
-            parts = []
-            for o in outs:
-                x = getattr(o, name).cpu()
-                if x.shape[1] < width:
-                    x = torch.cat([x, torch.full((x.shape[0], width - x.shape[1]), pad, dtype=x.dtype)], 1)
-                parts.append(x)
-            return torch.cat(parts, 0)
-
-        resp, mask, lp = cat("response_ids", self.pad_token_id), cat("response_mask", 0.0), cat("logprobs", 0.0)
-        # trim trailing all-padding columns (every row stopped early)
-        T = int(mask.sum(0).nonzero().max().item()) + 1 if mask.any() else 0
-        return GenerationOutput(response_ids=resp[:, :T], response_mask=mask[:, :T], logprobs=lp[:, :T])
+        return concat_outputs(outs, self.pad_token_id)
 
 
 @register_engine("hf")
