@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -17,6 +16,7 @@ import verl_core
 from verl_core.checkpoint.errors import TransientError
 from verl_core.engine import runtime
 from verl_core.engine.runtime import RunSpec
+from verl_core.guard.events import event_line
 from verl_core.guard.faults import maybe_inject
 
 T = TypeVar("T")
@@ -27,8 +27,10 @@ logging.getLogger("ray").setLevel(logging.WARNING)
 
 # Bump one phase's entry when its behaviour changes; a package version bump invalidates all.
 PHASE_VERSIONS = {"prepare": "2", "rollout": "1", "reward": "2", "advantage": "1",
-                  "update": "1", "checkpoint": "1", "evaluate": "2", "finalize": "1"}
+                  "update": "2", "checkpoint": "1", "evaluate": "3", "finalize": "2"}
 # prepare/reward/evaluate v2: responses are scored cut at the first EOS, special tokens kept
+# update v2: the guard decides (skip/rollback records in the lineage); finalize v2: scrub
+# evaluate v3: stores held-out samples for the reports (Decks)
 
 RETRIES = 3
 """Cluster retries of a phase (Flyte applies them only on a cluster; locally
@@ -83,20 +85,31 @@ def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T]) -> T:
     a transient fault that outlived the retries to FlyteRecoverableException (so a cluster
     retries only this phase). Permanent faults propagate unchanged: they fail fast."""
     t0 = time.time()
+    timeout = spec.config.guard.phase_timeout_s
+    verl_core.beat()  # a phase started (the probe fails if none starts or ends for too long)
 
     def attempt():
-        maybe_inject(phase, step)  # VERL_FAULTS (tests, chaos drills); a no-op otherwise
-        return fn()
+        t = time.perf_counter()
+        try:
+            with runtime.deadline(timeout, f"{phase} of step {step}"):
+                runtime.hold_lease(spec)  # one writer per run: renewed (or taken) per phase
+                # VERL_FAULTS (tests, chaos drills); a no-op otherwise
+                maybe_inject(phase, step, deadline_s=timeout)
+                out = fn()
+        except runtime.PhaseTimeoutError:
+            runtime.forget_workers(spec)  # hung: its state and queue are unknown
+            raise
+        metrics = out[-1] if isinstance(out, tuple) else out
+        runtime.watch_phase(spec, phase, step, time.perf_counter() - t,
+                            metrics if isinstance(metrics, dict) else {})
+        return out
 
     try:
         out = runtime.with_retries(attempt, what=f"{phase} step {step}", attempts=RETRIES)
     except TransientError as e:
         raise FlyteRecoverableException(f"{phase} of step {step}: {e}") from e
     runtime.log_phase(spec, phase, step, started=t0)
-    heartbeat = os.environ.get("VERL_HEARTBEAT_FILE")
-    if heartbeat:  # what `python -m verl_core.health --heartbeat-file` checks for liveness
-        with open(heartbeat, "a"):
-            os.utime(heartbeat)
+    verl_core.beat()  # the liveness probe's heartbeat (VERL_HEARTBEAT_FILE), at the end too
     return out
 
 
@@ -114,4 +127,7 @@ def progress(spec: RunSpec, step: int, metrics: dict) -> None:
         if k in metrics:
             parts.append(f"{name}={metrics[k]:.3f}")
     parts.append(f"ETA {eta:.0f}s")
+    events = runtime.step_events(spec, step - 1)  # the step's guard events (one store listing)
+    if events:
+        parts.append(event_line(events))
     print("[verl] " + " ".join(parts), flush=True)

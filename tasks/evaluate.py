@@ -1,10 +1,14 @@
-"""Evaluation (Ray): greedy accuracy on the held-out split for the state after `step` updates."""
+"""Evaluation (Ray): greedy accuracy on the held-out split for the state after `step` updates; its
+Deck shows the run so far (plots over steps, held-out samples, guard events)."""
 
 from dataclasses import dataclass
 
 from flytekit import task
 
+from tasks import decks
 from tasks.common import RAY_CONFIG, RETRIES, StepState, cache_for, run_phase
+from tasks.images import GPU_IMAGE
+from verl_core import report
 from verl_core.engine import runtime
 from verl_core.engine.runtime import RunSpec
 
@@ -19,11 +23,14 @@ class EvalResult:
     """Mean greedy response length in tokens."""
 
 
-@task(task_config=RAY_CONFIG, cache=cache_for("evaluate"), retries=RETRIES)
+@task(task_config=RAY_CONFIG, cache=cache_for("evaluate"), retries=RETRIES, enable_deck=True,
+      deck_fields=decks.REPORT_DECK_FIELDS, container_image=GPU_IMAGE)
 def evaluate(spec: RunSpec, state: StepState) -> EvalResult:
     m = run_phase(spec, "evaluate", state.step,
                   lambda: runtime.call_worker(spec, "evaluate", state.step))
     runtime.record_step_metrics(spec, state.step, m)
     print(f"[verl] eval after {state.step} steps: accuracy={m['val/accuracy']:.3f}", flush=True)
+    decks.attach("RL run", report.for_run(spec, title=f"Evaluation after {state.step} steps",
+                                          sample_steps=[state.step]))
     return EvalResult(step=state.step, accuracy=m["val/accuracy"],
                       response_length=m["val/response_length"])

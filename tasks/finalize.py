@@ -1,12 +1,15 @@
 """Finalize (Ray): wait for background checkpoints, export the final model, write the metrics
-table, return the summary."""
+table, return the summary; its Deck is the run's report (plots, held-out samples, guard events)."""
 
 from dataclasses import dataclass
 
 from flytekit import task
 
+from tasks import decks
 from tasks.common import RAY_CONFIG, RETRIES, StepState, cache_for, run_phase
 from tasks.evaluate import EvalResult
+from tasks.images import GPU_IMAGE
+from verl_core import report
 from verl_core.engine import runtime
 from verl_core.engine.runtime import RunSpec
 
@@ -33,7 +36,8 @@ class Summary:
     """The run store."""
 
 
-@task(task_config=RAY_CONFIG, cache=cache_for("finalize"), retries=RETRIES)
+@task(task_config=RAY_CONFIG, cache=cache_for("finalize"), retries=RETRIES, enable_deck=True,
+      deck_fields=decks.REPORT_DECK_FIELDS, container_image=GPU_IMAGE)
 def finalize(spec: RunSpec, last: StepState, start: EvalResult, end: EvalResult) -> Summary:
     out = run_phase(spec, "finalize", last.step, lambda: runtime.finalize_run(spec, last.step))
     s = Summary(algorithm=spec.config.algorithm.adv_estimator, steps=last.step,
@@ -44,4 +48,6 @@ def finalize(spec: RunSpec, last: StepState, start: EvalResult, end: EvalResult)
     print(f"[verl] done: accuracy {s.start_accuracy:.3f} -> {s.end_accuracy:.3f}, reward "
           f"{s.first_reward:.3f} -> {s.last_reward:.3f}; final model: {s.final_model}; "
           f"metrics: {s.metrics_table}", flush=True)
+    decks.attach("RL run", report.for_run(spec, title=f"{s.algorithm}: {s.steps} steps",
+                                          sample_steps=sorted({start.step, end.step})))
     return s

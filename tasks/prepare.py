@@ -59,10 +59,14 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
                        overrides)
     uri = runtime.run_store_uri(store, run_name)
     st = runtime._store(uri)
-    return RunSpec(store=st.uri, incarnation=st.incarnation_id,
+    spec = RunSpec(store=st.uri, incarnation=st.incarnation_id,
                    config_json=json.dumps(cfg.to_dict(), sort_keys=True),
                    config_hash=cfg.trajectory_hash(), assets_json="", start_step=0,
                    total_steps=cfg.total_steps)
+    # one writer per run: a second launch of a live run fails here, naming the holder, even
+    # when every later task would be a cache hit
+    runtime.hold_lease(spec)
+    return spec
 
 
 @task(cache=cache_for("prepare"), retries=RETRIES)

@@ -1,4 +1,5 @@
-"""Reward phase: decode and score the responses (rule or custom scorer, with timeouts)."""
+"""Reward phase: decode and score the responses (rule or custom scorer, with timeouts; with
+``reward_model.enable``, the reward model on the run's workers)."""
 
 from flytekit import task
 

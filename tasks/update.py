@@ -5,11 +5,13 @@ import json
 from flytekit import task
 
 from tasks.common import RAY_CONFIG, RETRIES, PhaseOut, StepState, cache_for, merge, progress, run_phase
+from tasks.images import GPU_IMAGE
 from verl_core.engine import runtime
 from verl_core.engine.runtime import RunSpec
 
 
-@task(task_config=RAY_CONFIG, cache=cache_for("update"), retries=RETRIES)
+@task(task_config=RAY_CONFIG, cache=cache_for("update"), retries=RETRIES,
+      container_image=GPU_IMAGE)
 def update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
     step = advantaged.step
     metrics = run_phase(spec, "update", step,

@@ -7,6 +7,8 @@ Fixtures:
                         by the session; dummy credentials are set in the environment for the test.
     moto_server_factory -> callable starting a dedicated server (``MotoServer``) the test may kill,
                         pause (SIGSTOP) or resume; every server it started is killed at teardown.
+    moto_s3_serial   -> like ``moto_s3``, on a server that handles one request at a time, for
+                        compare-and-swap races (see ``_SERIAL_SERVER``).
 
 No real credentials are ever read or needed: the fixtures set AWS_ACCESS_KEY_ID=testing etc.
 """
@@ -43,7 +45,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _moto_cmd(port: int) -> list[str]:
+# moto checks a conditional PUT's If-Match/If-None-Match and then writes, without a lock, so on
+# its threaded server two racing conditional PUTs could both pass (S3 itself decides them
+# atomically). Served one request at a time, moto's conditional writes are atomic too.
+_SERIAL_SERVER = """
+import sys
+from werkzeug.serving import run_simple
+from moto.moto_server.werkzeug_app import (DomainDispatcherApplication, MotoRequestHandler,
+                                           create_backend_app)
+run_simple("127.0.0.1", int(sys.argv[1]), DomainDispatcherApplication(create_backend_app),
+           threaded=False, request_handler=MotoRequestHandler)
+"""
+
+
+def _moto_cmd(port: int, serial: bool = False) -> list[str]:
+    if serial:
+        return [sys.executable, "-c", _SERIAL_SERVER, str(port)]
     exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable),
                                                        "moto_server")
     if os.path.exists(exe):
@@ -93,11 +110,12 @@ class MotoServer:
         return name
 
 
-def start_moto_server(timeout_s: float = 60.0) -> MotoServer:
-    """Start ``moto_server`` on a free port of 127.0.0.1 and wait until it answers."""
+def start_moto_server(timeout_s: float = 60.0, serial: bool = False) -> MotoServer:
+    """Start ``moto_server`` on a free port of 127.0.0.1 and wait until it answers (``serial``:
+    one request at a time, so conditional writes are atomic)."""
     port = _free_port()
     env = {**os.environ, **DUMMY_ENV}
-    proc = subprocess.Popen(_moto_cmd(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(_moto_cmd(port, serial), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=env, start_new_session=True)
     server = MotoServer(proc, port)
     deadline = time.monotonic() + timeout_s
@@ -133,6 +151,22 @@ def moto_s3(_moto_session_server, monkeypatch):
     _set_dummy_env(monkeypatch)
     bucket = _moto_session_server.create_bucket()
     yield _moto_session_server.endpoint, bucket, _moto_session_server.storage_options()
+
+
+@pytest.fixture(scope="session")
+def _moto_serial_session_server():
+    server = start_moto_server(serial=True)
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def moto_s3_serial(_moto_serial_session_server, monkeypatch):
+    """``(endpoint_url, bucket, storage_options)`` on the one-request-at-a-time server."""
+    _set_dummy_env(monkeypatch)
+    bucket = _moto_serial_session_server.create_bucket()
+    yield (_moto_serial_session_server.endpoint, bucket,
+           _moto_serial_session_server.storage_options())
 
 
 @pytest.fixture

@@ -279,6 +279,47 @@ class RewardConfig:
         _one_of("reward", "on_timeouts", self.on_timeouts, {"fail", "warn"})
 
 
+REWARD_MODEL_COMBINE = ("replace", "add")
+"""How a reward model's score meets the ``reward.scorer`` score (``RewardModelConfig.combine``)."""
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """A model-based reward, as verl's ``reward_model`` section: a local Hugging Face
+    sequence-classification model (one label) scores prompt + response on the run's workers
+    (``verl_core/reward/model.py``). What does not carry over from verl 0.9 (a serving engine and
+    resource pool for the RM, a custom reward function that queries it, truncation) and why:
+    README "A reward model"."""
+
+    enable: bool = False
+    """Score responses with the reward model (verl's ``reward_model.enable``)."""
+    path: str = ""
+    """Local Hugging Face folder of an ``AutoModelForSequenceClassification`` with
+    ``num_labels=1`` and its tokenizer (verl's ``reward_model.model.path``)."""
+    combine: str = "replace"
+    """``replace``: the model's score is the reward, as in verl 0.9 (``reward.scorer`` then only
+    scores evaluation); ``add``: reward = ``reward.scorer``'s score + the model's score."""
+    micro_batch_size: int = 64
+    """Sequences per reward-model forward pass on each worker (verl's
+    ``micro_batch_size_per_gpu``; memory only: scores do not depend on it)."""
+    max_length: int = 0
+    """Most tokens of one reward-model input; a longer one is an error naming the row (verl
+    truncates it instead). 0: the model's ``max_position_embeddings``."""
+    dtype: str = "float32"
+    """Parameter dtype of the reward model: float32 or bfloat16."""
+
+    def __post_init__(self):
+        _check_types("reward_model", self)
+        if self.enable and not self.path:
+            _fail("reward_model", "path", self.path,
+                  "reward_model.enable=True needs a local Hugging Face folder of a "
+                  "sequence-classification model with num_labels=1; set reward_model.path")
+        _one_of("reward_model", "combine", self.combine, REWARD_MODEL_COMBINE)
+        _positive("reward_model", self, "micro_batch_size")
+        _non_negative("reward_model", self, "max_length")
+        _one_of("reward_model", "dtype", self.dtype, {"float32", "bfloat16"})
+
+
 POLICY_LOSSES = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "sapo", "geo_mean", "gpg",
                  "dro", "clip_cov", "kl_cov", "bypass_mode")
 KL_TYPES = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse",
@@ -549,6 +590,198 @@ class CheckpointConfig:
                   "use 'auto', 'none' or a checkpoint path")
 
 
+GUARD_POLICIES = ("warn", "skip_batch", "retry_phase", "rollback", "halt")
+"""What a detector may do when it fires (README "Training guard")."""
+
+TIMING_DETECTORS = ("latency_spike", "throughput_drop", "gpu_util_drop")
+"""Detectors on wall-clock signals: not reproducible, so they may only ``warn``, ``retry_phase``
+or ``halt`` (a skip or rollback decided by a clock would make a re-run diverge)."""
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The training guard: anomaly detectors over a window of recent steps and what each one does
+    when it fires. Policies: ``warn`` (log the event), ``skip_batch`` (the update is not
+    applied), ``retry_phase`` (the phase is retried, bounded, with backoff), ``rollback`` (to the
+    newest verified checkpoint before the anomaly), ``halt`` (stop with a report). Repeated skips
+    escalate to a rollback, repeated rollbacks to a halt."""
+
+    enabled: bool = True
+    """Run the detectors (off: only non-finite gradients are refused, as the optimizer must)."""
+    nonfinite_policy: str = "skip_batch"
+    """NaN/Inf in rewards, advantages, log-probs, the loss or the gradients."""
+    grad_explosion_policy: str = "skip_batch"
+    """Gradient norm far above its recent median."""
+    loss_spike_policy: str = "warn"
+    """Policy loss far from its recent median."""
+    kl_spike_policy: str = "warn"
+    """KL to the reference (or rollout) policy far above its recent median."""
+    reward_collapse_policy: str = "rollback"
+    """Mean reward fallen far below its recent median."""
+    entropy_collapse_policy: str = "warn"
+    """Policy entropy fallen far below its recent median."""
+    length_anomaly_policy: str = "warn"
+    """Mean response length collapsed or run away from its recent median."""
+    latency_spike_policy: str = "warn"
+    """A phase took far longer than its recent median (wall clock)."""
+    throughput_drop_policy: str = "warn"
+    """Rollout tokens/s fell far below its recent median (wall clock)."""
+    gpu_util_drop_policy: str = "warn"
+    """Accelerator utilisation (NVML) fell far below its recent median; unavailable on CPU."""
+    # Detector thresholds (verl_core/guard/detectors.py; README "Detectors"). A windowed detector
+    # fires when the robust z-score (x - median) / (1.4826 MAD) passes its ``_z`` AND the change
+    # passes its floor, so a flat series (MAD 0) never fires on noise.
+    window: int = 32
+    """Detectors compare a signal with the median and MAD of its last this many finite values."""
+    warmup_steps: int = 10
+    """A windowed detector fires only once its signal has this many finite values in history."""
+    grad_explosion_z: float = 6.0
+    """Gradient norm: robust z above the median past which it counts as exploding."""
+    grad_explosion_min_ratio: float = 10.0
+    """Gradient norm: ... and at least this many times its median."""
+    loss_spike_z: float = 6.0
+    """Policy/value loss: robust z (either way for the policy loss, up for the value loss)."""
+    loss_spike_min_change: float = 0.5
+    """Policy/value loss: ... and at least this far from its median (loss units)."""
+    kl_spike_z: float = 6.0
+    """KL loss / reward KL: robust z above the median."""
+    kl_spike_min_change: float = 0.05
+    """KL loss / reward KL: ... and at least this many nats above its median."""
+    reward_collapse_z: float = 5.0
+    """Mean reward: robust z below the median."""
+    reward_collapse_min_drop: float = 0.25
+    """Mean reward: ... and at least this far below its median (reward units; rule scorers give
+    0..1)."""
+    entropy_collapse_z: float = 6.0
+    """Policy entropy: robust z below the median."""
+    entropy_collapse_min_drop: float = 0.5
+    """Policy entropy: ... and below (1 - this) times its median."""
+    length_anomaly_z: float = 6.0
+    """Mean response length: robust z either way."""
+    length_anomaly_min_ratio: float = 2.0
+    """Mean response length: ... and below median / this (collapse) or above median x this."""
+    latency_spike_z: float = 6.0
+    """Phase wall time: robust z above the median."""
+    latency_spike_min_ratio: float = 3.0
+    """Phase wall time: ... and at least this many times its median."""
+    latency_spike_min_s: float = 60.0
+    """Phase wall time: ... and at least this many seconds above its median."""
+    throughput_drop_z: float = 6.0
+    """Rollout tokens/s: robust z below the median."""
+    throughput_drop_min_drop: float = 0.5
+    """Rollout tokens/s: ... and below (1 - this) times its median."""
+    throughput_drop_min_lost_s: float = 60.0
+    """Rollout tokens/s: ... and the drop cost at least this many seconds of the rollout."""
+    gpu_util_drop_z: float = 6.0
+    """Accelerator utilisation: robust z below the median."""
+    gpu_util_drop_min_drop: float = 30.0
+    """Accelerator utilisation: ... and at least this many percentage points below its median."""
+    max_consecutive_skips: int = 3
+    """A skip this many steps in a row escalates to a rollback."""
+    max_rollbacks: int = 2
+    """A rollback past this many in one run escalates to a halt."""
+    rollback_lr_scale: float = 1.0
+    """Multiply the learning rate by this at each rollback (e.g. 0.5)."""
+    phase_timeout_s: float = 3600.0
+    """Deadline of every phase call on a worker; past it the call fails as transient (a hang),
+    the worker is replaced and the phase is retried."""
+    lease_ttl_s: float = 60.0
+    """Single-writer run lease: a dead run's lease frees after this many seconds without renewal
+    (renewed every third of it); 0 = take no lease (README "Single-writer lease")."""
+
+    def __post_init__(self):
+        _check_types("guard", self)
+        for f in dataclasses.fields(self):
+            if f.name.endswith("_policy"):
+                value = getattr(self, f.name)
+                _one_of("guard", f.name, value, GUARD_POLICIES)
+                if f.name[:-len("_policy")] in TIMING_DETECTORS and value in ("skip_batch",
+                                                                               "rollback"):
+                    _fail("guard", f.name, value, "a wall-clock detector may only warn, "
+                          "retry_phase or halt (a skip or rollback decided by a clock would not "
+                          "replay identically)")
+        _positive("guard", self, "max_consecutive_skips", "rollback_lr_scale", "phase_timeout_s")
+        _non_negative("guard", self, "max_rollbacks", "lease_ttl_s")
+        if self.rollback_lr_scale > 1:
+            _fail("guard", "rollback_lr_scale", self.rollback_lr_scale, "must be in (0, 1]")
+        self._check_detector_thresholds()
+
+    def _check_detector_thresholds(self) -> None:
+        names = [f.name for f in dataclasses.fields(self)]
+        _positive("guard", self, "window", "loss_spike_min_change", "kl_spike_min_change",
+                  "reward_collapse_min_drop", *(n for n in names if n.endswith("_z")))
+        _non_negative("guard", self, "latency_spike_min_s", "throughput_drop_min_lost_s")
+        if not 3 <= self.warmup_steps <= self.window:
+            _fail("guard", "warmup_steps", self.warmup_steps,
+                  f"must be in [3, guard.window={self.window}] (a median and MAD need a few "
+                  "values, and the window holds at most `window`)")
+        for n in ("grad_explosion_min_ratio", "length_anomaly_min_ratio",
+                  "latency_spike_min_ratio"):
+            if getattr(self, n) <= 1:
+                _fail("guard", n, getattr(self, n), "must be > 1 (a ratio to the median)")
+        for n in ("entropy_collapse_min_drop", "throughput_drop_min_drop"):
+            if not 0 < getattr(self, n) < 1:
+                _fail("guard", n, getattr(self, n), "must be in (0, 1) (a fraction of the median)")
+        if not 0 < self.gpu_util_drop_min_drop <= 100:
+            _fail("guard", "gpu_util_drop_min_drop", self.gpu_util_drop_min_drop,
+                  "must be in (0, 100] (percentage points)")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """Experiment trackers fed with the metrics table's scalars as each step's record is written
+    (``verl_core.tracking``). Each is off while its field is empty; neither changes training."""
+
+    tensorboard_dir: str = ""
+    """TensorBoard log folder (each run writes to ``<run name>-<trajectory hash>`` inside it)."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking URI without a server, e.g. ``sqlite:///runs/mlflow.db`` or a folder."""
+    mlflow_experiment: str = "verl-flyte"
+    """MLflow experiment the run is logged under (created if missing)."""
+
+    def __post_init__(self):
+        _check_types("tracking", self)
+        if not self.mlflow_experiment.strip():
+            _fail("tracking", "mlflow_experiment", self.mlflow_experiment,
+                  "must name an experiment, e.g. the default 'verl-flyte'")
+
+
+VALIDATION_MODES = ("fail", "warn", "off")
+"""What a failed data expectation does (``verl_core/validation.py``)."""
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """Great Expectations suites over the input dataset and every stored batch (rollout, reward,
+    advantage); see README "Data validation". Never changes training, only whether a run stops."""
+
+    mode: str = "fail"
+    """``fail`` (stop the phase naming column, expectation and rows), ``warn`` (log it), ``off``."""
+    sample_rows: int = 256
+    """Validate this many batch rows, drawn per (seed, step, stage); 0: all (BENCHMARKS.md)."""
+    score_range: str = "auto"
+    """``auto`` (a rule scorer's declared range; custom: finite only), ``any``, or ``"lo,hi"``."""
+
+    def __post_init__(self):
+        _check_types("validation", self)
+        _one_of("validation", "mode", self.mode, VALIDATION_MODES)
+        _non_negative("validation", self, "sample_rows")
+        if self.score_range not in ("auto", "any"):
+            lo_hi = self.score_bounds
+            if lo_hi is None or not lo_hi[0] <= lo_hi[1]:
+                _fail("validation", "score_range", self.score_range,
+                      "use 'auto', 'any' or 'lo,hi' with finite lo <= hi, e.g. '-1,1'")
+
+    @property
+    def score_bounds(self) -> tuple[float, float] | None:
+        """The explicit ``"lo,hi"`` of ``score_range`` as floats; None for auto/any/unparseable."""
+        try:
+            lo, hi = (float(x) for x in self.score_range.split(","))
+        except ValueError:
+            return None
+        return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else None
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A whole RL run: all sections plus the loop settings."""
@@ -561,6 +794,8 @@ class RunConfig:
     """Sampling."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Scoring."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Model-based reward (off by default)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage, loss, KL."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -569,6 +804,12 @@ class RunConfig:
     """Update sizes."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Durable state."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """Anomaly detectors and recovery policies."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """TensorBoard and MLflow (never part of the trajectory)."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """Data expectations on the dataset and every batch (never part of the trajectory)."""
     total_steps: int = 240
     """RL steps (one rollout batch each)."""
     seed: int = 1
@@ -607,6 +848,10 @@ class RunConfig:
             _fail("rollout", "n", self.rollout.n,
                   f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses "
                   "within a group; use rollout.n >= 2")
+        bounds = self.validation.score_bounds  # a timed-out call scores reward.timeout_score
+        if bounds and not bounds[0] <= self.reward.timeout_score <= bounds[1]:
+            _fail("validation", "score_range", self.validation.score_range,
+                  f"must contain reward.timeout_score={self.reward.timeout_score}")
 
     @property
     def grad_accum_steps(self) -> int:
@@ -635,16 +880,25 @@ class RunConfig:
         changing the checkpoint interval continues the same trajectory: its checkpoints and
         lineage stay usable. Names checkpoints, lineage and metrics in the run store."""
         d = self.to_dict()
-        for k in ("eval_every", "num_threads", "checkpoint"):
+        for k in ("eval_every", "num_threads", "checkpoint", "tracking", "validation"):
             d.pop(k)
         if self.optim.lr_schedule == "constant":
             d.pop("total_steps")  # a cosine schedule's LR at step k depends on the run length
+        # every field of a wall-clock detector (policy, thresholds) starts with its name
+        for k in ("phase_timeout_s", "lease_ttl_s",
+                  *(k for k in d["guard"] if k.startswith(TIMING_DETECTORS))):
+            d["guard"].pop(k)  # wall-clock detectors and the lease never change the trajectory
         d["data"].pop("val_batch_size")
         d["rollout"].pop("micro_batch_size")
         for k in ("nnodes", "n_gpus_per_node", "worker_timeout_s"):
             d["trainer"].pop(k)  # the same trajectory on any number of workers (up to rounding)
         for k in ("num_workers", "import_timeout_s", "max_timeout_fraction", "on_timeouts"):
             d["reward"].pop(k)  # a run that completes scores the same whatever these are
+        if self.reward_model.enable:  # memory knob; max_length only ever fails a run
+            for k in ("micro_batch_size", "max_length"):
+                d["reward_model"].pop(k)
+        else:  # off: its other fields do nothing, and a run hashes as before the section existed
+            d.pop("reward_model")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -671,8 +925,10 @@ class RunConfig:
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "rollout": RolloutConfig,
-            "reward": RewardConfig, "algorithm": AlgorithmConfig, "optim": OptimConfig,
-            "trainer": TrainerConfig, "checkpoint": CheckpointConfig}
+            "reward": RewardConfig, "reward_model": RewardModelConfig,
+            "algorithm": AlgorithmConfig, "optim": OptimConfig,
+            "trainer": TrainerConfig, "checkpoint": CheckpointConfig, "guard": GuardConfig,
+            "tracking": TrackingConfig, "validation": ValidationConfig}
 """The sections of :class:`RunConfig` by field name."""
 
 

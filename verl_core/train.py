@@ -14,19 +14,27 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 
 import torch
 
 from verl_core.config import ConfigError, RunConfig, preset, with_overrides
 from verl_core.data.batch import PromptTooLongError
 from verl_core.data.dataset import DatasetError
+from verl_core.checkpoint.store import RunStore
+from verl_core.guard import checks, policy
+from verl_core.guard.lease import LeaseHeldError, RunLease
 from verl_core.models import ModelLoadError
+from verl_core.tracking import Trackers, default_run_name, flat_params
 from verl_core.trainer import RLTrainer, prepare_assets
+from verl_core.validation import DataValidationError, validate_batch
 
 PHASES = ("rollout", "reward", "advantage", "update")
-USER_ERRORS = (ConfigError, DatasetError, PromptTooLongError, ModelLoadError)
-"""Wrong input (options, data files, model folder): the CLI prints the message, which names the
-field or file and the fix, and exits 2; a traceback would only bury it."""
+USER_ERRORS = (ConfigError, DatasetError, PromptTooLongError, ModelLoadError, LeaseHeldError,
+               DataValidationError)
+"""Wrong input (options, data files, model folder, a workdir another loop is writing): the CLI
+prints the message, which names the field or file and the fix, and exits 2; a traceback would
+only bury it."""
 
 
 def train(cfg: RunConfig, workdir: str, log=print) -> dict:
@@ -40,25 +48,40 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
     t_start = time.perf_counter()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    assets = prepare_assets(cfg, workdir, log=log)
-    t_prepared = time.perf_counter()
-    trainer = RLTrainer(cfg, assets)
+    # opened before the warm start, so a misconfigured tracker fails in seconds, not after it
+    trackers = Trackers(cfg.tracking, run_name=default_run_name(workdir),
+                        config_hash=cfg.trajectory_hash(), run_key=uuid.uuid4().hex,
+                        params=flat_params(cfg.to_dict()))
+    lease = None
+    try:
+        lease = _workdir_lease(cfg, workdir)  # a second loop writing this workdir fails here
+        assets = prepare_assets(cfg, workdir, log=log)
+        t_prepared = time.perf_counter()
+        trainer = RLTrainer(cfg, assets)
+    except BaseException:
+        trackers.close()
+        if lease is not None:
+            lease.release()
+        raise
     history = []
     try:
         start = trainer.evaluate()
+        trackers.log(0, start)  # the same records as the workflow's metrics table
         log(f"step 0: val/accuracy={start['val/accuracy']:.3f}")
         evals = {0: start}
         for step in range(cfg.total_steps):
             t0 = time.perf_counter()
             timing = {}
             batch, metrics = trainer.rollout(step)
+            validate_batch(batch, "rollout", cfg, step=step)
             timing["rollout"] = time.perf_counter() - t0
             for phase in PHASES[1:]:
                 t = time.perf_counter()
                 if phase == "update":
-                    m = trainer.update(batch, step)
+                    m = _guarded_update(trainer, batch, step, log)
                 else:
                     batch, m = getattr(trainer, phase)(batch)
+                    validate_batch(batch, phase, cfg, step=step)
                 metrics.update(m)
                 timing[phase] = time.perf_counter() - t
             metrics.update({f"timing/{k}_s": v for k, v in timing.items()})
@@ -69,12 +92,16 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
                 metrics.update(ev)
             metrics["step"] = step + 1
             history.append(metrics)
+            trackers.log(step + 1, metrics)
             log(format_step(metrics, cfg.total_steps, time.perf_counter() - t_prepared))
         final_path = os.path.join(workdir, "final_model")
         trainer.actor.save_pretrained(final_path, safe_serialization=True)
         trainer.tokenizer.save_pretrained(final_path)
     finally:
         trainer.close()
+        trackers.close()
+        if lease is not None:
+            lease.release()
     end = evals[cfg.total_steps]
     summary = {
         "algorithm": cfg.algorithm.adv_estimator,
@@ -91,6 +118,49 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
         f"(+{summary['accuracy_gain']:.3f}), reward {summary['first_reward']:.3f} -> "
         f"{summary['last_reward']:.3f}, {summary['wall_s']:.0f}s, model: {final_path}")
     return summary
+
+
+def _workdir_lease(cfg: RunConfig, workdir: str) -> RunLease | None:
+    """The plain loop's single-writer lease on its workdir (made a run store holding the lease):
+    two loops writing one workdir would overwrite each other's data and model. None with
+    ``guard.lease_ttl_s=0``."""
+    if not cfg.guard.lease_ttl_s:
+        return None
+    lease = RunLease(RunStore(workdir), cfg.guard.lease_ttl_s)
+    lease.acquire()
+    return lease
+
+
+def _guarded_update(trainer: RLTrainer, batch, step: int, log) -> dict:
+    """The update of the plain loop under the guard. It has no run store, so no lineage to
+    replay and no checkpoints to return to: a ``skip_batch`` decided on the batch is honoured
+    (the update is not run), a ``rollback`` halts (use the workflow for rollbacks), and a skip
+    decided after the update only reports (the optimizer has already refused non-finite
+    gradients, so they never reach the weights)."""
+    g = trainer.cfg.guard
+    history = list(trainer.history)
+    found = checks.batch_anomalies(step, batch, history, g)
+    decision = policy.decide(found, trainer.guard, g, can_roll_back=False)
+    metrics: dict = {}
+    if decision.action in ("none", "warn"):
+        metrics = trainer.update(batch, step)
+        after = checks.update_anomalies(step, metrics, history, g)
+        if after:
+            decision = policy.decide([*found, *after], trainer.guard, g, can_roll_back=False)
+            if decision.action in ("skip_batch", "retry_phase"):
+                decision = policy.Decision("warn", decision.anomalies,
+                                           "the plain loop cannot undo an applied update")
+    elif decision.action == "skip_batch":
+        trainer.guard = policy.after_skip(trainer.guard, step)
+    for a in decision.anomalies:
+        log(f"guard: step {step} {a.detector}: {a.message} -> {decision.action}"
+            + (f" ({decision.escalated})" if decision.escalated else ""))
+    if decision.action in ("halt", "rollback", "retry_phase"):
+        raise policy.GuardHaltError(policy.halt_report(decision, step, "update"))
+    if decision.fired:
+        metrics["guard/anomalies"] = float(len(decision.anomalies))
+        metrics[f"guard/{decision.action}"] = float(len(decision.anomalies))
+    return metrics
 
 
 def format_step(m: dict, total: int, elapsed: float) -> str:

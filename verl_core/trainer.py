@@ -16,6 +16,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -33,6 +34,7 @@ from verl_core.models import build_tiny_model, load_causal_lm, load_critic, load
 from verl_core.models.tokenizer import build_char_tokenizer
 from verl_core.reward.decode import decode_responses
 from verl_core.reward.manager import RewardScorer
+from verl_core.reward.model import RewardModel, check_finite, check_reward_model
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.base import GenerationOutput, concat_outputs
 from verl_core.training.forward import batched_logprobs, batched_sum_pi_squared, batched_values
@@ -41,6 +43,9 @@ from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.training.ppo import ppo_update
 from verl_core.training import sharding
 from verl_core.training.sft import supervised_warm_start
+from verl_core.validation import validate_dataset_files
+from verl_core.guard import checks, faults
+from verl_core.guard.policy import GUARD_DEFAULTS
 
 
 hf_logging.disable_progress_bar()  # per-phase "Loading weights" bars would bury the step lines
@@ -53,7 +58,14 @@ def derive_seed(seed: int, step: int, phase: str) -> int:
 
 
 HISTORY_STEPS = 256
-GUARD_DEFAULTS = {"skipped_nonfinite_steps": 0, "last_skipped_step": None}
+
+
+def _poison_gradients(model) -> None:
+    """VERL_FAULTS ``nan_grad``: the first parameter with a gradient gets a NaN one."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.fill_(float("nan"))
+            return
 
 
 @dataclass(frozen=True)
@@ -63,11 +75,30 @@ class Assets:
     model_path: str
     train_files: list[str]
     val_files: list[str]
+    reward_model_path: str = ""
+    """The reward model's folder ("" without ``reward_model.enable``)."""
+
+
+@dataclass(frozen=True)
+class EvalSample:
+    """One greedy held-out response as scored (what the reports show)."""
+
+    prompt: str
+    """The prompt as text (message contents; no chat template)."""
+    response: str
+    """The decoded response, cut where it was scored."""
+    ground_truth: str
+    """The row's reference answer."""
+    score: float
+    """The scorer's score of the response."""
 
 
 def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
     """Materialise the embedded defaults: the synthetic dataset when no files are given, the tiny
     warm-started model when no model path is given. Deterministic in ``cfg.seed``."""
+    rm = cfg.reward_model
+    if rm.enable:  # not a one-label sequence classifier: fail before the data and the warm start
+        check_reward_model(rm.path, rm.max_length)
     if cfg.data.train_files:
         train_files, val_files = cfg.data.train_file_list, cfg.data.val_file_list
     else:
@@ -81,6 +112,7 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
     tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer()
     rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length)
     load_checked_rows(tok, val_files, cfg.data.max_prompt_length)
+    validate_dataset_files([*train_files, *val_files], cfg, tok)  # the GX suite, every row
     if cfg.model.path:
         model_path = cfg.model.path
     else:
@@ -103,47 +135,95 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
                 f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{acc}")
         model.save_pretrained(model_path, safe_serialization=True)
         tok.save_pretrained(model_path)
-    return Assets(model_path=model_path, train_files=train_files, val_files=val_files)
+    return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
+                  reward_model_path=rm.path if rm.enable else "")
 
 
-def score_batch(batch: Batch, scorer: RewardScorer, tokenizer) -> tuple[Batch, dict]:
+def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
+                model_scores: Sequence[float] | None = None,
+                baseline_model_scores: Sequence[float] | None = None,
+                combine: str = "replace") -> tuple[Batch, dict]:
     """Reward phase: decode the responses (each cut at its first EOS, special tokens kept, see
     ``reward/decode.py``) and score them. Adds ``score`` (N,). A batch that carries greedy
     baseline responses (ReMax) also gets ``baseline_score`` (N,): each prompt's greedy response
-    is scored once, by the same scorer, and its score given to the prompt's G rows."""
+    is scored once, by the same scorer, and its score given to the prompt's G rows.
+
+    With a reward model (``reward_model.enable``): ``model_scores`` (N,) are its scores of the
+    rows and ``baseline_model_scores`` (B,) of the greedy responses, one per group in the order of
+    :func:`group_first_rows` (both from :meth:`RLTrainer.model_scores`). ``combine="replace"``:
+    the model's score is the score and the scorer is not called (verl 0.9 without a custom reward
+    function); ``"add"``: score = scorer's + model's. Adds ``reward/model_mean`` (and
+    ``reward/rule_mean`` when added)."""
     dec = decode_responses(tokenizer, batch.response_ids, batch.response_mask)
-    res = scorer.score(batch.data_source, dec.texts, batch.ground_truth, batch.extra_info,
-                       special_token=dec.special_token)
-    score = torch.tensor(res.scores, dtype=torch.float32)  # (N,)
+    rule, timeouts = None, 0
+    if model_scores is None or combine == "add":
+        res = scorer.score(batch.data_source, dec.texts, batch.ground_truth, batch.extra_info,
+                           special_token=dec.special_token)
+        rule, timeouts = torch.tensor(res.scores, dtype=torch.float32), res.num_timeouts  # (N,)
+    score = _combine(rule, model_scores, combine)  # (N,)
     n = max(1, batch.num_rows)
     metrics = {"reward/mean": float(score.mean()), "reward/max": float(score.max()),
-               "reward/min": float(score.min()), "reward/timeouts": float(res.num_timeouts),
-               "reward/timeout_fraction": res.num_timeouts / n,
+               "reward/min": float(score.min()), "reward/timeouts": float(timeouts),
+               "reward/timeout_fraction": timeouts / n,
                "reward/special_token_fraction": sum(dec.special_token) / n}
+    if model_scores is not None:
+        metrics["reward/model_mean"] = float(_combine(None, model_scores, "replace").mean())
+        if rule is not None:
+            metrics["reward/rule_mean"] = float(rule.mean())
     changes = {"score": score}
     if batch.baseline_response_ids is not None:
-        changes["baseline_score"], baseline_metrics = _score_baseline(batch, scorer, tokenizer)
+        if model_scores is not None and baseline_model_scores is None:
+            raise ValueError("score_batch: this batch has greedy baseline responses; pass "
+                             "baseline_model_scores with model_scores")
+        changes["baseline_score"], baseline_metrics = _score_baseline(
+            batch, scorer, tokenizer, baseline_model_scores, combine)
         metrics.update(baseline_metrics)
     return batch.replace(**changes), metrics
 
 
-def _score_baseline(batch: Batch, scorer: RewardScorer, tokenizer) -> tuple[torch.Tensor, dict]:
-    """``baseline_score`` (N,): the score of each row's greedy baseline response, computed once
-    per group (its rows share the prompt, hence the greedy response)."""
+def _combine(rule: torch.Tensor | None, model: Sequence[float] | None,
+             combine: str) -> torch.Tensor:
+    """The score (n,) float32 from the scorer's (n,) and the reward model's (n,) scores."""
+    if model is None:
+        return rule
+    m = torch.tensor(list(model), dtype=torch.float32)  # (n,)
+    if combine == "replace":
+        return m
+    if combine == "add":
+        return rule + m
+    raise ValueError(f"combine={combine!r}: known: replace, add")
+
+
+def group_first_rows(group: torch.Tensor) -> list[int]:
+    """(B,) the first row of each group, in order of first appearance: the rows whose greedy
+    baseline response is scored (a group's rows share the prompt, hence that response)."""
     first: dict[int, int] = {}  # group id -> its first row
-    for i, g in enumerate(batch.group.tolist()):
+    for i, g in enumerate(group.tolist()):
         first.setdefault(g, i)
-    rows = list(first.values())  # (B,)
+    return list(first.values())
+
+
+def _score_baseline(batch: Batch, scorer: RewardScorer, tokenizer,
+                    model_scores: Sequence[float] | None = None,
+                    combine: str = "replace") -> tuple[torch.Tensor, dict]:
+    """``baseline_score`` (N,): the score of each row's greedy baseline response, computed once
+    per group; ``model_scores`` (B,) combine with it as in :func:`score_batch`."""
+    rows = group_first_rows(batch.group)  # (B,)
     idx = torch.tensor(rows, dtype=torch.long)
-    dec = decode_responses(tokenizer, batch.baseline_response_ids[idx],
-                           batch.baseline_response_mask[idx])
-    res = scorer.score([batch.data_source[i] for i in rows], dec.texts,
-                       [batch.ground_truth[i] for i in rows], [batch.extra_info[i] for i in rows],
-                       special_token=dec.special_token)
-    per_group = dict(zip(first, res.scores))
+    rule, timeouts = None, 0
+    if model_scores is None or combine == "add":
+        dec = decode_responses(tokenizer, batch.baseline_response_ids[idx],
+                               batch.baseline_response_mask[idx])
+        res = scorer.score([batch.data_source[i] for i in rows], dec.texts,
+                           [batch.ground_truth[i] for i in rows],
+                           [batch.extra_info[i] for i in rows], special_token=dec.special_token)
+        rule, timeouts = torch.tensor(res.scores, dtype=torch.float32), res.num_timeouts  # (B,)
+    per_prompt = _combine(rule, model_scores, combine)  # (B,)
+    per_group = dict(zip(batch.group[idx].tolist(), per_prompt.tolist()))
     baseline = torch.tensor([per_group[g] for g in batch.group.tolist()], dtype=torch.float32)
-    return baseline, {"reward/baseline_mean": sum(res.scores) / max(1, len(rows)),
-                      "reward/baseline_timeouts": float(res.num_timeouts)}
+    values = res.scores if model_scores is None else per_prompt.tolist()
+    return baseline, {"reward/baseline_mean": sum(values) / max(1, len(rows)),
+                      "reward/baseline_timeouts": float(timeouts)}
 
 
 def compute_advantages(batch: Batch, algo) -> tuple[Batch, dict]:
@@ -275,6 +355,17 @@ class RLTrainer:
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                   micro_batch_size=cfg.rollout.micro_batch_size)
         self.scorer = RewardScorer.from_config(cfg.reward)
+        # reward_model.enable: a frozen scorer next to the policy, a full copy on every worker
+        # (not FSDP-sharded: each worker scores its share of the rows on its own)
+        self.reward_model = None
+        if cfg.reward_model.enable:
+            if not assets.reward_model_path:
+                raise ValueError("reward_model.enable=True but the run's assets hold no reward "
+                                 "model; prepare the run again with this config")
+            self.reward_model = RewardModel.load(
+                assets.reward_model_path, dtype=cfg.reward_model.dtype,
+                max_length=cfg.reward_model.max_length,
+                device=next(self.rollout_model.parameters()).device)
 
     def close(self):
         self.scorer.close()
@@ -375,6 +466,20 @@ class RLTrainer:
             optimizer.load_state_dict(optim_state)
         else:
             set_optimizer_state_dict(model, optimizer, optim_state)
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply every learning rate (actor and critic) by ``factor`` from now on: the current
+        LR and the schedule's base, so the warmup/cosine shape is kept. The base LRs are part of
+        the scheduler's state, so checkpoints carry the scaled schedule."""
+        for opt, sched in ((self.actor_optimizer, self.actor_scheduler),
+                           (self.critic_optimizer, self.critic_scheduler)):
+            if opt is None:
+                continue
+            for g in opt.param_groups:
+                g["lr"] *= factor
+                if "initial_lr" in g:
+                    g["initial_lr"] *= factor
+            sched.base_lrs = [b * factor for b in sched.base_lrs]
 
     def _sync_rollout_weights(self) -> None:
         """W > 1: copy the current weights from the FSDP shards into the rollout model (an
@@ -478,7 +583,55 @@ class RLTrainer:
                        "response_length/mean": tokens / batch.num_rows, **metrics}
 
     def reward(self, batch: Batch) -> tuple[Batch, dict]:
-        return score_batch(batch, self.scorer, self.tokenizer)
+        """Score ``batch`` (:func:`score_batch`). With ``reward_model.enable`` the reward model
+        scores the rows (and ReMax's greedy responses) first, every worker its share
+        (:meth:`model_scores`, a collective: with W > 1 every worker calls this); then only
+        rank 0 runs ``reward.scorer`` and returns the scored batch, the others return the batch
+        unscored with no metrics (the driver keeps rank 0's result, as for the rollout)."""
+        rm = self.reward_model
+        if rm is None:
+            return score_batch(batch, self.scorer, self.tokenizer)
+        t0 = time.perf_counter()
+        texts = decode_responses(self.tokenizer, batch.response_ids, batch.response_mask).texts
+        scores = self.model_scores(batch.uid, texts)  # (N,)
+        baseline = None
+        if batch.baseline_response_ids is not None:
+            rows = group_first_rows(batch.group)  # (B,)
+            idx = torch.tensor(rows, dtype=torch.long)
+            greedy = decode_responses(self.tokenizer, batch.baseline_response_ids[idx],
+                                      batch.baseline_response_mask[idx]).texts
+            baseline = self.model_scores([batch.uid[i] for i in rows], greedy)  # (B,)
+        dt = time.perf_counter() - t0
+        if self.dp.rank != 0:
+            return batch, {}
+        out, metrics = score_batch(batch, self.scorer, self.tokenizer, model_scores=scores,
+                                   baseline_model_scores=baseline,
+                                   combine=self.cfg.reward_model.combine)
+        metrics["reward/model_time_s"] = dt
+        return out, metrics
+
+    def model_scores(self, uids: Sequence[str], responses: Sequence[str]) -> list[float]:
+        """(n,) the reward model's score of each (training prompt ``uids[i]``, response text
+        ``responses[i]``); the prompt is found by its uid (the training row's index).
+
+        With W > 1 worker ``r`` scores the ``r``-th contiguous share of the rows and the shares
+        are gathered (a collective: every worker calls it). Every worker tokenises all n rows to
+        find the one padded width, so neither W nor ``reward_model.micro_batch_size`` changes a
+        row's input shapes. A row too long for ``reward_model.max_length``, or a non-finite score,
+        raises :class:`~verl_core.reward.model.RewardModelError` naming it, on every worker."""
+        rm = self.reward_model
+        rows = [self.train_rows[int(u)] for u in uids]
+        texts = [rm.render(r.chat, render_prompt(r, self.tokenizer), resp)
+                 for r, resp in zip(rows, responses)]
+        names = [f"row {i} (dataset row {r.index}, data_source {r.data_source!r})"
+                 for i, r in enumerate(rows)]
+        ids = rm.encode(texts, names)
+        width = max((len(x) for x in ids), default=0)
+        n, W, k = len(ids), self.dp.size, self.dp.rank
+        lo, hi = n * k // W, n * (k + 1) // W  # no collectives in the forward: shares may differ
+        local = rm.score_ids(ids[lo:hi], width=width,
+                             micro_batch_size=self.cfg.reward_model.micro_batch_size)
+        return check_finite([s for part in self.dp.gather_objects(local) for s in part], names)
 
     def advantage(self, batch: Batch) -> tuple[Batch, dict]:
         return compute_advantages(batch, self.cfg.algorithm)
@@ -503,30 +656,40 @@ class RLTrainer:
     def _remember(self, step: int, batch: Batch, metrics: dict) -> None:
         """Update the guard counters and the bounded metrics history after update ``step``."""
         skipped = int(metrics.get("update/skipped_nonfinite_steps", 0))
+        self.guard["consecutive_skips"] = 0  # an applied update ends a run of skipped ones
         if skipped:
             self.guard["skipped_nonfinite_steps"] += skipped
             self.guard["last_skipped_step"] = step
         entry = {"step": step, **{k: float(v) for k, v in metrics.items()
                                   if isinstance(v, (int, float))}}
-        if batch.score is not None:  # the reward phase reports it; kept here for the history
-            entry["reward/mean"] = float(batch.score.float().mean())
+        # what the batch says about the step (reward, length, advantages): the signals the
+        # guard's batch detectors compare against this history
+        entry.update(checks.batch_signals(batch))
         self.history.append(entry)
         del self.history[:-HISTORY_STEPS]
 
     def _ppo_update(self, batch: Batch, step: int) -> dict:
         c, G = self.cfg, self.cfg.rollout.n
+        # a VERL_FAULTS drill (nan_grad): NaN gradients after the first backward; else None
+        poison = _poison_gradients if faults.take("nan_grad", "update", step) else None
         return ppo_update(
             self.actor, self.actor_optimizer, self.actor_scheduler, batch, c.algorithm,
             temperature=c.rollout.temperature, mini_batch_rows=c.trainer.ppo_mini_batch_size * G,
             micro_batch_rows=c.trainer.ppo_micro_batch_size, epochs=c.trainer.ppo_epochs,
             grad_clip=c.optim.grad_clip, seed=derive_seed(c.seed, step, "update"),
             critic=self.critic, critic_optimizer=self.critic_optimizer,
-            critic_scheduler=self.critic_scheduler, dp=self.dp)
+            critic_scheduler=self.critic_scheduler, dp=self.dp, after_backward=poison)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Greedy decoding on the held-out split: accuracy = mean score. With W > 1 each worker
         decodes a contiguous share of the rows and the scores are gathered."""
+        return self.evaluate_with_samples(0)[0]
+
+    @torch.no_grad()
+    def evaluate_with_samples(self, n_samples: int) -> tuple[dict, list[EvalSample]]:
+        """:meth:`evaluate`, plus the first ``n_samples`` held-out rows as decoded (for the
+        reports; with W > 1, from this worker's share)."""
         self._sync_rollout_weights()
         params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
         n, W, r = self.val_prompt_ids.shape[0], self.dp.size, self.dp.rank
@@ -546,5 +709,8 @@ class RLTrainer:
                                 special_token=special)
         scores = [s for part in self.dp.gather_objects(list(res.scores)) for s in part]
         lengths = [x for part in self.dp.gather_objects(lengths) for x in part]
+        samples = [EvalSample(prompt=render_prompt(row), response=text,
+                              ground_truth=row.ground_truth, score=float(score))
+                   for row, text, score in zip(rows[:n_samples], texts, res.scores)]
         return {"val/accuracy": sum(scores) / max(1, len(scores)),
-                "val/response_length": sum(lengths) / max(1, len(lengths))}
+                "val/response_length": sum(lengths) / max(1, len(lengths))}, samples

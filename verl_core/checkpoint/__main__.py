@@ -1,4 +1,4 @@
-"""Command line: ``python -m verl_core.checkpoint {list,verify,export,gc} …``.
+"""Command line: ``python -m verl_core.checkpoint {list,verify,export,gc,lease} …``.
 
     list   <store>                         every checkpoint (step, name, size, groups, problems)
     verify <store> [ref …] [--repair]      re-hash every object (default: every checkpoint);
@@ -10,6 +10,9 @@
     gc     <store> [--grace-s S]           delete objects nothing can ask for again (kept
                                            checkpoints, the assets index, the lineage of
                                            applied updates and pending phase outputs are kept)
+    lease  <store> [--break]               who holds the run's single-writer lease; --break
+                                           frees it now (for a holder that is dead: a live one
+                                           stops at its next renewal with "lost the lease")
 
 ``ref`` is ``latest``, ``auto`` (newest valid), a step, ``<step>-<sha>``, or a sha prefix. S3
 stores read their endpoint from ``$VERL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``.
@@ -55,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "phase output names")
     sp.add_argument("store")
     sp.add_argument("--grace-s", type=float, default=600.0)
+    sp = sub.add_parser("lease", help="show (or --break) the run's single-writer lease")
+    sp.add_argument("store")
+    sp.add_argument("--break", dest="break_", action="store_true",
+                    help="free the lease now, whoever holds it")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
@@ -93,6 +100,26 @@ def main(argv: list[str] | None = None) -> int:
             dtype = getattr(torch, a.dtype) if a.dtype else None
             info = export_hf(m, ref, out, group=a.group, dtype=dtype, overwrite=a.overwrite)
             print(f"exported {info.name} (step {info.step}) to {out}")
+            return 0
+        if a.cmd == "lease":
+            from verl_core.guard.lease import break_lease, read_lease
+
+            store = RunStore(a.store, create=False)
+            store.incarnation_id  # raises NotFoundError when the path is not a run store
+            if a.break_:
+                old = break_lease(store)
+                print(f"lease of {store.uri} broken" + (f"; it was held by {old.describe()}"
+                                                        if old and not old.released else
+                                                        " (it was free)"))
+                return 0
+            h = read_lease(store)
+            if h is None or h.released:
+                print(f"lease of {store.uri}: free")
+            else:
+                now = datetime.now(timezone.utc).timestamp()
+                state = "expired" if h.expires <= now else "held"
+                print(f"lease of {store.uri}: {state} by {h.describe()}; expires "
+                      f"{datetime.fromtimestamp(h.expires, timezone.utc):%Y-%m-%dT%H:%M:%SZ}")
             return 0
         if a.cmd == "gc":
             m = _manager(a.store)

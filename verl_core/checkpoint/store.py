@@ -13,6 +13,8 @@ Layout under the store root (a local folder, NFS, ``s3://bucket/prefix`` or any 
     logs/<name>.jsonl             local append-only JSON-lines log (one O_APPEND write per record)
     logs/<name>/<ns>-<uuid>.json  the same log on object stores (S3 cannot append)
     quarantine/<sha>-<ns>         damaged objects moved aside by loads and ``verify --repair``
+    <doc>.cas/<n>.json            compare-and-swap docs (the run lease), local: generation n
+    <doc>.json                    the same on S3, replaced by conditional PUTs (see ``put_if``)
 
 Hash algorithms (:data:`HASH_ALGOS`): an object's name is the hex digest of its bytes under one of
 them; the name does not say which, the doc that references it does (a checkpoint manifest's
@@ -203,6 +205,11 @@ def _io(what: str, *, missing_ok: bool = False):
 
     FileNotFoundError passes through (callers decide whether "missing" is corruption or normal);
     permission problems are permanent; everything else network/OS-like is transient."""
+    if "store_outage" in os.environ.get("VERL_FAULTS", ""):  # a drill (verl_core.guard.faults)
+        from verl_core.guard.faults import store_outage_active
+
+        if store_outage_active():
+            raise StoreUnavailableError(f"{what}: store unavailable (injected store_outage)")
     try:
         yield
     except VerlError:
@@ -711,6 +718,139 @@ class RunStore:
                 return _mtime(self._call("info", path))
             except FileNotFoundError:
                 return None
+
+    # ------------------------------------------------------------------ compare-and-swap docs
+    # Docs that several processes may replace (the run lease): every write is a compare-and-swap
+    # against the version the writer read, so two writers that read the same version can never
+    # both succeed. On S3 the version is the object's ETag and the swap a conditional PUT
+    # (``If-None-Match: *`` to create, ``If-Match: <etag>`` to replace), atomic on the server.
+    #
+    # Locally (and on NFS) there is no conditional rename, so a doc is a folder of numbered
+    # generations ``<name>.cas/<n>.json``; the newest is current, and replacing generation n means
+    # creating n+1 with link(2), which fails if it exists: an atomic create-if-absent on local
+    # filesystems and on NFS (the server does the LOOKUP+LINK; NFSv3+ honour exclusive create).
+    # Chosen over a lock file (O_CREAT|O_EXCL held around read-modify-write) because a writer
+    # killed while holding such a lock leaves it behind, and breaking a stale lock safely needs
+    # another lock; a generation file is complete the moment it appears (written, fsynced, then
+    # linked), so a crash at any point leaves the doc consistent. Old generations are pruned,
+    # keeping the newest _CAS_KEEP: a writer whose read is older than that (paused for
+    # _CAS_KEEP renewals) could re-create a pruned number, so after linking it checks that no
+    # newer generation exists and otherwise withdraws.
+    _CAS_KEEP = 64
+
+    def _cas_dir(self, name: str) -> str:
+        return self._p(check_doc_name(name) + ".cas")
+
+    @staticmethod
+    def _cas_gens(d: str) -> list[int]:
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+    def _cas_unsupported(self) -> PermanentError:
+        return PermanentError(
+            f"{self.uri}: compare-and-swap writes (the single-writer run lease) need a local or "
+            "NFS folder or S3; this filesystem offers none. Set guard.lease_ttl_s=0 to run "
+            "without a lease (then make sure only one launch writes this run store)")
+
+    def get_versioned(self, name: str) -> Optional[tuple[bytes, str]]:
+        """``(bytes, version)`` of the compare-and-swap doc ``name`` (written only with
+        :meth:`put_if`), or None if it does not exist."""
+        what = f"reading {name} from {self.uri}"
+        if self.is_local:
+            d = self._cas_dir(name)
+            with _io(what):
+                for _ in range(100):  # a listed generation pruned before we read it: list again
+                    gens = self._cas_gens(d)
+                    if not gens:
+                        return None
+                    try:
+                        return self._read_file(f"{d}/{gens[-1]:012d}.json"), str(gens[-1])
+                    except FileNotFoundError:
+                        continue
+            raise StoreUnavailableError(f"{what}: its generations kept changing while listed")
+        if not hasattr(self.fs, "_call_s3"):
+            raise self._cas_unsupported()
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(self.doc_path(name))
+
+        async def get():
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            try:
+                data = await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+            return data, resp["ETag"]
+
+        with _io(what):
+            try:
+                return sync(self.fs.loop, get, timeout=self.op_timeout_s)
+            except FileNotFoundError:
+                return None
+
+    def put_if(self, name: str, data: bytes, expected: Optional[str]) -> Optional[str]:
+        """Compare-and-swap: write ``data`` as doc ``name`` only if its current version is
+        ``expected`` (None: only if it does not exist yet). Returns the new version, or None when
+        another writer changed it first (re-read with :meth:`get_versioned` and decide again).
+        A doc that vanished is never re-created by a replace (a deleted store stays deleted)."""
+        what = f"writing {name} to {self.uri}"
+        if self.is_local:
+            d = self._cas_dir(name)
+            gen = 1 if expected is None else int(expected) + 1
+            with _io(what):
+                if expected is None:
+                    os.makedirs(d, exist_ok=True)  # not cached: the folder may have been removed
+                elif not os.path.isdir(d):
+                    return None
+                path = f"{d}/{gen:012d}.json"
+                tmp = f"{d}/.tmp-{uuid.uuid4().hex}"
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        if self.fsync:
+                            f.flush()
+                            os.fsync(f.fileno())
+                    try:
+                        os.link(tmp, path)  # the swap: fails if generation `gen` exists
+                    except FileExistsError:
+                        return None
+                    except OSError as e:
+                        if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                            raise self._cas_unsupported() from e  # no hard links (FAT, FUSE …)
+                        raise
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+                gens = self._cas_gens(d)
+                if gens and gens[-1] > gen:  # we re-created a pruned number: never current
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                    return None
+                for old in gens[:-self._CAS_KEEP]:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f"{d}/{old:012d}.json")
+                return str(gen)
+        if not hasattr(self.fs, "_call_s3"):
+            raise self._cas_unsupported()
+        bucket, key, _ = self.fs.split_path(self.doc_path(name))
+        cond = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+        with _io(what):
+            try:
+                resp = self._call("call_s3", "put_object", Bucket=bucket, Key=key, Body=data,
+                                  **cond)
+            except (FileExistsError, FileNotFoundError):  # 412 on create; replace of a gone key
+                return None
+            except OSError as e:
+                err = getattr(e.__cause__, "response", None) or {}
+                if (err.get("Error", {}).get("Code") in ("PreconditionFailed",
+                                                          "ConditionalRequestConflict")
+                        or err.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412)):
+                    return None  # 412: the ETag changed; 409: a concurrent conditional write
+                raise
+        return resp["ETag"]
 
     # ------------------------------------------------------------------ append-only logs
     def append_log(self, name: str, record: dict) -> None:

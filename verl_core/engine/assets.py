@@ -1,4 +1,5 @@
-"""Run assets (model folder, dataset files) stored once in the run store, materialised anywhere.
+"""Run assets (model folder, dataset files, reward model folder) stored once in the run store,
+materialised anywhere.
 
 A run must be hermetic: every phase, on any pod, reads the *same* bytes the run was prepared with.
 So ``publish_assets`` copies the starting model folder and the dataset parquet files into the
@@ -80,7 +81,9 @@ def _files_under(folder: str) -> list[str]:
 
 def publish_assets(store: RunStore, assets: Assets, storage_options: dict | None = None) -> dict:
     """Copy the model folder and the dataset files into ``store``. Returns the asset index:
-    ``{"model": {relpath: sha}, "train": [sha...], "val": [sha...], "id": sha-of-index}``.
+    ``{"model": {relpath: sha}, "train": [sha...], "val": [sha...], "id": sha-of-index}``, plus
+    ``"reward_model": {relpath: sha}`` when the assets have one (``reward_model.enable``; absent
+    otherwise, so such an index and its id are what they were before reward models).
 
     The index (a gc root) is written before the objects it names, so a concurrent garbage
     collection can never see one of them without its root."""
@@ -91,10 +94,14 @@ def publish_assets(store: RunStore, assets: Assets, storage_options: dict | None
         blobs[sha] = data
         return sha
 
-    model = {}
-    for rel in _files_under(assets.model_path):
-        with open(os.path.join(assets.model_path, rel), "rb") as f:
-            model[rel] = add(f.read())
+    def folder(path: str) -> dict[str, str]:
+        out = {}
+        for rel in _files_under(path):
+            with open(os.path.join(path, rel), "rb") as f:
+                out[rel] = add(f.read())
+        return out
+
+    model = folder(assets.model_path)
 
     def read(uri: str) -> bytes:
         with fsspec.open(uri, "rb", **(storage_options or {})) as f:
@@ -102,6 +109,8 @@ def publish_assets(store: RunStore, assets: Assets, storage_options: dict | None
 
     index = {"model": model, "train": [add(read(u)) for u in assets.train_files],
              "val": [add(read(u)) for u in assets.val_files]}
+    if assets.reward_model_path:
+        index["reward_model"] = folder(assets.reward_model_path)
     index["id"] = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
     store.put_json(f"assets/{index['id']}", index)
     store.map(lambda kv: store.put_parts([kv[1]], sha=kv[0]), list(blobs.items()))
@@ -111,6 +120,7 @@ def publish_assets(store: RunStore, assets: Assets, storage_options: dict | None
 def _entries(index: dict) -> dict[str, str]:
     """``{path inside the cache entry: sha}`` for every file of the index."""
     out = {f"model/{rel}": sha for rel, sha in index["model"].items()}
+    out.update({f"reward_model/{rel}": sha for rel, sha in index.get("reward_model", {}).items()})
     for split in ("train", "val"):
         for i, sha in enumerate(index[split]):
             out[f"data/{split}-{i}.parquet"] = sha
@@ -200,7 +210,9 @@ def materialize_assets(store: RunStore, index: dict) -> Assets:
                   train_files=[os.path.join(data, f"train-{i}.parquet")
                                for i in range(len(index["train"]))],
                   val_files=[os.path.join(data, f"val-{i}.parquet")
-                             for i in range(len(index["val"]))])
+                             for i in range(len(index["val"]))],
+                  reward_model_path=os.path.join(root, "reward_model")
+                  if "reward_model" in index else "")
 
 
 def _discard(cache: str, root: str) -> None:

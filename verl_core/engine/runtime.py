@@ -13,13 +13,17 @@ the worker does not have it, so the store is always enough.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import random
+import signal
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -30,10 +34,16 @@ from verl_core.checkpoint.store import RunStore
 from verl_core.config import RunConfig
 from verl_core.engine.assets import materialize_assets, publish_assets
 from verl_core.engine.group import WorkerGroup, WorkerLostError  # noqa: F401 (re-exported)
-from verl_core.engine.worker import RunWorker, get_batch, pending_doc, put_batch
+from verl_core.engine.worker import (RunWorker, eval_samples_doc, get_batch, pending_doc,
+                                     put_batch)
+from verl_core.guard import faults
+from verl_core.guard.events import read_events
+from verl_core.guard.lease import LeaseHeldError, RunLease
 from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer
+from verl_core.tracking import Trackers, default_run_name, flat_params
 from verl_core.trainer import compute_advantages, prepare_assets, score_batch
+from verl_core.validation import validate_and_record
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,6 +99,7 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     """Validate data and model, publish the assets into the run store, pick the start step."""
     uri = run_store_uri(store, run_name)
     st = _store(uri)
+    _hold(st, cfg.guard.lease_ttl_s)  # a second launch of this run fails here, before any work
     with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
         # checks every dataset file (rows, columns, prompt lengths) before the warm start
         assets = prepare_assets(cfg, work, log=log_fn)
@@ -124,6 +135,74 @@ def resume_step(st: RunStore, cfg: RunConfig) -> int:
             return info.step
         log.warning("checkpoint %s not usable for resume", info.name)
     return 0
+
+
+# ---------------------------------------------------------------------- the writer lease
+_LEASES: dict[tuple, RunLease] = {}
+_LEASES_LOCK = threading.Lock()
+
+
+def _hold(st: RunStore, ttl_s: float) -> RunLease | None:
+    """Take or renew this process's writer lease on ``st`` (None when ``ttl_s`` is 0: no lease).
+    One :class:`RunLease` (and renewal thread) per store and ttl in a process."""
+    if not ttl_s:
+        return None
+    with _LEASES_LOCK:
+        lease = _LEASES.get((st.uri, ttl_s))
+        if lease is None:
+            lease = _LEASES[(st.uri, ttl_s)] = RunLease(st, ttl_s)
+    lease.acquire()
+    faults.set_second_writer_hook(lambda f: _second_writer_drill(st, ttl_s))
+    return lease
+
+
+def _release_leases_at_exit() -> None:
+    """A process that is the writer (not one pod of a Flyte execution, whose next pod carries
+    on) frees its leases when it exits, even after a failure: a relaunch on any host may start at
+    once instead of waiting for the expiry. (SIGKILL skips this; the same-host check covers it.)"""
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    for lease in list(_LEASES.values()):
+        if lease.owner != me:  # a Flyte execution's lease, or one a forked child inherited
+            continue
+        try:
+            lease.release()
+        except Exception as e:  # noqa: BLE001 - exiting anyway; the lease expires by itself
+            log.warning("releasing the lease of %s at exit failed: %s", lease.store.uri, e)
+
+
+atexit.register(_release_leases_at_exit)
+
+
+def hold_lease(spec: RunSpec) -> None:
+    """At the start of every phase: renew this run's single-writer lease, or take it (a new pod
+    of the same Flyte execution, the first phase after a relaunch). Raises
+    :class:`~verl_core.guard.lease.LeaseHeldError` (permanent) naming the holder when another
+    launch of the run holds it; a no-op with ``guard.lease_ttl_s=0``."""
+    _hold(spec.open_store(), spec.config.guard.lease_ttl_s)
+
+
+def release_lease(spec: RunSpec) -> None:
+    """Give the run's lease up (end of the run): the next launch takes it at once."""
+    ttl_s = spec.config.guard.lease_ttl_s
+    with _LEASES_LOCK:
+        lease = _LEASES.pop((spec.store, ttl_s), None)
+    if lease is not None:
+        lease.release()
+        faults.set_second_writer_hook(None)  # no lease held: the drill reports that
+
+
+def _second_writer_drill(st: RunStore, ttl_s: float) -> None:
+    """The ``second_writer`` fault (VERL_FAULTS): another writer tries to take the lease this
+    process holds; it must be refused."""
+    intruder = RunLease(st, ttl_s, owner=f"second-writer-drill:{os.getpid()}")
+    try:
+        intruder.acquire()
+    except LeaseHeldError as e:
+        log.warning("VERL_FAULTS second_writer: refused, as it must be: %s", e)
+        return
+    intruder.release()
+    raise faults.InjectedPermanentFault(f"second_writer fault: a second writer was admitted to "
+                                        f"{st.uri} while this run held its lease")
 
 
 # ---------------------------------------------------------------------- workers
@@ -177,24 +256,37 @@ class _RayRunWorker(RunWorker):
         return getattr(self, method)(*args)
 
 
-def call(worker, method: str, *args):
+class PhaseTimeoutError(TransientError):
+    """A phase (or a call on the run's worker) passed its deadline, ``guard.phase_timeout_s``:
+    a hang. The worker is replaced and the phase retried; the state is rebuilt from the store."""
+
+
+def call(worker, method: str, *args, timeout_s: float | None = None):
     if isinstance(worker, WorkerGroup):
-        return worker.call(method, *args)
+        return worker.call(method, *args)  # every wait has the group's own deadline
     if isinstance(worker, RunWorker):
-        return getattr(worker, method)(*args)
+        return getattr(worker, method)(*args)  # in-process: the phase deadline (SIGALRM) holds
     import ray
 
-    return ray.get(worker.call.remote(method, *args))
+    ref = worker.call.remote(method, *args)
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        ray.kill(worker)  # a hung actor would run the retry after the hung call: replace it
+        raise PhaseTimeoutError(f"{method} on the run's worker did not answer within "
+                                f"{timeout_s:.0f}s (guard.phase_timeout_s); the worker was "
+                                "killed") from e
 
 
 def call_worker(spec: RunSpec, method: str, *args):
-    """``method`` on the run's worker (created on first use). A dead actor is forgotten and
-    reported as :class:`WorkerLostError`, so a retry gets a fresh one."""
+    """``method`` on the run's worker (created on first use), within ``guard.phase_timeout_s``.
+    A dead or hung actor is forgotten and reported as a transient error (:class:`WorkerLostError`,
+    :class:`PhaseTimeoutError`), so a retry gets a fresh one."""
     worker = worker_for(spec)
     try:
-        return call(worker, method, *args)
-    except WorkerLostError:
-        _WORKERS.pop(_worker_key(spec), None)  # the group is gone: the retry starts a new one
+        return call(worker, method, *args, timeout_s=spec.config.guard.phase_timeout_s)
+    except (WorkerLostError, PhaseTimeoutError):
+        _WORKERS.pop(_worker_key(spec), None)  # the worker is gone: the retry starts a new one
         raise
     except Exception as e:
         if isinstance(worker, WorkerGroup):  # it tore itself down when the error surfaced
@@ -241,6 +333,8 @@ def release_workers() -> None:
         except Exception as e:  # noqa: BLE001
             log.warning("closing worker %s failed: %s", key, e)
         _WORKERS.pop(key, None)
+    while _TRACKERS:
+        _TRACKERS.popitem()[1].close()
 
 
 # ---------------------------------------------------------------------- light phases
@@ -258,11 +352,26 @@ def _light(spec: RunSpec):
 
 
 def reward_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict]:
+    """Score the rollout batch ``batch_ref``. Rule and custom scorers run here (light); with
+    ``reward_model.enable`` the run's worker(s) score it (``RunWorker.score_with_model``), where
+    the reward model lives next to the policy, and write the batch."""
     t0 = time.perf_counter()
-    tok, scorer, _ = _light(spec)
     st = spec.open_store()
-    batch, metrics = score_batch(get_batch(st, batch_ref), scorer, tok)
-    ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "reward"))
+    batch = ref = None
+    if spec.config.reward_model.enable:
+        ref, metrics = call_worker(spec, "score_with_model", step, batch_ref)
+    else:
+        tok, scorer, _ = _light(spec)
+        batch, metrics = score_batch(get_batch(st, batch_ref), scorer, tok)
+    if faults.take("nan_reward", "reward", step):  # a VERL_FAULTS drill; None otherwise
+        batch = get_batch(st, ref) if batch is None else batch
+        score = batch.score.clone()
+        score[0] = float("nan")
+        batch, ref = batch.replace(score=score), None
+    validate_and_record(st, spec.config_hash, step, "reward", batch or get_batch(st, ref),
+                        spec.config)
+    if ref is None:
+        ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "reward"))
     metrics["timing/reward_s"] = time.perf_counter() - t0
     return ref, metrics
 
@@ -272,9 +381,110 @@ def advantage_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict
     _, _, cfg = _light(spec)
     st = spec.open_store()
     batch, metrics = compute_advantages(get_batch(st, batch_ref), cfg.algorithm)
+    validate_and_record(st, spec.config_hash, step, "advantage", batch, cfg)
     ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "advantage"))
     metrics["timing/advantage_s"] = time.perf_counter() - t0
     return ref, metrics
+
+
+# ---------------------------------------------------------------------- deadlines + guard
+@contextlib.contextmanager
+def deadline(seconds: float, what: str):
+    """Raise :class:`PhaseTimeoutError` in this thread if the block runs past ``seconds``.
+
+    SIGALRM interrupts a Python-level wait (a sleep, a lock, a socket read, a Ray wait loop) at
+    its next bytecode, which is what a hang of the driver looks like; calls on Ray workers have
+    their own timeout as well (:func:`call`). Signals only reach the main thread: elsewhere the
+    block runs without this deadline (the worker calls inside keep theirs)."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise PhaseTimeoutError(f"{what} passed its deadline of {seconds:.0f}s "
+                                "(guard.phase_timeout_s): a hang")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def forget_workers(spec: RunSpec) -> None:
+    """Drop (and kill, if it is a Ray actor) the run's worker: after a hang its state and its
+    queue are unknown; the next call starts a fresh one that rebuilds from the store."""
+    w = _WORKERS.pop(_worker_key(spec), None)
+    if w is None or isinstance(w, RunWorker):
+        if w is not None:
+            w._live_valid = False  # in-process: interrupted mid-change, so rebuild the state
+            _WORKERS[_worker_key(spec)] = w
+        return
+    try:
+        if isinstance(w, WorkerGroup):
+            w.close()
+        else:
+            import ray
+
+            ray.kill(w)
+    except Exception as e:  # noqa: BLE001 - it is being replaced either way
+        log.warning("could not stop the hung worker: %s", e)
+
+
+_TIMING: dict[tuple, list[dict]] = {}  # (store, trajectory) -> wall-clock history of this process
+
+
+def watch_phase(spec: RunSpec, phase: str, step: int, seconds: float, metrics: dict) -> None:
+    """The wall-clock detectors (latency spike, throughput drop, accelerator utilisation drop)
+    on a finished phase, against this process's recent history of the same phase. Their events
+    go to the store; ``retry_phase`` and ``halt`` raise (``warn`` only logs). A fresh process
+    starts with an empty history, so these detectors warm up again after a restart."""
+    cfg = spec.config.guard
+    from verl_core.guard import detectors, policy
+
+    if not cfg.enabled or phase not in detectors.PHASES:  # the four phases of a step
+        return
+    from verl_core.guard.events import make_event, record_event
+    from verl_core.guard.checks import TIMING
+
+    current = {f"timing/{phase}_s": float(seconds)}
+    for k in ("rollout/tokens_per_s", "rollout/time_s", "gpu/utilization"):
+        if k in metrics:
+            current[k] = float(metrics[k])
+    if "gpu/utilization" not in current:
+        util = detectors.gpu_utilization()
+        if util is not None:
+            current["gpu/utilization"] = util
+    history = _TIMING.setdefault((spec.store, spec.config_hash, phase), [])
+    found = [a for a in detectors.detect(phase, step, current, history, cfg)
+             if a.detector in TIMING]
+    history.append({"step": step, **current})
+    del history[:-256]
+    decision = policy.decide(found, {}, cfg)
+    if not decision.fired:
+        return
+    outcome = {"warn": "logged", "retry_phase": "retrying", "halt": "halted"}[decision.action]
+    st = spec.open_store()
+    for a in decision.anomalies:
+        log.warning("guard: step %d %s: %s -> %s", step, a.detector, a.message, decision.action)
+        record_event(st, spec.config_hash, make_event(
+            step=step, phase=phase, detector=a.detector, action=decision.action, outcome=outcome,
+            signal=a.signal, value=a.value, threshold=a.threshold, message=a.message))
+    if decision.action == "halt":
+        raise policy.GuardHaltError(policy.halt_report(decision, step, phase))
+    if decision.action == "retry_phase":
+        history.pop()  # the retry's time replaces this one
+        raise policy.GuardRetryError(f"guard: retrying {phase} of step {step}: "
+                                     + "; ".join(a.message for a in decision.anomalies))
+
+
+def step_events(spec: RunSpec, step: int) -> list[dict]:
+    """The guard events of RL step ``step`` (0-based), oldest first."""
+    from verl_core.guard.events import read_events
+
+    return read_events(spec.open_store(), spec.config_hash, step)
 
 
 # ---------------------------------------------------------------------- retries + log
@@ -314,10 +524,46 @@ def read_phase_log(store_uri: str) -> list[dict]:
 
 # ---------------------------------------------------------------------- metrics + final
 def record_step_metrics(spec: RunSpec, step: int, metrics: dict) -> None:
-    """Append the finished step's metrics to the run store (the per-step table's source)."""
-    spec.open_store().append_log(f"metrics-{spec.config_hash[:16]}",
-                                 {"step": step, "time": time.time(),
-                                  **{k: float(v) for k, v in metrics.items()}})
+    """Append the finished step's metrics to the run store (the per-step table's source), and
+    the same scalars to the trackers switched on in ``tracking`` (TensorBoard, MLflow). The
+    guard's event counts of the step join them (``guard/anomalies``, ``guard/<action>``)."""
+    from verl_core.guard.events import event_metrics
+
+    guard = event_metrics(step_events(spec, step - 1)) if step > 0 else {}
+    record = {"step": step, "time": time.time(),
+              **{k: float(v) for k, v in {**metrics, **guard}.items()}}
+    spec.open_store().append_log(f"metrics-{spec.config_hash[:16]}", record)
+    trackers = trackers_for(spec)
+    if trackers.enabled:
+        trackers.log(step, record, walltime=record["time"])
+
+
+_TRACKERS: dict[tuple, Trackers] = {}
+
+
+def trackers_for(spec: RunSpec) -> Trackers:
+    """The run's trackers in this process (opened on first use, kept open). One MLflow run per
+    physical store and trajectory: every phase process finds it again by that key."""
+    key = _worker_key(spec)
+    if key not in _TRACKERS:
+        cfg = spec.config
+        _TRACKERS[key] = Trackers(cfg.tracking, run_name=default_run_name(spec.store),
+                                  config_hash=spec.config_hash,
+                                  run_key=f"{spec.config_hash[:16]}-{spec.incarnation[:16]}",
+                                  params=flat_params(cfg.to_dict()))
+    return _TRACKERS[key]
+
+
+def eval_samples(spec: RunSpec, step: int) -> list[dict]:
+    """The held-out samples the evaluation of the state after ``step`` updates stored, each with
+    its ``step`` ([] when that evaluation stored none)."""
+    doc = spec.open_store().get_json(eval_samples_doc(spec.config_hash, step), default=None)
+    return [{"step": step, **s} for s in doc["samples"]] if doc else []
+
+
+def guard_events(spec: RunSpec) -> list[dict]:
+    """Every guard event of this trajectory, oldest step first (one step: :func:`step_events`)."""
+    return read_events(spec.open_store(), spec.config_hash)
 
 
 def metrics_table(spec: RunSpec):
@@ -340,6 +586,8 @@ def finalize_run(spec: RunSpec, step: int) -> dict:
     import fsspec
 
     call_worker(spec, "commit_final", step)  # the final checkpoint is committed, or we fail here
+    # every checkpoint of the run verified (re-hashed); a damaged one is rebuilt and saved again
+    scrubbed = call_worker(spec, "scrub", step)
     st = spec.open_store()
     tag = f"{spec.config_hash[:12]}-step{step:06d}"
     with tempfile.TemporaryDirectory(prefix="verl-export-") as tmp:
@@ -357,5 +605,6 @@ def finalize_run(spec: RunSpec, step: int) -> dict:
         df.to_parquet(f, index=False)
     rewards = df["reward/mean"].dropna().tolist() if "reward/mean" in df else []
     rewards = rewards or [float("nan")]
+    release_lease(spec)  # the run is complete: a relaunch (or another run) may write now
     return {"final_model": final_uri, "metrics_table": table_uri,
-            "first_reward": float(rewards[0]), "last_reward": float(rewards[-1])}
+            "first_reward": float(rewards[0]), "last_reward": float(rewards[-1]), **scrubbed}

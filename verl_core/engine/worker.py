@@ -12,12 +12,14 @@ bit-identical to the original. That is what makes ``checkpoint_interval`` a spee
 correctness one, and lets an async checkpoint write die without losing anything.
 
 Heavy work (generation, reference log-probs, critic values, the update) happens here; the reward
-and advantage phases are light functions of the stored batch (see ``verl_core.engine.phases``).
+and advantage phases are light functions of the stored batch (``runtime.reward_phase`` and
+``runtime.advantage_phase``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -33,9 +35,11 @@ from verl_core.checkpoint.store import NotFoundError, RunStore, sha256_hex
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.engine.assets import materialize_assets
+from verl_core.guard import checks, faults
 from verl_core.guard.faults import maybe_inject
 from verl_core.trainer import RLTrainer
 from verl_core.training.dist import SINGLE, DataParallel
+from verl_core.validation import validate_and_record
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,15 @@ def put_batch(store: RunStore, batch: Batch, *, pending: str | None = None) -> s
     return store.put_parts([data], sha=sha)[0]  # hashed once
 
 
+EVAL_SAMPLES = 8
+"""Greedy held-out responses (prompt, response, score) each evaluation keeps for the reports."""
+
+
+def eval_samples_doc(config_hash: str, step: int) -> str:
+    """Name of the doc with the evaluation samples of the state after ``step`` updates."""
+    return f"eval-samples/{config_hash[:16]}/{step:09d}"
+
+
 def get_batch(store: RunStore, ref: str) -> Batch:
     return batch_from_parquet_bytes(store.get_bytes(ref, what=f"batch {ref[:12]}"))
 
@@ -108,6 +121,7 @@ class RunWorker:
             self._rebuild_base()
         self.last_save_time = time.time()
         self.replayed = 0  # updates replayed from lineage (reported in metrics and tests)
+        self._guard_snapshot: dict = {}
 
     # ------------------------------------------------------------------ workers
     @property
@@ -201,18 +215,47 @@ class RunWorker:
                         f"state of step {step} is gone: no checkpoint at or before it in "
                         f"{self.store.uri} and the run started from step {self.step}; re-run with "
                         "--overwrite-cache to recompute, or resume from a checkpoint")
-        for s in range(self.step, step):
+        while self.step < step:
+            s = self.step
             doc = self.store.get_json(self._lineage(s), default=None)
             if doc is None:
                 raise StateUnavailableError(
                     f"cannot rebuild the state of step {step}: the batch of update {s} is not in "
                     f"{self.store.uri} (lineage {self._lineage(s)} missing); re-run with "
                     "--overwrite-cache to recompute those phases")
+            self._replay(s, doc)
+            self.replayed += 1
+
+    def _replay(self, s: int, doc: dict) -> None:
+        """Redo update ``s`` as its lineage record says it happened: applied, skipped or rolled
+        back by the guard. The record, not a new decision, is replayed, so a rebuilt state is the
+        original one whatever the detectors would say now."""
+        action = doc.get("action", "update")
+        if action == "update":
             batch = get_batch(self.store, doc["batch"])
             with self._changing_state():
                 self.trainer.update(batch, s)
                 self.step = s + 1
-            self.replayed += 1
+        elif action == "skip":
+            self.trainer.guard = dict(doc["guard"])
+            self.step = s + 1
+        elif action == "rollback":
+            self._roll_back(s, int(doc["to"]), doc["guard"])
+        else:
+            raise StateUnavailableError(f"lineage {self._lineage(s)} in {self.store.uri} has an "
+                                        f"unknown action {action!r} (written by a newer version?)")
+
+    def _roll_back(self, s: int, to: int, guard: dict) -> None:
+        """Make the state after update ``s`` the state of step ``to`` (loaded from its verified
+        checkpoint, or rebuilt), with the guard state ``guard`` and its learning-rate scale."""
+        self.ensure_state(to)
+        with self._changing_state():
+            before = float(self.trainer.guard.get("lr_scale", 1.0))
+            self.trainer.guard = dict(guard)
+            factor = float(guard.get("lr_scale", 1.0)) / before
+            if factor != 1.0:
+                self.trainer.scale_lr(factor)
+            self.step = s + 1
 
     def _has_lineage(self, start: int, stop: int) -> bool:
         return all(self.store.has_json(self._lineage(s)) for s in range(start, stop))
@@ -224,26 +267,117 @@ class RunWorker:
         batch, metrics = self.trainer.rollout(step)
         if not self.leader:  # the driver takes rank 0's answer
             return "", metrics
+        validate_and_record(self.store, self.config_hash, step, "rollout", batch, self.cfg)
         ref = put_batch(self.store, batch,
                         pending=pending_doc(self.config_hash, step, "rollout"))
         metrics["timing/rollout_s"] = time.perf_counter() - t0
         return ref, metrics
 
     def update(self, step: int, batch_ref: str) -> dict:
+        """Apply update ``step`` under the guard (README "Training guard").
+
+        The deterministic detectors look at the batch first (non-finite rewards, advantages or
+        log-probs; reward collapse; response length), then at the update's own metrics
+        (non-finite loss or gradients, gradient explosion, loss/KL/entropy trouble), each against
+        the history of the steps before. The decision (``guard.policy.decide``) is carried out
+        here and written into the lineage record of the step, which a rebuild replays:
+
+        - ``skip_batch``: the state after the step is the state before it (rebuilt from the
+          store, since the update may have touched the weights already);
+        - ``rollback``: the state after the step is the state of the newest step of the
+          checkpoint schedule before it, with the LR scaled by ``guard.rollback_lr_scale``;
+        - ``retry_phase`` / ``halt``: nothing is recorded, the phase raises.
+        """
+        from verl_core.guard import policy
+
         self.ensure_state(step)
         t0 = time.perf_counter()
         batch = get_batch(self.store, batch_ref)
         if self.dp.distributed:  # VERL_FAULTS drills: a worker hanging (or killed) mid-update
             maybe_inject(f"update-rank{self.dp.rank}", step)
-        with self._changing_state():
-            metrics = self.trainer.update(batch, step)
+        g = self.cfg.guard
+        history = list(self.trainer.history)
+        anomalies = self._detect_batch(step, batch, history) if g.enabled else []
+        decision = policy.decide(anomalies, self.trainer.guard, g,
+                                 can_roll_back=self._can_roll_back(step))
+        metrics: dict = {}
+        if decision.action in ("none", "warn"):
+            with self._changing_state():
+                metrics = self.trainer.update(batch, step)
+                self.step = step + 1
+            if g.enabled:
+                after = self._detect_update(step, metrics, history)
+                if after:
+                    anomalies = [*anomalies, *after]
+                    decision = policy.decide(anomalies, self._guard_before, g,
+                                             can_roll_back=self._can_roll_back(step))
+        record = {"step": step, "batch": batch_ref}
+        outcome = {"none": "", "warn": "logged"}.get(decision.action, "")
+        if decision.action in ("retry_phase", "halt"):
+            self._live_valid = self._live_valid and self.step == step  # touched: rebuild later
+            outcome = "retrying" if decision.action == "retry_phase" else "halted"
+        elif decision.action == "skip_batch":
+            guard = policy.after_skip(self._guard_before, step)
+            self._live_valid = False  # the update may have run: rebuild the state before it
+            self.ensure_state(step)
+            self.trainer.guard = dict(guard)
             self.step = step + 1
+            record.update(action="skip", guard=guard)
+            outcome = "skipped"
+        elif decision.action == "rollback":
+            to = policy.rollback_target(
+                step, checkpoint_interval=self.cfg.checkpoint.checkpoint_interval,
+                base_step=self.base_step)
+            guard = policy.after_rollback(self._guard_before, step, g.rollback_lr_scale)
+            self._live_valid = False
+            self._roll_back(step, to, guard)
+            record.update(action="rollback", to=to, guard=guard)
+            outcome = f"rolled back to step {to}"
+        if decision.fired:
+            metrics.update(self._record_events(step, "update", decision, outcome))
+        if decision.action == "halt":
+            raise policy.GuardHaltError(policy.halt_report(decision, step, "update"))
+        if decision.action == "retry_phase":
+            raise policy.GuardRetryError(f"guard: retrying update of step {step}: "
+                                         + "; ".join(a.message for a in decision.anomalies))
         # record how this state was made before anyone is told it exists
         if self.leader:
-            self.store.put_json(self._lineage(step), {"step": step, "batch": batch_ref})
+            self.store.put_json(self._lineage(step), record)
             self._drop_pending(step)
         metrics["timing/update_s"] = time.perf_counter() - t0
         return metrics
+
+    # ------------------------------------------------------------------ guard
+    @property
+    def _guard_before(self) -> dict:
+        """The guard state of the step being decided (set by :meth:`_detect_batch`)."""
+        return self._guard_snapshot
+
+    def _can_roll_back(self, step: int) -> bool:
+        return step > self.base_step
+
+    def _detect_batch(self, step: int, batch: Batch, history: list[dict]) -> list:
+        self._guard_snapshot = dict(self.trainer.guard)
+        return checks.batch_anomalies(step, batch, history, self.cfg.guard)
+
+    def _detect_update(self, step: int, metrics: dict, history: list[dict]) -> list:
+        return checks.update_anomalies(step, metrics, history, self.cfg.guard)
+
+    def _record_events(self, step: int, phase: str, decision, outcome: str) -> dict:
+        from verl_core.guard.events import event_metrics, make_event, record_event
+
+        events = [make_event(step=step, phase=phase, detector=a.detector, action=decision.action,
+                             outcome=outcome + (f" (escalated: {decision.escalated})"
+                                                if decision.escalated else ""),
+                             signal=a.signal, value=a.value, threshold=a.threshold,
+                             message=a.message)
+                  for a in decision.anomalies]
+        for e in events:
+            log.warning("guard: step %d %s: %s -> %s (%s)", step, e["detector"], e["message"],
+                        decision.action, e["outcome"])
+            if self.leader:
+                record_event(self.store, self.config_hash, e)
+        return event_metrics(events)
 
     def _drop_pending(self, step: int) -> None:
         """The step's phase outputs are consumed: the lineage record now keeps the batch the
@@ -281,7 +415,43 @@ class RunWorker:
             self.ckpt.save_distributed(step, groups, meta, config_hash=self.config_hash,
                                        dp=self.dp)
         self.last_save_time = time.time()
-        return {"checkpoint/saved": 1.0, "checkpoint/blocked_s": time.perf_counter() - t0}
+        out = {"checkpoint/saved": 1.0, "checkpoint/blocked_s": time.perf_counter() - t0}
+        if self.leader and faults.take("corrupt_object", "checkpoint", step):  # a drill
+            self._corrupt_checkpoint(step)
+        return out
+
+    def _corrupt_checkpoint(self, step: int) -> None:
+        """VERL_FAULTS ``corrupt_object``: once the checkpoint of ``step`` committed, overwrite
+        its largest object with garbage (bit rot, a bad disk). Loads and :meth:`scrub` find it."""
+        self.wait_checkpoints()
+        info = next(i for i in self.ckpt.list_checkpoints()
+                    if i.step == step and i.config_hash == self.config_hash and i.error is None)
+        _, m = self.ckpt.read_manifest(info.name)
+        sha = max(m["objects"], key=m["objects"].get)
+        log.warning("VERL_FAULTS: corrupting object %s of checkpoint %s", sha[:12], info.name)
+        faults.corrupt_object(self.store, sha)
+
+    def scrub(self, step: int) -> dict:
+        """Verify every checkpoint of this trajectory (every object re-hashed) and repair the
+        damaged ones: their bad objects go to ``quarantine/``, their state is rebuilt (an older
+        checkpoint + lineage replay) and saved again, which writes the missing objects back. So
+        a run never ends with a committed checkpoint left corrupted. Ends at state ``step``."""
+        infos = self._lead(sorted(
+            (i for i in self.ckpt.list_checkpoints()
+             if i.error is None and i.config_hash == self.config_hash), key=lambda i: i.step))
+        repaired = []
+        for info in infos:
+            problems = self._lead(self.ckpt.verify(info.name, repair=True) if self.leader else [])
+            if not problems:
+                continue
+            log.warning("checkpoint %s is damaged (%s); rebuilding and saving it again",
+                        info.name, "; ".join(problems)[:500])
+            self.ensure_state(info.step)
+            self.checkpoint(info.step, force=True, sync=True)
+            repaired.append(info.step)
+        if repaired:
+            self.ensure_state(step)
+        return {"checkpoint/repaired": float(len(repaired))}
 
     def wait_checkpoints(self):
         """Block until the background checkpoint write committed; its info, or None if there is
@@ -312,8 +482,14 @@ class RunWorker:
         return {"checkpoint/resaved": 1.0, **out}
 
     def evaluate(self, step: int) -> dict:
+        """Greedy held-out metrics of the state after ``step`` updates; the first
+        :data:`EVAL_SAMPLES` responses go to the store for the reports (:func:`eval_samples_doc`)."""
         self.ensure_state(step)
-        return self.trainer.evaluate()
+        metrics, samples = self.trainer.evaluate_with_samples(EVAL_SAMPLES)
+        if self.leader:
+            self.store.put_json(eval_samples_doc(self.config_hash, step),
+                                {"step": step, "samples": [dataclasses.asdict(s) for s in samples]})
+        return metrics
 
     def export_final(self, step: int, folder: str) -> str:
         """Write the policy after ``step`` updates as a Hugging Face folder (local path)."""
@@ -334,3 +510,17 @@ class RunWorker:
             except Exception as e:  # noqa: BLE001 - already reported by wait_checkpoints
                 log.error("background checkpoint failed: %s", e)
             self.trainer.close()
+
+    # ------------------------------------------------------------------ reward model
+    def score_with_model(self, step: int, batch_ref: str) -> tuple[str, dict]:
+        """The reward phase of ``step`` with ``reward_model.enable``: score the rollout batch
+        ``batch_ref`` (``RLTrainer.reward``: every worker runs the reward model on its share of
+        the rows, rank 0 gathers, runs ``reward.scorer`` and writes the scored batch). The reward
+        model is frozen, so no policy state is needed (no :meth:`ensure_state`)."""
+        t0 = time.perf_counter()
+        batch, metrics = self.trainer.reward(get_batch(self.store, batch_ref))
+        if not self.leader:  # the driver takes rank 0's answer
+            return "", metrics
+        ref = put_batch(self.store, batch, pending=pending_doc(self.config_hash, step, "reward"))
+        metrics["timing/reward_worker_s"] = time.perf_counter() - t0
+        return ref, metrics

@@ -1,16 +1,30 @@
-"""Fault injection for crash and retry tests (and for chaos drills on a real cluster).
+"""Fault injection for crash, retry and chaos tests, and for users rehearsing failures.
 
-Faults are declared in the environment, so they never change a cache key or a config hash:
+Off unless declared. Faults live in the environment, so they never change a cache key or a
+config hash (a Ray actor inherits the environment of the process that started Ray):
 
     VERL_FAULTS='[{"phase": "reward", "step": 1, "kind": "transient", "times": 2}]'
     VERL_FAULTS_DIR=/tmp/faults      # attempt counters and markers (shared across processes)
 
-kinds:
-  transient  raise a TransientError (a flaky store, a lost worker) the first ``times`` attempts
-  permanent  raise a PermanentError (bad data) every time
-  hang       write ``<dir>/<phase>-<step>.entered``, then sleep ``seconds`` (default 3600): a test
-             waits for the marker and kills the process in the middle of the phase (with
-             ``times``: only the first ``times`` attempts hang)
+Every fault takes ``phase`` and ``step`` (the RL step the phase belongs to) and fires at most
+``times`` times (counted in ``VERL_FAULTS_DIR``, so across processes and re-runs; default 1,
+except ``permanent`` and ``hang`` which default to every time). Kinds:
+
+  transient       raise a TransientError (a flaky store, a lost worker): the phase is retried
+  permanent       raise a PermanentError (bad data): the phase fails at once
+  hang            write ``<dir>/<phase>-<step>.entered``, then sleep ``seconds`` (default 3600):
+                  a test waits for the marker and kills the process in the middle of the phase
+  kill            SIGKILL the process running the phase (a node or pod lost mid-phase)
+  slow            sleep ``seconds`` (default: the phase deadline + 5 s) inside the phase, so
+                  its deadline (``guard.phase_timeout_s``) fires and the phase is retried
+  store_outage    from the start of the phase, every run-store call fails as unavailable for
+                  ``seconds`` (default 2): retries with backoff must ride it out
+  nan_grad        the update's gradients become NaN (phase ``update``)
+  nan_reward      one response's reward becomes NaN (phase ``reward``)
+  corrupt_object  after the checkpoint of ``step`` commits, one of its objects is overwritten
+                  with garbage of the same size (phase ``checkpoint``)
+  second_writer   a second process tries to take the run's writer lease while the run holds
+                  it; it must be refused (the phase fails if it is not)
 
 Phases: the task-level names (``rollout``, ``reward``, ``advantage``, ``update``, ``checkpoint``,
 ``evaluate``, ``finalize``), plus ``update-rank<r>`` inside worker r of a worker group, in the
@@ -20,10 +34,19 @@ middle of its update (after the batch is read, before the optimizer steps).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import time
 
-from verl_core.checkpoint.errors import PermanentError, TransientError
+from verl_core.errors import PermanentError, TransientError
+
+log = logging.getLogger(__name__)
+
+KINDS = ("transient", "permanent", "hang", "kill", "slow", "store_outage", "nan_grad",
+         "nan_reward", "corrupt_object", "second_writer")
+IN_CODE = ("nan_grad", "nan_reward", "corrupt_object")
+"""Kinds that the phase's own code applies (through :func:`take`), not :func:`maybe_inject`."""
 
 
 class InjectedTransientFault(TransientError):
@@ -42,36 +65,121 @@ def _faults() -> list[dict]:
         faults = json.loads(spec)
     except json.JSONDecodeError as e:
         raise ValueError(f"VERL_FAULTS is not JSON: {e}") from e
-    return faults if isinstance(faults, list) else [faults]
+    faults = faults if isinstance(faults, list) else [faults]
+    for f in faults:
+        if f.get("kind", "transient") not in KINDS:
+            raise ValueError(f"VERL_FAULTS: unknown kind {f.get('kind')!r}; known: "
+                             f"{', '.join(KINDS)}")
+    return faults
 
 
-def maybe_inject(phase: str, step: int) -> None:
-    """Raise/hang if a declared fault matches (phase, step). A no-op without VERL_FAULTS."""
-    for f in _faults():
-        if f.get("phase") != phase or int(f.get("step", -1)) != step:
-            continue
-        state_dir = os.environ.get("VERL_FAULTS_DIR") or "/tmp/verl-faults"
-        os.makedirs(state_dir, exist_ok=True)
-        kind = f.get("kind", "transient")
-        if kind == "hang":
-            if "times" in f and _count(state_dir, phase, step) >= int(f["times"]):
-                continue
-            with open(os.path.join(state_dir, f"{phase}-{step}.entered"), "w") as fh:
-                fh.write(str(os.getpid()))
-            time.sleep(float(f.get("seconds", 3600)))
-            continue
-        if kind == "permanent":
-            raise InjectedPermanentFault(f"injected permanent fault in {phase} of step {step}")
-        n = _count(state_dir, phase, step)
-        if n < int(f.get("times", 1)):
-            raise InjectedTransientFault(
-                f"injected transient fault in {phase} of step {step} (attempt {n + 1})")
+def _state_dir() -> str:
+    d = os.environ.get("VERL_FAULTS_DIR") or "/tmp/verl-faults"
+    os.makedirs(d, exist_ok=True)
+    return d
 
 
-def _count(state_dir: str, phase: str, step: int) -> int:
-    """Attempts of (phase, step) before this one; counts this one (shared across processes)."""
-    counter = os.path.join(state_dir, f"{phase}-{step}.attempts")
+def _matching(phase: str, step: int, kinds) -> list[dict]:
+    return [f for f in _faults() if f.get("phase") == phase and int(f.get("step", -1)) == step
+            and f.get("kind", "transient") in kinds]
+
+
+def _count(state_dir: str, phase: str, step: int, kind: str = "") -> int:
+    """Firings of (phase, step[, kind]) before this one; counts this one (across processes)."""
+    counter = os.path.join(state_dir, f"{phase}-{step}{'-' + kind if kind else ''}.attempts")
     n = int(open(counter).read()) if os.path.exists(counter) else 0
     with open(counter, "w") as fh:
         fh.write(str(n + 1))
     return n
+
+
+def _fires(f: dict, phase: str, step: int, default_times: int | None) -> bool:
+    """Whether fault ``f`` fires now (counting it if so). ``default_times`` None: every time."""
+    kind = f.get("kind", "transient")
+    times = f.get("times", default_times)
+    if times is None:
+        return True
+    # plain transient faults keep their historical counter name (tests read it)
+    n = _count(_state_dir(), phase, step, "" if kind == "transient" else kind)
+    return n < int(times)
+
+
+def maybe_inject(phase: str, step: int, *, deadline_s: float = 0.0) -> None:
+    """Raise, hang, sleep, kill or start an outage if a declared fault matches (phase, step).
+    A no-op without VERL_FAULTS. ``deadline_s``: the phase's deadline (``slow``'s default)."""
+    for f in _matching(phase, step, [k for k in KINDS if k not in IN_CODE]):
+        kind = f.get("kind", "transient")
+        if kind == "hang":
+            if not _fires(f, phase, step, None):
+                continue
+            with open(os.path.join(_state_dir(), f"{phase}-{step}.entered"), "w") as fh:
+                fh.write(str(os.getpid()))
+            time.sleep(float(f.get("seconds", 3600)))
+        elif kind == "permanent":
+            if _fires(f, phase, step, None):
+                raise InjectedPermanentFault(f"injected permanent fault in {phase} of step {step}")
+        elif kind == "transient":
+            if _fires(f, phase, step, 1):
+                raise InjectedTransientFault(f"injected transient fault in {phase} of step {step}")
+        elif kind == "kill":
+            if _fires(f, phase, step, 1):
+                log.warning("VERL_FAULTS: killing pid %d in %s of step %d", os.getpid(), phase,
+                            step)
+                os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "slow":
+            if _fires(f, phase, step, 1):
+                time.sleep(float(f.get("seconds", deadline_s + 5.0)))
+        elif kind == "store_outage":
+            if _fires(f, phase, step, 1):
+                until = time.time() + float(f.get("seconds", 2.0))
+                with open(os.path.join(_state_dir(), "store-outage-until"), "w") as fh:
+                    fh.write(repr(until))
+        elif kind == "second_writer":
+            if _fires(f, phase, step, 1):
+                _second_writer(f)
+
+
+def take(kind: str, phase: str, step: int) -> dict | None:
+    """The in-code fault ``kind`` declared for (phase, step), if it fires now (counted)."""
+    for f in _matching(phase, step, (kind,)):
+        if _fires(f, phase, step, 1):
+            log.warning("VERL_FAULTS: injecting %s in %s of step %d", kind, phase, step)
+            return f
+    return None
+
+
+def store_outage_active() -> bool:
+    """True while an injected store outage lasts (checked by every run-store call)."""
+    path = os.path.join(os.environ.get("VERL_FAULTS_DIR") or "/tmp/verl-faults",
+                        "store-outage-until")
+    try:
+        return time.time() < float(open(path).read())
+    except (OSError, ValueError):
+        return False
+
+
+_SECOND_WRITER_HOOK = None
+
+
+def set_second_writer_hook(fn) -> None:
+    """``fn(fault) -> None`` launched by a ``second_writer`` fault: it starts a second writer of
+    the run and raises if that writer was admitted (the run's lease code installs it)."""
+    global _SECOND_WRITER_HOOK
+    _SECOND_WRITER_HOOK = fn
+
+
+def _second_writer(f: dict) -> None:
+    if _SECOND_WRITER_HOOK is None:
+        raise InjectedPermanentFault("second_writer fault: no run lease is held in this process "
+                                     "(guard.lease_ttl_s=0?), so nothing can refuse a second "
+                                     "writer")
+    _SECOND_WRITER_HOOK(f)
+
+
+def corrupt_object(store, sha: str) -> None:
+    """Overwrite object ``sha`` in ``store`` with garbage of the same size, in place (a disk or
+    bit-rot fault; the content hash no longer matches)."""
+    path = store.object_path(sha)
+    size = store.fs.size(path)
+    with store.fs.open(path, "wb") as fh:
+        fh.write(os.urandom(max(1, size)))

@@ -57,7 +57,8 @@ def loss_options(algo: AlgorithmConfig) -> PolicyLossOptions:
 def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: AlgorithmConfig, *,
                temperature: float, mini_batch_rows: int, micro_batch_rows: int, epochs: int,
                grad_clip: float, seed: int, critic=None, critic_optimizer=None,
-               critic_scheduler=None, dp: DataParallel = SINGLE) -> dict[str, float]:
+               critic_scheduler=None, dp: DataParallel = SINGLE,
+               after_backward=None) -> dict[str, float]:
     """One RL step's update of the actor (and critic when ``critic`` is given).
 
     batch must carry ``advantages`` (N, T); ``ref_logprobs`` when ``algo.use_kl_loss``; ``values``
@@ -76,6 +77,9 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     however many workers share it. With ``dp`` (W > 1, FSDP2 models whose gradient divide factor
     is 1), worker r takes the r-th block of every mini-batch and the reduce-scatter sums the
     parts: the batch semantics do not depend on W.
+
+    ``after_backward(actor)``, if given, runs once after the first micro-batch's backward (fault
+    drills use it to poison the gradients).
     """
     if batch.advantages is None:
         raise ValueError("ppo_update needs batch.advantages: run the advantage phase first")
@@ -145,6 +149,9 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                     loss = loss + algo.kl_loss_coef * kl
                     sums["actor/kl_loss"].append(kl.detach())
                 (loss * weight).backward()
+                if after_backward is not None:
+                    after_backward(actor)
+                    after_backward = None
                 sums["actor/pg_loss"].append(pg_loss.detach())
                 for k, v in pg_metrics.items():
                     sums[f"actor/{k}"].append(v.detach())
@@ -172,6 +179,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                 skipped += not c_ok
     metrics = dp.mean_metrics({k: float(torch.stack([t.float() for t in v]).mean())
                                for k, v in sums.items()})
+    if sums["actor/grad_norm"]:  # the largest pre-clip norm (the guard's explosion signal)
+        metrics["actor/grad_norm_max"] = float(torch.stack(sums["actor/grad_norm"]).max())
     metrics["actor/lr"] = lr_used  # LR of this step's first optimizer step
     metrics["update/skipped_nonfinite_steps"] = float(skipped)
     if critic is not None:

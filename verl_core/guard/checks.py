@@ -1,0 +1,74 @@
+"""Which detectors judge what, and where: the glue between the detectors and the phases.
+
+- :func:`batch_anomalies` and :func:`update_anomalies`: the deterministic detectors, run by the
+  update (``RunWorker.update``, and the plain loop) on what the batch says about the step and on
+  the update's own metrics, each against the history of the steps before. Their decisions change
+  the trajectory (skip, rollback), so they read only numbers that a re-run reproduces.
+- The wall-clock detectors (:data:`TIMING`) are judged where the time is measured
+  (``runtime.watch_phase``), never in the update's decision.
+"""
+
+from __future__ import annotations
+
+from verl_core.config import TIMING_DETECTORS, GuardConfig
+from verl_core.data.batch import Batch
+from verl_core.guard import detectors
+
+TIMING = TIMING_DETECTORS
+"""Wall-clock detectors (latency, throughput, accelerator utilisation)."""
+
+
+def batch_signals(batch: Batch) -> dict[str, float]:
+    """The step's deterministic signals as the batch holds them (reward, response length,
+    advantages), named like the phase metrics so the detectors' history lines up."""
+    out = {"response_length/mean": float(batch.response_mask.sum()) / max(batch.num_rows, 1)}
+    if batch.score is not None:
+        out["reward/mean"] = float(batch.score.double().mean())
+    if batch.advantages is not None:
+        adv = batch.advantages.double()[batch.response_mask.bool()]
+        if adv.numel():
+            out["advantages/abs_max"] = float(adv.abs().max())
+    return out
+
+
+def _unique(anomalies: list) -> list:
+    """One anomaly per (detector, signal): a signal seen by two phases' detectors counts once."""
+    seen, out = set(), []
+    for a in anomalies:
+        if (a.detector, a.signal) not in seen:
+            seen.add((a.detector, a.signal))
+            out.append(a)
+    return out
+
+
+def batch_anomalies(step: int, batch: Batch, history: list[dict], cfg: GuardConfig) -> list:
+    """Deterministic detectors over the batch of ``step`` before it is applied: non-finite
+    values in any float column, and the rollout/reward/advantage detectors on its signals."""
+    if not cfg.enabled:
+        return []
+    current = batch_signals(batch)
+    found = [a for phase in ("rollout", "reward", "advantage")
+             for a in detectors.detect(phase, step, current, history, cfg)
+             if a.detector not in TIMING]
+    for column, n in detectors.nonfinite_counts(batch).items():
+        if n:
+            found.append(detectors.Anomaly(
+                detector="nonfinite", phase="update", step=step, signal=column, value=float(n),
+                threshold=0.0, message=f"{n} non-finite value(s) in the batch's {column}"))
+    return _unique(found)
+
+
+def update_anomalies(step: int, metrics: dict, history: list[dict], cfg: GuardConfig) -> list:
+    """Deterministic detectors over the update's metrics (loss, KL, entropy, gradient norm) and
+    the optimizer steps it had to refuse for non-finite gradients."""
+    if not cfg.enabled:
+        return []
+    found = [a for a in detectors.detect("update", step, metrics, history, cfg)
+             if a.detector not in TIMING]
+    skipped = metrics.get("update/skipped_nonfinite_steps", 0)
+    if skipped:
+        found.append(detectors.Anomaly(
+            detector="nonfinite", phase="update", step=step, signal="actor/grad_norm",
+            value=float("nan"), threshold=0.0,
+            message=f"non-finite gradients in {int(skipped)} optimizer step(s) of the update"))
+    return _unique(found)
