@@ -1,8 +1,35 @@
-# Image for running the workflows on a Flyte cluster (Kubernetes + KubeRay).
-# CPU by default; for GPU nodes build FROM a CUDA base and install torch for that CUDA version
-# before the project (the constraints file pins the CPU wheel used in CI).
-FROM python:3.11-slim
+# Images for running the workflows on a Flyte cluster (Kubernetes + KubeRay). Two targets:
+#
+#   docker build --target cpu -t <registry>/verl-flyte:<tag> .       the default image (light phases)
+#   docker build --target gpu -t <registry>/verl-flyte-gpu:<tag> .   the Ray phases and the RayCluster
+#
+# and register with both: `pyflyte register --image <cpu> --image gpu=<gpu> ...` (tasks/images.py).
+# `docker build .` builds the last target, cpu. tests/ops/test_images.py checks that what each
+# target installs matches pyproject.toml and the constraints files.
 
+# --- gpu: CUDA 13 base (torch 2.14's wheel ships its CUDA libraries; the base brings the driver
+# compatibility layer and NVIDIA's container labels), Python 3.11 like the cpu image (Ray Client
+# needs the same Python minor on both sides), the gpu and vllm extras and Ray.
+FROM nvidia/cuda:13.0.2-base-ubuntu24.04 AS gpu
+COPY --from=ghcr.io/astral-sh/uv:0.13.8 /uv /usr/local/bin/uv
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled \
+    UV_PYTHON_INSTALL_DIR=/opt/python PATH=/opt/venv/bin:$PATH
+# wget: KubeRay's default readiness probes call it
+RUN apt-get update && apt-get install -y --no-install-recommends wget ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && uv venv --seed --python 3.11 /opt/venv
+WORKDIR /root
+COPY pyproject.toml README.md ./
+COPY .ci/constraints-gpu.txt .ci/constraints-gpu.txt
+COPY verl_core verl_core
+COPY tasks tasks
+COPY workflows workflows
+RUN pip install --no-cache-dir -c .ci/constraints-gpu.txt '.[gpu,vllm]'
+# Liveness: exits 1 when torch, CUDA, the store or the heartbeat is unhealthy (verl_core/health.py)
+HEALTHCHECK --interval=60s --timeout=30s CMD python -m verl_core health || exit 1
+
+# --- cpu: the default image
+FROM python:3.11-slim AS cpu
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
 WORKDIR /root
 COPY pyproject.toml README.md ./
@@ -10,6 +37,9 @@ COPY .ci/constraints-cpu.txt .ci/constraints-cpu.txt
 COPY verl_core verl_core
 COPY tasks tasks
 COPY workflows workflows
-RUN pip install --no-cache-dir -c .ci/constraints-cpu.txt .
-# Liveness probe for long-running pods: exits 1 when torch, the store or the heartbeat is unhealthy.
-HEALTHCHECK --interval=60s --timeout=30s CMD python -m verl_core.health || exit 1
+# the CPU build of the pinned torch first (PyPI's Linux wheel is the multi-GB CUDA build); the
+# constraint torch==X then accepts the installed X+cpu
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+    && pip install --no-cache-dir -c .ci/constraints-cpu.txt .
+# Liveness: exits 1 when torch, the store or the heartbeat is unhealthy (verl_core/health.py)
+HEALTHCHECK --interval=60s --timeout=30s CMD python -m verl_core health || exit 1

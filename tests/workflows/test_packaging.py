@@ -7,15 +7,20 @@ from conftest import PYFLYTE, REPO, flyte_env
 
 def test_pyflyte_package_offline(tmp_path):
     out = tmp_path / "flyte-package.tgz"
-    res = subprocess.run([PYFLYTE, "--pkgs", "workflows", "package", "--image",
-                          "localhost/verl-flyte:latest", "-o", str(out), "--force"],
+    # the Ray tasks run in the `gpu` image (tasks/images.py): registration names both
+    res = subprocess.run([PYFLYTE, "--pkgs", "workflows", "package",
+                          "--image", "localhost/verl-flyte:latest",
+                          "--image", "gpu=localhost/verl-flyte-gpu:latest",
+                          "-o", str(out), "--force"],
                          cwd=REPO, env=flyte_env(tmp_path), capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     names = " ".join(tarfile.open(out).getnames())
     for entity in ("tasks.rollout.rollout", "tasks.reward.reward", "tasks.advantage.advantage",
                    "tasks.update.update", "tasks.checkpoint.checkpoint", "tasks.prepare.prepare",
-                   "workflows.ppo.ppo", "workflows.ppo.train_chunk", "ppo_smoke"):
+                   "workflows.ppo.ppo", "workflows.ppo.train_chunk", "ppo_smoke",
+                   "tasks.schedule.continuation_steps", "workflows.schedules.ppo_continue",
+                   "workflows.schedules.evaluate_newest", "ppo_nightly", "eval_newest"):
         assert entity in names, (entity, names)
 
 
