@@ -18,7 +18,10 @@ Everything is measured in the same process on the same filesystem (``--dir``, de
   ``load_distributed``, DCP's in-place load as a data-parallel worker does it);
 * bytes written by a 2nd checkpoint after one optimizer step, full fine-tune vs the bottom half of
   the decoder layers (and the embeddings) frozen;
-* time the training loop is blocked by ``AsyncCheckpointer.save`` vs a synchronous save.
+* time the training loop is blocked by ``AsyncCheckpointer.save`` vs a synchronous save;
+* the local-disk tier (``checkpoint.local_dir``): time blocked by a synchronous save into the run
+  store (``--store``, default a folder under ``--dir``; pass ``s3://…`` for shared storage) vs one
+  committed to local disk with replication to the store in the background.
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--repeat", type=int, default=3, help="median of this many runs")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--store", default=None,
+                    help="run store of the local-tier rows (default: a folder under --dir)")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
     rows: list[tuple[str, str, str]] = hash_rates(args.repeat)
@@ -314,6 +319,39 @@ def main() -> None:
             ("blocked: AsyncCheckpointer.save (CPU snapshot)", f"{t_block:6.2f} s",
              f"{t_block / t_sync:6.1%} of sync (write took "
              f"{statistics.median(bg_times):.2f} s in the background)"),
+        ]
+
+        # ---------------------------------------------------------------- local-disk tier
+        from verl_core.checkpoint.local_tier import Replicator, open_local_store
+
+        remote = CheckpointManager(RunStore(args.store or os.path.join(base, "run-store")))
+        local = CheckpointManager(open_local_store(os.path.join(base, "local"), remote.store))
+        rep = Replicator(local, remote)
+        direct_times, tier_times, repl_times = [], [], []
+        try:
+            for i in range(args.repeat):
+                train_step(m, o, args.vocab)
+                os.sync()
+                t0 = time.perf_counter()
+                remote.save(2 * i + 1, state_of(m, o), {})
+                direct_times.append(time.perf_counter() - t0)
+                train_step(m, o, args.vocab)
+                os.sync()
+                t0 = time.perf_counter()
+                rep.submit(local.save(2 * i + 2, state_of(m, o), {}))
+                tier_times.append(time.perf_counter() - t0)
+                if rep.flush(600):
+                    raise RuntimeError(f"replication to {remote.store.uri} did not finish")
+                repl_times.append(time.perf_counter() - t0)
+        finally:
+            rep.close()
+        t_direct, t_tier = statistics.median(direct_times), statistics.median(tier_times)
+        rows += [
+            (f"blocked: sync save to the run store ({remote.store.uri if args.store else '--dir'})",
+             f"{t_direct:6.2f} s", ""),
+            ("blocked: sync save with checkpoint.local_dir", f"{t_tier:6.2f} s",
+             f"{t_tier / t_direct:6.1%} of direct (replicated after "
+             f"{statistics.median(repl_times):.2f} s)"),
         ]
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -35,8 +35,8 @@ CONFIGS = {
     # the default configuration (B=32 prompts x G=8)
     "default": {},
     # a rollout batch large enough that a plain step takes >= 2 s on 2 cores (B=768 x G=8)
-    "large": {"data.train_batch_size": 768, "trainer.ppo_mini_batch_size": 384,
-              "trainer.ppo_micro_batch_size": 768},
+    "large": {"data.train_batch_size": 768, "actor.ppo_mini_batch_size": 384,
+              "actor.ppo_micro_batch_size": 768},
 }
 PHASES = ("rollout", "reward", "advantage", "update", "checkpoint")
 
@@ -55,6 +55,15 @@ def bench(name: str, over: dict, steps: int, work: str, assets) -> dict:
 
     # The Flyte run starts from the same prepared assets (same bytes, same seed).
     flyte_over = {k: v for k, v in over.items() if k != "total_steps"}
+    flyte, flyte_total, _ = run_flyte(name, flyte_over, steps, work)
+    return {"name": name, "plain": plain, "flyte": flyte, "plain_total": plain_total,
+            "flyte_total": flyte_total, "rows": cfg.data.train_batch_size * cfg.rollout.n}
+
+
+def run_flyte(name: str, flyte_over: dict, steps: int, work: str):
+    """``pyflyte run workflows/ppo.py ppo`` in a subprocess (its own HOME, so its local cache
+    starts empty). Returns (per-step phase times from the phase log, the command's wall time,
+    the run store folder)."""
     store = os.path.join(work, f"store-{name}")
     env = dict(os.environ, HOME=os.path.join(work, f"home-{name}"), RAY_AUTH_MODE="disabled",
                PYTHONPATH=REPO)
@@ -84,8 +93,7 @@ def bench(name: str, over: dict, steps: int, work: str, assets) -> dict:
     first = [r for r in log if (r["phase"], r["step"]) == ("rollout", 0)][0]
     flyte[0]["rollout"] = first["time"] - first["started"]
     flyte[0]["step"] = sum(flyte[0][p] for p in PHASES)
-    return {"name": name, "plain": plain, "flyte": flyte, "plain_total": plain_total,
-            "flyte_total": flyte_total, "rows": cfg.data.train_batch_size * cfg.rollout.n}
+    return flyte, flyte_total, os.path.join(store, "bench")
 
 
 def report(r: dict) -> None:

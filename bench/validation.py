@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -40,8 +41,8 @@ from verl_core.trainer import Assets, RLTrainer, prepare_assets  # noqa: E402
 
 CONFIGS = {
     "default": {},  # B=32 prompts x G=8 = 256 rows
-    "large": {"data.train_batch_size": 768, "trainer.ppo_mini_batch_size": 384,
-              "trainer.ppo_micro_batch_size": 768},  # 6144 rows, as bench/orchestration.py
+    "large": {"data.train_batch_size": 768, "actor.ppo_mini_batch_size": 384,
+              "actor.ppo_micro_batch_size": 768},  # 6144 rows, as bench/orchestration.py
 }
 STAGES = validation.STAGES
 
@@ -127,6 +128,13 @@ def report(r: dict) -> None:
     best = min(samples, key=lambda k: totals[k])
     print(f"\nFull batch: {full:.1%} of a step ({verdict} 2%); cheapest sample "
           f"({'all rows' if best == 0 else f'{best} rows'}): {totals[best] / step:.1%}.")
+    # GX's cost is per expectation, not per row: what bounds its share is how often it runs
+    from verl_core.config import ValidationConfig
+
+    k = ValidationConfig().every_steps
+    need = max(1, math.ceil(total_rec / (0.02 * step)))
+    print(f"Amortised over validation.every_steps={k} (the default): "
+          f"{total_rec / step / k:.2%} of a step; every_steps >= {need} keeps it within 2%.")
 
 
 def prepared(work: str, keep: str):

@@ -7,23 +7,27 @@ import json
 from flytekit import task
 
 from tasks.common import RETRIES, cache_for
+from verl_core import verl_keys
 from verl_core.config import ConfigError, preset, typed_overrides, with_overrides
 from verl_core.engine import runtime
 from verl_core.engine.runtime import RunSpec
+from verl_core.training.optim import optimizer_steps_line
 
 
 def build_config(algorithm: str, model: str, train_files: str, val_files: str, steps: int,
-                 batch_size: int, rollout_n: int, overrides: str):
-    """Options -> validated RunConfig. 0 / "" keep the preset's value. Raises ConfigError, a
-    permanent failure (never retried)."""
-    over = {}
+                 batch_size: int, rollout_n: int, overrides: str, verl_config: str = ""):
+    """Options -> validated RunConfig. 0 / "" keep the preset's value. ``overrides`` takes our
+    dotted keys and verl's; ``verl_config`` is a local verl YAML file, read here (so its content,
+    not its path, reaches the config and the cache key). Raises ConfigError, a permanent failure
+    (never retried)."""
+    parsed = None
     if overrides:
         try:
             parsed = json.loads(overrides)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--overrides is not a JSON object of dotted keys: {e}") from e
-        # typed first: the micro-batch arithmetic below must not see "8", 2.5 or NaN
-        over.update(typed_overrides(parsed))
+    # typed first: the micro-batch arithmetic below must not see "8", 2.5 or NaN
+    over = typed_overrides(verl_keys.overrides_from(verl_config, parsed))
     if steps:
         over["total_steps"] = steps
     if model:
@@ -34,29 +38,31 @@ def build_config(algorithm: str, model: str, train_files: str, val_files: str, s
     base = preset(algorithm)
     if batch_size:
         over["data.train_batch_size"] = batch_size
-        if "trainer.ppo_mini_batch_size" not in over:  # two optimizer steps per RL step
-            over["trainer.ppo_mini_batch_size"] = batch_size // 2 if batch_size % 2 == 0 else batch_size
+        if "actor.ppo_mini_batch_size" not in over:  # two optimizer steps per RL step
+            over["actor.ppo_mini_batch_size"] = batch_size // 2 if batch_size % 2 == 0 else batch_size
     if rollout_n:
         over["rollout.n"] = rollout_n
-    if (batch_size or rollout_n) and "trainer.ppo_micro_batch_size" not in over:
+    if (batch_size or rollout_n) and "actor.ppo_micro_batch_size" not in over:
         # keep the micro-batch a divisor of the (new) mini-batch rows
-        rows = over.get("trainer.ppo_mini_batch_size", base.trainer.ppo_mini_batch_size) * \
+        rows = over.get("actor.ppo_mini_batch_size", base.actor.ppo_mini_batch_size) * \
             over.get("rollout.n", base.rollout.n)
-        micro = base.trainer.ppo_micro_batch_size
+        micro = base.actor.ppo_micro_batch_size
         while rows % micro:
             micro //= 2
-        over["trainer.ppo_micro_batch_size"] = min(micro, rows)
+        over["actor.ppo_micro_batch_size"] = min(micro, rows)
     return with_overrides(base, over)
 
 
 @task
 def configure(algorithm: str, model: str, train_files: str, val_files: str, steps: int,
               batch_size: int, rollout_n: int, run_name: str, store: str,
-              overrides: str) -> RunSpec:
+              overrides: str, verl_config: str = "") -> RunSpec:
     """Not cached: validates the options and reads the store's incarnation id every time, so a
     deleted store is noticed. Returns a partial spec (no assets yet)."""
     cfg = build_config(algorithm, model, train_files, val_files, steps, batch_size, rollout_n,
-                       overrides)
+                       overrides, verl_config)
+    # the run header (this task is never cached, so every command prints it)
+    print(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}", flush=True)
     uri = runtime.run_store_uri(store, run_name)
     st = runtime._store(uri)
     spec = RunSpec(store=st.uri, incarnation=st.incarnation_id,

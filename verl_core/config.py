@@ -523,16 +523,28 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    """The PPO update: epochs, mini-batches, micro-batches (verl's ``actor`` sizes)."""
+class ActorConfig:
+    """The PPO update: epochs, mini-batches, micro-batches (verl's ``actor_rollout_ref.actor``
+    sizes; named ``actor`` because verl's ``trainer`` section is the run loop)."""
 
     ppo_epochs: int = 1
-    """Passes over each rollout batch."""
+    """Passes over each rollout batch (verl's ``actor_rollout_ref.actor.ppo_epochs``)."""
     ppo_mini_batch_size: int = 16
     """Prompts per optimizer step (x ``rollout.n`` responses), as in verl."""
     ppo_micro_batch_size: int = 128
     """Responses per forward/backward on one worker (gradient accumulation = a worker's rows of
-    a mini-batch / this). Memory only: the loss of a mini-batch does not depend on it."""
+    a mini-batch / this); verl's ``ppo_micro_batch_size_per_gpu``. Memory only: the loss of a
+    mini-batch does not depend on it."""
+
+    def __post_init__(self):
+        _check_types("actor", self)
+        _positive("actor", self, "ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The worker group (verl's ``trainer.nnodes`` / ``trainer.n_gpus_per_node``)."""
+
     nnodes: int = 1
     """Nodes of the worker group (verl's key). Workers = nnodes x n_gpus_per_node."""
     n_gpus_per_node: int = 1
@@ -545,8 +557,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         _check_types("trainer", self)
-        _positive("trainer", self, "ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size",
-                  "nnodes", "n_gpus_per_node", "worker_timeout_s")
+        _positive("trainer", self, "nnodes", "n_gpus_per_node", "worker_timeout_s")
 
     @property
     def world_size(self) -> int:
@@ -579,9 +590,15 @@ class CheckpointConfig:
     """Garbage collection (after retention deletes a checkpoint) never deletes an object younger
     than this. Safety margin only: gc never deletes what a kept checkpoint, the assets, the
     lineage or a pending phase output names, whatever its age."""
+    local_dir: str = ""
+    """Local-disk tier (off when empty): commit checkpoints to ``<local_dir>/<store id>`` first
+    and replicate them to the run store in the background (README "Checkpoints"; W = 1 only)."""
 
     def __post_init__(self):
         _check_types("checkpoint", self)
+        if "://" in self.local_dir:
+            _fail("checkpoint", "local_dir", self.local_dir,
+                  "must be a local folder (a local SSD), not a URL; the run store is the shared tier")
         _positive("checkpoint", self, "checkpoint_interval")
         _non_negative("checkpoint", self, "checkpoint_interval_s", "keep_last", "keep_every",
                       "gc_grace_s")
@@ -761,11 +778,16 @@ class ValidationConfig:
     """Validate this many batch rows, drawn per (seed, step, stage); 0: all (BENCHMARKS.md)."""
     score_range: str = "auto"
     """``auto`` (a rule scorer's declared range; custom: finite only), ``any``, or ``"lo,hi"``."""
+    every_steps: int = 10
+    """Validate the batches of every k-th step (0, k, 2k …; 1: every step). GX costs ~2.5 ms per
+    expectation whatever the row count, so this, not sampling rows, bounds its share of a step
+    (BENCHMARKS.md); the guard checks every batch for non-finite values on every step anyway."""
 
     def __post_init__(self):
         _check_types("validation", self)
         _one_of("validation", "mode", self.mode, VALIDATION_MODES)
         _non_negative("validation", self, "sample_rows")
+        _positive("validation", self, "every_steps")
         if self.score_range not in ("auto", "any"):
             lo_hi = self.score_bounds
             if lo_hi is None or not lo_hi[0] <= lo_hi[1]:
@@ -800,8 +822,10 @@ class RunConfig:
     """Advantage, loss, KL."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and schedule."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Update sizes: epochs, mini- and micro-batches."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Update sizes."""
+    """Worker group: nodes, workers per node, timeout."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Durable state."""
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -823,22 +847,26 @@ class RunConfig:
         _check_types("run", self)
         _positive("run", self, "total_steps")
         _non_negative("run", self, "eval_every", "num_threads")
-        B, mini = self.data.train_batch_size, self.trainer.ppo_mini_batch_size
+        B, mini = self.data.train_batch_size, self.actor.ppo_mini_batch_size
         if mini > B or B % mini:
-            _fail("trainer", "ppo_mini_batch_size", mini,
+            _fail("actor", "ppo_mini_batch_size", mini,
                   f"must divide data.train_batch_size={B} (otherwise the last mini-batch is "
                   "ragged or empty)")
         rows = mini * self.rollout.n
-        micro = self.trainer.ppo_micro_batch_size
+        micro = self.actor.ppo_micro_batch_size
         if micro > rows:
-            _fail("trainer", "ppo_micro_batch_size", micro,
+            _fail("actor", "ppo_micro_batch_size", micro,
                   f"is larger than a mini-batch ({mini} prompts x rollout.n={self.rollout.n} = "
                   f"{rows} rows), which gives zero gradient-accumulation steps; use <= {rows}")
         if rows % micro:
-            _fail("trainer", "ppo_micro_batch_size", micro,
+            _fail("actor", "ppo_micro_batch_size", micro,
                   f"must divide the mini-batch rows ({rows}) so every micro-batch has the same "
                   "weight in the accumulated gradient")
         W = self.trainer.world_size
+        if self.checkpoint.local_dir and W > 1:
+            _fail("checkpoint", "local_dir", self.checkpoint.local_dir,
+                  f"is not supported with {W} workers (each node would need its own local tier); "
+                  "leave it empty, or use trainer.nnodes = trainer.n_gpus_per_node = 1")
         if rows % W:
             _fail("trainer", "n_gpus_per_node", self.trainer.n_gpus_per_node,
                   f"x trainer.nnodes={self.trainer.nnodes} = {W} workers must divide the "
@@ -855,11 +883,11 @@ class RunConfig:
 
     @property
     def grad_accum_steps(self) -> int:
-        return self.trainer.ppo_mini_batch_size * self.rollout.n // self.trainer.ppo_micro_batch_size
+        return self.actor.ppo_mini_batch_size * self.rollout.n // self.actor.ppo_micro_batch_size
 
     @property
     def optimizer_steps_per_rl_step(self) -> int:
-        return self.trainer.ppo_epochs * (self.data.train_batch_size // self.trainer.ppo_mini_batch_size)
+        return self.actor.ppo_epochs * (self.data.train_batch_size // self.actor.ppo_mini_batch_size)
 
     @property
     def total_optimizer_steps(self) -> int:
@@ -915,6 +943,8 @@ class RunConfig:
             if k in SECTIONS:
                 sub_known = {f.name for f in dataclasses.fields(SECTIONS[k])}
                 bad = set(v) - sub_known
+                for name in sorted(bad):
+                    _refuse_moved(f"{k}.{name}")
                 if bad:
                     raise ConfigError(f"unknown key(s) {sorted(bad)} in section {k!r}; "
                                       f"known: {', '.join(sorted(sub_known))}")
@@ -927,9 +957,20 @@ class RunConfig:
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "rollout": RolloutConfig,
             "reward": RewardConfig, "reward_model": RewardModelConfig,
             "algorithm": AlgorithmConfig, "optim": OptimConfig,
-            "trainer": TrainerConfig, "checkpoint": CheckpointConfig, "guard": GuardConfig,
-            "tracking": TrackingConfig, "validation": ValidationConfig}
+            "actor": ActorConfig, "trainer": TrainerConfig, "checkpoint": CheckpointConfig,
+            "guard": GuardConfig, "tracking": TrackingConfig, "validation": ValidationConfig}
 """The sections of :class:`RunConfig` by field name."""
+
+MOVED_KEYS = {f"trainer.{n}": f"actor.{n}"
+              for n in ("ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size")}
+"""Keys that moved: verl's ``trainer`` section is the run loop, so the update sizes live in
+``actor`` (verl's ``actor_rollout_ref.actor``). The old name is refused naming the new one."""
+
+
+def _refuse_moved(key: str) -> None:
+    if key in MOVED_KEYS:
+        raise ConfigError(f"config key {key!r} was renamed to {MOVED_KEYS[key]!r} (verl's "
+                          f"trainer.* is the run loop); use {MOVED_KEYS[key]}")
 
 
 def typed_overrides(overrides: dict[str, object]) -> dict[str, object]:
@@ -941,6 +982,7 @@ def typed_overrides(overrides: dict[str, object]) -> dict[str, object]:
                           'e.g. {"optim.lr": 1e-4}')
     out = {}
     for key, value in overrides.items():
+        _refuse_moved(str(key))
         section, _, name = str(key).rpartition(".")
         fields = _fields_of(SECTIONS[section] if section in SECTIONS else RunConfig)
         if section and section not in SECTIONS or name not in fields:
@@ -958,6 +1000,7 @@ def with_overrides(cfg: RunConfig, overrides: dict[str, object]) -> RunConfig:
         typed_overrides(overrides)  # raises, naming what was given
     d = cfg.to_dict()
     for key, value in overrides.items():
+        _refuse_moved(key)
         parts = key.split(".")
         node = d
         for p in parts[:-1]:
@@ -982,7 +1025,7 @@ def ppo_preset(**overrides) -> RunConfig:
         algorithm=AlgorithmConfig(adv_estimator="gae", gamma=1.0, lam=0.95),
         rollout=RolloutConfig(n=4),
         data=DataConfig(train_batch_size=64),
-        trainer=TrainerConfig(ppo_epochs=2, ppo_mini_batch_size=32, ppo_micro_batch_size=128),
+        actor=ActorConfig(ppo_epochs=2, ppo_mini_batch_size=32, ppo_micro_batch_size=128),
     )
     return with_overrides(base, overrides)
 

@@ -173,9 +173,11 @@ def _fmt(v) -> str:
 
 # ---------------------------------------------------------------------- reports
 def run_report(table: pd.DataFrame, *, title: str, subtitle: str = "",
-               samples: Sequence[Mapping] = (), events: Sequence[Mapping] = ()) -> str:
-    """The full report: a latest-values line, the plots of :data:`PANELS`, the held-out samples
-    and the guard events. ``table``: the per-step metrics table (one row per ``step``)."""
+               samples: Sequence[Mapping] = (), events: Sequence[Mapping] = (),
+               validations: Sequence[Mapping] = ()) -> str:
+    """The full report: a latest-values line, the plots of :data:`PANELS`, the held-out samples,
+    the guard events and the data validation reports (``validation.ValidationReport`` dicts).
+    ``table``: the per-step metrics table (one row per ``step``)."""
     if "step" not in table:
         raise ValueError(f"metrics table without a 'step' column (columns: {list(table.columns)})")
     table = table.sort_values("step")
@@ -194,6 +196,14 @@ def run_report(table: pd.DataFrame, *, title: str, subtitle: str = "",
         parts.append('<p class="sub">step: the RL step (0-based) whose phase fired; its metrics '
                      "are the table's step + 1, marked by dotted red lines in the plots.</p>")
     parts.append(events_table(events))
+    parts.append("<h3>Data validation</h3>")
+    if validations:
+        from verl_core.validation import report_html
+
+        parts += [report_html(v) for v in validations]
+    else:
+        parts.append('<p class="sub">No validation reports stored (validation.mode=off, or no '
+                     "validated step yet).</p>")
     parts.append("</div>")
     return "\n".join(parts)
 
@@ -229,5 +239,23 @@ def for_run(spec, *, title: str, sample_steps: Sequence[int] = ()) -> str:
 
     samples = [s for step in sample_steps for s in runtime.eval_samples(spec, step)]
     return run_report(runtime.metrics_table(spec), title=title, samples=samples,
-                      events=runtime.guard_events(spec),
+                      events=runtime.guard_events(spec), validations=validation_reports(spec),
                       subtitle=f"run store {spec.store} · trajectory {spec.config_hash[:12]}")
+
+
+def validation_reports(spec) -> list[dict]:
+    """The data validation reports worth showing: every failed one, then those of the newest
+    validated step (rollout, reward, advantage), from the run store."""
+    from verl_core.validation import STAGES, read_reports
+
+    st = spec.open_store()
+    names = st.list_json(f"validation/{spec.config_hash[:16]}")
+    steps = sorted({int(n.rsplit("/", 1)[-1].split("-", 1)[0]) for n in names})
+    if not steps:
+        return []
+    failed = [d for n in names for d in [st.get_json(n, default=None)]
+              if d is not None and not d.get("success", True)]
+    failed.sort(key=lambda d: (d.get("step", 0), STAGES.index(d["stage"])
+                               if d.get("stage") in STAGES else 0))
+    newest = [d for d in read_reports(st, spec.config_hash, steps[-1]) if d.get("success", True)]
+    return failed + newest

@@ -1,4 +1,5 @@
-"""The plain-Python RL loop: ``python -m verl_core.train [--algorithm grpo] [--steps N] …``.
+"""The plain-Python RL loop: ``python -m verl_core.train [--algorithm grpo] [--steps N] …
+[key=value …]`` (verl's overrides, or ours; README "verl keys").
 
 rollout -> reward -> advantage -> update for N steps, with greedy held-out evaluation at the start
 and the end (and every ``eval_every`` steps). It is the library's own entry point and the baseline
@@ -18,6 +19,7 @@ import uuid
 
 import torch
 
+from verl_core import verl_keys
 from verl_core.config import ConfigError, RunConfig, preset, with_overrides
 from verl_core.data.batch import PromptTooLongError
 from verl_core.data.dataset import DatasetError
@@ -27,6 +29,7 @@ from verl_core.guard.lease import LeaseHeldError, RunLease
 from verl_core.models import ModelLoadError
 from verl_core.tracking import Trackers, default_run_name, flat_params
 from verl_core.trainer import RLTrainer, prepare_assets
+from verl_core.training.optim import optimizer_steps_line
 from verl_core.validation import DataValidationError, validate_batch
 
 PHASES = ("rollout", "reward", "advantage", "update")
@@ -55,6 +58,7 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
     lease = None
     try:
         lease = _workdir_lease(cfg, workdir)  # a second loop writing this workdir fails here
+        log(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}")
         assets = prepare_assets(cfg, workdir, log=log)
         t_prepared = time.perf_counter()
         trainer = RLTrainer(cfg, assets)
@@ -199,13 +203,24 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted config override, e.g. --set optim.lr=1e-4 (repeatable)")
     p.add_argument("--summary-json", default="", help="write the summary (with history) here")
-    args = p.parse_args(argv)
-    overrides = {}
+    p.add_argument("--config", default="", metavar="VERL_YAML",
+                   help="a verl YAML config file (README 'verl keys'); the overrides win over it")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="verl-style overrides, ours or verl's, e.g. trainer.test_freq=5 "
+                        "actor_rollout_ref.actor.optim.lr=1e-6 (README 'verl keys')")
+    args = p.parse_intermixed_args(argv)
+    given = {}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
             p.error(f"--set {item!r}: expected KEY=VALUE")
-        overrides[key] = _parse_value(value)
+        given[key] = _parse_value(value)
+    try:
+        given = {**verl_keys.parse_cli(args.overrides), **given}
+        overrides = verl_keys.overrides_from(args.config, given)
+    except ConfigError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     if args.steps is not None:
         overrides["total_steps"] = args.steps
     if args.model:

@@ -563,7 +563,7 @@ class RLTrainer:
             data_source=[r.data_source for r in rows], extra_info=[r.extra_info for r in rows],
             pad_id=self.tokenizer.pad_token_id,
             meta={"step": step, "kl_coef": self.kl_ctrl.value}, **extra)
-        micro = self.cfg.trainer.ppo_micro_batch_size
+        micro = self.cfg.actor.ppo_micro_batch_size
         # with W > 1 each worker runs its block of rows through the sharded model: (N, T)
         mine = self.dp.block(torch.arange(batch.num_rows))
         part = batch.select(mine) if self.dp.distributed else batch
@@ -674,8 +674,8 @@ class RLTrainer:
         poison = _poison_gradients if faults.take("nan_grad", "update", step) else None
         return ppo_update(
             self.actor, self.actor_optimizer, self.actor_scheduler, batch, c.algorithm,
-            temperature=c.rollout.temperature, mini_batch_rows=c.trainer.ppo_mini_batch_size * G,
-            micro_batch_rows=c.trainer.ppo_micro_batch_size, epochs=c.trainer.ppo_epochs,
+            temperature=c.rollout.temperature, mini_batch_rows=c.actor.ppo_mini_batch_size * G,
+            micro_batch_rows=c.actor.ppo_micro_batch_size, epochs=c.actor.ppo_epochs,
             grad_clip=c.optim.grad_clip, seed=derive_seed(c.seed, step, "update"),
             critic=self.critic, critic_optimizer=self.critic_optimizer,
             critic_scheduler=self.critic_scheduler, dp=self.dp, after_backward=poison)

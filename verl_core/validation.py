@@ -588,8 +588,10 @@ def validate_batch(batch: "Batch", stage: str, cfg: "RunConfig", *,
         raise ValueError(f"stage={stage!r}: unknown; known: {', '.join(STAGES)}")
     if cfg.validation.mode == "off":
         return None
-    t0 = time.perf_counter()
     step = int(batch.meta.get("step", -1)) if step is None else step
+    if step >= 0 and step % cfg.validation.every_steps:
+        return None  # validation.every_steps: this step's batches are not validated
+    t0 = time.perf_counter()
     rows = sample_rows(batch.num_rows, cfg, step, stage)
     frame = batch_frame(batch, rows)
     checks = _batch_checks(cfg, stage, set(frame.columns))

@@ -4,6 +4,7 @@
     rl_run (dynamic)  ->  evaluate(start) -> train_chunk x ceil(steps / CHUNK) -> evaluate(end)
                           -> finalize
     train_chunk (dynamic)  ->  per step: rollout -> reward -> advantage -> update -> checkpoint
+                               (-> evaluate after every ``eval_every``-th step)
 
 Iterations are unrolled in chunks of CHUNK steps (5 nodes each), so no dynamic workflow has more
 than about 50 nodes, which keeps the same workflow within a Flyte cluster's limits. Re-running the
@@ -33,12 +34,15 @@ CHUNK = 10
 
 @dynamic
 def train_chunk(spec: RunSpec, state: StepState, stop: int) -> StepState:
-    for _ in range(state.step, stop):
+    every = spec.config.eval_every  # verl's trainer.test_freq; the last step is rl_run's end eval
+    for k in range(state.step, stop):
         sampled = rollout(spec=spec, state=state)
         scored = reward(spec=spec, rollout=sampled)
         advantaged = advantage(spec=spec, scored=scored)
         updated = update(spec=spec, advantaged=advantaged)
         state = checkpoint(spec=spec, state=updated)
+        if every and (k + 1) % every == 0 and k + 1 < spec.total_steps:
+            evaluate(spec=spec, state=state)
     return state
 
 
@@ -56,7 +60,7 @@ def rl_run(spec: RunSpec) -> Summary:
 @workflow
 def ppo(algorithm: str = "grpo", model: str = "", train_files: str = "", val_files: str = "",
         steps: int = 0, batch_size: int = 0, rollout_n: int = 0, run_name: str = "default",
-        store: str = "", overrides: str = "") -> Summary:
+        store: str = "", overrides: str = "", verl_config: str = "") -> Summary:
     """Train a causal LM with RL.
 
     algorithm: grpo | ppo (GAE + critic) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
@@ -66,11 +70,13 @@ def ppo(algorithm: str = "grpo", model: str = "", train_files: str = "", val_fil
     train_files / val_files: comma-separated parquet files in verl's row layout ("" = synthetic)
     steps, batch_size (prompts per step), rollout_n (samples per prompt): 0 = preset default
     run_name: the same name continues the same run; store: local folder or s3://bucket/prefix
-    overrides: JSON object of dotted config keys, e.g. '{"optim.lr": 1e-4}'
+    overrides: JSON object of dotted config keys, ours or verl's, e.g. '{"optim.lr": 1e-4}' or
+        '{"actor_rollout_ref.actor.optim.lr": 1e-6, "trainer.test_freq": 5}' (README "verl keys")
+    verl_config: a local verl YAML config file (read by configure; overrides win over it)
     """
     spec = configure(algorithm=algorithm, model=model, train_files=train_files,
                      val_files=val_files, steps=steps, batch_size=batch_size, rollout_n=rollout_n,
-                     run_name=run_name, store=store, overrides=overrides)
+                     run_name=run_name, store=store, overrides=overrides, verl_config=verl_config)
     return rl_run(spec=prepare(spec=spec))
 
 

@@ -36,7 +36,7 @@ def tracked_run(tmp_path_factory) -> TrackedRun:
         "total_steps": TRACKED_STEPS, "model.warmup_sft_steps": 5,
         "model.warmup_target_accuracy": 1.0, "data.synthetic_train_size": 64,
         "data.synthetic_val_size": 12, "data.train_batch_size": 8, "rollout.n": 4,
-        "trainer.ppo_mini_batch_size": 4, "trainer.ppo_micro_batch_size": 16,
+        "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size": 16,
         "checkpoint.checkpoint_interval": 2, "checkpoint.async_save": False, "num_threads": 1,
         "algorithm.entropy_coeff": 0.001,  # so the entropy is computed (and plotted)
         "tracking.tensorboard_dir": str(tmp / "tb"),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from verl_core.config import (SECTIONS, AlgorithmConfig, ConfigError, DataConfig, OptimConfig,
-                              RunConfig, TrainerConfig, preset, typed_overrides, with_overrides)
+                              ActorConfig, RunConfig, preset, typed_overrides, with_overrides)
 
 
 def test_defaults_are_valid_and_derived_values():
@@ -19,13 +19,13 @@ def test_defaults_are_valid_and_derived_values():
 
 
 def test_mini_batch_must_divide_batch():
-    with pytest.raises(ConfigError, match=r"trainer.ppo_mini_batch_size=12.*train_batch_size=32"):
-        RunConfig(trainer=TrainerConfig(ppo_mini_batch_size=12))
+    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size=12.*train_batch_size=32"):
+        RunConfig(actor=ActorConfig(ppo_mini_batch_size=12))
 
 
 def test_micro_batch_larger_than_mini_batch_is_zero_accumulation():
     with pytest.raises(ConfigError, match="zero gradient-accumulation steps"):
-        RunConfig(trainer=TrainerConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=64))
+        RunConfig(actor=ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=64))
 
 
 @pytest.mark.parametrize("lr", [0.0, -1e-4])
@@ -43,14 +43,14 @@ def test_unknown_algorithm_lists_known_ones():
 
 def test_group_estimators_need_several_samples():
     with pytest.raises(ConfigError, match="rollout.n"):
-        with_overrides(RunConfig(), {"rollout.n": 1, "trainer.ppo_micro_batch_size": 16})
+        with_overrides(RunConfig(), {"rollout.n": 1, "actor.ppo_micro_batch_size": 16})
 
 
 @pytest.mark.parametrize("name", ["grpo_passk", "opo", "gpg", "gdpo", "optimal_token_baseline",
                                   "tir_optimal_token_baseline", "rloo_vectorized"])
 def test_every_group_estimator_needs_several_samples(name):
     # the rule reads the registry entry's needs_groups trait, not a list of names in config.py
-    over = {"algorithm.adv_estimator": name, "rollout.n": 1, "trainer.ppo_micro_batch_size": 16}
+    over = {"algorithm.adv_estimator": name, "rollout.n": 1, "actor.ppo_micro_batch_size": 16}
     with pytest.raises(ConfigError, match=f"rollout.n=1: algorithm.adv_estimator='{name}' "
                                           "compares responses within a group; use rollout.n >= 2"):
         with_overrides(RunConfig(), over)
@@ -59,7 +59,7 @@ def test_every_group_estimator_needs_several_samples(name):
 def test_remax_and_reinforce_plus_plus_run_with_one_sample():
     for name in ("remax", "reinforce_plus_plus"):
         cfg = with_overrides(RunConfig(), {"algorithm.adv_estimator": name, "rollout.n": 1,
-                                           "trainer.ppo_micro_batch_size": 16})
+                                           "actor.ppo_micro_batch_size": 16})
         assert cfg.rollout.n == 1 and not cfg.algorithm.uses_critic
 
 

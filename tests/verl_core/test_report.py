@@ -109,3 +109,12 @@ def test_a_table_without_steps_is_refused():
 
     with pytest.raises(ValueError, match="metrics table without a 'step' column"):
         report.run_report(pd.DataFrame({"reward/mean": [0.5]}), title="x")
+
+
+def test_the_data_validation_reports_are_in_the_report(tracked_run, finalize_html):
+    # step 0 is validated (validation.every_steps divides it): its three stages' reports
+    section = finalize_html.split("<h3>Data validation</h3>", 1)[1]
+    for stage in ("rollout", "reward", "advantage"):
+        assert f"{stage} batch of step 0: passed" in section, stage
+    assert "expect_column_max_to_be_between" in section
+    assert not FETCHES.search(section)

@@ -109,8 +109,8 @@ def test_plain_loop_writes_its_history_to_both_trackers(tmp_path, monkeypatch):
     cfg = preset("rloo", **{
         "total_steps": 2, "model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
         "data.synthetic_train_size": 64, "data.synthetic_val_size": 8,
-        "data.train_batch_size": 8, "rollout.n": 4, "trainer.ppo_mini_batch_size": 8,
-        "trainer.ppo_micro_batch_size": 32, "num_threads": 1,
+        "data.train_batch_size": 8, "rollout.n": 4, "actor.ppo_mini_batch_size": 8,
+        "actor.ppo_micro_batch_size": 32, "num_threads": 1,
         "tracking.tensorboard_dir": str(tmp_path / "tb"), "tracking.mlflow_tracking_uri": uri})
     summary = train(cfg, str(tmp_path / "work"), log=lambda *_: None)
     # the records: the start evaluation at step 0, then each step's metrics (end eval merged)

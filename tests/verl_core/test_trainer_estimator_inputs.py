@@ -20,8 +20,8 @@ def assets(tmp_path_factory):
 def _cfg(name):
     return preset(name, **{"model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
                            "data.synthetic_train_size": 64, "data.synthetic_val_size": 8,
-                           "data.train_batch_size": 4, "trainer.ppo_mini_batch_size": 4,
-                           "rollout.n": 3, "trainer.ppo_micro_batch_size": 12,
+                           "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 4,
+                           "rollout.n": 3, "actor.ppo_micro_batch_size": 12,
                            "num_threads": 1})
 
 

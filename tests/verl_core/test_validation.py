@@ -6,10 +6,8 @@ import dataclasses
 import json
 import warnings
 
-import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from verl_core.checkpoint.store import canonical_json
 from verl_core.config import ConfigError, preset, with_overrides
@@ -27,9 +25,9 @@ ROLLOUT_ROW = 5  # the row a crafted fault goes into
 def _cfg(**over):
     base = {"total_steps": 2, "model.warmup_sft_steps": 20, "model.warmup_target_accuracy": 1.0,
             "data.synthetic_train_size": 64, "data.synthetic_val_size": 12,
-            "data.train_batch_size": 8, "rollout.n": 4, "trainer.ppo_mini_batch_size": 4,
-            "trainer.ppo_micro_batch_size": 16, "checkpoint.async_save": False,
-            "algorithm.use_kl_loss": True, "num_threads": 1}
+            "data.train_batch_size": 8, "rollout.n": 4, "actor.ppo_mini_batch_size": 4,
+            "actor.ppo_micro_batch_size": 16, "checkpoint.async_save": False,
+            "algorithm.use_kl_loss": True, "num_threads": 1, "validation.every_steps": 1}
     return preset("ppo", **{**base, **over})
 
 
@@ -302,8 +300,8 @@ def test_the_plain_loop_stops_at_the_reward_stage_naming_the_scorer_range(tmp_pa
     sets = {"reward.scorer": f"'{scorer}:compute_score'", "validation.score_range": "'0,0.5'",
             "model.warmup_sft_steps": 20, "model.warmup_target_accuracy": 1.0,
             "data.synthetic_train_size": 64, "data.synthetic_val_size": 12,
-            "data.train_batch_size": 8, "rollout.n": 4, "trainer.ppo_mini_batch_size": 4,
-            "trainer.ppo_micro_batch_size": 16, "num_threads": 1}
+            "data.train_batch_size": 8, "rollout.n": 4, "actor.ppo_mini_batch_size": 4,
+            "actor.ppo_micro_batch_size": 16, "num_threads": 1}
     argv = ["--steps", "2", "--workdir", str(tmp_path / "w")]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
@@ -321,3 +319,13 @@ def test_every_rule_scorer_declares_its_range():
     with pytest.raises(ValueError, match="declare score_range"):
         register_rule_scorer("undeclared", lambda s, g: 0.0)
     assert "undeclared" not in RULE_SCORERS
+
+
+def test_only_every_kth_steps_batches_are_validated(step0):
+    cfg = with_overrides(step0.cfg, {"validation.every_steps": 3, "guard.enabled": False})
+    bad = _poke(step0.batches["advantage"], "advantages", 1, float("nan"))
+    assert validate_batch(bad, "advantage", cfg, step=4) is None  # not a multiple of 3
+    _fails(validate_batch, bad, "advantage", cfg, step=6, column="advantages",
+           expectation="expect_column_values_to_be_between", rows=[1])
+    with pytest.raises(ConfigError, match="every_steps"):
+        with_overrides(cfg, {"validation.every_steps": 0})

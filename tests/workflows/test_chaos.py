@@ -37,15 +37,19 @@ NAN = [
 ]
 
 
-def _until_done(cmd, env, attempts=5):
-    """Run ``cmd`` until it succeeds (each failure is an injected one), like re-running by hand."""
+def _until_done(cmd, env, logs, attempts=5):
+    """Run ``cmd`` until it succeeds (each failure is an injected one), like re-running by hand.
+    Every run's output is kept in ``logs/run-<i>.txt``."""
     outs = []
-    for _ in range(attempts):
+    logs.mkdir(parents=True, exist_ok=True)
+    for i in range(attempts):
         res = run(cmd, env, timeout=900, check=False)
         outs.append(res.stdout + res.stderr)
+        (logs / f"run-{i}.txt").write_text(outs[-1])
         if res.returncode == 0:
             return res, outs
-    pytest.fail("still failing after %d runs:\n%s" % (attempts, outs[-1][-6000:]))
+    pytest.fail("still failing after %d runs (outputs in %s):\n%s" % (attempts, logs,
+                                                                     outs[-1][-6000:]))
 
 
 def _checkpoints(run_store):
@@ -65,7 +69,8 @@ def test_chaos_run_ends_identical_and_nan_is_caught(tmp_path):
 
     # 1. every data-preserving fault kind
     env = flyte_env(tmp_path / "b", VERL_FAULTS=json.dumps(DATA_SAFE))
-    res, outs = _until_done(ppo_cmd(tmp_path / "s", steps=STEPS, overrides=OVER), env)
+    res, outs = _until_done(ppo_cmd(tmp_path / "s", steps=STEPS, overrides=OVER), env,
+                            tmp_path / "logs")
     text = "\n".join(outs)
     assert len(outs) == 4, "permanent, kill, kill: three failed runs, then success"
     assert "injected transient fault in rollout of step 1" in text

@@ -19,8 +19,8 @@ from verl_core.engine import runtime
     ('{"rollout.n": 2.5}', r"rollout.n=2.5: must be an integer \(not float\)"),
     ('{"rollout.n": true}', r"rollout.n=True: must be an integer \(not bool\)"),
     # used in the micro-batch arithmetic before the config is built: checked before it
-    ('{"trainer.ppo_mini_batch_size": 0.3}', r"trainer.ppo_mini_batch_size=0.3: must be an int"),
-    ('{"trainer.ppo_mini_batch_size": "4"}', r"trainer.ppo_mini_batch_size='4': must be an int"),
+    ('{"actor.ppo_mini_batch_size": 0.3}', r"actor.ppo_mini_batch_size=0.3: must be an int"),
+    ('{"actor.ppo_mini_batch_size": "4"}', r"actor.ppo_mini_batch_size='4': must be an int"),
     ('[1, 2]', r"must be a mapping of dotted keys"),
 ])
 def test_bad_override_values_name_the_field(overrides, message):

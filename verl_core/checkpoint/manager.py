@@ -247,6 +247,15 @@ class SaveHandle:
         self._seen = True
         return self._future.result()
 
+    def outcome(self) -> tuple[Optional["CheckpointInfo"], Optional[BaseException]]:
+        """Block until done; ``(info, None)`` or ``(None, error)``. Unlike :meth:`wait` it does
+        not count as collecting the error, so the saver still raises it (the local-tier
+        replicator watches handles this way)."""
+        try:
+            return self._future.result(), None
+        except BaseException as e:  # noqa: BLE001 - returned, and still raised by wait()
+            return None, e
+
 
 class CheckpointManager:
     """Save, verify, load and retire checkpoints in one :class:`RunStore`.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -72,10 +73,17 @@ class RunSpec:
 
     @property
     def config(self) -> RunConfig:
-        return RunConfig.from_dict(json.loads(self.config_json))
+        return _parse_config(self.config_json)
 
     def open_store(self) -> RunStore:
         return _store(self.store)
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_config(config_json: str) -> RunConfig:
+    """The validated config of a spec, parsed once per process (RunConfig is frozen, so sharing
+    it is safe; every phase asks for it several times, and a parse costs ~1-2 ms)."""
+    return RunConfig.from_dict(json.loads(config_json))
 
 
 _STORES: dict[str, RunStore] = {}

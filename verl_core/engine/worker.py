@@ -29,7 +29,9 @@ import torch
 
 from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectError, PermanentError,
                                         UnsafeManifestError)
+from verl_core.checkpoint.errors import StoreUnavailableError
 from verl_core.checkpoint.hf_export import TOKENIZER_DOC, store_tokenizer
+from verl_core.checkpoint.local_tier import Replicator, open_local_store
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
 from verl_core.checkpoint.store import NotFoundError, RunStore, sha256_hex
 from verl_core.config import RunConfig
@@ -42,6 +44,12 @@ from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.validation import validate_and_record
 
 log = logging.getLogger(__name__)
+
+
+FINAL_REPLICATION_TIMEOUT_S = 300.0
+"""Local tier: how long finalize waits for the final checkpoint to reach the run store."""
+CLOSE_REPLICATION_TIMEOUT_S = 60.0
+"""Local tier: how long closing a worker waits for unreplicated checkpoints (then reports them)."""
 
 
 class StateUnavailableError(PermanentError):
@@ -110,6 +118,15 @@ class RunWorker:
         c = self.cfg.checkpoint
         self.ckpt = CheckpointManager(self.store, keep_last=c.keep_last or None,
                                       keep_every=c.keep_every or None, gc_grace_s=c.gc_grace_s)
+        # checkpoint.local_dir: saves commit to the local tier, a Replicator copies them here
+        self.local_ckpt: CheckpointManager | None = None
+        self.replicator: Replicator | None = None
+        self.lost_checkpoints: set[int] = set()  # local-tier steps a lost node took with it
+        if c.local_dir:
+            self.local_ckpt = CheckpointManager(
+                open_local_store(c.local_dir, self.store), keep_last=c.keep_last or None,
+                keep_every=c.keep_every or None, gc_grace_s=c.gc_grace_s)
+            self.replicator = Replicator(self.local_ckpt, self.ckpt)
         self._pending_save = None  # the SaveHandle of a background checkpoint write
         self.trainer = RLTrainer(self.cfg, self.assets, dp)
         if self.leader and not self.store.has_json(TOKENIZER_DOC):  # once per run (export)
@@ -179,25 +196,58 @@ class RunWorker:
         self.trainer.load_state(groups, meta)
         self.step = info.step
 
+    def _tiers(self) -> list[CheckpointManager]:
+        """Where checkpoints are read from, preferred first: the local tier, then the run store."""
+        return [m for m in (self.local_ckpt, self.ckpt) if m is not None]
+
     def _load_checkpoint(self, max_step: int | None, min_step: int = -1) -> bool:
-        """Load the newest valid checkpoint of this trajectory with min_step < step <= max_step."""
+        """Load the newest valid checkpoint of this trajectory with min_step < step <= max_step
+        (with a local tier: its verified local copy first, else the run store's copy)."""
+        tiers = self._tiers()
         infos = self._lead(sorted(
-            (i for i in self.ckpt.list_checkpoints()
+            ((i, t) for t, mgr in enumerate(tiers) for i in mgr.list_checkpoints()
              if i.error is None and i.config_hash == self.config_hash
              and (max_step is None or i.step <= max_step) and i.step > min_step),
-            key=lambda i: i.step, reverse=True))
-        for info in infos:
+            key=lambda it: (it[0].step, -it[1]), reverse=True))
+        if self.local_ckpt is not None:
+            self._report_lost(infos[0][0].step if infos else self.base_step)
+        for info, t in infos:
             try:
                 with self._changing_state():
-                    self._load_from(self.ckpt, info)
+                    self._load_from(tiers[t], info)
             except _REJECTED as e:  # a damaged checkpoint: fall back to an older one (with W > 1
                 # load_distributed raises on every worker, so they all move on together).
                 # A store error (an outage, missing permissions) propagates instead: the phase is
                 # retried or fails, rather than quietly replaying from an older checkpoint.
-                log.warning("checkpoint %s rejected (%s); trying an older one", info.name, e)
+                log.warning("checkpoint %s%s rejected (%s); trying %s", info.name,
+                            " (local copy)" if tiers[t] is self.local_ckpt else "", e,
+                            "its run store copy or an older one" if tiers[t] is self.local_ckpt
+                            else "an older one")
                 continue
             return True
         return False
+
+    def _report_lost(self, newest: int) -> list[int]:
+        """Checkpoints of the interval schedule after ``newest`` (the newest one found) whose
+        updates are in the lineage but which exist in no tier and are not queued for
+        replication: a lost node's local checkpoints that never reached the run store. Their
+        states are rebuilt by lineage replay; they are logged and counted (``checkpoint/lost``).
+        Saves made only by ``checkpoint_interval_s`` cannot be inferred and are not listed."""
+        k = self.cfg.checkpoint.checkpoint_interval
+        have = {i.step for mgr in self._tiers() for i in mgr.list_checkpoints()
+                if i.error is None and i.config_hash == self.config_hash}
+        have.update(self.replicator.pending() if self.replicator is not None else ())
+        lost, s = [], (newest // k + 1) * k
+        while self.store.has_json(self._lineage(s - 1)):
+            if s not in have:
+                lost.append(s)
+            s += k
+        if set(lost) - self.lost_checkpoints:
+            log.warning("checkpoints of steps %s were committed on a local disk that is gone and "
+                        "never reached %s; their states are rebuilt from older checkpoints + "
+                        "lineage replay", lost, self.store.uri)
+        self.lost_checkpoints.update(lost)
+        return lost
 
     def ensure_state(self, step: int) -> None:
         """Make the in-memory state the one after ``step`` updates (see the module docstring)."""
@@ -407,15 +457,20 @@ class RunWorker:
         # W > 1: every worker writes its own shards (DCP), rank 0 commits the manifest
         groups, meta = self.trainer.state(with_optimizer=self.cfg.checkpoint.save_optimizer_state)
         meta["step"] = step
+        saver = self.local_ckpt or self.ckpt  # the local tier commits first when there is one
         if self.cfg.checkpoint.async_save and not sync:
-            self._pending_save = self.ckpt.async_save_distributed(
+            done = self._pending_save = saver.async_save_distributed(
                 step, groups, meta, config_hash=self.config_hash, dp=self.dp)
         else:
             self.wait_checkpoints()
-            self.ckpt.save_distributed(step, groups, meta, config_hash=self.config_hash,
-                                       dp=self.dp)
+            done = saver.save_distributed(step, groups, meta, config_hash=self.config_hash,
+                                          dp=self.dp)
+        if self.replicator is not None:
+            self.replicator.submit(done)
         self.last_save_time = time.time()
         out = {"checkpoint/saved": 1.0, "checkpoint/blocked_s": time.perf_counter() - t0}
+        if self.replicator is not None:
+            out.update(self.replicator.metrics())
         if self.leader and faults.take("corrupt_object", "checkpoint", step):  # a drill
             self._corrupt_checkpoint(step)
         return out
@@ -474,12 +529,28 @@ class RunWorker:
         ``verify latest`` promises, so it is waited for here and, if it never committed, saved
         again synchronously. A background error propagates (the phase fails, nothing is cached)."""
         self.wait_checkpoints()
+        tier = self._flush_replication(step) if self.replicator is not None else {}
         if self._lead(self.leader and self.has_checkpoint(step)):
-            return {"checkpoint/resaved": 0.0}
+            return {"checkpoint/resaved": 0.0, **tier}
         log.warning("the checkpoint of step %d never committed in %s; saving it again", step,
                     self.store.uri)
         out = self.checkpoint(step, force=True, sync=True)
+        if self.replicator is not None:
+            out.update(self._flush_replication(step))
         return {"checkpoint/resaved": 1.0, **out}
+
+    def _flush_replication(self, step: int) -> dict:
+        """With the local tier, the final checkpoint must reach the run store before the run is
+        done: wait for the replicator; a store that stays down fails the phase (transient, so it
+        is retried). Reports the checkpoints lost with a node (``checkpoint/lost``)."""
+        left = self.replicator.flush(FINAL_REPLICATION_TIMEOUT_S)
+        if left:
+            raise StoreUnavailableError(
+                f"checkpoints of steps {left} are committed on local disk "
+                f"({self.local_ckpt.store.uri}) but could not be replicated to {self.store.uri} "
+                f"within {FINAL_REPLICATION_TIMEOUT_S:.0f} s ({self.replicator.last_error}); "
+                "the finalize phase is retried, or fix the store and re-run")
+        return {**self.replicator.metrics(), "checkpoint/lost": float(len(self.lost_checkpoints))}
 
     def evaluate(self, step: int) -> dict:
         """Greedy held-out metrics of the state after ``step`` updates; the first
@@ -504,6 +575,8 @@ class RunWorker:
     def close(self):
         try:
             self.wait_checkpoints()
+            if self.replicator is not None:  # best effort: finalize already waited for the last
+                self.replicator.close(timeout_s=CLOSE_REPLICATION_TIMEOUT_S)
         finally:
             try:
                 self.ckpt.close()

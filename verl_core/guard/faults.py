@@ -99,8 +99,8 @@ def _fires(f: dict, phase: str, step: int, default_times: int | None) -> bool:
     times = f.get("times", default_times)
     if times is None:
         return True
-    # plain transient faults keep their historical counter name (tests read it)
-    n = _count(_state_dir(), phase, step, "" if kind == "transient" else kind)
+    # transient and hang faults keep their historical counter name (tests read and write it)
+    n = _count(_state_dir(), phase, step, "" if kind in ("transient", "hang") else kind)
     return n < int(times)
 
 

@@ -54,11 +54,38 @@ def loss_options(algo: AlgorithmConfig) -> PolicyLossOptions:
                                 for f in dataclasses.fields(PolicyLossOptions)})
 
 
+def _dropout_active(model) -> bool:
+    """Whether a training-mode forward of ``model`` draws dropout noise: an ``nn.Dropout`` with
+    p > 0, or a Hugging Face config ``*dropout*`` rate > 0 (Llama-style attention applies its
+    ``attention_dropout`` functionally, with no module to find)."""
+    config = getattr(model, "config", None)
+    rates = [v for k, v in (vars(config).items() if config is not None else ())
+             if "dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return any(r > 0 for r in rates) or any(
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
+def exactly_on_policy(actor, algo: AlgorithmConfig, *, num_rows: int, mini_batch_rows: int,
+                      epochs: int) -> bool:
+    """True when every loss of the update is computed before any optimizer step, with the
+    rollout's weights and a deterministic forward, and nothing reads the old log-probs before
+    the update's own forward: then the behaviour policy's log-probs are the update forward's.
+
+    One epoch and one mini-batch covering all ``num_rows`` rows (a second mini-batch or epoch
+    runs after a step has moved the policy); not ``old_logp_from_rollout`` (it takes the
+    engine's values instead); no ``rollout_is`` (its weights compare the recomputed log-probs to
+    the engine's for the whole batch before the loop); no dropout (a training-mode forward
+    would be noisy where the recomputation, in eval mode, is not).
+    """
+    return (epochs == 1 and mini_batch_rows >= num_rows and not algo.old_logp_from_rollout
+            and not algo.rollout_is and not _dropout_active(actor))
+
+
 def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: AlgorithmConfig, *,
                temperature: float, mini_batch_rows: int, micro_batch_rows: int, epochs: int,
                grad_clip: float, seed: int, critic=None, critic_optimizer=None,
                critic_scheduler=None, dp: DataParallel = SINGLE,
-               after_backward=None) -> dict[str, float]:
+               after_backward=None, on_policy_shortcut: bool = True) -> dict[str, float]:
     """One RL step's update of the actor (and critic when ``critic`` is given).
 
     batch must carry ``advantages`` (N, T); ``ref_logprobs`` when ``algo.use_kl_loss``; ``values``
@@ -70,6 +97,12 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     weighted by the truncated importance ratio of the recomputed to the rollout log-probs
     (:func:`~verl_core.algorithms.rollout_is_weights`, once for the whole batch, as verl does
     before its update), and ``rollout_corr/*`` metrics are reported.
+
+    Exactly on-policy (:func:`exactly_on_policy`: one epoch, one mini-batch, no rollout IS, no
+    dropout) the recomputation is skipped, as TRL's GRPOTrainer does: the update's own forward is
+    the first one after the rollout, with the same weights and the same (deterministic) mode, so
+    ``old_logp = logp.detach()`` is the value the extra forward would give, up to the kernels'
+    rounding for another batch shape. ``on_policy_shortcut=False`` always recomputes.
 
     Each micro-batch's loss is weighted by its share of the mini-batch's denominator
     (:func:`~verl_core.algorithms.micro_batch_weight`), so the gradient of an optimizer step is
@@ -89,8 +122,13 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     temperature = temperature or 1.0  # greedy rollouts score under the plain softmax
     sums: dict[str, list[torch.Tensor]] = defaultdict(list)
     is_weights = None  # (N, T) rollout importance weights, or None
+    reuse_logp = on_policy_shortcut and exactly_on_policy(actor, algo, num_rows=N,
+                                                          mini_batch_rows=mini_batch_rows,
+                                                          epochs=epochs)
     if algo.old_logp_from_rollout:
         old_logp = batch.response_logprobs  # (N, T) bypass: the rollout engine's own log-probs
+    elif reuse_logp:
+        old_logp = None  # each micro-batch takes logp.detach(): ratio = exp(0) = 1
     else:
         # Recompute the behaviour policy's log-probs with the trainer's own forward (as verl
         # does): rollout engines (vLLM, bf16 kernels) can differ from it numerically.
@@ -132,7 +170,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                                                   mb.response_ids, mask, temperature,
                                                   with_entropy=need_entropy)
                 pg_loss, pg_metrics = policy_loss(
-                    old_logp[micro], logp, mb.advantages, mask,
+                    logp.detach() if old_logp is None else old_logp[micro], logp,
+                    mb.advantages, mask,
                     clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
                     clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode,
                     loss_scale_factor=scale,

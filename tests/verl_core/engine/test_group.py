@@ -25,7 +25,7 @@ def _cfg(W: int, total_steps: int = STEPS, algorithm: str = "grpo", **extra):
         "total_steps": total_steps, "model.warmup_sft_steps": 150,
         "model.warmup_target_accuracy": 0.3, "data.synthetic_train_size": 120,
         "data.synthetic_val_size": 12, "data.train_batch_size": 6, "rollout.n": 4,
-        "trainer.ppo_mini_batch_size": 6, "trainer.ppo_micro_batch_size": 8,
+        "actor.ppo_mini_batch_size": 6, "actor.ppo_micro_batch_size": 8,
         "checkpoint.checkpoint_interval": 2, "trainer.n_gpus_per_node": W,
         "trainer.worker_timeout_s": 120.0, "num_threads": 1})
 
@@ -169,3 +169,24 @@ def _guard(errors, fn):
         fn()
     except BaseException as e:  # noqa: BLE001 - reported by the test
         errors.append(e)
+
+
+class _Sleeper:
+    """A stand-in for the run worker's Ray actor: ``call(method, seconds)`` sleeps."""
+
+    def call(self, method, seconds):
+        time.sleep(float(seconds))
+        return "done"
+
+
+def test_a_hung_actor_call_passes_its_deadline_and_the_actor_is_killed(local_ray):
+    ray, _ = local_ray
+    actor = ray.remote(num_cpus=0)(_Sleeper).remote()
+    assert runtime.call(actor, "sleep", 0.0, timeout_s=60.0) == "done"
+    t0 = time.monotonic()
+    with pytest.raises(runtime.PhaseTimeoutError, match="did not answer within 1s"):
+        runtime.call(actor, "sleep", 120.0, timeout_s=1.0)
+    assert time.monotonic() - t0 < 30
+    # killed, not left running the hung call (a retry would queue behind it)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.call.remote("sleep", 0.0), timeout=60)

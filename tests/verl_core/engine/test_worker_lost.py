@@ -23,8 +23,8 @@ def test_dead_actor_is_retried_with_a_fresh_one(tmp_path, local_ray, monkeypatch
     cfg = preset("grpo", **{"total_steps": 2, "model.warmup_sft_steps": 10,
                             "model.warmup_target_accuracy": 1.0, "data.synthetic_train_size": 64,
                             "data.synthetic_val_size": 8, "data.train_batch_size": 8,
-                            "trainer.ppo_mini_batch_size": 4, "rollout.n": 4,
-                            "trainer.ppo_micro_batch_size": 16, "num_threads": 1})
+                            "actor.ppo_mini_batch_size": 4, "rollout.n": 4,
+                            "actor.ppo_micro_batch_size": 16, "num_threads": 1})
     spec = runtime.prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
     first, _ = runtime.call_worker(spec, "rollout", 0)
     actor = runtime._WORKERS[runtime._worker_key(spec)]

@@ -255,8 +255,8 @@ def test_a_folder_that_is_no_one_label_classifier_fails_before_any_work(tmp_path
 # ---------------------------------------------------------------- real short runs
 SMALL = {"total_steps": 2, "model.warmup_sft_steps": 10, "model.warmup_target_accuracy": 1.0,
          "data.synthetic_train_size": 64, "data.synthetic_val_size": 8,
-         "data.train_batch_size": 8, "trainer.ppo_mini_batch_size": 4, "rollout.n": 4,
-         "trainer.ppo_micro_batch_size": 16, "num_threads": 1}
+         "data.train_batch_size": 8, "actor.ppo_mini_batch_size": 4, "rollout.n": 4,
+         "actor.ppo_micro_batch_size": 16, "num_threads": 1}
 
 
 @pytest.mark.slow

@@ -277,3 +277,118 @@ def test_every_policy_loss_trains_deterministically(name):
     assert ma["update/skipped_nonfinite_steps"] == 0.0
     assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
     assert any(not torch.equal(pa, p0) for pa, p0 in zip(a.parameters(), model.parameters()))
+
+
+# ---------------------------------------------------------------- exactly on-policy: one forward
+def test_on_policy_update_skips_the_old_logp_forward_and_matches_the_recomputed_one(monkeypatch):
+    model, batch = _rollout()
+    N, T = batch.response_ids.shape
+    algo, seed, lr = AlgorithmConfig(), 0, 1e-2  # vanilla PPO-clip, token-mean
+
+    def update(m, shortcut):
+        # SGD: the weights move by lr * g, so a gradient difference shows up unamplified
+        # (one AdamW step is lr * g / (|g| + eps): a last-bit change of a near-zero g moves a
+        # weight by up to lr)
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        ppo_update(m, opt, sched, batch, algo, temperature=1.0, mini_batch_rows=N,
+                   micro_batch_rows=N, epochs=1, grad_clip=1e9, seed=seed,
+                   on_policy_shortcut=shortcut)
+        return m
+
+    recomputed = update(copy.deepcopy(model), False)
+    forwards = []
+    monkeypatch.setattr(ppo_module, "batched_logprobs",
+                        lambda *a, **k: forwards.append(1) or batched_logprobs(*a, **k))
+    short = update(copy.deepcopy(model), True)
+    assert forwards == []  # the old-log-prob forward was skipped
+
+    # Both runs do the same forward, backward and step on the same rows in the same order; they
+    # differ only in old_logp. The shortcut's ratio is exp(logp - logp.detach()) = exp(0) = 1
+    # exactly; the recomputed path's is r = exp(e), e = logp - old_logp the difference between
+    # the update's forward and the eval-mode forward over another batch shape (zero where the
+    # kernels round the same). At r near 1 PPO-clip's loss is -A·r (no clip is active), so each
+    # token's gradient term c = -(1/n_tok)·A·∇logp is scaled by r: |Δg| <= max|r - 1|·S with
+    # S = Σ_tok |c| elementwise, plus the rounding of two sums of n terms in the same order but
+    # with different terms (<= 2·n·u·S, Higham §4.2, as above). SGD's weights differ by lr·|Δg|
+    # plus one rounding each of θ - lr·g (2·u·|θ'|).
+    m = copy.deepcopy(model)
+    old = batched_logprobs(m, batch, 1.0, N)
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(seed))  # ppo_update's
+    mb = batch.select(order)
+    m.train()
+    logp, _ = ppo_module.response_logprobs(m, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                           mb.response_mask, 1.0)
+    r_dev = float((torch.exp((logp - old[order]).detach()) - 1).abs().max())
+    if r_dev == 0.0:  # the forwards agree bit for bit: the two updates are the same arithmetic
+        for (name, a), b in zip(short.named_parameters(), recomputed.parameters()):
+            assert torch.equal(a, b), name
+        return
+    mask = mb.response_mask
+    n_tok = float(mask.sum())
+    params = [p for p in m.parameters()]
+    S = [torch.zeros_like(p) for p in params]
+    for i, t in mask.nonzero().tolist():
+        grads = torch.autograd.grad(logp[i, t], params, retain_graph=True)
+        for s_, g in zip(S, grads):
+            s_ += abs(float(mb.advantages[i, t])) / n_tok * g.abs()
+    u = torch.finfo(torch.float32).eps / 2
+    cfg = model.config
+    n = max(N * (batch.prompt_ids.shape[1] + T), cfg.hidden_size, cfg.intermediate_size,
+            cfg.vocab_size)
+    for (name, a), b, s_ in zip(short.named_parameters(), recomputed.parameters(), S):
+        bound = lr * (r_dev + 2 * n * u) * s_ + 2 * u * a.abs()
+        assert bool(((a - b).abs() <= bound).all()), name
+
+
+@pytest.mark.parametrize("kw, on_policy", [
+    (dict(), True),
+    (dict(epochs=2), False),                         # epoch 2 runs after a step
+    (dict(mini_batch_rows=8), False),                # mini-batch 2 runs after a step
+    (dict(algo=AlgorithmConfig(rollout_is="token")), False),  # IS weights need old_logp first
+    (dict(dropout=0.1), False),                      # train-mode forward is noisy
+])
+def test_old_logp_forward_is_skipped_only_when_exactly_on_policy(monkeypatch, kw, on_policy):
+    model, batch = _rollout()
+    if "dropout" in kw:
+        model.config.attention_dropout = kw["dropout"]
+    forwards = []
+    monkeypatch.setattr(ppo_module, "batched_logprobs",
+                        lambda *a, **k: forwards.append(1) or batched_logprobs(*a, **k))
+    cfg = OptimConfig(lr=1e-2, warmup_steps=0)
+    opt = make_optimizer(model.parameters(), cfg, cfg.lr)
+    ppo_update(model, opt, make_scheduler(opt, cfg, 10), batch, kw.get("algo", AlgorithmConfig()),
+               temperature=1.0, mini_batch_rows=kw.get("mini_batch_rows", batch.num_rows),
+               micro_batch_rows=4, epochs=kw.get("epochs", 1), grad_clip=1e9, seed=0)
+    assert (forwards == []) == on_policy
+
+
+def test_optimizer_is_fused_adamw_and_loads_a_for_loop_adamw_state():
+    model, batch = _rollout()
+    cfg = OptimConfig(lr=1e-2, warmup_steps=0)
+    opt = make_optimizer(model.parameters(), cfg, cfg.lr)
+    assert all(g["fused"] is True for g in opt.param_groups)  # CPU has torch's fused kernel
+    # a checkpoint written by the for-loop AdamW (before the fused one) resumes to the same step
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    plain = torch.optim.AdamW(a.parameters(), lr=1e-2, betas=(0.9, 0.99), foreach=False)
+    for p in a.parameters():
+        p.grad = torch.ones_like(p)
+    plain.step()
+    fused = make_optimizer(b.parameters(), cfg, cfg.lr)
+    fused.load_state_dict(plain.state_dict())
+    assert all(g["fused"] is True for g in fused.param_groups)  # still the fused kernel
+    got, want = fused.state_dict()["state"], plain.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for k in want:
+        assert all(torch.equal(got[k][n], want[k][n]) for n in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_run_header_counts_the_optimizer_steps_of_an_rl_step():
+    from verl_core.config import grpo_preset
+    from verl_core.training.optim import optimizer_steps_line
+    # 32 prompts / mini-batches of 16 prompts x 1 epoch = 2 steps (what --batch-size 32 gives)
+    assert optimizer_steps_line(grpo_preset(**{"data.train_batch_size": 32})) == (
+        "2 optimizer steps per RL step (data.train_batch_size 32 / actor.ppo_mini_batch_size 16 "
+        "x actor.ppo_epochs 1)")
+    one = grpo_preset(**{"data.train_batch_size": 32, "actor.ppo_mini_batch_size": 32})
+    assert optimizer_steps_line(one).startswith("1 optimizer step per RL step")

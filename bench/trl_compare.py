@@ -1,0 +1,157 @@
+"""Step time against TRL's GRPOTrainer on the same work (issue 9, item 6).
+
+The same tiny Llama with the same start weights (the warm-started model of ``prepare_assets``,
+an HF folder), the same synthetic arithmetic prompts, B=32 prompts x G=8 samples, 4 new tokens,
+one optimizer step per batch (one epoch, one mini-batch), no KL (TRL ``beta=0``), the same
+AdamW and LR schedule (lr 3e-4, betas 0.9/0.99, eps 1e-8, 2 warm-up steps then constant, grad
+norm 1.0), the same loss (token-mean PPO-clip, TRL's ``dapo``), group-normalised advantages and
+the same rule scorer. Runs N steps of each, one after the other in this process (the Flyte
+workflow as ``pyflyte run`` in a subprocess), and prints the median step time (steps 1 to
+``--warmup`` excluded), its ratio to TRL's and the held-out accuracy before and after, all three
+scored by our greedy evaluator.
+
+    pip install -e '.[bench]' -c .ci/constraints-cpu.txt
+    python bench/trl_compare.py                        # 12 steps each
+    python bench/trl_compare.py --steps 20 --skip flyte
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+# (not bench/trl.py: the script's folder is first on sys.path, so it would shadow `import trl`)
+
+import torch  # noqa: E402
+
+from verl_core.config import grpo_preset, with_overrides  # noqa: E402
+from verl_core.data.dataset import render_prompt  # noqa: E402
+from verl_core.models import load_tokenizer  # noqa: E402
+from verl_core.reward.arithmetic import compute_score  # noqa: E402
+from verl_core.train import train  # noqa: E402
+from verl_core.trainer import Assets, RLTrainer, load_checked_rows, prepare_assets  # noqa: E402
+
+B, G, NEW_TOKENS = 32, 8, 4
+WORK = {  # the shared work, as our config's overrides
+    "data.train_batch_size": B, "rollout.n": G, "rollout.max_new_tokens": NEW_TOKENS,
+    "actor.ppo_mini_batch_size": B, "actor.ppo_epochs": 1,  # one optimizer step per batch
+    "actor.ppo_micro_batch_size": B * G,  # one forward/backward, as TRL's 256-row batch
+    "algorithm.use_kl_loss": False, "algorithm.loss_agg_mode": "token-mean",
+    "checkpoint.checkpoint_interval": 1000,
+}
+
+
+def accuracy(cfg, model_path: str) -> float:
+    """Held-out greedy accuracy of the model folder, by our evaluator (same rows, same scorer)."""
+    c = with_overrides(cfg, {"model.path": model_path})
+    trainer = RLTrainer(c, Assets(model_path=model_path, train_files=c.data.train_file_list,
+                                  val_files=c.data.val_file_list, reward_model_path=""))
+    try:
+        return trainer.evaluate()["val/accuracy"]
+    finally:
+        trainer.close()
+
+
+def run_trl(cfg, steps: int, out: str) -> tuple[list[float], str]:
+    """TRL GRPOTrainer on the same model folder, prompts, batch and optimizer settings. Returns
+    the per-step wall times (generation, reward, loss and optimizer step: a TrainerCallback's
+    step begin to step end) and the final model folder."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = load_tokenizer(cfg.model.path)
+    rows = load_checked_rows(tok, cfg.data.train_file_list, cfg.data.max_prompt_length)
+    data = Dataset.from_dict({"prompt": [render_prompt(r, tok) for r in rows],
+                              "ground_truth": [r.ground_truth for r in rows]})
+
+    def arithmetic_reward(prompts, completions, ground_truth, **_):
+        # TRL passes the dataset's other columns as keyword lists, one entry per completion
+        return [compute_score(c, gt) for c, gt in zip(completions, ground_truth)]
+
+    o = cfg.optim
+    args = GRPOConfig(
+        output_dir=out, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        logging_steps=1, seed=cfg.seed, max_steps=steps, disable_tqdm=True,
+        per_device_train_batch_size=B * G, gradient_accumulation_steps=1, num_generations=G,
+        steps_per_generation=1, num_iterations=1,  # on-policy: TRL skips the old-logp forward
+        max_completion_length=NEW_TOKENS, temperature=cfg.rollout.temperature, top_p=1.0,
+        top_k=0, beta=0.0, epsilon=cfg.algorithm.clip_ratio_low,
+        epsilon_high=cfg.algorithm.clip_ratio_high, loss_type="dapo", scale_rewards="group",
+        learning_rate=o.lr, adam_beta1=o.beta1, adam_beta2=o.beta2, adam_epsilon=o.eps,
+        weight_decay=o.weight_decay, max_grad_norm=o.grad_clip,
+        lr_scheduler_type="constant_with_warmup", warmup_steps=o.warmup_steps,
+        dataloader_num_workers=0)
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t0)
+
+    trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=arithmetic_reward, args=args,
+                          train_dataset=data, processing_class=tok, callbacks=[StepTimer()])
+    trainer.train()
+    final = os.path.join(out, "final_model")
+    trainer.model.save_pretrained(final, safe_serialization=True)
+    tok.save_pretrained(final)
+    return times, final
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
+    ap.add_argument("--skip", default="", help="comma list of runs to leave out: plain,flyte")
+    args = ap.parse_args()
+    if args.steps <= args.warmup:
+        raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    skip = set(filter(None, args.skip.split(",")))
+    torch.set_num_threads(os.cpu_count() or 1)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="verl-bench-trl-") as work:
+        assets = prepare_assets(grpo_preset(), os.path.join(work, "assets"), log=lambda *_: None)
+        over = {**WORK, "model.path": assets.model_path, "data.train_files":
+                assets.train_files[0], "data.val_files": assets.val_files[0]}
+        cfg = with_overrides(grpo_preset(), {**over, "total_steps": args.steps})
+        print(f"same work: {B} prompts x {G} samples, {NEW_TOKENS} new tokens, "
+              f"{cfg.optimizer_steps_per_rl_step} optimizer step per RL step, no KL, "
+              f"{torch.get_num_threads()} threads", flush=True)
+        start = accuracy(cfg, assets.model_path)
+
+        trl_times, trl_final = run_trl(cfg, args.steps, os.path.join(work, "trl"))
+        results["TRL GRPOTrainer"] = (trl_times, start, accuracy(cfg, trl_final))
+        if "plain" not in skip:
+            s = train(cfg, os.path.join(work, "plain"), log=lambda *_: None)
+            results["plain loop"] = ([h["timing/step_s"] for h in s["history"]],
+                                     s["start_accuracy"], s["end_accuracy"])
+        if "flyte" not in skip:
+            from orchestration import run_flyte
+            from verl_core.checkpoint.store import RunStore
+            flyte, total, run_dir = run_flyte("trl", over, args.steps, work)
+            st = RunStore(run_dir)
+            [name] = [f[:-len(".jsonl")] for f in os.listdir(os.path.join(run_dir, "logs"))
+                      if f.startswith("metrics-") and f.endswith(".jsonl")]
+            acc = {r["step"]: r["val/accuracy"] for r in st.read_log(name)
+                   if r.get("val/accuracy") is not None}
+            results["Flyte workflow"] = ([r["step"] for r in flyte], acc[0], acc[args.steps])
+            print(f"(pyflyte run: {total:.1f}s for the whole command)")
+    ref = statistics.median(trl_times[args.warmup:])
+    print(f"\n| run | step s (median, steps {args.warmup + 1}-{args.steps}) | x TRL | "
+          "held-out accuracy start -> end |")
+    print("|---|---:|---:|---|")
+    for name, (times, a0, a1) in results.items():
+        med = statistics.median(times[args.warmup:])
+        print(f"| {name} | {med:.3f} | {med / ref:.2f} | {a0:.3f} -> {a1:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

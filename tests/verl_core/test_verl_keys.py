@@ -1,0 +1,287 @@
+"""verl's command line and YAML configs (verl_core/verl_keys.py), and the rename of our update
+sizes from ``trainer`` to ``actor``."""
+import json
+import shlex
+import textwrap
+
+import pytest
+
+from verl_core.config import ConfigError, RunConfig, preset, typed_overrides, with_overrides
+from verl_core.verl_keys import (DEFAULTS_FILE, NO_EFFECT, VERL_TO_OURS, load_yaml, overrides_from,
+                                 parse_cli, to_ours, verl_defaults)
+
+A = "actor_rollout_ref.actor."
+
+
+@pytest.mark.parametrize("old", ["trainer.ppo_mini_batch_size", "trainer.ppo_micro_batch_size",
+                                 "trainer.ppo_epochs"])
+def test_old_trainer_keys_name_their_new_home(old):
+    new = old.replace("trainer.", "actor.")
+    for call in (lambda: with_overrides(RunConfig(), {old: 4}), lambda: typed_overrides({old: 4}),
+                 lambda: to_ours({old: 4}),
+                 lambda: RunConfig.from_dict({"trainer": {old.split(".")[1]: 4}})):
+        with pytest.raises(ConfigError, match=f"'{old}' was renamed to '{new}'"):
+            call()
+
+
+# verl key=value -> {our key: value}; the arithmetic of a transform in the comment
+MAPPED = [
+    (f"{A}ppo_mini_batch_size=64", {"actor.ppo_mini_batch_size": 64}),
+    # verl's per-GPU micro-batch counts responses, as ours counts a worker's rows
+    (f"{A}ppo_micro_batch_size_per_gpu=16", {"actor.ppo_micro_batch_size": 16}),
+    (f"{A}ppo_epochs=2", {"actor.ppo_epochs": 2}),
+    ("actor_rollout_ref.rollout.n=8", {"rollout.n": 8}),
+    (f"{A}optim.lr=1e-6", {"optim.lr": 1e-6}),
+    (f"{A}optim.betas=[0.9,0.999]", {"optim.beta1": 0.9, "optim.beta2": 0.999}),
+    (f"{A}optim.clip_grad=0.5", {"optim.grad_clip": 0.5}),
+    (f"{A}optim.lr_warmup_steps=5", {"optim.warmup_steps": 5}),
+    (f"{A}optim.lr_scheduler_type=cosine", {"optim.lr_schedule": "cosine"}),
+    ("critic.optim.lr=1e-5", {"optim.critic_lr": 1e-5}),
+    ("algorithm.kl_ctrl.kl_coef=0.001", {"algorithm.kl_coef": 0.001}),
+    ("algorithm.kl_ctrl.type=adaptive", {"algorithm.kl_ctrl_type": "adaptive"}),
+    ("algorithm.kl_ctrl.target_kl=0.05", {"algorithm.kl_target": 0.05}),
+    ("algorithm.kl_ctrl.horizon=500", {"algorithm.kl_horizon": 500}),
+    ("algorithm.adv_estimator=rloo", {"algorithm.adv_estimator": "rloo"}),
+    (f"{A}use_kl_loss=True", {"algorithm.use_kl_loss": True}),
+    (f"{A}kl_loss_coef=0.01", {"algorithm.kl_loss_coef": 0.01}),
+    (f"{A}kl_loss_type=k3", {"algorithm.kl_loss_type": "k3"}),
+    (f"{A}clip_ratio=0.3", {"algorithm.clip_ratio_low": 0.3, "algorithm.clip_ratio_high": 0.3}),
+    (f"{A}clip_ratio_high=0.28", {"algorithm.clip_ratio_high": 0.28}),
+    (f"{A}loss_agg_mode=seq-mean-token-sum-norm",
+     {"algorithm.loss_agg_mode": "seq-mean-token-sum-norm"}),
+    (f"{A}entropy_coeff=0.01", {"algorithm.entropy_coeff": 0.01}),
+    (f"{A}policy_loss.loss_mode=gspo", {"algorithm.policy_loss": "gspo"}),
+    ("algorithm.rollout_correction.bypass_mode=true", {"algorithm.policy_loss": "bypass_mode"}),
+    ("actor_rollout_ref.model.path=/m", {"model.path": "/m"}),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing=True",
+     {"model.gradient_checkpointing": True}),
+    ("data.train_files=[/a.parquet,/b.parquet]", {"data.train_files": "/a.parquet,/b.parquet"}),
+    ("data.max_prompt_length=128", {"data.max_prompt_length": 128}),
+    ("data.max_response_length=512", {"rollout.max_new_tokens": 512}),
+    ("data.train_batch_size=64", {"data.train_batch_size": 64}),
+    ("trainer.total_training_steps=200", {"total_steps": 200}),
+    ("trainer.save_freq=20", {"checkpoint.checkpoint_interval": 20}),
+    ("trainer.test_freq=5", {"eval_every": 5}),
+    ("trainer.test_freq=-1", {"eval_every": 0}),  # verl's -1 (never) is our 0 (start and end)
+    ("trainer.resume_mode=auto", {"checkpoint.resume_from_checkpoint": "auto"}),
+    ("trainer.resume_mode=disable", {"checkpoint.resume_from_checkpoint": "none"}),
+    ("trainer.resume_mode=resume_path trainer.resume_from_path=/s/run",
+     {"checkpoint.resume_from_checkpoint": "/s/run"}),
+    ("trainer.max_actor_ckpt_to_keep=2", {"checkpoint.keep_last": 2}),
+    ("trainer.nnodes=1 trainer.n_gpus_per_node=2", {"trainer.nnodes": 1,
+                                                     "trainer.n_gpus_per_node": 2}),
+    ("trainer.total_epochs=15 trainer.total_training_steps=3", {"total_steps": 3}),
+    ("custom_reward_function.path=/r.py custom_reward_function.name=score",
+     {"reward.scorer": "/r.py:score"}),
+    ("custom_reward_function.path=/r.py", {"reward.scorer": "/r.py:compute_score"}),
+    ("reward_model.enable=True reward_model.model.path=/rm",
+     {"reward_model.enable": True, "reward_model.path": "/rm"}),
+    ("reward_model.micro_batch_size_per_gpu=8", {"reward_model.micro_batch_size": 8}),
+    # bookkeeping and memory placement: accepted, no effect
+    ("trainer.project_name=p trainer.experiment_name=e trainer.logger=['console']", {}),
+    (f"{A}fsdp_config.param_offload=True actor_rollout_ref.model.use_remove_padding=True", {}),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=1", {}),
+]
+
+
+@pytest.mark.parametrize("cli,expected", MAPPED, ids=[m[0][:60] for m in MAPPED])
+def test_each_verl_key_lands_on_our_field(cli, expected):
+    assert to_ours(parse_cli(shlex.split(cli))) == expected
+
+
+def test_mapped_values_build_a_valid_config():
+    over = to_ours(parse_cli(shlex.split(
+        f"{A}optim.lr=1e-6 algorithm.kl_ctrl.kl_coef=0.001 {A}ppo_mini_batch_size=16 "
+        "data.max_response_length=12 trainer.test_freq=5 trainer.save_freq=20")))
+    cfg = with_overrides(preset("grpo"), over)
+    assert (cfg.optim.lr, cfg.algorithm.kl_coef, cfg.actor.ppo_mini_batch_size,
+            cfg.rollout.max_new_tokens, cfg.eval_every, cfg.checkpoint.checkpoint_interval) == \
+        (1e-6, 0.001, 16, 12, 5, 20)
+
+
+@pytest.mark.parametrize("cli,match", [
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+     r"tensor_model_parallel_size=2 cannot apply here: no tensor parallelism"),
+    ("trainer.logger=['console','wandb']", r"trainer.logger=.*wandb.*tracking.tensorboard_dir"),
+    ("trainer.val_before_train=False", r"val_before_train=False cannot apply.*always evaluate"),
+    ("trainer.save_freq=-1", r"trainer.save_freq=-1: .*always checkpoint"),
+    ("trainer.total_epochs=15", r"trainer.total_epochs=15: give trainer.total_training_steps"),
+    (f"{A}use_dynamic_bsz=True", r"use_dynamic_bsz=True cannot apply here"),
+    ("data.truncation=left", r"data.truncation='left' cannot apply here: prompts are never"),
+    # a verl key with no table entry: refused unless at verl's default
+    ("actor_rollout_ref.rollout.multi_turn.enable=True",
+     r"multi_turn.enable=True has no equivalent here \(only verl's default False"),
+    ("trainer.resume_from_path=/x", r"resume_from_path.*only with trainer.resume_mode"),
+    ("custom_reward_function.name=score", r"custom_reward_function.name='score': does nothing"),
+    (f"{A}ppo_micro_batch_size=64", r"deprecated in verl.*ppo_micro_batch_size_per_gpu"),
+    ("actor_rollout_ref.actor.nope=1", r"unknown config key 'actor_rollout_ref.actor.nope'"),
+    ("~trainer.logger", r"~key \(delete\)"),
+])
+def test_refused_by_name_with_the_reason(cli, match):
+    with pytest.raises(ConfigError, match=match):
+        to_ours(parse_cli(shlex.split(cli)))
+
+
+def test_verl_default_value_is_accepted_on_the_command_line():
+    assert to_ours({"actor_rollout_ref.rollout.multi_turn.enable": False}) == {}
+
+
+def test_verl_key_and_ours_for_one_field_must_agree():
+    with pytest.raises(ConfigError, match=r"optim.lr=0.001 and actor_rollout_ref.actor.optim.lr="
+                                          r"1e-06 both set optim.lr"):
+        to_ours({"optim.lr": 1e-3, f"{A}optim.lr": 1e-6})
+    assert to_ours({"optim.lr": 1e-6, f"{A}optim.lr": 1e-6}) == {"optim.lr": 1e-6}
+
+
+def test_every_table_key_is_a_verl_key():
+    defaults = verl_defaults()
+    assert set(VERL_TO_OURS) | set(NO_EFFECT) <= set(defaults)
+
+
+def test_verl_default_yaml_changes_nothing():
+    # the vendored _generated_ppo_trainer.yaml: hundreds of keys, all at verl's default
+    flat = load_yaml(DEFAULTS_FILE)
+    assert len(flat) > 400
+    assert to_ours(flat, from_file=DEFAULTS_FILE) == {}
+
+
+SMALL_YAML = textwrap.dedent("""\
+    actor_rollout_ref:
+      actor:
+        optim: {lr: 2e-6}          # no dot: a float for OmegaConf, and here
+        ppo_mini_batch_size: 16
+        ppo_micro_batch_size_per_gpu: 64
+        use_kl_loss: true
+      rollout: {n: 4, tensor_model_parallel_size: 2}   # 2 is verl's default: skipped
+    algorithm:
+      kl_ctrl: {kl_coef: 0.002}
+    data: {max_response_length: 12, max_prompt_length: 512}  # 512: verl's default, skipped
+    trainer: {test_freq: 5, project_name: demo, logger: [console]}
+""")
+
+
+def test_small_verl_yaml_loads_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "verl.yaml"
+    path.write_text(SMALL_YAML)
+    over = overrides_from(str(path), {"trainer.test_freq": 2})
+    assert over == {"optim.lr": 2e-6, "actor.ppo_mini_batch_size": 16,
+                    "actor.ppo_micro_batch_size": 64,
+                    "algorithm.use_kl_loss": True, "rollout.n": 4, "algorithm.kl_coef": 0.002,
+                    "rollout.max_new_tokens": 12, "eval_every": 2}
+    path.write_text(SMALL_YAML.replace("logger: [console]", "logger: [wandb]"))
+    with pytest.raises(ConfigError, match=r"trainer.logger=\['wandb'\] \(in .*verl.yaml\)"):
+        overrides_from(str(path))
+    path.write_text("defaults:\n  - actor@actor_rollout_ref.actor: dp_actor\n")
+    with pytest.raises(ConfigError, match="Hydra 'defaults' entry"):
+        overrides_from(str(path))
+    with pytest.raises(ConfigError, match="cannot read it"):
+        overrides_from(str(tmp_path / "missing.yaml"))
+
+
+def test_workflow_options_take_verl_keys_and_the_yaml(tmp_path):
+    from tasks.prepare import build_config
+
+    path = tmp_path / "verl.yaml"
+    path.write_text(SMALL_YAML)
+    cfg = build_config("grpo", "", "", "", 0, 0, 0, json.dumps({"trainer.save_freq": 3}),
+                       str(path))
+    assert (cfg.optim.lr, cfg.rollout.n, cfg.eval_every, cfg.checkpoint.checkpoint_interval) == \
+        (2e-6, 4, 5, 3)
+
+
+# --------------------------------------------------------------- done when: a verl example runs
+# The overrides of verl's examples/grpo_trainer/run_qwen2-7b.sh, in its order. Changed beyond
+# paths, for a 2-core CPU and this project (README "verl keys"): sizes shrunk (train_batch_size
+# 1024 -> 4, max_prompt_length 512 -> 64, max_response_length 1024 -> 8, ppo_mini_batch_size
+# 256 -> 2, ppo_micro_batch_size_per_gpu 40 -> 10, n_gpus_per_node 8 -> 1); the vLLM-only keys
+# tensor_model_parallel_size 2 -> 1 and rollout.name vllm -> hf (both refused otherwise);
+# trainer.logger drops wandb (refused); trainer.total_training_steps=2 added (total_epochs=15 is
+# kept: verl lets total_training_steps replace it).
+VERL_EXAMPLE = """
+    algorithm.adv_estimator=grpo
+    data.train_files={train}
+    data.val_files={val}
+    data.train_batch_size=4
+    data.max_prompt_length=64
+    data.max_response_length=8
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    actor_rollout_ref.model.path={model}
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=2
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.name=hf
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    algorithm.use_kl_in_reward=False
+    trainer.critic_warmup=0
+    trainer.logger='["console"]'
+    trainer.project_name='verl_grpo_example_gsm8k'
+    trainer.experiment_name='qwen2_7b_function_rm'
+    trainer.n_gpus_per_node=1
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=5
+    trainer.total_epochs=15
+    trainer.total_training_steps=2
+"""
+
+
+@pytest.fixture(scope="module")
+def verl_example(tmp_path_factory):
+    """The example's overrides (shell-split, as bash hands them to verl) with local files: a
+    saved tiny model and the synthetic arithmetic parquet."""
+    from verl_core.data.synthetic import write_arithmetic_dataset
+    from verl_core.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("verl-example")
+    train, val = write_arithmetic_dataset(str(root / "data"), train_size=40, val_size=8,
+                                          max_operand=20, seed=0)
+    model, tok = build_tiny_model()
+    model.save_pretrained(root / "model", safe_serialization=True)
+    tok.save_pretrained(root / "model")
+    return shlex.split(VERL_EXAMPLE.format(train=train, val=val, model=root / "model"))
+
+
+def test_verl_example_translates(verl_example):
+    over = to_ours(parse_cli(verl_example))
+    cfg = with_overrides(preset("grpo"), over)
+    assert (cfg.total_steps, cfg.rollout.n, cfg.actor.ppo_micro_batch_size, cfg.optim.lr,
+            cfg.eval_every, cfg.model.gradient_checkpointing) == (2, 5, 10, 1e-6, 5, True)
+
+
+@pytest.mark.slow
+def test_verl_example_runs_two_steps_in_the_plain_loop(verl_example, tmp_path):
+    from verl_core.train import main
+
+    out = tmp_path / "summary.json"
+    assert main([*verl_example, "--workdir", str(tmp_path / "run"),
+                 "--summary-json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert [h["step"] for h in summary["history"]] == [1, 2]
+
+
+@pytest.mark.slow
+def test_verl_example_runs_two_steps_through_pyflyte(verl_example, tmp_path):
+    import pandas as pd
+
+    from tests.workflows.conftest import PYFLYTE, flyte_env, run
+
+    overrides = json.dumps(parse_cli(verl_example))  # verl keys as they are
+    res = run([PYFLYTE, "run", "workflows/ppo.py", "ppo", "--store", str(tmp_path / "store"),
+               "--run-name", "verl", "--overrides", overrides], flyte_env(tmp_path))
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("Summary(")][-1]
+    table = pd.read_parquet(line.split("metrics_table='", 1)[1].split("'", 1)[0])
+    assert table["step"].tolist() == [0, 1, 2]

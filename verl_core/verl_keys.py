@@ -1,0 +1,429 @@
+"""verl's command line and YAML configs, translated to our dotted keys (README "verl keys").
+
+A verl user's overrides (``actor_rollout_ref.actor.optim.lr=1e-6``, ``trainer.test_freq=5`` …)
+and a verl YAML config file are accepted as they are: each verl key either lands on our field
+(:data:`VERL_TO_OURS`, with a value transform where the units differ), or is a no-op whose value
+is checked (:data:`NO_EFFECT`: bookkeeping or memory placement that cannot change a result here),
+or is refused by name with the reason. A key at verl's default value (the vendored
+``verl_defaults/ppo_trainer.yaml``) is accepted from a YAML file and changes nothing; any other
+verl key is refused, never silently ignored. Our own keys (``verl_core/config.py``) pass through.
+
+What belongs here: key names and value transforms only. Range checks stay in ``config.py``
+(every translated value is validated there, naming our field).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import re
+from typing import Callable
+
+import yaml
+
+from verl_core.config import MOVED_KEYS, SECTIONS, ConfigError, RunConfig, _fields_of
+
+DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "verl_defaults", "ppo_trainer.yaml")
+A = "actor_rollout_ref.actor."
+R = "actor_rollout_ref.rollout."
+
+Pairs = list[tuple[str, object]]
+Transform = Callable[[object, dict], Pairs]
+
+
+# ---------------------------------------------------------------- reading values and files
+class _Loader(yaml.SafeLoader):
+    """PyYAML implements YAML 1.1, where ``1e-6`` (no dot) is a string; verl's configs go through
+    OmegaConf, which reads it as a float. This resolver (the well-known fix) does the same."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                  |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def parse_value(text: str):
+    """A command-line value as Hydra reads it: ``1e-6``, ``True``, ``'["console","wandb"]'``,
+    ``[console,wandb]``, ``null``; anything else stays a string (``$HOME/x.parquet``)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        pass
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return text
+    return value if value is None or isinstance(value, (bool, int, float, list)) else text
+
+
+def parse_cli(items: list[str]) -> dict[str, object]:
+    """``["key=value", ...]`` (verl's / Hydra's positional overrides) -> ``{key: value}``.
+    Hydra's ``+key=`` (add) is the same as ``key=`` here; ``~key`` (delete) is refused."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if key.startswith("~"):
+            raise ConfigError(f"override {item!r}: Hydra's ~key (delete) has no meaning here; "
+                              "leave the key out")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. "
+                              "actor_rollout_ref.actor.optim.lr=1e-6")
+        out[key.lstrip("+")] = parse_value(value)
+    return out
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """A nested mapping -> dotted keys; lists and empty mappings are leaves."""
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_yaml(path: str) -> dict[str, object]:
+    """A verl YAML config file (nested, as ``_generated_ppo_trainer.yaml`` or a config Hydra
+    saved with a run) -> flat dotted keys. Hydra's ``defaults:`` list cannot be composed here."""
+    try:
+        with open(os.path.expanduser(path)) as f:
+            tree = yaml.load(f, Loader=_Loader)
+    except OSError as e:
+        raise ConfigError(f"verl config {path!r}: cannot read it ({e}); give a local YAML file")
+    except yaml.YAMLError as e:
+        raise ConfigError(f"verl config {path!r}: not valid YAML ({e})") from e
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"verl config {path!r}: must be a mapping of sections, e.g. "
+                          "'actor_rollout_ref: {actor: {optim: {lr: 1e-6}}}'")
+    for k in ("defaults", "hydra"):
+        if k in tree:
+            raise ConfigError(f"verl config {path!r}: has a Hydra {k!r} entry, which is not "
+                              "composed here; give a flat config (verl's "
+                              "_generated_ppo_trainer.yaml layout, or the config.yaml Hydra "
+                              "saves in a run's .hydra folder)")
+    return flatten(tree)
+
+
+@functools.cache
+def verl_defaults() -> dict[str, object]:
+    """verl's default value of every key (vendored ``_generated_ppo_trainer.yaml``)."""
+    with open(DEFAULTS_FILE) as f:
+        return flatten(yaml.load(f, Loader=_Loader))
+
+
+# ---------------------------------------------------------------- the tables
+def _to(target: str, fn=lambda v: v, skip_none: bool = True) -> Transform:
+    def t(value, ctx):
+        return [] if value is None and skip_none else [(target, fn(value))]
+    t.target = target  # for the README table and tests
+    return t
+
+
+def _files(value):
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+
+
+def _betas(value, ctx) -> Pairs:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ConfigError(f"{A}optim.betas={value!r}: must be a pair [beta1, beta2]")
+    return [("optim.beta1", value[0]), ("optim.beta2", value[1])]
+
+
+def _clip_ratio(value, ctx) -> Pairs:
+    return [("algorithm.clip_ratio_low", value), ("algorithm.clip_ratio_high", value)]
+
+
+def _warmup_steps(value, ctx) -> Pairs:
+    return [] if isinstance(value, (int, float)) and value < 0 else [("optim.warmup_steps", value)]
+
+
+def _warmup_ratio(value, ctx) -> Pairs:
+    if value in (0, 0.0):  # verl: ratio 0 with lr_warmup_steps < 0 means no warmup
+        steps = ctx.get(f"{A}optim.lr_warmup_steps", -1)
+        return [] if isinstance(steps, (int, float)) and steps >= 0 else \
+            [("optim.warmup_steps", 0)]
+    raise ConfigError(f"{A}optim.lr_warmup_steps_ratio={value!r}: a warmup as a fraction of the "
+                      f"run is not offered; give {A}optim.lr_warmup_steps (optimizer steps), "
+                      "i.e. optim.warmup_steps")
+
+
+def _schedule(value, ctx) -> Pairs:
+    return [] if value is None else [("optim.lr_schedule", value)]
+
+
+def _micro_global(value, ctx) -> Pairs:
+    if value is None:
+        return []
+    raise ConfigError(f"{A}ppo_micro_batch_size={value!r}: deprecated in verl (a global size); "
+                      f"give {A}ppo_micro_batch_size_per_gpu (rows per worker), i.e. "
+                      "actor.ppo_micro_batch_size")
+
+
+def _bypass(value, ctx) -> Pairs:
+    return [("algorithm.policy_loss", "bypass_mode")] if value is True else []
+
+
+def _total_epochs(value, ctx) -> Pairs:
+    if ctx.get("trainer.total_training_steps") is not None:
+        return []  # verl: total_training_steps, when given, replaces epochs x batches per epoch
+    raise ConfigError(f"trainer.total_epochs={value!r}: give trainer.total_training_steps (RL "
+                      "steps; verl lets it replace total_epochs) - the step count is fixed "
+                      "before the dataset is read here")
+
+
+def _save_freq(value, ctx) -> Pairs:
+    if isinstance(value, int) and value > 0:
+        return [("checkpoint.checkpoint_interval", value)]
+    raise ConfigError(f"trainer.save_freq={value!r}: runs here are durable and always "
+                      "checkpoint; give a positive interval in steps "
+                      "(checkpoint.checkpoint_interval)")
+
+
+def _test_freq(value, ctx) -> Pairs:
+    return [("eval_every", 0 if isinstance(value, (int, float)) and value <= 0 else value)]
+
+
+def _resume_mode(value, ctx) -> Pairs:
+    if value == "auto":
+        return [("checkpoint.resume_from_checkpoint", "auto")]
+    if value == "disable":
+        return [("checkpoint.resume_from_checkpoint", "none")]
+    if value == "resume_path":
+        path = ctx.get("trainer.resume_from_path")
+        if not path:
+            raise ConfigError("trainer.resume_mode='resume_path' needs trainer.resume_from_path "
+                              "(a checkpoint manifest or another run store's folder here)")
+        return [("checkpoint.resume_from_checkpoint", path)]
+    raise ConfigError(f"trainer.resume_mode={value!r}: use auto, disable or resume_path")
+
+
+def _resume_path(value, ctx) -> Pairs:
+    if value is None or ctx.get("trainer.resume_mode") == "resume_path":
+        return []  # taken by trainer.resume_mode
+    raise ConfigError(f"trainer.resume_from_path={value!r}: verl reads it only with "
+                      "trainer.resume_mode=resume_path; set that too")
+
+
+def _reward_path(value, ctx) -> Pairs:
+    if value is None:
+        return []
+    name = ctx.get("custom_reward_function.name") or "compute_score"
+    return [("reward.scorer", f"{value}:{name}")]
+
+
+def _reward_name(value, ctx) -> Pairs:
+    if ctx.get("custom_reward_function.path") is not None or value == "compute_score":
+        return []  # taken by custom_reward_function.path
+    raise ConfigError(f"custom_reward_function.name={value!r}: does nothing without "
+                      "custom_reward_function.path (in verl too); give the file")
+
+
+VERL_TO_OURS: dict[str, Transform] = {
+    # batch sizes: verl's mini-batch is in prompts and its per-GPU micro-batch in responses, as ours
+    A + "ppo_mini_batch_size": _to("actor.ppo_mini_batch_size"),
+    A + "ppo_micro_batch_size_per_gpu": _to("actor.ppo_micro_batch_size"),
+    A + "ppo_micro_batch_size": _micro_global,
+    A + "ppo_epochs": _to("actor.ppo_epochs"),
+    A + "optim.lr": _to("optim.lr"),
+    A + "optim.weight_decay": _to("optim.weight_decay"),
+    A + "optim.betas": _betas,
+    A + "optim.clip_grad": _to("optim.grad_clip"),
+    A + "grad_clip": _to("optim.grad_clip"),
+    A + "optim.lr_warmup_steps": _warmup_steps,
+    A + "optim.lr_warmup_steps_ratio": _warmup_ratio,
+    A + "optim.lr_scheduler_type": _schedule,
+    A + "optim.warmup_style": _schedule,
+    A + "optim.min_lr_ratio": _to("optim.min_lr_ratio"),
+    "critic.optim.lr": _to("optim.critic_lr"),
+    "critic.cliprange_value": _to("algorithm.cliprange_value"),
+    # losses: verl's actor fields live in our algorithm section
+    A + "clip_ratio": _clip_ratio,
+    **{A + n: _to(f"algorithm.{n}") for n in (
+        "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "entropy_coeff",
+        "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tau_pos", "tau_neg")},
+    A + "loss_scale_factor": _to("algorithm.loss_scale_factor", lambda v: 0.0 if v is None else v,
+                                 skip_none=False),
+    A + "policy_loss.loss_mode": _to("algorithm.policy_loss"),
+    **{A + f"policy_loss.{n}": _to(f"algorithm.{n}") for n in (
+        "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")},
+    "algorithm.kl_ctrl.type": _to("algorithm.kl_ctrl_type"),
+    "algorithm.kl_ctrl.kl_coef": _to("algorithm.kl_coef"),
+    "algorithm.kl_ctrl.horizon": _to("algorithm.kl_horizon"),
+    "algorithm.kl_ctrl.target_kl": _to("algorithm.kl_target"),
+    "algorithm.rollout_correction.rollout_is": _to("algorithm.rollout_is",
+                                                   lambda v: v or "", skip_none=False),
+    "algorithm.rollout_correction.rollout_is_threshold": _to("algorithm.rollout_is_threshold"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize":
+        _to("algorithm.rollout_is_batch_normalize"),
+    "algorithm.rollout_correction.loss_type": _to("algorithm.bypass_loss_type"),
+    "algorithm.rollout_correction.bypass_mode": _bypass,
+    # sampling
+    **{R + n: _to(f"rollout.{n}") for n in ("n", "temperature", "top_p", "top_k",
+                                             "gpu_memory_utilization")},
+    R + "name": _to("rollout.engine"),
+    R + "response_length": _to("rollout.max_new_tokens"),
+    R + "prompt_length": _to("data.max_prompt_length"),
+    "data.max_response_length": _to("rollout.max_new_tokens"),
+    "data.train_files": _to("data.train_files", _files),
+    "data.val_files": _to("data.val_files", _files),
+    "data.val_batch_size": _to("data.val_batch_size"),
+    # model, reward
+    "actor_rollout_ref.model.path": _to("model.path"),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": _to("model.gradient_checkpointing"),
+    "custom_reward_function.path": _reward_path,
+    "custom_reward_function.name": _reward_name,
+    "reward_model.model.path": _to("reward_model.path"),
+    "reward_model.micro_batch_size_per_gpu": _to("reward_model.micro_batch_size"),
+    "reward_model.max_length": _to("reward_model.max_length", lambda v: v or 0, skip_none=False),
+    # the run loop (verl's trainer section)
+    "trainer.total_training_steps": _to("total_steps"),
+    "trainer.total_epochs": _total_epochs,
+    "trainer.save_freq": _save_freq,
+    "trainer.test_freq": _test_freq,
+    "trainer.resume_mode": _resume_mode,
+    "trainer.resume_from_path": _resume_path,
+    "trainer.max_actor_ckpt_to_keep": _to("checkpoint.keep_last"),
+}
+"""verl key -> transform of its value into ``[(our key, value), ...]`` (context: all the keys
+given together, for the keys verl reads in pairs)."""
+
+
+def _any(v) -> bool:
+    return True
+
+
+def _is(*ok) -> Callable[[object], bool]:
+    return lambda v: v in ok
+
+
+def _console_only(v) -> bool:
+    return set([v] if isinstance(v, str) else v or []) <= {"console"}
+
+
+_MEMORY = ("memory placement only: results are the same; the workers keep parameters and "
+           "optimizer state on their device")
+NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
+    "trainer.project_name": (_any, "a label for verl's loggers; a run here is named by its run "
+                                   "store and --run-name"),
+    "trainer.experiment_name": (_any, "a label for verl's loggers; see trainer.project_name"),
+    "trainer.logger": (_console_only, "only 'console' (the step log) is here; for TensorBoard "
+                       "or MLflow set tracking.tensorboard_dir / tracking.mlflow_tracking_uri "
+                       "(wandb, swanlab, … are not offered)"),
+    "trainer.val_before_train": (_is(True), "both entry points always evaluate before training"),
+    "trainer.critic_warmup": (_is(0), "there is no critic warm-up phase here"),
+    "trainer.device": (_is("cuda", "cpu"), "each worker uses CUDA when present, else the CPU"),
+    "trainer.balance_batch": (_is(True, False), "workers take equal blocks of the batch here "
+                              "(sequence-length balancing is not needed)"),
+    A + "fsdp_config.param_offload": (_is(True, False), _MEMORY),
+    A + "fsdp_config.optimizer_offload": (_is(True, False), _MEMORY),
+    "actor_rollout_ref.ref.fsdp_config.param_offload": (_is(True, False), _MEMORY),
+    "critic.model.fsdp_config.param_offload": (_is(True, False), _MEMORY),
+    "critic.model.fsdp_config.optimizer_offload": (_is(True, False), _MEMORY),
+    "actor_rollout_ref.model.use_remove_padding": (_is(True, False),
+                                                   "a kernel choice in verl (same results)"),
+    A + "use_dynamic_bsz": (_is(False), "token-budget micro-batches are not offered; use "
+                            f"{A}ppo_micro_batch_size_per_gpu"),
+    A + "ppo_max_token_len_per_gpu": (_any, "read by verl only with use_dynamic_bsz (refused)"),
+    R + "log_prob_micro_batch_size_per_gpu": (_any, "memory only; log-probs are recomputed in "
+                                              "micro-batches of actor.ppo_micro_batch_size"),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": (
+        _any, "memory only; reference log-probs use micro-batches of actor.ppo_micro_batch_size"),
+    R + "tensor_model_parallel_size": (_is(1), "no tensor parallelism: the hf engine holds the "
+                                       "whole model on each worker (trainer.n_gpus_per_node)"),
+    "actor_rollout_ref.hybrid_engine": (_is(True), "rollout is always colocated with training"),
+    A + "strategy": (_is("fsdp", "fsdp2"), "training is FSDP2"),
+    "data.filter_overlong_prompts": (_is(True, False), "a prompt longer than "
+                                     "data.max_prompt_length fails validation naming its row; "
+                                     "it is never dropped or cut silently"),
+    "data.truncation": (_is("error"), "prompts are never truncated (see data.max_prompt_length)"),
+    "data.prompt_key": (_is("prompt"), "datasets use verl's default column names"),
+    "data.reward_fn_key": (_is("data_source"), "datasets use verl's default column names"),
+    "reward_model.reward_manager": (_is("naive"), "one reward manager here (verl's naive: one "
+                                    "score per response)"),
+}
+"""verl keys that change nothing here while their value is accepted (else refused with the
+reason)."""
+
+
+# ---------------------------------------------------------------- translation
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b
+
+
+def is_our_key(key: str) -> bool:
+    section, _, name = key.rpartition(".")
+    if not section:
+        return name in _fields_of(RunConfig) and name not in SECTIONS
+    return section in SECTIONS and name in _fields_of(SECTIONS[section])
+
+
+def to_ours(values: dict[str, object], *, from_file: str = "") -> dict[str, object]:
+    """Our dotted overrides for ``values``, a mapping of our keys and verl's. ``from_file``
+    (the YAML's path, for messages): keys at verl's default value are accepted and change
+    nothing (our preset's value stands). A verl key and our key that set one field to different
+    values fail naming both."""
+    where = f" (in {from_file})" if from_file else ""
+    defaults = verl_defaults()
+    out: dict[str, object] = {}
+    origin: dict[str, str] = {}
+    for key, value in values.items():
+        key = str(key)
+        if key in MOVED_KEYS:
+            raise ConfigError(f"config key {key!r}{where} was renamed to {MOVED_KEYS[key]!r} "
+                              f"(verl's trainer.* is the run loop); use {MOVED_KEYS[key]}")
+        if from_file and key in defaults and _same(value, defaults[key]):
+            continue
+        if isinstance(value, str) and "${" in value:
+            raise ConfigError(f"{key}={value!r}{where}: interpolations are not resolved here; "
+                              "write the value")
+        if key in VERL_TO_OURS:
+            pairs = VERL_TO_OURS[key](value, values)
+        elif is_our_key(key):
+            pairs = [(key, value)]
+        elif key in NO_EFFECT:
+            ok, why = NO_EFFECT[key]
+            if not ok(value):
+                raise ConfigError(f"verl key {key}={value!r}{where} cannot apply here: {why}")
+            pairs = []
+        elif key in defaults:
+            if not _same(value, defaults[key]):
+                raise ConfigError(
+                    f"verl key {key}={value!r}{where} has no equivalent here (only verl's default "
+                    f"{defaults[key]!r} is accepted); README 'verl keys' lists what maps")
+            pairs = []
+        else:
+            raise ConfigError(f"unknown config key {key!r}{where}: neither ours "
+                              "(verl_core/config.py) nor verl's (verl_core/verl_defaults/"
+                              "ppo_trainer.yaml)")
+        for target, v in pairs:
+            if target in out and not _same(out[target], v):
+                raise ConfigError(f"{origin[target]}={values[origin[target]]!r} and "
+                                  f"{key}={value!r}{where} both set {target} "
+                                  f"({out[target]!r} vs {v!r}); give one of them")
+            out[target], origin[target] = v, key
+    return out
+
+
+def overrides_from(verl_config: str = "", overrides: dict | None = None) -> dict[str, object]:
+    """Our dotted overrides from a verl YAML file (``verl_config``, may be empty) and a mapping of
+    our keys and verl's; the mapping wins over the file, as Hydra's command line does."""
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ConfigError(f"overrides={overrides!r}: must be a mapping of dotted keys to values, "
+                          'e.g. {"actor_rollout_ref.actor.optim.lr": 1e-6}')
+    out = to_ours(load_yaml(verl_config), from_file=verl_config) if verl_config else {}
+    out.update(to_ours(overrides or {}))
+    return out
