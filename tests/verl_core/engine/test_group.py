@@ -171,17 +171,19 @@ def _guard(errors, fn):
         errors.append(e)
 
 
-class _Sleeper:
-    """A stand-in for the run worker's Ray actor: ``call(method, seconds)`` sleeps."""
-
-    def call(self, method, seconds):
-        time.sleep(float(seconds))
-        return "done"
-
-
 def test_a_hung_actor_call_passes_its_deadline_and_the_actor_is_killed(local_ray):
     ray, _ = local_ray
-    actor = ray.remote(num_cpus=0)(_Sleeper).remote()
+
+    class Sleeper:  # local, so Ray pickles it by value (Ray's workers cannot import this file)
+        """A stand-in for the run worker's Ray actor: ``call(method, seconds)`` sleeps."""
+
+        def call(self, method, seconds):
+            import time
+
+            time.sleep(float(seconds))
+            return "done"
+
+    actor = ray.remote(num_cpus=0)(Sleeper).remote()
     assert runtime.call(actor, "sleep", 0.0, timeout_s=60.0) == "done"
     t0 = time.monotonic()
     with pytest.raises(runtime.PhaseTimeoutError, match="did not answer within 1s"):
