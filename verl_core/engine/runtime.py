@@ -14,14 +14,12 @@ the worker does not have it, so the store is always enough.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
 import random
-import signal
 import socket
 import tempfile
 import threading
@@ -29,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+from verl_core.alarm import alarm
 from verl_core.checkpoint.errors import TransientError
 from verl_core.checkpoint.manager import CheckpointManager
 from verl_core.checkpoint.store import RunStore
@@ -396,7 +395,6 @@ def advantage_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict
 
 
 # ---------------------------------------------------------------------- deadlines + guard
-@contextlib.contextmanager
 def deadline(seconds: float, what: str):
     """Raise :class:`PhaseTimeoutError` in this thread if the block runs past ``seconds``.
 
@@ -404,21 +402,8 @@ def deadline(seconds: float, what: str):
     its next bytecode, which is what a hang of the driver looks like; calls on Ray workers have
     their own timeout as well (:func:`call`). Signals only reach the main thread: elsewhere the
     block runs without this deadline (the worker calls inside keep theirs)."""
-    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise PhaseTimeoutError(f"{what} passed its deadline of {seconds:.0f}s "
-                                "(guard.phase_timeout_s): a hang")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    return alarm(seconds, lambda: PhaseTimeoutError(
+        f"{what} passed its deadline of {seconds:.0f}s (guard.phase_timeout_s): a hang"))
 
 
 def forget_workers(spec: RunSpec) -> None:

@@ -42,7 +42,6 @@ is a wrong answer for the rule scorers (0.0); custom scorers see it and decide.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import multiprocessing
@@ -54,6 +53,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from verl_core.alarm import alarm
 from verl_core.errors import PermanentError
 from verl_core.reward.custom import ScorerLoadError, load_scorer, parse_spec
 from verl_core.reward.registry import RULE_SCORERS, UnknownDataSourceError, default_compute_score
@@ -150,25 +150,11 @@ class _Deadline(BaseException):
     scorer's own ``except Exception`` does not swallow it."""
 
 
-@contextlib.contextmanager
 def _deadline(seconds: float):
     """Interrupt the block with :class:`_Deadline` after ``seconds``. pebble runs tasks on the
     worker's main thread, where signal handlers run. Without ``setitimer`` (Windows), or when a
     scorer installs its own SIGALRM handler, only the parent's hard timeout applies."""
-    if not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise _Deadline()
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    return alarm(seconds, _Deadline)
 
 
 def _worker_load(spec: str, import_timeout_s: float) -> tuple:
