@@ -353,7 +353,12 @@ class RLTrainer:
         self.engine = make_engine(cfg.rollout.engine, model=self.rollout_model,
                                   model_path=assets.model_path,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                  micro_batch_size=cfg.rollout.micro_batch_size)
+                                  micro_batch_size=cfg.rollout.micro_batch_size,
+                                  # read by vllm only (hf ignores them)
+                                  gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                                  enforce_eager=cfg.rollout.enforce_eager,
+                                  free_cache_engine=cfg.rollout.free_cache_engine,
+                                  dtype=cfg.model.dtype, seed=cfg.seed)
         self.scorer = RewardScorer.from_config(cfg.reward)
         # reward_model.enable: a frozen scorer next to the policy, a full copy on every worker
         # (not FSDP-sharded: each worker scores its share of the rows on its own)
@@ -483,10 +488,15 @@ class RLTrainer:
 
     def _sync_rollout_weights(self) -> None:
         """W > 1: copy the current weights from the FSDP shards into the rollout model (an
-        all-gather, no round trip through the store). A collective: every worker calls it."""
-        if self.dp.distributed and self._rollout_stale:
-            self.rollout_model.load_state_dict(
-                sharding.full_model_state(self.actor, rank0_only=False))
+        all-gather, no round trip through the store). A collective: every worker calls it.
+        An engine with its own copy of the weights (vllm) then gets them from the rollout
+        model."""
+        if self._rollout_stale:
+            if self.dp.distributed:
+                self.rollout_model.load_state_dict(
+                    sharding.full_model_state(self.actor, rank0_only=False))
+            if self.engine.owns_weights:
+                self.engine.load_weights(self.rollout_model.state_dict())
         self._rollout_stale = False
 
     def _generate(self, prompt_ids, prompt_mask, params: SamplingParams):

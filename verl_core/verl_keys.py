@@ -269,7 +269,8 @@ VERL_TO_OURS: dict[str, Transform] = {
     "algorithm.rollout_correction.bypass_mode": _bypass,
     # sampling
     **{R + n: _to(f"rollout.{n}") for n in ("n", "temperature", "top_p", "top_k",
-                                             "gpu_memory_utilization")},
+                                             "gpu_memory_utilization", "enforce_eager",
+                                             "free_cache_engine")},
     R + "name": _to("rollout.engine"),
     R + "response_length": _to("rollout.max_new_tokens"),
     R + "prompt_length": _to("data.max_prompt_length"),
@@ -338,8 +339,9 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
                                               "micro-batches of actor.ppo_micro_batch_size"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": (
         _any, "memory only; reference log-probs use micro-batches of actor.ppo_micro_batch_size"),
-    R + "tensor_model_parallel_size": (_is(1), "no tensor parallelism: the hf engine holds the "
-                                       "whole model on each worker (trainer.n_gpus_per_node)"),
+    R + "tensor_model_parallel_size": (_is(1), "no tensor parallelism: the rollout engine (hf or "
+                                       "vllm) holds the whole model on each worker "
+                                       "(trainer.n_gpus_per_node)"),
     "actor_rollout_ref.hybrid_engine": (_is(True), "rollout is always colocated with training"),
     A + "strategy": (_is("fsdp", "fsdp2"), "training is FSDP2"),
     "data.filter_overlong_prompts": (_is(True, False), "a prompt longer than "

@@ -52,6 +52,11 @@ def concat_outputs(parts: list[GenerationOutput], pad_id: int) -> GenerationOutp
 class RolloutEngine(abc.ABC):
     """Generates responses for left-padded prompts."""
 
+    owns_weights: bool = False
+    """True when the engine holds its own copy of the policy weights (``vllm``): the caller
+    refreshes it with :meth:`load_weights` after every change. False (``hf``): the engine
+    samples from the torch model it was given, so changes to that model are seen directly."""
+
     @abc.abstractmethod
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  params: SamplingParams, *, first_row: int = 0,
@@ -81,11 +86,11 @@ def register_engine(name: str):
 
 
 def make_engine(name: str, **kwargs) -> RolloutEngine:
-    """``hf`` needs ``model``, ``eos_token_id``, ``pad_token_id``; ``vllm`` needs ``model_path``."""
-    if name == "vllm" and name not in _ENGINES:
-        raise NotImplementedError(
-            "rollout.engine='vllm' is not implemented yet (it needs a GPU session to build and "
-            "test); use rollout.engine='hf', which runs on CPU and GPU")
+    """``hf`` needs ``model``, ``eos_token_id``, ``pad_token_id``; ``vllm`` needs ``model_path``
+    (the Hugging Face folder), ``eos_token_id``, ``pad_token_id`` and takes ``model`` (the torch
+    policy), ``gpu_memory_utilization``, ``enforce_eager``, ``free_cache_engine``, ``dtype``,
+    ``seed``. Each factory ignores the keywords it does not use. ``vllm`` without CUDA or the
+    vllm package raises ``VLLMUnavailableError`` naming rollout.engine and the fix."""
     if name not in _ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; known: {', '.join(sorted(_ENGINES))}")
     return _ENGINES[name](**kwargs)

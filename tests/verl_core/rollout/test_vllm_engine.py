@@ -1,0 +1,122 @@
+"""The ``vllm`` rollout engine on a real GPU: its log-probs against the trainer's forward, weight
+refreshes, sleep/wake. Needs CUDA and the vllm package (``pip install -e '.[vllm]'``); skipped
+otherwise (tests/conftest.py). The CPU side is in test_vllm_cpu.py.
+
+The tiny model is the tests' usual one (build_tiny_model), widened to head_dim 64 (hidden 256,
+4 heads), a head size every vLLM attention backend supports, and served in float32 so the
+comparison with the trainer's forward can be tight.
+"""
+import copy
+import gc
+
+import pytest
+import torch
+
+from verl_core.models import build_tiny_model
+from verl_core.rollout import SamplingParams, make_engine
+from verl_core.training.forward import response_logprobs
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["12+7=", "3-1=", "29+30=", "1+1=", "40+2=", "7-7="] * 2
+# Tolerance on a log-prob, vLLM (float32) against the float64 forward of the same weights. The
+# reference's own error is ~1e-15; vLLM's comes from its float32 kernels, whose attention may
+# take TF32 dot products (Triton's default on fp32 inputs: 10-bit mantissa, unit roundoff
+# u = 2^-11 ≈ 4.9e-4). Each attention score of this model is a 64-term dot product of O(1)
+# normalised entries, so its relative error is ≲ u; the resulting logit errors, through two
+# layers, are ≲ 2u ≈ 1e-3, and a log-prob (log-softmax of logits) moves by at most twice the
+# largest logit error: 2e-3. With plain float32 arithmetic (u = 6e-8) the error is ~1e-6.
+TOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model, tok = build_tiny_model(hidden_size=256, heads=4, layers=2, seed=0)
+    path = tmp_path_factory.mktemp("tiny-hf")
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    model = model.cuda()
+    eng = make_engine("vllm", model_path=str(path), model=model, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, dtype="float32",
+                      gpu_memory_utilization=0.3, enforce_eager=True, free_cache_engine=True,
+                      seed=0)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    yield model, tok, enc.input_ids, enc.attention_mask, eng, state
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _reference_logprobs(model, ids, mask, out, temperature):
+    """The trainer's forward (what the hf engine and the update compute), in float64 on CPU."""
+    ref = copy.deepcopy(model).double().cpu()
+    lp, _ = response_logprobs(ref, ids, mask, out.response_ids, out.response_mask, temperature)
+    return lp.float()
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [
+    (0.7, 1.0, -1),  # vLLM's own processed log-probs: softmax(logits / 0.7)
+    (0.0, 1.0, -1),  # greedy: reported under softmax(logits), as the hf engine does
+    (1.0, 0.8, 5),  # filtered: recomputed by the engine before top-k/top-p
+])
+def test_logprobs_of_sampled_tokens_match_the_trainers_forward(setup, temperature, top_p, top_k):
+    model, tok, ids, mask, eng, _ = setup
+    out = eng.generate(ids, mask, SamplingParams(temperature=temperature, top_p=top_p,
+                                                 top_k=top_k, max_new_tokens=6, seed=3))
+    assert out.response_ids.shape == out.logprobs.shape == out.response_mask.shape
+    assert out.response_ids.shape[0] == len(PROMPTS)
+    m = out.response_mask.bool()
+    ref = _reference_logprobs(model, ids, mask, out, temperature or 1.0)
+    assert (out.logprobs - ref).abs()[m].max().item() <= TOL
+    assert torch.all(out.logprobs[~m] == 0) and torch.all(out.response_ids[~m] == tok.pad_token_id)
+    # each row's mask is a prefix of ones that ends on its EOS, or at max_new_tokens without one
+    lengths, cols = m.sum(-1), torch.arange(m.shape[1])
+    assert torch.equal(m, cols < lengths[:, None])
+    eos = out.response_ids == tok.eos_token_id
+    assert not (eos & (cols < (lengths - 1)[:, None])).any()  # no EOS before a row's last token
+    short = lengths < 6
+    assert torch.all(out.response_ids[short, lengths[short] - 1] == tok.eos_token_id)
+
+
+def test_seeded_sampling_is_reproducible(setup):
+    model, tok, ids, mask, eng, _ = setup
+    p = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
+    a, b = eng.generate(ids, mask, p), eng.generate(ids, mask, p)
+    c = eng.generate(ids, mask, SamplingParams(temperature=1.0, max_new_tokens=6, seed=12))
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+def test_a_weight_refresh_changes_greedy_samples_and_refreshing_back_restores_them(setup):
+    model, tok, ids, mask, eng, state = setup
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before, checksum = eng.generate(ids, mask, greedy), eng.weights_checksum()
+    # the final norm's weight negated: every logit is negated exactly, so each row's first
+    # greedy token becomes its argmin instead of its argmax
+    flipped = {**state, "model.norm.weight": -state["model.norm.weight"]}
+    eng.load_weights(flipped)
+    assert eng.weights_checksum() != checksum
+    after = eng.generate(ids, mask, greedy)
+    assert (after.response_ids[:, 0] != before.response_ids[:, 0]).all()
+    eng.load_weights(state)
+    assert eng.weights_checksum() == checksum  # bit-identical weights again
+    back = eng.generate(ids, mask, greedy)
+    assert torch.equal(back.response_ids, before.response_ids)
+    assert torch.equal(back.response_mask, before.response_mask)
+
+
+def test_sleep_and_wake_keep_generation_identical(setup):
+    model, tok, ids, mask, eng, state = setup
+    p = SamplingParams(temperature=1.0, max_new_tokens=6, seed=5)
+    a = eng.generate(ids, mask, p)
+    assert eng.sleep_level == 1  # free_cache_engine: asleep after each generate
+    b = eng.generate(ids, mask, p)  # woken from level 1: weights restored from CPU
+    eng.sleep(level=2)  # weights discarded ...
+    eng.load_weights(state)  # ... and brought back by a refresh, as after an update
+    c = eng.generate(ids, mask, p)
+    eng.sleep(level=2)
+    d = eng.generate(ids, mask, p)  # nobody refreshed: the engine reloads its torch model
+    for o in (b, c, d):
+        assert torch.equal(o.response_ids, a.response_ids)
+        assert torch.allclose(o.logprobs, a.logprobs, atol=1e-6, rtol=0)

@@ -1,0 +1,298 @@
+"""``vllm`` rollout engine: vLLM's offline ``LLM`` on the worker's GPU, colocated with training.
+
+Needs CUDA and the optional extra (``pip install -e '.[vllm]'``); vLLM is imported only when an
+engine is built, so this module imports anywhere. Written against vLLM 0.33's API (the version
+``.ci/constraints-gpu.txt`` pins; pyproject's range is the one read): ``LLM(enable_sleep_mode,
+worker_extension_cls, logprobs_mode, skip_tokenizer_init, generation_config)``, ``LLM.generate``
+with ``TokensPrompt``, ``LLM.collective_rpc``, ``sleep``/``wake_up(tags)``,
+``reset_prefix_cache``.
+
+How it meets the :class:`~verl_core.rollout.base.RolloutEngine` contract:
+
+* **Log-probs.** vLLM is built with ``logprobs_mode="processed_logprobs"``: the returned
+  log-prob of a sampled token is taken after temperature and after top-k/top-p (vLLM's default,
+  ``raw_logprobs``, is before temperature). Without top-k/top-p that is exactly
+  ``log_softmax(logits / T)``, the contract; greedy rows (T = 0) get ``log_softmax(logits)``, as
+  the ``hf`` engine reports. With top-k or top-p on, vLLM's numbers are those of the truncated,
+  renormalised distribution, so the engine recomputes them with one teacher-forced forward of
+  ``model`` (the trainer's rollout model, which holds the same weights) under the temperature
+  alone.
+* **Seeds.** Each row is one request with ``n=1`` and its own seed, a hash of ``params.seed``
+  and the row's index in the whole batch (``first_row + i``); vLLM draws a request's noise from
+  its seed and position only, so W workers sampling blocks draw what one worker would.
+* **Weights.** :meth:`VLLMEngine.load_weights` hands the trainer's tensors to vLLM's worker
+  (``vllm_ext.WeightSyncExtension``) through ``collective_rpc``. vLLM runs in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as verl and TRL colocate it), so the call passes the
+  tensors as Python objects: no serialisation, no copy beyond the one into vLLM's parameters.
+* **Memory.** With ``free_cache_engine`` the engine sleeps after each ``generate`` (level 1:
+  KV cache freed, weights offloaded to CPU), so the update phase gets the GPU back; the next
+  ``generate`` or ``load_weights`` wakes it (``wake_up(["weights"])`` → load →
+  ``reset_prefix_cache`` → ``wake_up(["kv_cache"])``).
+
+Not verified on a GPU in the session that wrote it: tests/verl_core/rollout/test_vllm_engine.py
+(``-m vllm``) and bench/gpu_check.sh are the checks to run where CUDA is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+from verl_core.errors import PermanentError
+from verl_core.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, register_engine
+
+EXTENSION = "verl_core.rollout.vllm_ext.WeightSyncExtension"
+MAX_TEMPERATURE = 2.0
+"""vLLM refuses temperatures above 2 (``SamplingParams._verify_args``)."""
+
+
+class VLLMUnavailableError(PermanentError):
+    """``rollout.engine='vllm'`` on a machine without CUDA or without the vllm package."""
+
+
+def import_vllm():
+    """The ``vllm`` module, or :class:`VLLMUnavailableError` saying what is missing and the fix."""
+    missing = []
+    if not torch.cuda.is_available():
+        missing.append("a CUDA GPU (torch.cuda.is_available() is False)")
+    try:
+        import vllm
+    except ImportError as e:
+        vllm = None
+        missing.append(f"the vllm package ({e})")
+    if missing:
+        raise VLLMUnavailableError(
+            f"rollout.engine='vllm' needs {' and '.join(missing)}: install the extra with "
+            "`pip install -e '.[vllm]'` on a machine with a CUDA GPU, or set "
+            "rollout.engine='hf' (torch; CPU and GPU)")
+    return vllm
+
+
+def row_seeds(seed: int, first_row: int, n: int) -> list[int]:
+    """Per-row sampling seeds of rows ``first_row .. first_row + n - 1`` of a batch: a 63-bit
+    hash of (``seed``, global row index), so a row's seed does not depend on the block it is
+    generated in."""
+    out = []
+    for row in range(first_row, first_row + n):
+        digest = hashlib.blake2b(f"{seed}:{row}".encode(), digest_size=8).digest()
+        out.append(int.from_bytes(digest, "little") & (2**63 - 1))
+    return out
+
+
+def unpad_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """prompt_ids, prompt_mask: (n, P) left-padded. The n prompts' real tokens as lists (vLLM
+    takes unpadded token ids; positions then start at 0 on the first real token, as the ``hf``
+    engine's position ids do)."""
+    keep = prompt_mask.bool().cpu()
+    ids = prompt_ids.cpu()
+    prompts = [ids[i][keep[i]].tolist() for i in range(ids.shape[0])]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt row {i} has no tokens (its prompt_mask is all 0)")
+    return prompts
+
+
+def to_generation_output(token_ids: list[list[int]], logprobs: list[list[float]],
+                         pad_id: int) -> GenerationOutput:
+    """n responses (token lists, EOS included where the row stopped on it) and the log-prob of
+    each token -> right-padded (n, T) tensors, T the longest response."""
+    n = len(token_ids)
+    T = max((len(t) for t in token_ids), default=0)
+    ids = torch.full((n, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, T), dtype=torch.float32)
+    logp = torch.zeros((n, T), dtype=torch.float32)
+    for i, (toks, lps) in enumerate(zip(token_ids, logprobs)):
+        if len(toks) != len(lps):
+            raise ValueError(f"row {i}: {len(toks)} tokens but {len(lps)} log-probs")
+        k = len(toks)
+        ids[i, :k] = torch.tensor(toks, dtype=torch.long)
+        mask[i, :k] = 1.0
+        logp[i, :k] = torch.tensor(lps, dtype=torch.float32)
+    return GenerationOutput(response_ids=ids, response_mask=mask, logprobs=logp)
+
+
+def filters_tokens(params: SamplingParams) -> bool:
+    """Whether vLLM's processed log-probs differ from the contract's: sampling (T > 0) with
+    top-k or top-p on (vLLM reports the truncated, renormalised distribution then)."""
+    return params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0)
+
+
+class VLLMEngine(RolloutEngine):
+    """Samples with a vLLM ``LLM`` built from the Hugging Face folder ``model_path``.
+
+    ``model``: the torch model holding the same weights as the policy (the trainer's rollout
+    model). Only read to recompute log-probs when top-k/top-p is on, and to restore vLLM's
+    weights after a level-2 sleep nobody refreshed; without it those raise."""
+
+    owns_weights = True
+
+    def __init__(self, model_path: str, *, eos_token_id: int, pad_token_id: int, model=None,
+                 gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
+                 free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0,
+                 max_model_len: int | None = None):
+        vllm = import_vllm()
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.model = model
+        self.free_cache_engine = free_cache_engine
+        self._sleep_level = 0  # 0 awake; 1 weights on CPU; 2 weights discarded
+        kwargs = dict(
+            model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            enable_sleep_mode=True, worker_extension_cls=EXTENSION,
+            logprobs_mode="processed_logprobs",
+            # prompts arrive as token ids and responses leave as token ids: no tokenizer
+            skip_tokenizer_init=True,
+            # ignore the folder's generation_config.json: EOS comes from eos_token_id only
+            generation_config="vllm")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            # W > 1 trainer workers already form a torch.distributed group: each runs its own
+            # single-GPU vLLM inside it (verl's and TRL's colocated mode). That backend reads
+            # the worker's rank from torchrun's variables, which a Ray worker does not have.
+            # (Not run yet: W > 1 with vLLM needs a multi-GPU machine.)
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+            os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
+        previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker lives in this process
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            if previous is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+        self._vllm = vllm
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def sleep_level(self) -> int:
+        """0 awake; 1 asleep with the weights on CPU; 2 asleep with the weights discarded."""
+        return self._sleep_level
+
+    def sleep(self, level: int = 1) -> None:
+        """Free GPU memory for training: level 1 offloads the weights to CPU (restored on
+        wake), level 2 discards them (the next :meth:`load_weights` must bring them back, or
+        ``model`` is reloaded). The KV cache is discarded at both levels."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level!r}: must be 1 or 2")
+        if self._sleep_level:
+            return
+        self.llm.sleep(level=level)
+        self._sleep_level = level
+
+    def wake(self) -> None:
+        """Bring back everything :meth:`sleep` released (no-op when awake)."""
+        if not self._sleep_level:
+            return
+        discarded = self._sleep_level == 2
+        if discarded:
+            if self.model is None:
+                raise RuntimeError(
+                    "the vllm engine slept at level 2 (weights discarded) and no weights were "
+                    "loaded since; call load_weights(state_dict) before generate")
+            self.load_weights(self.model.state_dict())  # wakes it
+            return
+        self.llm.wake_up()
+        self._sleep_level = 0
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy the policy's weights (Hugging Face names, any device/dtype) into vLLM, in place.
+        Asleep: wake the weights only, load, then wake the KV cache; the prefix cache is
+        reset either way (its entries were computed by the old weights)."""
+        asleep = bool(self._sleep_level)
+        if asleep:
+            self.llm.wake_up(tags=["weights"])
+        missing = self.llm.collective_rpc("verl_load_weights", args=(list(state_dict.items()),))
+        if asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+        self._sleep_level = 0
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update "
+                               "(requests still running?)")
+        for worker_missing in missing:
+            if worker_missing:
+                raise ValueError(f"load_weights: vLLM parameters got no weight from the state "
+                                 f"dict: {worker_missing[:10]} (a state dict of another model?)")
+
+    def weights_checksum(self) -> list[str]:
+        """sha256 of the served weights, one per vLLM worker (tests compare them)."""
+        self.wake()
+        return self.llm.collective_rpc("verl_weights_checksum")
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompt_ids, prompt_mask, params: SamplingParams, *, first_row: int = 0,
+                 total_rows: int | None = None) -> GenerationOutput:
+        if params.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"rollout.temperature={params.temperature}: vLLM accepts "
+                             f"temperatures in [0, {MAX_TEMPERATURE}]; lower it or use "
+                             "rollout.engine='hf'")
+        recompute = filters_tokens(params)
+        if recompute and self.model is None:
+            raise ValueError("rollout.top_k / rollout.top_p with the vllm engine need the "
+                             "torch model (make_engine(..., model=...)) to report log-probs "
+                             "before filtering")
+        prompts = unpad_prompts(prompt_ids, prompt_mask)
+        n = len(prompts)
+        if total_rows is not None and first_row + n > total_rows:
+            raise ValueError(f"rows {first_row}..{first_row + n - 1} are outside a batch of "
+                             f"{total_rows}")
+        TokensPrompt, VSamplingParams = self._vllm.TokensPrompt, self._vllm.SamplingParams
+        greedy = params.temperature == 0
+        sampling = [VSamplingParams(
+            n=1, temperature=params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy or params.top_k < 0 else params.top_k,  # vLLM: 0 disables
+            max_tokens=params.max_new_tokens, logprobs=0,  # 0: only the sampled token's
+            seed=None if greedy else s, stop_token_ids=[self.eos_token_id],
+            detokenize=False) for s in row_seeds(params.seed, first_row, n)]
+        self.wake()
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
+                                 use_tqdm=False)
+        if self.free_cache_engine:
+            self.sleep(level=1)
+        token_ids, logprobs = [], []
+        for o in outs:
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            token_ids.append(toks)
+            # c.logprobs[t]: {token id: Logprob}, the sampled token always among them
+            logprobs.append([c.logprobs[t][tok].logprob for t, tok in enumerate(toks)])
+        out = to_generation_output(token_ids, logprobs, self.pad_token_id)
+        if recompute:
+            out = self._teacher_forced(prompt_ids, prompt_mask, out, params.temperature)
+        return out
+
+    @torch.no_grad()
+    def _teacher_forced(self, prompt_ids, prompt_mask, out: GenerationOutput,
+                        temperature: float) -> GenerationOutput:
+        """``out`` with its log-probs recomputed by ``self.model`` under softmax(logits / T),
+        the distribution before top-k/top-p (the contract)."""
+        from verl_core.training.forward import response_logprobs
+
+        model = self.model
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        keep = prompt_mask.sum(0) > 0  # drop prompt columns that are padding in every row
+        lp, _ = response_logprobs(model, prompt_ids[:, keep].to(device),
+                                  prompt_mask[:, keep].to(device),
+                                  out.response_ids.to(device), out.response_mask.to(device),
+                                  temperature)
+        model.train(was_training)
+        return GenerationOutput(response_ids=out.response_ids, response_mask=out.response_mask,
+                                logprobs=lp.float().cpu())
+
+
+@register_engine("vllm")
+def _make_vllm(model_path: str, eos_token_id: int, pad_token_id: int, model=None,
+               gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
+               free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0, **_):
+    return VLLMEngine(model_path, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                      model=model, gpu_memory_utilization=gpu_memory_utilization,
+                      enforce_eager=enforce_eager, free_cache_engine=free_cache_engine,
+                      dtype=dtype, seed=seed)
