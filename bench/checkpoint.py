@@ -94,7 +94,7 @@ def hash_rates(repeat: int) -> list[tuple[str, str, str]]:
     """GB/s of sha256 and BLAKE3 over 16 MiB objects, one thread and the store's I/O pool."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from verl_core.checkpoint.store import hash_hex
+    from verl_core.store import hash_hex
 
     bufs = [os.urandom(16 << 20) for _ in range(8)]
     rows = []

@@ -1,164 +1,151 @@
-"""Update throughput of the worker group: W = 1 against W = 2 data-parallel workers (FSDP2, gloo).
+"""Warm workers against a rebuild (issue 11): ``cluster.mode=attached`` vs ``per_task``.
 
-The real update (``verl_core.training.ppo.ppo_update``, the same call the worker group makes) on
-the same batch, start weights and seed, one thread per worker so W = 2 uses two cores where
-W = 1 uses one (the comparison a node with W accelerators makes). Each worker is its own process
-(torch.multiprocessing, a gloo process group over loopback); W = 1 runs in a process of its own
-too, measured in the same run. Prints samples/s per W and the ratio.
+On a real long-lived Ray cluster started here (``ray start --head``), with the default model
+(the tiny warm-started Llama of the default config) and a run of ``--steps`` steps made in
+``attached`` mode, this prints in one run:
 
-The model must be large enough that compute dominates: FSDP2 all-gathers every layer's weights
-before its forward and backward and reduce-scatters its gradients, once per micro-batch, which on
-gloo over loopback costs about as much as a small model's compute. The default (hidden 512, 4
-layers, 17.8M parameters, 64 rows of 16+32 tokens per update, 32-row micro-batches) is such a
-model; ``--hidden 64 --layers 2 --vocab 64`` is the size of the tiny CPU default model, where
-the group gains almost nothing. The last line measures what two cores give two independent
-processes with no communication at all, the ceiling any W = 2 ratio here is bounded by.
+1. the time for a phase to start work: from a new task process's call until the worker holds the
+   state the phase names (``RunWorker.ensure_state``), on the run's warm detached worker (adopt +
+   weight-version check) against a rebuild (a new worker: model build, checkpoint read, lineage
+   replay; what every heavy phase of ``per_task`` mode pays). Target: warm <= 5% of cold.
+2. the per-phase fixed overhead of a fresh task process (a new Python process, as each Flyte task
+   pod is) in each mode, up to the worker holding the state: ``per_task`` starts its own Ray
+   instance (a RayJob's cluster, here a local ``ray.init()``) and rebuilds; ``attached`` joins the
+   long-lived cluster and adopts the warm worker.
 
-    python bench/engine.py
-    python bench/engine.py --hidden 64 --layers 2      # the tiny CPU default model
+    python bench/engine.py                 # --steps 2 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
-import torch
-import torch.multiprocessing as mp
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tests.ray_nodes import RayNodes  # noqa: E402  (the tests' real `ray start` cluster)
+from verl_core.config import preset, with_overrides  # noqa: E402
+from verl_core.engine import cluster, runtime  # noqa: E402
+
+# A fresh task process: connect the way the mode does, get the worker, make it hold the state.
+PROBE = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import ray
+from verl_core.config import RunConfig
+from verl_core.engine import runtime
+d = json.loads(sys.argv[1])
+spec = runtime.RunSpec(**{**d, "config": RunConfig.from_dict(d["config"])})
+mode = spec.config.cluster.mode
+if mode == "per_task":
+    runtime.start_local_ray()          # the RayJob's own cluster (locally: a new Ray instance)
+else:
+    from verl_core.engine import cluster
+    cluster.connect(spec.config.cluster)
+runtime.call_worker(spec, "ensure_state", spec.total_steps)
+print(json.dumps({"seconds": time.perf_counter() - t0}))
+if mode == "per_task":
+    runtime.release_workers()
+"""
 
 
-def _batch(vocab: int, rows: int, prompt_len: int, resp_len: int, seed: int = 0):
-    from verl_core.data.batch import Batch
-
-    g = torch.Generator().manual_seed(seed)
-    resp = torch.randint(3, vocab, (rows, resp_len), generator=g)
-    lengths = torch.randint(resp_len // 2, resp_len + 1, (rows,), generator=g)
-    mask = (torch.arange(resp_len)[None, :] < lengths[:, None]).float()
-    adv = torch.randn(rows, 1, generator=g).expand(rows, resp_len) * mask
-    return Batch(prompt_ids=torch.randint(3, vocab, (rows, prompt_len), generator=g),
-                 prompt_mask=torch.ones(rows, prompt_len, dtype=torch.long),
-                 response_ids=resp, response_mask=mask, response_logprobs=torch.zeros(rows, resp_len),
-                 group=torch.arange(rows) // 4, uid=[str(i) for i in range(rows)],
-                 ground_truth=["0"] * rows, data_source=["bench"] * rows, extra_info=[{}] * rows,
-                 advantages=adv.contiguous())
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
-def _worker(rank: int, world: int, args, init: str, out: dict) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from verl_core.config import AlgorithmConfig, OptimConfig
-    from verl_core.training import sharding
-    from verl_core.training.dist import SINGLE, init_process_group
-    from verl_core.training.optim import make_optimizer, make_scheduler
-    from verl_core.training.ppo import ppo_update
-
-    torch.set_num_threads(1)
-    dp = init_process_group("gloo", init, rank, world, 600) if world > 1 else SINGLE
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    if dp.distributed:
-        sharding.shard(model)
-    ocfg = OptimConfig(lr=1e-5, warmup_steps=0)
-    opt = make_optimizer(model.parameters(), ocfg, ocfg.lr)
-    sched = make_scheduler(opt, ocfg, 1000)
-    batch = _batch(args.vocab, args.rows, args.prompt_len, args.resp_len)
-    times = []
-    for i in range(args.warmup + args.repeats):
-        if dp.distributed:
-            dp.barrier()
-        t0 = time.perf_counter()
-        ppo_update(model, opt, sched, batch, AlgorithmConfig(), temperature=1.0,
-                   mini_batch_rows=args.rows, micro_batch_rows=args.micro, epochs=1,
-                   grad_clip=1.0, seed=i, dp=dp)
-        if dp.distributed:
-            dp.barrier()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    if rank == 0:
-        out[world] = (statistics.median(times), sum(p.numel() for p in model.parameters()))
-    if dp.distributed:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-
-
-def _matmuls(q) -> None:
-    torch.set_num_threads(1)
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(60):
-        a @ b
-    q.put(time.perf_counter() - t0)
-
-
-def _ceiling() -> float:
-    """Throughput of 2 independent single-threaded matmul processes over 1: what this machine's
-    two cores give any data-parallel job with no communication at all (shared caches, memory
-    bandwidth and clocks keep it below 2)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-
-    def run(n: int) -> float:
-        ps = [ctx.Process(target=_matmuls, args=(q,)) for _ in range(n)]
-        for p in ps:
-            p.start()
-        for p in ps:
-            p.join()
-        return max(q.get() for _ in ps)
-
-    one, two = [], []
-    for _ in range(3):  # alternated, best of 3: the machine's noise hits both
-        one.append(run(1))
-        two.append(run(2))
-    return 2 * min(one) / min(two)
-
-
-def _measure(world: int, args) -> tuple[float, int]:
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as mgr, tempfile.TemporaryDirectory() as d:
-        out = mgr.dict()
-        procs = [ctx.Process(target=_worker, args=(r, world, args, f"file://{d}/pg", out))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-            if p.exitcode:
-                raise SystemExit(f"worker failed with exit code {p.exitcode}")
-        return out[world]
+def _probe(spec, env) -> float:
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(dataclasses.asdict(spec))],
+                         env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    if out.returncode:
+        raise SystemExit(f"probe failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--rows", type=int, default=64, help="responses per update (one mini-batch)")
-    p.add_argument("--micro", type=int, default=32, help="rows per forward/backward per worker")
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--resp-len", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ceiling = _ceiling()
-    res = {w: _measure(w, args) for w in (1, 2)}
-    params = res[1][1]
-    print(f"model: hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f}M parameters; "
-          f"{args.rows} rows x {args.prompt_len}+{args.resp_len} tokens per update, "
-          f"micro-batch {args.micro} rows per worker, 1 thread per worker")
-    print(f"{'workers':>8} {'s/update':>9} {'samples/s':>10} {'vs W=1':>7}")
-    base = args.rows / res[1][0]
-    for w, (t, _) in sorted(res.items()):
-        print(f"{w:>8} {t:>9.3f} {args.rows / t:>10.1f} {args.rows / t / base:>6.2f}x")
-    print(f"machine ceiling: 2 independent 1-thread matmul processes give {ceiling:.2f}x of one")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    import ray
+
+    work = tempfile.mkdtemp(prefix="verl-bench-engine-")
+    os.environ.setdefault("VERL_ASSET_CACHE", os.path.join(work, "assets"))
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    nodes = RayNodes(os.path.join(work, "ray"), num_cpus=2)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                ray.init(address=nodes.address, include_dashboard=False, configure_logging=False,
+                         log_to_driver=False)
+                break
+            except ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.5)
+        # the default model and config, checkpointed at the last step (so a rebuild reads one
+        # checkpoint and replays nothing: the cheapest rebuild there is)
+        cfg = preset("grpo", **{"total_steps": args.steps, "cluster.mode": "attached",
+                                "cluster.address": nodes.address,
+                                "checkpoint.checkpoint_interval": args.steps})
+        spec = runtime.prepare_run(cfg, os.path.join(work, "store"), "bench",
+                                   log_fn=lambda *_: None)
+        for s in range(args.steps):
+            ref, _ = runtime.call_worker(spec, "rollout", s)
+            ref, _ = runtime.reward_phase(spec, s, ref)
+            ref, _ = runtime.advantage_phase(spec, s, ref)
+            runtime.call_worker(spec, "update", s, ref)
+            runtime.call_worker(spec, "checkpoint", s + 1)
+        runtime.call_worker(spec, "wait_checkpoints")
+        step = args.steps
+
+        def start_phase():
+            runtime._WORKERS.clear()  # a new task process has no handle on the workers
+            runtime.call_worker(spec, "ensure_state", step)
+
+        warm = [_timed(start_phase) for _ in range(args.repeats)]
+        cold = []
+        for _ in range(max(2, args.repeats // 2)):
+            cluster.teardown(spec.incarnation)
+            cold.append(_timed(start_phase))
+
+        # fresh task processes, one per phase, in each mode (the per_task one on its own Ray)
+        env = {**os.environ, "PYTHONPATH": REPO}
+        env.pop("RAY_ADDRESS", None)
+        per_task = dataclasses.replace(spec, config=with_overrides(
+            spec.config, {"cluster.mode": "per_task"}))
+        p_attached = [_probe(spec, env) for _ in range(max(2, args.repeats // 2))]
+        p_per_task = [_probe(per_task, env) for _ in range(max(2, args.repeats // 2))]
+        runtime.release_run_workers(spec)
+    finally:
+        ray.shutdown()
+        nodes.stop()
+
+    med = statistics.median
+    print(f"\nphase start on the default model ({args.steps} steps trained; median of "
+          f"{len(warm)} warm, {len(cold)} cold)\n")
+    print("| phase start | seconds | x cold |")
+    print("|---|---|---|")
+    print(f"| rebuild (new worker: model, checkpoint) | {med(cold):.3f} | 1.00 |")
+    print(f"| warm detached worker (adopt + version check) | {med(warm):.4f} | "
+          f"{med(warm) / med(cold):.3f} |")
+    print(f"\ntarget warm <= 5% of cold: {'met' if med(warm) <= 0.05 * med(cold) else 'NOT met'}")
+    print("\n| fresh task process, up to the worker holding the state | seconds | x per_task |")
+    print("|---|---|---|")
+    print(f"| per_task (own Ray instance + rebuild) | {med(p_per_task):.2f} | 1.00 |")
+    print(f"| attached (join cluster + adopt warm worker) | {med(p_attached):.2f} | "
+          f"{med(p_attached) / med(p_per_task):.2f} |")
 
 
 if __name__ == "__main__":

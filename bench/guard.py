@@ -26,7 +26,7 @@ import statistics
 import tempfile
 import time
 
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.config import preset
 from verl_core.engine import runtime
 from verl_core.engine.assets import publish_assets
@@ -59,7 +59,7 @@ runtime.step_events = _timed(runtime.step_events)
 
 def _spec(uri: str, cfg, index: dict) -> runtime.RunSpec:
     return runtime.RunSpec(store=uri, incarnation=RunStore(uri).incarnation_id,
-                           config_json=json.dumps(cfg.to_dict()),
+                           config=cfg,
                            config_hash=cfg.trajectory_hash(), assets_json=json.dumps(index),
                            start_step=0, total_steps=cfg.total_steps)
 

@@ -135,7 +135,7 @@ def main() -> None:
                                      s["start_accuracy"], s["end_accuracy"])
         if "flyte" not in skip:
             from orchestration import run_flyte
-            from verl_core.checkpoint.store import RunStore
+            from verl_core.store import RunStore
             flyte, total, run_dir = run_flyte("trl", over, args.steps, work)
             st = RunStore(run_dir)
             [name] = [f[:-len(".jsonl")] for f in os.listdir(os.path.join(run_dir, "logs"))

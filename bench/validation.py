@@ -34,7 +34,7 @@ T_GX = time.perf_counter()
 validation._gx()  # the first use: import great_expectations + ephemeral context + data source
 FIRST_GX_S = time.perf_counter() - T_GX
 
-from verl_core.checkpoint.store import RunStore  # noqa: E402
+from verl_core.store import RunStore  # noqa: E402
 from verl_core.config import grpo_preset, with_overrides  # noqa: E402
 from verl_core.models import load_tokenizer  # noqa: E402
 from verl_core.trainer import Assets, RLTrainer, prepare_assets  # noqa: E402

@@ -2,13 +2,12 @@
 
 from flytekit import task
 
-from tasks.common import RETRIES, PhaseOut, cache_for, merge, run_phase
-from verl_core.engine import runtime
+from tasks.common import RETRIES, cache_for, run_phase
+from verl_core import phases
 from verl_core.engine.runtime import RunSpec
+from verl_core.phases import PhaseOut
 
 
 @task(cache=cache_for("advantage"), retries=RETRIES)
 def advantage(spec: RunSpec, scored: PhaseOut) -> PhaseOut:
-    ref, metrics = run_phase(spec, "advantage", scored.step,
-                             lambda: runtime.advantage_phase(spec, scored.step, scored.batch))
-    return PhaseOut(step=scored.step, batch=ref, metrics_json=merge(scored.metrics_json, metrics))
+    return run_phase(spec, "advantage", scored.step, lambda: phases.advantage(spec, scored))

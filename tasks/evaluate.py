@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from flytekit import task
 
 from tasks import decks
-from tasks.common import RAY_CONFIG, RETRIES, StepState, cache_for, run_phase
+from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase
 from tasks.images import GPU_IMAGE
-from verl_core import report
-from verl_core.engine import runtime
+from verl_core import phases, report
 from verl_core.engine.runtime import RunSpec
+from verl_core.phases import StepState
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,18 @@ class EvalResult:
 @task(task_config=RAY_CONFIG, cache=cache_for("evaluate"), retries=RETRIES, enable_deck=True,
       deck_fields=decks.REPORT_DECK_FIELDS, container_image=GPU_IMAGE)
 def evaluate(spec: RunSpec, state: StepState) -> EvalResult:
-    m = run_phase(spec, "evaluate", state.step,
-                  lambda: runtime.call_worker(spec, "evaluate", state.step))
-    runtime.record_step_metrics(spec, state.step, m)
+    return _evaluate(spec, state)
+
+
+@task(cache=cache_for("evaluate"), retries=RETRIES, enable_deck=True,
+      deck_fields=decks.REPORT_DECK_FIELDS)
+def evaluate_attached(spec: RunSpec, state: StepState) -> EvalResult:
+    """``evaluate`` as a plain task on the attached cluster (cluster.mode=attached)."""
+    return _evaluate(spec, state)
+
+
+def _evaluate(spec: RunSpec, state: StepState) -> EvalResult:
+    m = run_phase(spec, "evaluate", state.step, lambda: phases.evaluate(spec, state))
     print(f"[verl] eval after {state.step} steps: accuracy={m['val/accuracy']:.3f}", flush=True)
     decks.attach("RL run", report.for_run(spec, title=f"Evaluation after {state.step} steps",
                                           sample_steps=[state.step]))

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from flytekit import task
 
 from tasks import decks
-from tasks.common import RAY_CONFIG, RETRIES, StepState, cache_for, run_phase
+from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase
 from tasks.evaluate import EvalResult
 from tasks.images import GPU_IMAGE
-from verl_core import report
-from verl_core.engine import runtime
+from verl_core import phases, report
 from verl_core.engine.runtime import RunSpec
+from verl_core.phases import StepState
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,20 @@ class Summary:
 @task(task_config=RAY_CONFIG, cache=cache_for("finalize"), retries=RETRIES, enable_deck=True,
       deck_fields=decks.REPORT_DECK_FIELDS, container_image=GPU_IMAGE)
 def finalize(spec: RunSpec, last: StepState, start: EvalResult, end: EvalResult) -> Summary:
-    out = run_phase(spec, "finalize", last.step, lambda: runtime.finalize_run(spec, last.step))
+    return _finalize(spec, last, start, end)
+
+
+@task(cache=cache_for("finalize"), retries=RETRIES, enable_deck=True,
+      deck_fields=decks.REPORT_DECK_FIELDS)
+def finalize_attached(spec: RunSpec, last: StepState, start: EvalResult,
+                      end: EvalResult) -> Summary:
+    """``finalize`` as a plain task on the attached cluster (cluster.mode=attached); it removes
+    the run's detached workers from the cluster."""
+    return _finalize(spec, last, start, end)
+
+
+def _finalize(spec: RunSpec, last: StepState, start: EvalResult, end: EvalResult) -> Summary:
+    out = run_phase(spec, "finalize", last.step, lambda: phases.finalize(spec, last))
     s = Summary(algorithm=spec.config.algorithm.adv_estimator, steps=last.step,
                 start_accuracy=start.accuracy, end_accuracy=end.accuracy,
                 first_reward=out["first_reward"], last_reward=out["last_reward"],

@@ -66,7 +66,7 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
     uri = runtime.run_store_uri(store, run_name)
     st = runtime._store(uri)
     spec = RunSpec(store=st.uri, incarnation=st.incarnation_id,
-                   config_json=json.dumps(cfg.to_dict(), sort_keys=True),
+                   config=cfg,
                    config_hash=cfg.trajectory_hash(), assets_json="", start_step=0,
                    total_steps=cfg.total_steps)
     # one writer per run: a second launch of a live run fails here, naming the holder, even

@@ -3,13 +3,12 @@
 
 from flytekit import task
 
-from tasks.common import RETRIES, PhaseOut, cache_for, merge, run_phase
-from verl_core.engine import runtime
+from tasks.common import RETRIES, cache_for, run_phase
+from verl_core import phases
 from verl_core.engine.runtime import RunSpec
+from verl_core.phases import PhaseOut
 
 
 @task(cache=cache_for("reward"), retries=RETRIES)
 def reward(spec: RunSpec, rollout: PhaseOut) -> PhaseOut:
-    ref, metrics = run_phase(spec, "reward", rollout.step,
-                             lambda: runtime.reward_phase(spec, rollout.step, rollout.batch))
-    return PhaseOut(step=rollout.step, batch=ref, metrics_json=merge(rollout.metrics_json, metrics))
+    return run_phase(spec, "reward", rollout.step, lambda: phases.reward(spec, rollout))

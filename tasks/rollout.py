@@ -2,16 +2,20 @@
 
 from flytekit import task
 
-from tasks.common import RAY_CONFIG, RETRIES, PhaseOut, StepState, cache_for, merge, run_phase
+from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase
 from tasks.images import GPU_IMAGE
-from verl_core.engine import runtime
+from verl_core import phases
 from verl_core.engine.runtime import RunSpec
+from verl_core.phases import PhaseOut, StepState
 
 
 @task(task_config=RAY_CONFIG, cache=cache_for("rollout"), retries=RETRIES,
       container_image=GPU_IMAGE)
 def rollout(spec: RunSpec, state: StepState) -> PhaseOut:
-    step = state.step
-    ref, metrics = run_phase(spec, "rollout", step,
-                             lambda: runtime.call_worker(spec, "rollout", step))
-    return PhaseOut(step=step, batch=ref, metrics_json=merge("{}", metrics))
+    return run_phase(spec, "rollout", state.step, lambda: phases.rollout(spec, state))
+
+
+@task(cache=cache_for("rollout"), retries=RETRIES)
+def rollout_attached(spec: RunSpec, state: StepState) -> PhaseOut:
+    """``rollout`` as a plain task on the attached cluster (cluster.mode=attached)."""
+    return run_phase(spec, "rollout", state.step, lambda: phases.rollout(spec, state))

@@ -7,10 +7,10 @@ from datetime import datetime
 
 from flytekit import task
 
-from tasks.common import StepState
 from tasks.prepare import build_config
 from verl_core.engine import runtime, schedule
 from verl_core.engine.runtime import RunSpec
+from verl_core.phases import StepState
 
 
 @task

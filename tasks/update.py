@@ -1,21 +1,27 @@
 """Update phase (Ray): PPO epochs over the batch; records the batch as the new state's lineage."""
 
-import json
-
 from flytekit import task
 
-from tasks.common import RAY_CONFIG, RETRIES, PhaseOut, StepState, cache_for, merge, progress, run_phase
+from tasks.common import RAY_CONFIG, RETRIES, cache_for, progress, run_phase
 from tasks.images import GPU_IMAGE
-from verl_core.engine import runtime
+from verl_core import phases
 from verl_core.engine.runtime import RunSpec
+from verl_core.phases import PhaseOut, StepState
+
+
+def _update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
+    state = run_phase(spec, "update", advantaged.step, lambda: phases.update(spec, advantaged))
+    progress(spec, state.step, state.metrics)
+    return state
 
 
 @task(task_config=RAY_CONFIG, cache=cache_for("update"), retries=RETRIES,
       container_image=GPU_IMAGE)
 def update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
-    step = advantaged.step
-    metrics = run_phase(spec, "update", step,
-                        lambda: runtime.call_worker(spec, "update", step, advantaged.batch))
-    merged = merge(advantaged.metrics_json, metrics)
-    progress(spec, step + 1, json.loads(merged))
-    return StepState(step=step + 1, metrics_json=merged)
+    return _update(spec, advantaged)
+
+
+@task(cache=cache_for("update"), retries=RETRIES)
+def update_attached(spec: RunSpec, advantaged: PhaseOut) -> StepState:
+    """``update`` as a plain task on the attached cluster (cluster.mode=attached)."""
+    return _update(spec, advantaged)

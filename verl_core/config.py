@@ -209,8 +209,8 @@ class RolloutConfig:
     """Sampling of responses."""
 
     engine: str = "hf"
-    """Rollout engine: ``hf`` (torch, CPU and GPU). ``vllm`` is reserved for the GPU engine (not
-    in this version: it is refused with a clear error)."""
+    """Rollout engine: ``hf`` (torch, CPU and GPU) or ``vllm`` (vLLM on the worker's GPU: needs
+    CUDA and ``pip install -e '.[vllm]'``, checked when the engine is built)."""
     n: int = 8
     """G: responses sampled per prompt (GRPO/RLOO need G > 1)."""
     temperature: float = 1.0
@@ -225,13 +225,18 @@ class RolloutConfig:
     """Sequences per generation forward pass (memory only; results do not depend on it)."""
     gpu_memory_utilization: float = 0.5
     """vLLM only: fraction of GPU memory for weights + KV cache."""
+    enforce_eager: bool = True
+    """vLLM only: run without CUDA graphs (faster start, less memory, slower decoding)."""
+    free_cache_engine: bool = True
+    """vLLM only: sleep after each generation (KV cache freed, weights offloaded to CPU) so
+    training gets the GPU memory back; False keeps vLLM resident."""
 
     def __post_init__(self):
         _check_types("rollout", self)
-        if self.engine == "vllm":
-            _fail("rollout", "engine", self.engine,
-                  "the vLLM engine is not in this version yet; use 'hf' (CPU and GPU)")
-        _one_of("rollout", "engine", self.engine, {"hf"})
+        _one_of("rollout", "engine", self.engine, {"hf", "vllm"})
+        if self.engine == "vllm" and self.temperature > 2.0:
+            _fail("rollout", "temperature", self.temperature,
+                  "vLLM accepts temperatures in [0, 2]; lower it or use rollout.engine='hf'")
         _positive("rollout", self, "n", "max_new_tokens", "micro_batch_size")
         _non_negative("rollout", self, "temperature")
         if not 0.0 < self.top_p <= 1.0:
@@ -565,6 +570,32 @@ class TrainerConfig:
         return self.nnodes * self.n_gpus_per_node
 
 
+CLUSTER_MODES = ("per_task", "attached")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the worker group lives on a Flyte cluster (README "Cluster modes"). Never changes
+    the trajectory: both modes end with the same weights."""
+
+    mode: str = "per_task"
+    """``per_task``: every heavy phase is a Flyte Ray task with its own Ray cluster (a KubeRay
+    RayJob) and rebuilds the workers from the store. ``attached``: phases are plain tasks that
+    join one long-lived Ray cluster (``address``), where the workers stay warm between phases as
+    detached actors in a per-run namespace."""
+    address: str = ""
+    """``attached``: the Ray cluster to join (``ray://<head>:10001``, ``<head-ip>:6379`` or
+    ``auto``); empty: the ``RAY_ADDRESS`` environment variable."""
+    idle_timeout_s: float = 1800.0
+    """``attached``: detached workers that get no call for this long remove themselves and their
+    placement groups (a run that died without reaching finalize frees the cluster); 0: never."""
+
+    def __post_init__(self):
+        _check_types("cluster", self)
+        _one_of("cluster", "mode", self.mode, CLUSTER_MODES)
+        _non_negative("cluster", self, "idle_timeout_s")
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """When and how the durable state is saved (the names users of verl-style trainers know)."""
@@ -827,6 +858,8 @@ class RunConfig:
     """Update sizes: epochs, mini- and micro-batches."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Worker group: nodes, workers per node, timeout."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where the workers live on a Flyte cluster (never part of the trajectory)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Durable state."""
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -909,7 +942,7 @@ class RunConfig:
         changing the checkpoint interval continues the same trajectory: its checkpoints and
         lineage stay usable. Names checkpoints, lineage and metrics in the run store."""
         d = self.to_dict()
-        for k in ("eval_every", "num_threads", "checkpoint", "tracking", "validation"):
+        for k in ("eval_every", "num_threads", "checkpoint", "tracking", "validation", "cluster"):
             d.pop(k)
         if self.optim.lr_schedule == "constant":
             d.pop("total_steps")  # a cosine schedule's LR at step k depends on the run length
@@ -958,7 +991,8 @@ class RunConfig:
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "rollout": RolloutConfig,
             "reward": RewardConfig, "reward_model": RewardModelConfig,
             "algorithm": AlgorithmConfig, "optim": OptimConfig,
-            "actor": ActorConfig, "trainer": TrainerConfig, "checkpoint": CheckpointConfig,
+            "actor": ActorConfig, "trainer": TrainerConfig, "cluster": ClusterConfig,
+            "checkpoint": CheckpointConfig,
             "guard": GuardConfig, "tracking": TrackingConfig, "validation": ValidationConfig}
 """The sections of :class:`RunConfig` by field name."""
 

@@ -22,3 +22,26 @@ class TransientError(VerlError):
 
 class PermanentError(VerlError):
     """A fault that a retry cannot cure; fail fast with a message naming the culprit."""
+
+
+# the run store's errors (verl_core.store); verl_core.checkpoint.errors re-exports them
+class StoreUnavailableError(TransientError):
+    """The run store could not be reached or an I/O call failed (network, server gone, timeout,
+    disk error). Nothing committed was changed; retrying the phase is safe."""
+
+class CorruptObjectError(PermanentError):
+    """A stored object is missing, truncated, has the wrong hash, or is not in the expected format.
+    The message names the object (and the checkpoint/group/tensor when known)."""
+
+    def __init__(self, message: str, *, sha: str | None = None, path: str | None = None):
+        super().__init__(message)
+        self.sha = sha
+        self.path = path
+
+class UnsafeManifestError(PermanentError):
+    """A manifest, pointer or reference is malformed or tries to name something outside the store
+    (e.g. ``../`` or absolute paths, non-hex object names). Nothing it names is read."""
+
+class StoreFullError(PermanentError):
+    """The store's disk or quota is full. Retrying cannot help until space is freed; nothing
+    committed was changed (the half-written save is garbage that ``gc`` removes)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import html
 import io
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -144,11 +145,24 @@ def plot_panel(panel: Panel, table: pd.DataFrame, event_steps: Sequence[int] = (
 
 
 # ---------------------------------------------------------------------- tables
+def _cell(v) -> str:
+    """One table cell: escaped text, a float to 4 significant digits, missing or NaN empty."""
+    if v is None:
+        return ""
+    if isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral):
+        return "" if math.isnan(v) else f"{v:.4g}"
+    return html.escape(str(v))
+
+
 def _table(rows: Sequence[Mapping], columns: Sequence[str], css_class: str) -> str:
-    """``rows`` as an HTML table (pandas escapes every cell)."""
-    df = pd.DataFrame(list(rows), columns=list(columns))
-    return df.to_html(index=False, escape=True, na_rep="", border=0, classes=css_class,
-                      float_format=lambda v: f"{v:.4g}")
+    """``rows`` as an HTML table (the layout of pandas' ``to_html``, built directly: pandas took
+    ~1 ms of every checkpoint phase for the step card)."""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in columns) + "</tr>"
+                   for r in rows)
+    return (f'<table border="0" class="dataframe {html.escape(css_class)}">'
+            f'<thead><tr style="text-align: right;">{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table>")
 
 
 def samples_table(samples: Sequence[Mapping]) -> str:

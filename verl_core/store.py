@@ -52,13 +52,8 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from verl_core.checkpoint.errors import (
-    CorruptObjectError,
-    StoreFullError,
-    StoreUnavailableError,
-    UnsafeManifestError,
-)
-from verl_core.errors import PermanentError, VerlError
+from verl_core.errors import (CorruptObjectError, PermanentError, StoreFullError,
+                              StoreUnavailableError, UnsafeManifestError, VerlError)
 
 log = logging.getLogger(__name__)
 

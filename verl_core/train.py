@@ -23,7 +23,7 @@ from verl_core import verl_keys
 from verl_core.config import ConfigError, RunConfig, preset, with_overrides
 from verl_core.data.batch import PromptTooLongError
 from verl_core.data.dataset import DatasetError
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.guard import checks, policy
 from verl_core.guard.lease import LeaseHeldError, RunLease
 from verl_core.models import ModelLoadError

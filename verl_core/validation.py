@@ -50,7 +50,7 @@ import pandas as pd
 from verl_core.errors import PermanentError
 
 if TYPE_CHECKING:
-    from verl_core.checkpoint.store import RunStore
+    from verl_core.store import RunStore
     from verl_core.config import RunConfig
     from verl_core.data.batch import Batch
 

@@ -16,15 +16,12 @@ from flytekit import LaunchPlan, dynamic, workflow
 from workflows._cli import add_dashed_aliases
 
 from tasks.advantage import advantage
-from tasks.checkpoint import checkpoint
-from tasks.common import StepState
-from tasks.evaluate import evaluate
-from tasks.finalize import Summary, finalize
+from tasks.finalize import Summary
+from tasks.phases import heavy_phases
 from tasks.prepare import configure, prepare
 from tasks.reward import reward
-from tasks.rollout import rollout
-from tasks.update import update
 from verl_core.engine.runtime import RunSpec
+from verl_core.phases import StepState
 
 add_dashed_aliases()
 
@@ -35,26 +32,28 @@ CHUNK = 10
 @dynamic
 def train_chunk(spec: RunSpec, state: StepState, stop: int) -> StepState:
     every = spec.config.eval_every  # verl's trainer.test_freq; the last step is rl_run's end eval
+    heavy = heavy_phases(spec)  # Ray tasks (cluster.mode=per_task) or attached plain tasks
     for k in range(state.step, stop):
-        sampled = rollout(spec=spec, state=state)
+        sampled = heavy.rollout(spec=spec, state=state)
         scored = reward(spec=spec, rollout=sampled)
         advantaged = advantage(spec=spec, scored=scored)
-        updated = update(spec=spec, advantaged=advantaged)
-        state = checkpoint(spec=spec, state=updated)
+        updated = heavy.update(spec=spec, advantaged=advantaged)
+        state = heavy.checkpoint(spec=spec, state=updated)
         if every and (k + 1) % every == 0 and k + 1 < spec.total_steps:
-            evaluate(spec=spec, state=state)
+            heavy.evaluate(spec=spec, state=state)
     return state
 
 
 @dynamic
 def rl_run(spec: RunSpec) -> Summary:
+    heavy = heavy_phases(spec)
     start = StepState(step=spec.start_step)
-    start_eval = evaluate(spec=spec, state=start)
+    start_eval = heavy.evaluate(spec=spec, state=start)
     state = start
     for k0 in range(spec.start_step, spec.total_steps, CHUNK):
         state = train_chunk(spec=spec, state=state, stop=min(k0 + CHUNK, spec.total_steps))
-    end_eval = evaluate(spec=spec, state=state)
-    return finalize(spec=spec, last=state, start=start_eval, end=end_eval)
+    end_eval = heavy.evaluate(spec=spec, state=state)
+    return heavy.finalize(spec=spec, last=state, start=start_eval, end=end_eval)
 
 
 @workflow

@@ -54,7 +54,7 @@ def tracked_run(tmp_path_factory) -> TrackedRun:
                 ref, m2 = runtime.reward_phase(spec, s, ref)
                 ref, m3 = runtime.advantage_phase(spec, s, ref)
                 m4 = runtime.call_worker(spec, "update", s, ref)
-                m5 = runtime.call_worker(spec, "checkpoint", s + 1)
+                m5 = runtime.checkpoint_phase(spec, s + 1)
                 runtime.record_step_metrics(spec, s + 1, {**m, **m2, **m3, **m4, **m5})
             _evaluate(spec, TRACKED_STEPS)
             runtime.finalize_run(spec, TRACKED_STEPS)

@@ -9,7 +9,7 @@ import warnings
 import pyarrow.parquet as pq
 import pytest
 
-from verl_core.checkpoint.store import canonical_json
+from verl_core.store import canonical_json
 from verl_core.config import ConfigError, preset, with_overrides
 from verl_core.engine import runtime
 from verl_core.engine.worker import get_batch, pending_doc, put_batch
@@ -278,7 +278,7 @@ def test_sampling_is_deterministic_per_seed_step_and_stage(step0):
 def test_a_nan_log_prob_in_a_stored_batch_stops_the_reward_phase(step0):
     # the guard off (with it on, the update's `nonfinite` detector handles non-finite values)
     cfg = with_overrides(step0.cfg, {"guard.enabled": False})
-    spec = dataclasses.replace(step0.spec, config_json=json.dumps(cfg.to_dict()))
+    spec = dataclasses.replace(step0.spec, config=cfg)
     st = spec.open_store()
     bad = _poke(step0.batches["rollout"], "response_logprobs", ROLLOUT_ROW, float("nan"))
     bad_ref = put_batch(st, bad)

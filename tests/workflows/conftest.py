@@ -41,7 +41,14 @@ def ppo_cmd(store, run_name="t", steps=4, overrides=None, **opts):
 
 
 def run(cmd, env, timeout=600, check=True):
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # say where it was stuck
+        text = [(x.decode(errors="replace") if isinstance(x, bytes) else x or "")
+                for x in (e.stdout, e.stderr)]
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s:\n{text[0][-4000:]}\n"
+                    f"{text[1][-6000:]}")
     if check and out.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-4000:]}\n"
                     f"{out.stderr[-6000:]}")

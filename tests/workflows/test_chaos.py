@@ -54,7 +54,7 @@ def _until_done(cmd, env, logs, attempts=5):
 
 def _checkpoints(run_store):
     from verl_core.checkpoint import CheckpointManager
-    from verl_core.checkpoint.store import RunStore
+    from verl_core.store import RunStore
 
     mgr = CheckpointManager(RunStore(str(run_store)))
     infos = [i for i in mgr.list_checkpoints() if i.error is None]
@@ -86,7 +86,7 @@ def test_chaos_run_ends_identical_and_nan_is_caught(tmp_path):
     # 2. NaN gradients and NaN rewards
     env = flyte_env(tmp_path / "c", VERL_FAULTS=json.dumps(NAN))
     res = run(ppo_cmd(tmp_path / "n", steps=STEPS, overrides=OVER), env, timeout=900)
-    from verl_core.checkpoint.store import RunStore
+    from verl_core.store import RunStore
     from verl_core.guard.events import read_events
     import pandas as pd
     import torch

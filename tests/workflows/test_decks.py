@@ -55,6 +55,8 @@ def test_phase_tasks_write_decks_and_tensorboard(tmp_path):
         with open(path, encoding="utf-8") as f:
             card = f.read()
         assert re.findall(r"<h2>([^<]+)</h2>", card) == [f"Step {step}"]
+        # the card alone: not the earlier tasks' flytekit decks, nor the run's growing Timeline
+        assert re.findall(r'<li onclick="handleLinkClick\(this\)">([^<]+)</li>', card) == ["Step"]
         assert "reward/mean" in card and "<svg" not in card  # light: a table, no plots
 
     # TensorBoard, written by the evaluate and checkpoint tasks, holds the metrics table

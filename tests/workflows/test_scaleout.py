@@ -1,12 +1,16 @@
 """`pyflyte run … --overrides '{"trainer.n_gpus_per_node": 2}'`: the real workflow on a worker group
-of 2 (Ray actors, FSDP2 over gloo) trains what one worker trains, up to float rounding."""
+of 2 (Ray actors, FSDP2 over gloo) trains what one worker trains, up to float rounding; and
+`cluster.mode=attached` against a long-lived local Ray cluster (`ray start --head`) ends with the
+same weights as the default `per_task` mode."""
 import os
+import pathlib
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import flyte_env, ppo_cmd, run
+from tests.ray_nodes import RayNodes
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +22,7 @@ def _final_weights(stdout: str) -> dict:
 
 
 def _tokens(store_run) -> list:
-    from verl_core.checkpoint.store import RunStore
+    from verl_core.store import RunStore
     from verl_core.engine.worker import get_batch
 
     st = RunStore(str(store_run))
@@ -27,8 +31,9 @@ def _tokens(store_run) -> list:
             for d in sorted(st.list_json(folder))]
 
 
-def test_two_workers_match_one_through_pyflyte(tmp_path):
-    one = run(ppo_cmd(tmp_path / "w1", steps=3), flyte_env(tmp_path / "a"))
+def test_two_workers_match_one_and_attached_mode_matches_per_task_through_pyflyte(tmp_path):
+    one = run(ppo_cmd(tmp_path / "w1", steps=3, overrides={"num_threads": 1}),
+              flyte_env(tmp_path / "a"))
     two = run(ppo_cmd(tmp_path / "w2", steps=3, overrides={"trainer.n_gpus_per_node": 2}),
               flyte_env(tmp_path / "b"))
     # the same sampled tokens at every step (see tests/verl_core/engine/test_group.py for why
@@ -37,3 +42,19 @@ def test_two_workers_match_one_through_pyflyte(tmp_path):
     assert len(a) == len(b) == 3 and all(torch.equal(x, y) for x, y in zip(a, b))
     wa, wb = _final_weights(one.stdout), _final_weights(two.stdout)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-5
+
+    # cluster.mode=attached: plain tasks join a long-lived cluster where the worker is a
+    # detached actor; same arithmetic (one thread) as the per_task run above: the same weights
+    nodes = RayNodes(tmp_path / "ray", num_cpus=2)
+    try:
+        attached = run(ppo_cmd(tmp_path / "w3", steps=3,
+                               overrides={"num_threads": 1, "cluster.mode": "attached"}),
+                       flyte_env(tmp_path / "c", RAY_ADDRESS=nodes.address))
+        # the worker ran on that cluster as the detached actor (Ray logs each actor's class)
+        logs = [f.read_text(errors="replace")
+                for f in pathlib.Path(nodes.temp_dir).rglob("worker-*.out")]
+        assert any(":actor_name:AttachedRunWorker" in text for text in logs)
+    finally:
+        nodes.stop()
+    wc = _final_weights(attached.stdout)
+    assert wa.keys() == wc.keys() and all(torch.equal(wa[k], wc[k]) for k in wa)

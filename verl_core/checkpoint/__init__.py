@@ -1,6 +1,7 @@
 """Durable checkpoints: content-addressed chunks, verified manifests, async save, HF export.
 
-Modules (imports point down): ``store`` (bytes over fsspec, sha256/BLAKE3 names) <- ``tensors``
+Built on the run store (``verl_core.store``: bytes over fsspec, sha256/BLAKE3 names, which also
+holds batches, assets, lineage and logs). Modules (imports point down): ``tensors``
 (safetensors chunks) and ``state`` (nested state without pickle) <- ``dcp`` (the run store as
 torch.distributed.checkpoint's storage layer) <- ``manager`` (manifests, commit, load, retention,
 the collective save/load of a data-parallel group) <- ``async_save`` and ``hf_export``.
@@ -52,7 +53,7 @@ from verl_core.checkpoint.state import (
     restore_rng_state,
     unflatten_state,
 )
-from verl_core.checkpoint.store import NotFoundError, RunStore, StorePermissionError
+from verl_core.store import NotFoundError, RunStore, StorePermissionError
 from verl_core.checkpoint.tensors import load_tensors, save_tensors
 
 __all__ = [

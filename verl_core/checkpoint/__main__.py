@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 
 from verl_core.checkpoint.errors import VerlError
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 
 
 def _manager(root: str) -> CheckpointManager:

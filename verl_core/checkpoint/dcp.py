@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from verl_core.checkpoint.errors import CheckpointSaveError, CorruptObjectError
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.checkpoint.tensors import (
     DEFAULT_CHUNK_BYTES,
     ChunkRead,

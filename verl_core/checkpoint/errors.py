@@ -1,4 +1,5 @@
-"""Checkpoint-specific errors; all derive from :mod:`verl_core.errors`.
+"""Checkpoint errors; all derive from :mod:`verl_core.errors`, which also holds the run store's
+(unavailable, corrupt object, unsafe name, full), re-exported here.
 
 Transient (retry the phase): :class:`StoreUnavailableError`.
 Permanent (fail fast, name the object): everything else.
@@ -6,7 +7,9 @@ Permanent (fail fast, name the object): everything else.
 
 from __future__ import annotations
 
-from verl_core.errors import PermanentError, TransientError, VerlError
+from verl_core.errors import (CorruptObjectError, PermanentError, StoreFullError,
+                              StoreUnavailableError, TransientError, UnsafeManifestError,
+                              VerlError)
 
 __all__ = [
     "VerlError", "TransientError", "PermanentError",
@@ -14,26 +17,6 @@ __all__ = [
     "CheckpointNotFoundError", "NoValidCheckpointError", "CheckpointDisagreementError",
     "CheckpointSaveError", "StoreFullError",
 ]
-
-
-class StoreUnavailableError(TransientError):
-    """The run store could not be reached or an I/O call failed (network, server gone, timeout,
-    disk error). Nothing committed was changed; retrying the phase is safe."""
-
-
-class CorruptObjectError(PermanentError):
-    """A stored object is missing, truncated, has the wrong hash, or is not in the expected format.
-    The message names the object (and the checkpoint/group/tensor when known)."""
-
-    def __init__(self, message: str, *, sha: str | None = None, path: str | None = None):
-        super().__init__(message)
-        self.sha = sha
-        self.path = path
-
-
-class UnsafeManifestError(PermanentError):
-    """A manifest, pointer or reference is malformed or tries to name something outside the store
-    (e.g. ``../`` or absolute paths, non-hex object names). Nothing it names is read."""
 
 
 class CheckpointNotFoundError(PermanentError):
@@ -58,8 +41,3 @@ class CheckpointDisagreementError(PermanentError):
 
 class CheckpointSaveError(PermanentError):
     """A save was refused (e.g. unsupported value type in the state); nothing was committed."""
-
-
-class StoreFullError(PermanentError):
-    """The store's disk or quota is full. Retrying cannot help until space is freed; nothing
-    committed was changed (the half-written save is garbage that ``gc`` removes)."""

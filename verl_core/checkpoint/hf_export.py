@@ -27,7 +27,7 @@ import torch
 
 from verl_core.checkpoint.errors import CorruptObjectError, UnsafeManifestError
 from verl_core.checkpoint.manager import CheckpointInfo, CheckpointManager
-from verl_core.checkpoint.store import RunStore, check_sha256, sha256_hex
+from verl_core.store import RunStore, check_sha256, sha256_hex
 
 __all__ = ["store_tokenizer", "load_tokenizer_files", "export_hf", "TOKENIZER_DOC"]
 

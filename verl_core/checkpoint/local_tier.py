@@ -27,7 +27,7 @@ from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectE
                                         UnsafeManifestError)
 from verl_core.checkpoint.manager import (CheckpointInfo, CheckpointManager, SaveHandle,
                                           _manifest_algo, _object_algos, _parse_name)
-from verl_core.checkpoint.store import NotFoundError, RunStore
+from verl_core.store import NotFoundError, RunStore
 
 log = logging.getLogger(__name__)
 

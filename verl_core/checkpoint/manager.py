@@ -1,8 +1,8 @@
 """Checkpoints: manifests over content-addressed chunks, commit protocol, verified load, retention.
 
-What belongs here: what makes a set of objects *a checkpoint* and when it becomes visible. Bytes and
-paths are ``store.py``'s business, tensor chunks ``tensors.py``'s, nested state ``state.py``'s, and
-torch.distributed.checkpoint's storage layer ``dcp.py``'s.
+What belongs here: what makes a set of objects *a checkpoint* and when it becomes visible. Bytes
+and paths are ``verl_core/store.py``'s business, tensor chunks ``tensors.py``'s, nested state
+``state.py``'s, and torch.distributed.checkpoint's storage layer ``dcp.py``'s.
 
 Every save goes through torch.distributed.checkpoint (DCP), one process (``dp=SINGLE``) or a
 data-parallel group (:meth:`CheckpointManager.save_distributed`): the state is split into tensors
@@ -88,7 +88,7 @@ from verl_core.checkpoint.state import (
     to_json,
     unflatten_state,
 )
-from verl_core.checkpoint.store import (
+from verl_core.store import (
     NotFoundError,
     RunStore,
     StorePermissionError,

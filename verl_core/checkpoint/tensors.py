@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from verl_core.checkpoint.errors import CheckpointSaveError, CorruptObjectError, UnsafeManifestError
-from verl_core.checkpoint.store import RunStore, check_sha256, new_hasher
+from verl_core.store import RunStore, check_sha256, new_hasher
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "save_tensors", "load_tensors", "read_chunks", "ChunkRead",
            "validate_index", "index_objects", "check_object", "index_nbytes", "index_dtypes",

@@ -208,14 +208,24 @@ def table_to_batch(table: pa.Table) -> Batch:
         extra_info=_decode_shared(d["extra_info"]), pad_id=pad_id, meta=batch_meta, **kw)
 
 
+_DICT_COLS = ["uid", "ground_truth", "data_source", "extra_info"]
+"""Columns worth dictionary encoding: strings repeated by a prompt's G rows. Token and float
+list columns are not (dictionary-encoding them doubled the write time of a 6144 x 256-token
+batch and made it larger)."""
+
+
 def batch_to_parquet_bytes(batch: Batch) -> bytes:
+    # snappy (Parquet's default codec): token ids and log-probs barely compress, and zstd cost
+    # ~0.3 ms more per write of a small batch for a 7% smaller object
     buf = io.BytesIO()
-    pq.write_table(batch_to_table(batch), buf, compression="zstd")
+    pq.write_table(batch_to_table(batch), buf, compression="snappy", use_dictionary=_DICT_COLS)
     return buf.getvalue()
 
 
 def batch_from_parquet_bytes(data: bytes) -> Batch:
-    return table_to_batch(pq.read_table(io.BytesIO(data)))
+    # one in-memory file: ParquetFile reads it directly (pq.read_table's dataset layer costs
+    # ~0.5 ms more per batch); the same table either way
+    return table_to_batch(pq.ParquetFile(pa.BufferReader(data)).read())
 
 
 class PromptTooLongError(ValueError):

@@ -26,7 +26,7 @@ import threading
 
 import fsspec
 
-from verl_core.checkpoint.store import RunStore, check_sha256, sha256_hex
+from verl_core.store import RunStore, check_sha256, sha256_hex
 from verl_core.errors import PermanentError
 from verl_core.trainer import Assets
 

@@ -19,8 +19,11 @@ import logging
 import os
 import socket
 import time
+import uuid
+from dataclasses import dataclass, field
 
 from verl_core.checkpoint.errors import TransientError
+from verl_core.engine.cluster import IdleReaper
 from verl_core.engine.worker import RunWorker
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,12 @@ class GroupWorker(RunWorker):
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
@@ -79,27 +88,68 @@ class GroupWorker(RunWorker):
                 dist.destroy_process_group()
 
 
+class DetachedGroupWorker(IdleReaper, GroupWorker):
+    """A rank of an ``attached``-mode group (a detached actor, see ``engine.cluster``): it checks
+    its weight version against the store before it trusts its state, and reaps itself when idle."""
+
+    def __init__(self, *args, idle_s: float):
+        super().__init__(*args)
+        self.verify_live = True
+        self._start_reaper(idle_s)
+
+
+@dataclass(frozen=True)
+class Detached:
+    """Make the group's actors (and placement groups) detached and named, in ``namespace``, so
+    the next phase task of the run finds them warm (``cluster.mode=attached``)."""
+
+    prefix: str
+    """Actor names: ``<prefix>-rank<r>``; placement groups: ``<namespace>/<prefix>-...``."""
+    namespace: str
+    """The run's Ray namespace."""
+    idle_timeout_s: float = 0.0
+    """Each actor removes itself after this long without a call (0: never)."""
+    env: dict = field(default_factory=dict)
+    """Environment variables for the actors (they do not inherit the task's)."""
+
+
 class WorkerGroup:
     """Driver-side handle of the W workers of one run; ``call(method, *args)`` returns rank 0's
-    result once every worker has finished."""
+    result once every worker has finished.
+
+    With ``detached`` the workers outlive this handle: a later handle (another phase task, on
+    any host) with the same names adopts them when all W answer, or else removes what is left
+    of them and starts a new group."""
 
     def __init__(self, store_uri: str, config_json: str, assets_index: dict, *, nnodes: int,
-                 n_gpus_per_node: int, timeout_s: float, num_threads: int = 0):
+                 n_gpus_per_node: int, timeout_s: float, num_threads: int = 0,
+                 detached: Detached | None = None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.timeout_s = timeout_s
         self.world_size = W = nnodes * n_gpus_per_node
+        self.detached = detached
+        self._pgs: list = []
+        self.actors: list = []
+        self.adopted = detached is not None and self._adopt()
+        if self.adopted:
+            return
         gpus = int(ray.cluster_resources().get("GPU", 0))
         use_gpu = gpus >= W
         # CPU workers: an equal share of the free CPUs, at most one each (fractional when W
         # exceeds them, e.g. W = 3 on 2 cores: the OS shares the cores, placement still succeeds)
         cpus = max(0.01, min(1.0, float(ray.available_resources().get("CPU", 0)) / W))
         bundle = {"CPU": cpus, **({"GPU": 1} if use_gpu else {})}
-        self._pgs = [placement_group([dict(bundle)] * n_gpus_per_node, strategy="STRICT_PACK")
-                     for _ in range(nnodes)]
-        self.actors: list = []
+        named = [{} for _ in range(nnodes)]
+        if detached is not None:  # a new name per generation: a removed group's may linger
+            gen = uuid.uuid4().hex[:8]
+            named = [{"lifetime": "detached",
+                      "name": f"{detached.namespace}/{detached.prefix}-{gen}-node{i}"}
+                     for i in range(nnodes)]
+        self._pgs = [placement_group([dict(bundle)] * n_gpus_per_node, strategy="STRICT_PACK",
+                                     **named[i]) for i in range(nnodes)]
         try:
             ray.get([pg.ready() for pg in self._pgs], timeout=timeout_s)
 
@@ -111,18 +161,60 @@ class WorkerGroup:
             ip, port = ray.get(ray.remote(num_cpus=0)(_rendezvous_address).options(
                 scheduling_strategy=on(0)).remote(), timeout=timeout_s)
             threads = num_threads or max(1, (os.cpu_count() or 1) // W)
-            actor_cls = ray.remote(GroupWorker)
-            self.actors = [
-                actor_cls.options(num_cpus=cpus, num_gpus=1 if use_gpu else 0,
-                                  scheduling_strategy=on(r)).remote(
-                    r, W, f"tcp://{ip}:{port}", store_uri, config_json, assets_index, threads,
+            args = (W, f"tcp://{ip}:{port}", store_uri, config_json, assets_index, threads,
                     timeout_s)
-                for r in range(W)]
+            if detached is None:
+                actor_cls = ray.remote(GroupWorker)
+                self.actors = [
+                    actor_cls.options(num_cpus=cpus, num_gpus=1 if use_gpu else 0,
+                                      scheduling_strategy=on(r)).remote(r, *args)
+                    for r in range(W)]
+            else:
+                actor_cls = ray.remote(max_restarts=0)(DetachedGroupWorker)
+                self.actors = [
+                    actor_cls.options(
+                        num_cpus=cpus, num_gpus=1 if use_gpu else 0, scheduling_strategy=on(r),
+                        name=self._name(r), namespace=detached.namespace, lifetime="detached",
+                        runtime_env={"env_vars": detached.env} if detached.env else None,
+                    ).remote(r, *args, idle_s=detached.idle_timeout_s)
+                    for r in range(W)]
             self._wait([a.ready.remote() for a in self.actors], "start")
         except BaseException:
             self.shutdown()
             raise
         log.info("worker group of %d started (rendezvous %s:%d)", W, ip, port)
+
+    def _name(self, rank: int) -> str:
+        return f"{self.detached.prefix}-rank{rank}"
+
+    def _adopt(self) -> bool:
+        """Take over the run's detached workers if all W exist and answer; otherwise remove what
+        is left of them (a partial group is useless: its process group lost a rank)."""
+        import ray
+
+        ns = self.detached.namespace
+        found = []
+        for r in range(self.world_size):
+            try:
+                found.append(ray.get_actor(self._name(r), namespace=ns))
+            except ValueError:
+                break
+        if len(found) == self.world_size:
+            self.actors = found
+            try:
+                ranks = ray.get([a.ready.remote() for a in found],
+                                timeout=min(self.timeout_s, 60.0))
+                if ranks == list(range(self.world_size)):
+                    log.info("adopted the run's %d warm workers", self.world_size)
+                    return True
+            except Exception as e:  # noqa: BLE001 - dead or hung: replaced below
+                log.warning("the run's detached workers do not answer (%s): replacing them", e)
+        elif found:
+            log.warning("only %d of the run's %d detached workers are alive: replacing them",
+                        len(found), self.world_size)
+        self.actors = found
+        self.shutdown()
+        return False
 
     def _wait(self, refs: list, what: str) -> list:
         """Results of ``refs`` (one per worker), failing fast: the first worker that dies or
@@ -175,7 +267,12 @@ class WorkerGroup:
             except Exception as e:  # noqa: BLE001 - already gone
                 log.debug("kill: %s", e)
         self.actors = []
-        for pg in self._pgs:
+        pgs = self._pgs
+        if self.detached is not None:  # an adopted group's are known by name only
+            from verl_core.engine.cluster import run_placement_groups
+
+            pgs = run_placement_groups(f"{self.detached.namespace}/{self.detached.prefix}-")
+        for pg in pgs:
             try:
                 remove_placement_group(pg)
             except Exception as e:  # noqa: BLE001

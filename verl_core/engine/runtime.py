@@ -1,9 +1,10 @@
-"""What a phase task calls: run preparation, the phase functions, retries and the phase log.
+"""Where and how phases run: run preparation, the run's workers, retries, deadlines, the guard's
+wall-clock detectors, the phase log and metrics.
 
-Everything here is plain Python (no flytekit): ``tasks/`` are thin adapters over these functions,
-and tests call them directly too. A phase function takes a :class:`RunSpec` (which pins the
-physical store, its incarnation, the config and the assets) plus refs into the store, and returns
-refs into the store plus float metrics.
+Everything here is plain Python (no flytekit). The typed phase functions that ``tasks/`` call are
+:mod:`verl_core.phases`, built on these; tests call both. A phase takes a :class:`RunSpec` (which
+pins the physical store, its incarnation, the typed config and the assets) plus refs into the
+store, and returns refs into the store plus float metrics.
 
 Where compute runs: with Ray initialised (the Flyte Ray tasks start or join a cluster), the
 heavy phases call a named Ray actor that keeps the :class:`RunWorker` warm between phases;
@@ -30,12 +31,13 @@ from typing import Callable, TypeVar
 from verl_core.alarm import alarm
 from verl_core.checkpoint.errors import TransientError
 from verl_core.checkpoint.manager import CheckpointManager
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.config import RunConfig
+from verl_core.engine import cluster
 from verl_core.engine.assets import materialize_assets, publish_assets
 from verl_core.engine.group import WorkerGroup, WorkerLostError  # noqa: F401 (re-exported)
-from verl_core.engine.worker import (RunWorker, eval_samples_doc, get_batch, pending_doc,
-                                     put_batch)
+from verl_core.engine.worker import (RunWorker, eval_samples_doc, get_batch,
+                                     on_checkpoint_schedule, pending_doc, put_batch)
 from verl_core.guard import faults
 from verl_core.guard.events import read_events
 from verl_core.guard.lease import LeaseHeldError, RunLease
@@ -59,8 +61,8 @@ class RunSpec:
     """URI of this run's store (``<--store>/<--run-name>``)."""
     incarnation: str
     """Random id written when the store was created."""
-    config_json: str
-    """The validated :class:`RunConfig` as JSON."""
+    config: RunConfig
+    """The validated config (a Flyte dataclass literal: typed, and part of every cache key)."""
     config_hash: str
     """:meth:`RunConfig.trajectory_hash` (names checkpoints, lineage and metrics)."""
     assets_json: str
@@ -71,18 +73,18 @@ class RunSpec:
     """Step the loop ends at."""
 
     @property
-    def config(self) -> RunConfig:
-        return _parse_config(self.config_json)
+    def config_json(self) -> str:
+        """The config as canonical JSON: what the workers are built from, and what names them."""
+        return _config_json(self.config)
 
     def open_store(self) -> RunStore:
         return _store(self.store)
 
 
 @functools.lru_cache(maxsize=32)
-def _parse_config(config_json: str) -> RunConfig:
-    """The validated config of a spec, parsed once per process (RunConfig is frozen, so sharing
-    it is safe; every phase asks for it several times, and a parse costs ~1-2 ms)."""
-    return RunConfig.from_dict(json.loads(config_json))
+def _config_json(cfg: RunConfig) -> str:
+    """Canonical JSON of a config, once per process (RunConfig is frozen and hashable)."""
+    return json.dumps(cfg.to_dict(), sort_keys=True)
 
 
 _STORES: dict[str, RunStore] = {}
@@ -105,6 +107,8 @@ def run_store_uri(store: str, run_name: str) -> str:
 def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunSpec:
     """Validate data and model, publish the assets into the run store, pick the start step."""
     uri = run_store_uri(store, run_name)
+    if cfg.cluster.mode == "attached":
+        cluster.address(cfg.cluster)  # no cluster to attach to: refused before any work
     st = _store(uri)
     _hold(st, cfg.guard.lease_ttl_s)  # a second launch of this run fails here, before any work
     with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
@@ -114,7 +118,7 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     start = resume_step(st, cfg)
     if start:
         log_fn(f"resuming from the checkpoint of step {start} in {uri}")
-    return RunSpec(store=st.uri, incarnation=st.incarnation_id, config_json=json.dumps(cfg.to_dict()),
+    return RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
                    config_hash=cfg.trajectory_hash(),
                    assets_json=json.dumps(index, sort_keys=True),
                    start_step=min(start, cfg.total_steps), total_steps=cfg.total_steps)
@@ -151,14 +155,15 @@ _LEASES_LOCK = threading.Lock()
 
 def _hold(st: RunStore, ttl_s: float) -> RunLease | None:
     """Take or renew this process's writer lease on ``st`` (None when ``ttl_s`` is 0: no lease).
-    One :class:`RunLease` (and renewal thread) per store and ttl in a process."""
+    One :class:`RunLease` (and renewal thread) per store and ttl in a process. A lease renewed
+    within the last ``ttl_s / 3`` is only checked (:meth:`RunLease.hold`)."""
     if not ttl_s:
         return None
     with _LEASES_LOCK:
         lease = _LEASES.get((st.uri, ttl_s))
         if lease is None:
             lease = _LEASES[(st.uri, ttl_s)] = RunLease(st, ttl_s)
-    lease.acquire()
+    lease.hold()
     faults.set_second_writer_hook(lambda f: _second_writer_drill(st, ttl_s))
     return lease
 
@@ -221,15 +226,19 @@ def _worker_key(spec: RunSpec) -> tuple:
 
 
 def worker_for(spec: RunSpec):
-    """A callable-style handle: ``call(worker, "rollout", step)``. With ``trainer.nnodes x
-    trainer.n_gpus_per_node`` > 1 a :class:`WorkerGroup` (Ray actors, FSDP2; Ray is started
-    locally if needed); else a Ray actor when Ray is initialised (kept alive for the whole run),
-    else an in-process :class:`RunWorker`."""
+    """A callable-style handle: ``call(worker, "rollout", step)``. With ``cluster.mode=attached``
+    the run's detached actors on the attached cluster (``engine.cluster``). Otherwise, with
+    ``trainer.nnodes x trainer.n_gpus_per_node`` > 1 a :class:`WorkerGroup` (Ray actors, FSDP2;
+    Ray is started locally if needed); else a Ray actor when Ray is initialised (kept alive for
+    the whole run), else an in-process :class:`RunWorker`."""
     key = _worker_key(spec)
     if key not in _WORKERS:
         index = json.loads(spec.assets_json)
         tc = spec.config.trainer
-        if tc.world_size > 1:
+        if spec.config.cluster.mode == "attached":
+            _WORKERS[key] = (cluster.group_workers(spec, index) if tc.world_size > 1
+                             else cluster.single_worker(spec, index))
+        elif tc.world_size > 1:
             if not _ray_ready():
                 start_local_ray()
             _WORKERS[key] = WorkerGroup(spec.store, spec.config_json, index, nnodes=tc.nnodes,
@@ -242,25 +251,12 @@ def worker_for(spec: RunSpec):
             cfg_id = hashlib.sha256(spec.config_json.encode()).hexdigest()[:12]
             name = f"verl-{spec.incarnation[:12]}-{cfg_id}"
             threads = spec.config.num_threads or os.cpu_count() or 1
-            actor_cls = ray.remote(num_cpus=1)(_RayRunWorker)
+            actor_cls = ray.remote(num_cpus=1)(cluster.RayRunWorker)
             _WORKERS[key] = actor_cls.options(name=name, get_if_exists=True).remote(
                 spec.store, spec.config_json, index, threads)
         else:
             _WORKERS[key] = RunWorker(spec.store, spec.config_json, index)
     return _WORKERS[key]
-
-
-class _RayRunWorker(RunWorker):
-    """The Ray actor flavour: Ray pins actors to one thread unless told otherwise."""
-
-    def __init__(self, store_uri, config_json, assets_index, num_threads: int):
-        import torch
-
-        torch.set_num_threads(num_threads)
-        super().__init__(store_uri, config_json, assets_index)
-
-    def call(self, method: str, *args):
-        return getattr(self, method)(*args)
 
 
 class PhaseTimeoutError(TransientError):
@@ -324,6 +320,23 @@ def _ray_ready() -> bool:
     except ImportError:
         return False
     return ray.is_initialized()
+
+
+def release_run_workers(spec: RunSpec) -> None:
+    """Close the run's workers (pending writes finish) and, in ``attached`` mode, remove every
+    detached actor and placement group of the run from the cluster."""
+    w = _WORKERS.pop(_worker_key(spec), None)
+    try:
+        if isinstance(w, (RunWorker, WorkerGroup)):
+            w.close()
+        elif w is not None:
+            import ray
+
+            ray.get(w.call.remote("close"), timeout=spec.config.trainer.worker_timeout_s)
+    finally:
+        if spec.config.cluster.mode == "attached":
+            removed = cluster.teardown(spec.incarnation)
+            log.info("removed the run's detached workers: %s", ", ".join(removed) or "none")
 
 
 def release_workers() -> None:
@@ -392,6 +405,17 @@ def advantage_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict
     ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "advantage"))
     metrics["timing/advantage_s"] = time.perf_counter() - t0
     return ref, metrics
+
+
+def checkpoint_phase(spec: RunSpec, step: int) -> dict:
+    """The checkpoint phase of the state after ``step`` updates: the run's worker saves it
+    (``RunWorker.checkpoint``). Off the step schedule, with no time-based interval
+    (``checkpoint.checkpoint_interval_s=0``), there is nothing to save and the answer is the
+    worker's own no-save answer, given here without a call on the worker."""
+    cfg = spec.config
+    if not cfg.checkpoint.checkpoint_interval_s and not on_checkpoint_schedule(cfg, step):
+        return {"checkpoint/saved": 0.0}
+    return call_worker(spec, "checkpoint", step)
 
 
 # ---------------------------------------------------------------------- deadlines + guard
@@ -598,6 +622,8 @@ def finalize_run(spec: RunSpec, step: int) -> dict:
         df.to_parquet(f, index=False)
     rewards = df["reward/mean"].dropna().tolist() if "reward/mean" in df else []
     rewards = rewards or [float("nan")]
+    if spec.config.cluster.mode == "attached":
+        release_run_workers(spec)  # the run's detached actors and placement groups go now
     release_lease(spec)  # the run is complete: a relaunch (or another run) may write now
     return {"final_model": final_uri, "metrics_table": table_uri,
             "first_reward": float(rewards[0]), "last_reward": float(rewards[-1]), **scrubbed}

@@ -33,7 +33,7 @@ from verl_core.checkpoint.errors import StoreUnavailableError
 from verl_core.checkpoint.hf_export import TOKENIZER_DOC, store_tokenizer
 from verl_core.checkpoint.local_tier import Replicator, open_local_store
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
-from verl_core.checkpoint.store import NotFoundError, RunStore, sha256_hex
+from verl_core.store import NotFoundError, RunStore, sha256_hex
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.engine.assets import materialize_assets
@@ -87,6 +87,13 @@ def put_batch(store: RunStore, batch: Batch, *, pending: str | None = None) -> s
     return store.put_parts([data], sha=sha)[0]  # hashed once
 
 
+def on_checkpoint_schedule(cfg: RunConfig, step: int) -> bool:
+    """The state after ``step`` updates is saved by the step schedule: every
+    ``checkpoint.checkpoint_interval`` steps and at the last step (``checkpoint_interval_s`` may
+    add saves: :meth:`RunWorker.should_checkpoint`)."""
+    return step % cfg.checkpoint.checkpoint_interval == 0 or step == cfg.total_steps
+
+
 EVAL_SAMPLES = 8
 """Greedy held-out responses (prompt, response, score) each evaluation keeps for the reports."""
 
@@ -94,6 +101,11 @@ EVAL_SAMPLES = 8
 def eval_samples_doc(config_hash: str, step: int) -> str:
     """Name of the doc with the evaluation samples of the state after ``step`` updates."""
     return f"eval-samples/{config_hash[:16]}/{step:09d}"
+
+
+def _digest(record: dict) -> str:
+    """Digest of a lineage record (the weight version of the state it made)."""
+    return sha256_hex([json.dumps(record, sort_keys=True).encode()])
 
 
 def get_batch(store: RunStore, ref: str) -> Batch:
@@ -139,6 +151,12 @@ class RunWorker:
         self.last_save_time = time.time()
         self.replayed = 0  # updates replayed from lineage (reported in metrics and tests)
         self._guard_snapshot: dict = {}
+        # The weight version: ``step`` plus the digest of the lineage record that made the state
+        # (None: a checkpoint or the initial model made it). A detached worker of
+        # cluster.mode=attached outlives the phases that built its state, so it checks the digest
+        # against the store before trusting the state (``verify_live``).
+        self.applied: str | None = None
+        self.verify_live = False
 
     # ------------------------------------------------------------------ workers
     @property
@@ -171,6 +189,7 @@ class RunWorker:
             self.trainer.close()
             self.trainer = RLTrainer(self.cfg, self.assets, self.dp)
             self.step = 0
+            self.applied = None
             if spec not in ("auto", "none", ""):
                 mgr, ref = open_checkpoint(spec, self.store.storage_options)
                 self._load_from(mgr, mgr.read_manifest(ref)[0])
@@ -195,6 +214,7 @@ class RunWorker:
                                        out=self.trainer.load_targets(groups=needed))
         self.trainer.load_state(groups, meta)
         self.step = info.step
+        self.applied = None
 
     def _tiers(self) -> list[CheckpointManager]:
         """Where checkpoints are read from, preferred first: the local tier, then the run store."""
@@ -249,10 +269,28 @@ class RunWorker:
         self.lost_checkpoints.update(lost)
         return lost
 
+    def version(self) -> dict:
+        """The weight version this worker holds: ``step``, whether the state is intact, and the
+        digest of the lineage record that produced it."""
+        return {"step": self.step, "valid": self._live_valid, "applied": self.applied,
+                "pid": os.getpid()}
+
+    def _live_matches_store(self) -> bool:
+        """The lineage record that made the live state is the store's (attached workers)."""
+        if self.applied is None or self.step == 0:
+            return True  # a verified checkpoint or the initial model made it
+        doc = self.store.get_json(self._lineage(self.step - 1), default=None)
+        return self._lead(doc is not None and _digest(doc) == self.applied)
+
     def ensure_state(self, step: int) -> None:
         """Make the in-memory state the one after ``step`` updates (see the module docstring)."""
         if step == self.step and self._live_valid:
-            return
+            if not self.verify_live or self._live_matches_store():
+                return
+            log.warning("the state of step %d in this worker is not the one the store records "
+                        "(lineage %s); rebuilding it from the store", step,
+                        self._lineage(step - 1))
+            self._live_valid = False
         # Going forward, a checkpoint past the in-memory state saves replaying up to it.
         ahead = (self._live_valid and step > self.step
                  and self._load_checkpoint(max_step=step, min_step=self.step))
@@ -291,6 +329,8 @@ class RunWorker:
             self.step = s + 1
         elif action == "rollback":
             self._roll_back(s, int(doc["to"]), doc["guard"])
+        if action in ("update", "skip", "rollback"):
+            self.applied = _digest(doc)
         else:
             raise StateUnavailableError(f"lineage {self._lineage(s)} in {self.store.uri} has an "
                                         f"unknown action {action!r} (written by a newer version?)")
@@ -394,6 +434,7 @@ class RunWorker:
         if self.leader:
             self.store.put_json(self._lineage(step), record)
             self._drop_pending(step)
+        self.applied = _digest(record)
         metrics["timing/update_s"] = time.perf_counter() - t0
         return metrics
 
@@ -441,7 +482,7 @@ class RunWorker:
 
     def should_checkpoint(self, step: int) -> bool:
         c = self.cfg.checkpoint
-        return (step % c.checkpoint_interval == 0 or step == self.cfg.total_steps
+        return (on_checkpoint_schedule(self.cfg, step)
                 or (c.checkpoint_interval_s > 0
                     and time.time() - self.last_save_time >= c.checkpoint_interval_s))
 

@@ -399,19 +399,27 @@ def _visible_devices(pynvml) -> list:
     return handles
 
 
+_NVML_MISSING = False
+"""Set when NVML failed to start in this process (no NVIDIA driver or library)."""
+
+
 def gpu_utilization() -> Optional[float]:
     """Mean utilisation (percent of the last sample period, 0..100) of the GPUs visible to this
     process, read from NVML (``nvidia-ml-py``, imported here so machines without it import this
     module fine). None when it cannot be known: the package is missing, no NVIDIA driver or
     GPU, no visible device, or NVML does not report utilisation (e.g. a MIG slice). Never a
     made-up number: record :data:`GPU_UTILIZATION` only when this is not None."""
+    global _NVML_MISSING
+    if _NVML_MISSING:
+        return None
     try:
         import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError:  # no driver / library: no NVIDIA GPU here
+    except pynvml.NVMLError:  # no driver / library: no NVIDIA GPU here, now or later
+        _NVML_MISSING = True  # a failed init would search the library path again every phase
         return None
     try:
         rates = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in _visible_devices(pynvml)]

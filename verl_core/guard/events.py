@@ -21,7 +21,7 @@ import math
 import re
 import time
 
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 

@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from typing import Optional
 
 from verl_core.checkpoint.errors import StoreUnavailableError
-from verl_core.checkpoint.store import RunStore, canonical_json
+from verl_core.store import RunStore, canonical_json
 from verl_core.errors import PermanentError, VerlError
 
 log = logging.getLogger(__name__)
@@ -337,6 +337,23 @@ class RunLease:
             raise StoreUnavailableError(
                 f"taking the lease of {self.store.uri}: {_ATTEMPTS} compare-and-swap rounds in a "
                 "row lost to other writers")
+
+    def hold(self) -> Holder:
+        """What a phase calls before it writes: :meth:`acquire`, except that a lease this process
+        renewed less than ``ttl_s / 3`` ago (the renewal thread's period) is only read, not
+        rewritten, when the doc is still exactly our last write (same random ``token``): then
+        nobody has taken, broken or released it since, and it stays ours for at least another
+        ``2/3 ttl_s`` while the thread keeps renewing it. Skips a compare-and-swap write (an
+        fsync locally, a conditional PUT on S3) per phase; any change to the doc, or an older
+        renewal, takes the full :meth:`acquire` path with its errors."""
+        with self._lock:
+            held = self._held
+            if (held is not None and self.lost is None
+                    and time.time() - held.renewed < self.ttl_s / 3):
+                cur, _ = _get(self.store)
+                if cur is not None and cur.token == held.token:
+                    return held
+            return self.acquire()
 
     def renew(self) -> Holder:
         """Extend our lease by ``ttl_s``. Raises :class:`LeaseLostError` when it is no longer

@@ -55,6 +55,12 @@ def decode_responses(tokenizer, response_ids, response_mask=None) -> DecodedResp
             ids = ids[:ids.index(eos)]
         kept.append(ids)
         flags.append(any(t in special for t in ids))
-    texts = tokenizer.batch_decode(kept, skip_special_tokens=False) if kept else []
-    return DecodedResponses(texts=list(texts), special_token=flags)
+    # the G responses to a prompt often repeat (short answers): decode each distinct one once
+    distinct: dict[tuple[int, ...], int] = {}
+    for ids in kept:
+        distinct.setdefault(tuple(ids), len(distinct))
+    decoded = tokenizer.batch_decode([list(k) for k in distinct], skip_special_tokens=False) \
+        if distinct else []
+    texts = [decoded[distinct[tuple(ids)]] for ids in kept]
+    return DecodedResponses(texts=texts, special_token=flags)
 

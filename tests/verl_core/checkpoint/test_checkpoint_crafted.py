@@ -25,7 +25,7 @@ from verl_core.checkpoint import (
     open_checkpoint,
 )
 from verl_core.checkpoint.__main__ import main as cli
-from verl_core.checkpoint.store import canonical_json, sha256_hex
+from verl_core.store import canonical_json, sha256_hex
 
 
 def _save_good(manager, step=1):

@@ -35,7 +35,7 @@ from verl_core.checkpoint import (
     export_hf,
 )
 from verl_core.checkpoint.dcp import StoreWriter
-from verl_core.checkpoint.store import canonical_json, sha256_hex
+from verl_core.store import canonical_json, sha256_hex
 from verl_core.checkpoint.tensors import save_tensors
 
 WORKER = os.path.join(os.path.dirname(__file__), "dcp_worker.py")

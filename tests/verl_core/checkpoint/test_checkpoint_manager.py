@@ -21,7 +21,7 @@ from verl_core.checkpoint import (
     UnsafeManifestError,
     capture_rng_state,
 )
-from verl_core.checkpoint.store import canonical_json, sha256_hex
+from verl_core.store import canonical_json, sha256_hex
 
 LOGGER = "verl_core.checkpoint.manager"
 

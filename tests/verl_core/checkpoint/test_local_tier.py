@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 from test_worker_resume import _cfg, _step, _weights_sha, _worker, assets  # noqa: E402,F401
 
 from verl_core.checkpoint import CheckpointManager  # noqa: E402
-from verl_core.checkpoint.store import RunStore  # noqa: E402
+from verl_core.store import RunStore  # noqa: E402
 from verl_core.config import ConfigError  # noqa: E402
 from verl_core.engine.assets import publish_assets  # noqa: E402
 

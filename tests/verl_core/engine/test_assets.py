@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.engine import assets as assets_mod
 from verl_core.engine.assets import AssetCacheError, materialize_assets, publish_assets
 from verl_core.trainer import Assets

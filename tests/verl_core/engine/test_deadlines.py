@@ -1,14 +1,13 @@
 """Phase deadlines and the wall-clock watch, in this process: a blocked phase is cut by its
 deadline (SIGALRM) as a transient error, and a latency spike against the phase's own history is
 logged or acted on by its policy (retry_phase raises transient, halt permanent)."""
-import json
 import threading
 import time
 
 import pytest
 
 from verl_core.checkpoint.errors import PermanentError, TransientError
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.config import RunConfig, with_overrides
 from verl_core.engine import runtime
 from verl_core.guard.events import read_events
@@ -31,7 +30,7 @@ def _spec(tmp_path, **guard):
     cfg = with_overrides(RunConfig(), {f"guard.{k}": v for k, v in guard.items()})
     st = RunStore(str(tmp_path / "run"))
     return runtime.RunSpec(store=st.uri, incarnation=st.incarnation_id,
-                           config_json=json.dumps(cfg.to_dict()),
+                           config=cfg,
                            config_hash=cfg.trajectory_hash(), assets_json="{}", start_step=0,
                            total_steps=cfg.total_steps)
 

@@ -79,7 +79,7 @@ def _run(store, name, W, start=None, stop=STEPS, **cfg):
 def _sampled_tokens(store_run) -> list[torch.Tensor]:
     """The response tokens of every applied update's batch, in step order. (The batches' bytes
     differ in the last bits of their float log-probs: the rollout forward ran on other rows.)"""
-    from verl_core.checkpoint.store import RunStore
+    from verl_core.store import RunStore
     from verl_core.engine.worker import get_batch
 
     st = RunStore(str(store_run))

@@ -10,7 +10,7 @@ import pytest
 from test_worker_resume import _cfg, _step, _weights_sha, _worker, assets  # noqa: F401 (fixture)
 from verl_core.checkpoint import CheckpointManager, StoreFullError
 from verl_core.checkpoint.__main__ import main as checkpoint_cli
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.engine import assets as assets_mod
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import get_batch, pending_doc, put_batch

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.config import preset
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, get_batch, put_batch

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verl_core.checkpoint import CheckpointManager
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.config import preset
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, StateUnavailableError, get_batch, put_batch

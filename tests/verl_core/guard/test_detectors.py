@@ -270,6 +270,7 @@ def test_gpu_utilization_is_none_without_a_gpu_never_made_up(monkeypatch):
     if not torch.cuda.is_available():
         assert gpu_utilization() is None  # NVML: no driver here (nvidia-ml-py is installed)
     monkeypatch.setitem(sys.modules, "pynvml", None)  # the package missing: import fails
+    monkeypatch.setattr("verl_core.guard.detectors._NVML_MISSING", False)  # not the cached miss
     assert gpu_utilization() is None
     # and without the metric the detector does not run at all
     history = alternating(GPU_UTILIZATION, 90.0, 3.0)

@@ -15,10 +15,11 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.errors import PermanentError
 from verl_core.guard.lease import (LEASE_DOC, Holder, LeaseHeldError, LeaseLostError, RunLease,
                                    break_lease, read_lease)
@@ -31,7 +32,7 @@ ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
 # (one process for both backends: importing verl_core takes ~4 s on a 2-core machine).
 HOLDER = """
 import json, sys, time
-from verl_core.checkpoint.store import RunStore
+from verl_core.store import RunStore
 from verl_core.guard.lease import RunLease
 for root, opts in json.loads(sys.argv[1]):
     RunLease(RunStore(root, opts), 30).acquire()
@@ -173,6 +174,27 @@ def test_renewal_keeps_a_live_lease_and_a_taken_one_is_lost(tmp_path):
     b.release()
 
 
+def test_hold_only_reads_a_fresh_lease_and_takes_the_acquire_path_on_any_change(open_store):
+    """A phase start (``hold``) rewrites nothing while the doc is still our last write and that
+    write is younger than ttl/3; a break, a takeover or an older renewal go through acquire."""
+    store = open_store()
+    a = RunLease(store, 30, owner="a")
+    first = a.acquire()
+    assert a.hold() == first and read_lease(store) == first  # fresh and unchanged: read only
+    a._held = replace(a._held, renewed=first.renewed - 11.0)  # renewed 11 s > 30/3 s ago
+    renewed = a.hold()
+    assert renewed.token != first.token and read_lease(store) == renewed
+    break_lease(store)  # the doc changed: acquire's rules (a released lease is taken again)
+    again = a.hold()
+    assert again.token != renewed.token and read_lease(store) == again
+    break_lease(store)
+    b = RunLease(store, 30, owner="b")
+    b.acquire()  # taken over by another writer: the fresh renewal does not hide it
+    with pytest.raises(LeaseLostError, match=r"lost the writer lease .* b \(host"):
+        a.hold()
+    b.release()
+
+
 def _race(stores: list[RunStore], owners: list[str]) -> list[str]:
     """All contenders call acquire() at once; returns the owners that got the lease."""
     won: list[str] = []
@@ -280,7 +302,7 @@ def _spec(store: RunStore, ttl_s: float):
 
     cfg = with_overrides(preset("grpo"), {"guard.lease_ttl_s": ttl_s})
     return RunSpec(store=store.uri, incarnation=store.incarnation_id,
-                   config_json=json.dumps(cfg.to_dict()), config_hash=cfg.trajectory_hash(),
+                   config=cfg, config_hash=cfg.trajectory_hash(),
                    assets_json="{}", start_step=0, total_steps=cfg.total_steps)
 
 
@@ -305,7 +327,11 @@ def test_hold_lease_renews_refuses_others_releases_and_runs_the_second_writer_dr
     spec = _spec(store, 30.0)
     runtime.hold_lease(spec)  # the first phase (or a new pod) takes it ...
     first = read_lease(store)
-    runtime.hold_lease(spec)  # ... every later phase renews it
+    runtime.hold_lease(spec)  # ... a later phase within ttl/3 of the last renewal checks it ...
+    assert read_lease(store) == first
+    lease = runtime._LEASES[(store.uri, 30.0)]
+    lease._held = replace(lease._held, renewed=lease._held.renewed - 10.0)  # 10 s > ttl/3 ago
+    runtime.hold_lease(spec)  # ... and renews it when the last renewal is older
     again = read_lease(store)
     assert again.owner == first.owner and again.since == first.since
     assert again.renewed >= first.renewed and again.token != first.token

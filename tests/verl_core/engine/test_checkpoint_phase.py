@@ -1,0 +1,20 @@
+"""The checkpoint phase (``runtime.checkpoint_phase``): the worker saves the steps of the
+schedule; the other steps get the worker's own no-save answer without a call on it."""
+
+from verl_core.checkpoint import CheckpointManager
+from verl_core.engine import runtime
+
+
+def test_off_schedule_steps_are_answered_as_the_worker_would(tracked_run):
+    # checkpoint.checkpoint_interval=2 over 3 steps: step 2 (the schedule) and 3 (the last)
+    spec = tracked_run.spec
+    saved = tracked_run.table.set_index("step")["checkpoint/saved"]
+    assert [saved.loc[s] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    store_steps = sorted(i.step for i in CheckpointManager(spec.open_store()).list_checkpoints()
+                         if i.error is None)
+    assert store_steps == [2, 3]
+    try:
+        assert runtime.call_worker(spec, "checkpoint", 1) == runtime.checkpoint_phase(spec, 1) \
+            == {"checkpoint/saved": 0.0}
+    finally:
+        runtime.release_workers()
