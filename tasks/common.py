@@ -10,7 +10,9 @@ from typing import Callable, TypeVar
 from flytekit import Cache
 from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.core.context_manager import ExecutionParameters, FlyteContextManager
-from flytekit.extend import TaskPlugins
+from flytekit.extend import TaskPlugins, TypeEngine, TypeTransformer
+from flytekit.models.literals import Literal, Primitive, Scalar
+from flytekit.models.types import LiteralType, SimpleType
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
@@ -43,6 +45,29 @@ def cache_for(phase: str) -> Cache:
     """Cache key = task name + this version + hash of the inputs (which include the run store's
     incarnation id, so a re-created store never hits stale entries)."""
     return Cache(version=f"{verl_core.__version__}-{phase}-v{PHASE_VERSIONS[phase]}")
+
+
+class _RunSpecTransformer(TypeTransformer[RunSpec]):
+    """A :class:`RunSpec` (with its typed :class:`RunConfig`) crosses tasks as one canonical JSON
+    string literal. Why not flytekit's dataclass transformer: it builds a JSON schema of the ~180
+    nested config fields for every task interface that names RunSpec (~0.5 s each, ~12 s of
+    start-up) and re-evaluates their annotations on every input conversion (~2.7 ms per task,
+    BENCHMARKS.md "A step against TRL"); this costs microseconds. Tasks still see a typed spec."""
+
+    def __init__(self):
+        super().__init__("RunSpec", RunSpec)
+
+    def get_literal_type(self, t=None) -> LiteralType:
+        return LiteralType(simple=SimpleType.STRING)
+
+    def to_literal(self, ctx, python_val: RunSpec, python_type, expected) -> Literal:
+        return Literal(scalar=Scalar(primitive=Primitive(string_value=python_val.to_json())))
+
+    def to_python_value(self, ctx, lv: Literal, expected_python_type) -> RunSpec:
+        return RunSpec.from_json(lv.scalar.primitive.string_value)
+
+
+TypeEngine.register(_RunSpecTransformer())
 
 
 @dataclass

@@ -15,6 +15,7 @@ the worker does not have it, so the store is always enough.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import hashlib
 import json
@@ -76,6 +77,16 @@ class RunSpec:
     def config_json(self) -> str:
         """The config as canonical JSON: what the workers are built from, and what names them."""
         return _config_json(self.config)
+
+    def to_json(self) -> str:
+        """Canonical JSON of the whole spec (what crosses Flyte task boundaries)."""
+        return json.dumps({**dataclasses.asdict(self), "config": self.config.to_dict()},
+                          sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        d = json.loads(text)
+        return cls(**{**d, "config": RunConfig.from_dict(d["config"])})
 
     def open_store(self) -> RunStore:
         return _store(self.store)
