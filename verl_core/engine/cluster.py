@@ -53,7 +53,7 @@ def address(cluster_cfg) -> str:
     """The Ray cluster ``attached`` mode joins ("" when this process is connected to one
     already); refuses to guess."""
     addr = cluster_cfg.address or os.environ.get("RAY_ADDRESS", "")
-    if not addr and not _connected():
+    if not addr and not connected():
         raise AttachError("cluster.mode='attached' needs a running Ray cluster: set "
                           "cluster.address (e.g. ray://<head>:10001) or RAY_ADDRESS, or use "
                           "cluster.mode='per_task'")
@@ -95,7 +95,8 @@ def _reachable(addr: str, timeout_s: float = 30.0) -> None:
             time.sleep(1.0)
 
 
-def _connected() -> bool:
+def connected() -> bool:
+    """This process is connected to a Ray cluster (Ray installed and initialised)."""
     try:
         import ray
     except ImportError:
@@ -126,7 +127,6 @@ class IdleReaper:
                 break
         log.warning("no call for %.0fs (cluster.idle_timeout_s): removing this worker",
                     self._idle_s)
-        import ray
         from ray.util.placement_group import (get_current_placement_group,
                                               remove_placement_group)
 
@@ -139,7 +139,6 @@ class IdleReaper:
                     remove_placement_group(pg)  # kills the group's other workers too
                 except Exception as e:  # noqa: BLE001 - exiting anyway
                     log.debug("remove placement group: %s", e)
-            del ray
             os._exit(0)
 
     def call(self, method: str, *args):
@@ -228,8 +227,7 @@ def run_placement_groups(prefix: str) -> list:
 
 def teardown(incarnation: str) -> list[str]:
     """Remove every detached actor and placement group of the run with this store incarnation
-    (the run's finalize, ``python -m verl_core.checkpoint``-style clean-ups, tests). Returns the
-    names of the actors removed."""
+    (the run's finalize, tests). Returns the names of the actors removed."""
     import ray
     from ray.util.placement_group import remove_placement_group
 

@@ -250,13 +250,13 @@ def worker_for(spec: RunSpec):
             _WORKERS[key] = (cluster.group_workers(spec, index) if tc.world_size > 1
                              else cluster.single_worker(spec, index))
         elif tc.world_size > 1:
-            if not _ray_ready():
+            if not cluster.connected():
                 start_local_ray()
             _WORKERS[key] = WorkerGroup(spec.store, spec.config_json, index, nnodes=tc.nnodes,
                                         n_gpus_per_node=tc.n_gpus_per_node,
                                         timeout_s=tc.worker_timeout_s,
                                         num_threads=spec.config.num_threads)
-        elif _ray_ready():
+        elif cluster.connected():
             import ray
 
             cfg_id = hashlib.sha256(spec.config_json.encode()).hexdigest()[:12]
@@ -323,14 +323,6 @@ def start_local_ray() -> None:
     if not ray.is_initialized():
         ray.init(include_dashboard=False, configure_logging=False,
                  _system_config={"metrics_report_interval_ms": 60_000})
-
-
-def _ray_ready() -> bool:
-    try:
-        import ray
-    except ImportError:
-        return False
-    return ray.is_initialized()
 
 
 def release_run_workers(spec: RunSpec) -> None:
