@@ -78,21 +78,23 @@ def run_flyte(name: str, flyte_over: dict, steps: int, work: str):
         raise SystemExit(f"pyflyte run failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     log = [r for r in read_phase_log(os.path.join(store, "bench")) if r["phase"] in PHASES]
     ends = {(r["phase"], r["step"]): r["time"] for r in log}
+
+    def end_of(p, k):  # the checkpoint phase of step k saves state k + 1; it may be left out
+        return ends.get(("checkpoint", k + 1)) if p == "checkpoint" else ends[(p, k)]
+
     flyte = []
+    first = [r for r in log if (r["phase"], r["step"]) == ("rollout", 0)][0]
+    prev = first["started"]  # the first rollout has no preceding phase end in the log
     for k in range(steps):
         # phase p of step k "adds up to" the time from the previous phase's end to its own end
-        prev = ends.get(("checkpoint", k)) or ends[("rollout", k)] - 0.0
         row, last = {}, prev
         for p in PHASES:
-            key = (p, k + 1) if p == "checkpoint" else (p, k)
-            row[p] = ends[key] - last
-            last = ends[key]
+            e = end_of(p, k)
+            row[p] = 0.0 if e is None else e - last
+            last = last if e is None else e
         row["step"] = last - prev
         flyte.append(row)
-    # the first rollout has no preceding phase end in the log: use its own start
-    first = [r for r in log if (r["phase"], r["step"]) == ("rollout", 0)][0]
-    flyte[0]["rollout"] = first["time"] - first["started"]
-    flyte[0]["step"] = sum(flyte[0][p] for p in PHASES)
+        prev = last
     return flyte, flyte_total, os.path.join(store, "bench")
 
 

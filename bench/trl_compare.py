@@ -6,13 +6,14 @@ one optimizer step per batch (one epoch, one mini-batch), no KL (TRL ``beta=0``)
 AdamW and LR schedule (lr 3e-4, betas 0.9/0.99, eps 1e-8, 2 warm-up steps then constant, grad
 norm 1.0), the same loss (token-mean PPO-clip, TRL's ``dapo``), group-normalised advantages and
 the same rule scorer. Runs N steps of each, one after the other in this process (the Flyte
-workflow as ``pyflyte run`` in a subprocess), and prints the median step time (steps 1 to
-``--warmup`` excluded), its ratio to TRL's and the held-out accuracy before and after, all three
-scored by our greedy evaluator.
+workflow as ``pyflyte run`` in a subprocess), ``--repeats`` rounds of TRL, plain loop, workflow and
+TRL again, and prints each round's median step time (steps 1 to ``--warmup`` excluded) and its
+ratio to the mean of the round's two TRL runs, the median ratio over the rounds, and the held-out accuracy before and after, all scored by our greedy
+evaluator.
 
     pip install -e '.[bench]' -c .ci/constraints-cpu.txt
-    python bench/trl_compare.py                        # 12 steps each
-    python bench/trl_compare.py --steps 20 --skip flyte
+    python bench/trl_compare.py                        # 3 rounds of 12 steps each
+    python bench/trl_compare.py --steps 20 --repeats 1 --skip flyte
 """
 
 from __future__ import annotations
@@ -110,13 +111,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of TRL, plain loop, workflow, TRL again, back to back; each "
+                         "round's ratios are to the mean of its two TRL runs")
     ap.add_argument("--skip", default="", help="comma list of runs to leave out: plain,flyte")
     args = ap.parse_args()
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats} must be at least 1")
     skip = set(filter(None, args.skip.split(",")))
     torch.set_num_threads(os.cpu_count() or 1)
-    results = {}
+    rounds: list[dict] = []  # per round: run name -> (median step s, start acc, end acc)
     with tempfile.TemporaryDirectory(prefix="verl-bench-trl-") as work:
         assets = prepare_assets(grpo_preset(), os.path.join(work, "assets"), log=lambda *_: None)
         over = {**WORK, "model.path": assets.model_path, "data.train_files":
@@ -127,30 +133,52 @@ def main() -> None:
               f"{torch.get_num_threads()} threads", flush=True)
         start = accuracy(cfg, assets.model_path)
 
-        trl_times, trl_final = run_trl(cfg, args.steps, os.path.join(work, "trl"))
-        results["TRL GRPOTrainer"] = (trl_times, start, accuracy(cfg, trl_final))
-        if "plain" not in skip:
-            s = train(cfg, os.path.join(work, "plain"), log=lambda *_: None)
-            results["plain loop"] = ([h["timing/step_s"] for h in s["history"]],
+        def med(times):
+            return statistics.median(times[args.warmup:])
+
+        for r in range(args.repeats):
+            # the machine's speed drifts (a shared 2-core VM: +-30% within a minute), so each
+            # round runs TRL, ours, TRL back to back and is compared within itself
+            res = {}
+            out = os.path.join(work, f"r{r}")
+            trl_times, trl_final = run_trl(cfg, args.steps, os.path.join(out, "trl"))
+            res["TRL GRPOTrainer"] = (med(trl_times), start, accuracy(cfg, trl_final))
+            if "plain" not in skip:
+                s = train(cfg, os.path.join(out, "plain"), log=lambda *_: None)
+                res["plain loop"] = (med([h["timing/step_s"] for h in s["history"]]),
                                      s["start_accuracy"], s["end_accuracy"])
-        if "flyte" not in skip:
-            from orchestration import run_flyte
-            from verl_core.store import RunStore
-            flyte, total, run_dir = run_flyte("trl", over, args.steps, work)
-            st = RunStore(run_dir)
-            [name] = [f[:-len(".jsonl")] for f in os.listdir(os.path.join(run_dir, "logs"))
-                      if f.startswith("metrics-") and f.endswith(".jsonl")]
-            acc = {r["step"]: r["val/accuracy"] for r in st.read_log(name)
-                   if r.get("val/accuracy") is not None}
-            results["Flyte workflow"] = ([r["step"] for r in flyte], acc[0], acc[args.steps])
-            print(f"(pyflyte run: {total:.1f}s for the whole command)")
-    ref = statistics.median(trl_times[args.warmup:])
-    print(f"\n| run | step s (median, steps {args.warmup + 1}-{args.steps}) | x TRL | "
-          "held-out accuracy start -> end |")
-    print("|---|---:|---:|---|")
-    for name, (times, a0, a1) in results.items():
-        med = statistics.median(times[args.warmup:])
-        print(f"| {name} | {med:.3f} | {med / ref:.2f} | {a0:.3f} -> {a1:.3f} |")
+            if "flyte" not in skip:
+                from orchestration import run_flyte
+                from verl_core.store import RunStore
+                flyte, total, run_dir = run_flyte(f"trl{r}", over, args.steps, out)
+                st = RunStore(run_dir)
+                [name] = [f[:-len(".jsonl")] for f in os.listdir(os.path.join(run_dir, "logs"))
+                          if f.startswith("metrics-") and f.endswith(".jsonl")]
+                acc = {row["step"]: row["val/accuracy"] for row in st.read_log(name)
+                       if row.get("val/accuracy") is not None}
+                res["Flyte workflow"] = (med([row["step"] for row in flyte]), acc[0],
+                                         acc[args.steps])
+                print(f"(round {r + 1}: pyflyte run {total:.1f}s for the whole command)")
+            ref = res["TRL GRPOTrainer"][0]
+            # TRL again at the end of the round: the reference is the mean of the two, so a
+            # drift of the machine's speed during the round cancels to first order
+            trl_b, _ = run_trl(cfg, args.steps, os.path.join(out, "trl-b"))
+            ref = (ref + med(trl_b)) / 2
+            res["TRL GRPOTrainer"] = (ref, *res["TRL GRPOTrainer"][1:])
+            print(f"round {r + 1}: " + ", ".join(f"{n} {v[0]:.3f}s ({v[0] / ref:.2f}x)"
+                                                 for n, v in res.items()), flush=True)
+            rounds.append(res)
+    print(f"\n| run | step s (median of steps {args.warmup + 1}-{args.steps}; per round) | "
+          f"x TRL (per round) | x TRL, median of {args.repeats} | "
+          "held-out accuracy start -> end (round 1) |")
+    print("|---|---:|---:|---:|---|")
+    for name in rounds[0]:
+        secs = [rd[name][0] for rd in rounds]
+        ratios = [rd[name][0] / rd["TRL GRPOTrainer"][0] for rd in rounds]
+        _, a0, a1 = rounds[0][name]
+        print(f"| {name} | {' / '.join(f'{x:.3f}' for x in secs)} | "
+              f"{' / '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}** | "
+              f"{a0:.3f} -> {a1:.3f} |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Update phase (Ray): PPO epochs over the batch; records the batch as the new state's lineage."""
+"""Update phase (Ray): PPO epochs over the batch; records the batch as the new state's lineage.
+Where no checkpoint is due after it, it ends the step (records the step's metrics)."""
 
 from flytekit import task
 

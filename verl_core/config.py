@@ -930,6 +930,19 @@ class RunConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def non_default(self) -> dict:
+        """The fields that differ from ``RunConfig()``'s, by section: what a preset and the
+        user's overrides set. ``RunConfig.from_dict(c.non_default()) == c``."""
+        base, out = _default_dict(), {}
+        for k, v in self.to_dict().items():
+            if k in SECTIONS:  # field by field (a dict-valued field is compared whole)
+                v = {f: x for f, x in v.items() if x != base[k][f]}
+                if v:
+                    out[k] = v
+            elif v != base[k]:
+                out[k] = v
+        return out
+
     def config_hash(self) -> str:
         """sha256 of the canonical JSON of every field."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -986,6 +999,11 @@ class RunConfig:
             else:
                 kw[k] = v
         return cls(**kw)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_dict() -> dict:
+    return RunConfig().to_dict()
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "rollout": RolloutConfig,

@@ -64,7 +64,7 @@ CARD_METRICS = ("reward/mean", "val/accuracy", "response_length/mean", "actor/pp
                 "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "critic/vf_loss",
                 "checkpoint/saved", "checkpoint/blocked_s", "timing/rollout_s",
                 "timing/update_s")
-"""What the light checkpoint card shows (those the step has)."""
+"""What the light step card shows (those the step has)."""
 
 _CSS = """<style>
 .verl-report { font-family: Helvetica, Arial, sans-serif; color: #222; }
@@ -234,8 +234,8 @@ def _latest_line(table: pd.DataFrame) -> str:
 
 
 def step_card(step: int, metrics: Mapping[str, float], *, events: Sequence[Mapping] = ()) -> str:
-    """The light per-step card (checkpoint deck): the step's key metrics and its guard events,
-    one small table each, no plots (cheap enough for every step)."""
+    """The light per-step card (the checkpoint phase's deck, on the steps where one is due): the
+    step's key metrics and its guard events, one small table each, no plots."""
     rows = [{"metric": k, "value": _fmt(float(metrics[k]))} for k in CARD_METRICS if k in metrics]
     parts = [f'<div class="verl-report">{_CSS}<h2>Step {int(step)}</h2>',
              _table(rows, ("metric", "value"), "verl-card")]

@@ -3,7 +3,8 @@
     ppo  ->  configure -> prepare -> rl_run
     rl_run (dynamic)  ->  evaluate(start) -> train_chunk x ceil(steps / CHUNK) -> evaluate(end)
                           -> finalize
-    train_chunk (dynamic)  ->  per step: rollout -> reward -> advantage -> update -> checkpoint
+    train_chunk (dynamic)  ->  per step: rollout -> reward -> advantage -> update
+                               (-> checkpoint where one is due: verl_core.phases.checkpoint_due)
                                (-> evaluate after every ``eval_every``-th step)
 
 Iterations are unrolled in chunks of CHUNK steps (5 nodes each), so no dynamic workflow has more
@@ -21,12 +22,12 @@ from tasks.phases import heavy_phases
 from tasks.prepare import configure, prepare
 from tasks.reward import reward
 from verl_core.engine.runtime import RunSpec
-from verl_core.phases import StepState
+from verl_core.phases import StepState, checkpoint_due
 
 add_dashed_aliases()
 
 CHUNK = 10
-"""RL steps per sub-workflow (5 nodes per step)."""
+"""RL steps per sub-workflow (at most 5 nodes per step)."""
 
 
 @dynamic
@@ -37,8 +38,9 @@ def train_chunk(spec: RunSpec, state: StepState, stop: int) -> StepState:
         sampled = heavy.rollout(spec=spec, state=state)
         scored = reward(spec=spec, rollout=sampled)
         advantaged = advantage(spec=spec, scored=scored)
-        updated = heavy.update(spec=spec, advantaged=advantaged)
-        state = heavy.checkpoint(spec=spec, state=updated)
+        state = heavy.update(spec=spec, advantaged=advantaged)
+        if checkpoint_due(spec, k + 1):  # else the update ends the step (no node that only
+            state = heavy.checkpoint(spec=spec, state=state)  # answers "not now")
         if every and (k + 1) % every == 0 and k + 1 < spec.total_steps:
             heavy.evaluate(spec=spec, state=state)
     return state

@@ -1,5 +1,5 @@
 """A real short run, shared by the report and tracker tests: the workflow's phases called in
-process through ``engine.runtime`` (the functions the Flyte tasks call), on the tiny model, with
+process through ``verl_core.phases`` (the functions the Flyte tasks call), on the tiny model, with
 TensorBoard and MLflow switched on and a real guard event (NaN gradients injected into one
 update: VERL_FAULTS ``nan_grad``, which the guard skips)."""
 import json
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from verl_core import phases
 from verl_core.config import preset
 from verl_core.engine import runtime
 
@@ -23,10 +24,6 @@ class TrackedRun:
     tensorboard_dir: str
     mlflow_uri: str
     table: object  # pandas DataFrame: runtime.metrics_table after the run
-
-
-def _evaluate(spec, step):
-    runtime.record_step_metrics(spec, step, runtime.call_worker(spec, "evaluate", step))
 
 
 @pytest.fixture(scope="session")
@@ -48,16 +45,16 @@ def tracked_run(tmp_path_factory) -> TrackedRun:
                                               "step": NAN_GRAD_STEP}]))
         spec = runtime.prepare_run(cfg, str(tmp / "store"), "tracked", log_fn=lambda *_: None)
         try:
-            _evaluate(spec, 0)  # what workflows/ppo.py's rl_run does, phase by phase
-            for s in range(TRACKED_STEPS):
-                ref, m = runtime.call_worker(spec, "rollout", s)
-                ref, m2 = runtime.reward_phase(spec, s, ref)
-                ref, m3 = runtime.advantage_phase(spec, s, ref)
-                m4 = runtime.call_worker(spec, "update", s, ref)
-                m5 = runtime.checkpoint_phase(spec, s + 1)
-                runtime.record_step_metrics(spec, s + 1, {**m, **m2, **m3, **m4, **m5})
-            _evaluate(spec, TRACKED_STEPS)
-            runtime.finalize_run(spec, TRACKED_STEPS)
+            # what workflows/ppo.py's rl_run and train_chunk do, phase by phase
+            state = phases.StepState(step=0)
+            phases.evaluate(spec, state)
+            for _ in range(TRACKED_STEPS):
+                sampled = phases.rollout(spec, state)
+                state = phases.update(spec, phases.advantage(spec, phases.reward(spec, sampled)))
+                if phases.checkpoint_due(spec, state.step):
+                    state = phases.checkpoint(spec, state)
+            phases.evaluate(spec, state)
+            phases.finalize(spec, state)
         finally:
             runtime.release_workers()  # closes the trackers too
     return TrackedRun(spec=spec, steps=TRACKED_STEPS, nan_grad_step=NAN_GRAD_STEP,

@@ -94,6 +94,13 @@ def on_checkpoint_schedule(cfg: RunConfig, step: int) -> bool:
     return step % cfg.checkpoint.checkpoint_interval == 0 or step == cfg.total_steps
 
 
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    """The state after ``step`` updates gets a checkpoint phase: on the step schedule, or on every
+    step when a time-based interval (``checkpoint.checkpoint_interval_s``) lets the worker decide.
+    Otherwise nothing could be saved, and the update ends the step."""
+    return bool(cfg.checkpoint.checkpoint_interval_s) or on_checkpoint_schedule(cfg, step)
+
+
 EVAL_SAMPLES = 8
 """Greedy held-out responses (prompt, response, score) each evaluation keeps for the reports."""
 
