@@ -315,8 +315,9 @@ class RLTrainer:
                                         shuffle=cfg.data.shuffle)
         algo = cfg.algorithm
         self.actor = load_causal_lm(assets.model_path, cfg.model.dtype)
-        if cfg.model.gradient_checkpointing:
-            self.actor.gradient_checkpointing_enable()
+        if cfg.model.gradient_checkpointing:  # renamed in transformers 5.x; the old name warns
+            enable = getattr(self.actor, "activation_checkpointing_enable", None)
+            (enable or self.actor.gradient_checkpointing_enable)()
         # with W > 1 workers the actor is sharded (FSDP2) and rollout runs on a full copy of it,
         # refreshed from the shards after every change (verl's hybrid engine, colocated)
         self.rollout_model = self.actor

@@ -1,7 +1,8 @@
 """Scheduled launch plans: nightly continued training of a named run, and its periodic evaluation.
 
     ppo_continue   ->  continuation_steps -> configure -> prepare -> rl_run (as in ppo)
-    evaluate_newest ->  configure -> prepare -> newest_state -> evaluate
+    evaluate_newest ->  configure -> prepare -> newest_state -> evaluate_state (dynamic) -> evaluate
+                        (the plain-task twin with cluster.mode=attached)
 
     ppo_nightly    ppo_continue at 02:00 UTC every night: EXTRA_STEPS more steps of run NIGHTLY
     eval_newest    evaluate_newest every EVAL_EVERY: the newest verified checkpoint of that run
@@ -17,16 +18,20 @@ Flyte cluster").
 import os
 from datetime import datetime, timedelta
 
-from flytekit import CronSchedule, Email, FixedRate, LaunchPlan, WorkflowExecutionPhase, workflow
+from flytekit import (CronSchedule, Email, FixedRate, LaunchPlan, WorkflowExecutionPhase, dynamic,
+                      workflow)
 from flytekit.models.concurrency import ConcurrencyLimitBehavior, ConcurrencyPolicy
 
 from workflows._cli import add_dashed_aliases
 from workflows.ppo import rl_run
 
-from tasks.evaluate import EvalResult, evaluate
+from tasks.evaluate import EvalResult
 from tasks.finalize import Summary
+from tasks.phases import heavy_phases
 from tasks.prepare import configure, prepare
 from tasks.schedule import continuation_steps, newest_state
+from verl_core.engine.runtime import RunSpec
+from verl_core.phases import StepState
 
 add_dashed_aliases()
 
@@ -81,7 +86,13 @@ def evaluate_newest(algorithm: str = "grpo", model: str = "", train_files: str =
                                   val_files=val_files, steps=steps, batch_size=batch_size,
                                   rollout_n=rollout_n, run_name=run_name, store=store,
                                   overrides=overrides))
-    return evaluate(spec=spec, state=newest_state(spec=spec))
+    return evaluate_state(spec=spec, state=newest_state(spec=spec))
+
+
+@dynamic
+def evaluate_state(spec: RunSpec, state: StepState) -> EvalResult:
+    """The evaluate task of the run's ``cluster.mode`` (known once the spec is: a dynamic node)."""
+    return heavy_phases(spec).evaluate(spec=spec, state=state)
 
 
 _ALERTS = [Email(phases=[WorkflowExecutionPhase.FAILED, WorkflowExecutionPhase.TIMED_OUT],

@@ -27,32 +27,28 @@ def two_nodes(tmp_path_factory):
     faults = tmp_path_factory.mktemp("faults")
     env = {"VERL_FAULTS_DIR": str(faults), "RAY_AUTH_MODE": "disabled",
            "VERL_ASSET_CACHE": str(tmp_path_factory.mktemp("assets"))}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        nodes.start_second()
-        deadline = time.time() + 120
-        while True:
-            try:
-                if not ray.is_initialized():
-                    ray.init(address=nodes.address, include_dashboard=False,
-                             configure_logging=False, log_to_driver=False)
-                if len(alive_nodes(ray)) == 2:
-                    break
-            except ConnectionError:
-                pass
-            assert time.time() < deadline, "the two-node Ray cluster did not start"
-            time.sleep(0.5)
-        yield ray, nodes, faults
-    finally:
-        runtime.release_workers()
-        ray.shutdown()
-        nodes.stop()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:  # restored however the module ends
+        for k, v in env.items():
+            mp.setenv(k, v)
+        try:
+            nodes.start_second()
+            deadline = time.time() + 120
+            while True:
+                try:
+                    if not ray.is_initialized():
+                        ray.init(address=nodes.address, include_dashboard=False,
+                                 configure_logging=False, log_to_driver=False)
+                    if len(alive_nodes(ray)) == 2:
+                        break
+                except ConnectionError:
+                    pass
+                assert time.time() < deadline, "the two-node Ray cluster did not start"
+                time.sleep(0.5)
+            yield ray, nodes, faults
+        finally:
+            runtime.release_workers()
+            ray.shutdown()
+            nodes.stop()
 
 
 def _cfg(**extra):

@@ -39,17 +39,15 @@ def local_ray(tmp_path_factory):
            # worker 1 hangs in the middle of the update of step 1, once (the kill test)
            "VERL_FAULTS": json.dumps([{"phase": "update-rank1", "step": 1, "kind": "hang",
                                        "times": 1}])}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the Ray workers inherit them
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield ray, faults
-    runtime.release_workers()
-    ray.shutdown()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:  # the Ray workers inherit them
+        for k, v in env.items():
+            mp.setenv(k, v)
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+        try:
+            yield ray, faults
+        finally:
+            runtime.release_workers()
+            ray.shutdown()
 
 
 def _phases(spec, start: int, stop: int) -> None:
