@@ -115,10 +115,13 @@ RAY_CONFIG = _RayConfig(
 )
 
 
-def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T]) -> T:
+def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T],
+              then: Callable[[T], T] | None = None) -> T:
     """Run a phase body with the local retry policy, log it in the run store's phase log, and map
     a transient fault that outlived the retries to FlyteRecoverableException (so a cluster
-    retries only this phase). Permanent faults propagate unchanged: they fail fast."""
+    retries only this phase). Permanent faults propagate unchanged: they fail fast. ``then``
+    runs on the body's result after the wall-clock detectors, within the same attempt (the
+    update task ends a step there when no checkpoint phase follows)."""
     t0 = time.time()
     timeout = spec.config.guard.phase_timeout_s
     verl_core.beat()  # a phase started (the probe fails if none starts or ends for too long)
@@ -137,7 +140,7 @@ def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T]) -> T:
         metrics = getattr(out, "metrics", out)  # PhaseOut, StepState or a metrics dict
         runtime.watch_phase(spec, phase, step, time.perf_counter() - t,
                             metrics if isinstance(metrics, dict) else {})
-        return out
+        return out if then is None else then(out)
 
     try:
         out = runtime.with_retries(attempt, what=f"{phase} step {step}", attempts=RETRIES)

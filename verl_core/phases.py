@@ -6,9 +6,9 @@ caching, retries, the phase log and Decks), and what tests and benchmarks call d
                                               the workers)
     advantage(spec, scored)     -> PhaseOut   token rewards, KL penalty, the advantage estimator
     update(spec, advantaged)    -> StepState  PPO epochs on the worker(s), under the guard
-    checkpoint(spec, state)     -> StepState  save on the interval; the step's metrics recorded
-                                              (only where one is due: ``checkpoint_due``; on
-                                              the other steps the update ends the step)
+    checkpoint(spec, state)     -> StepState  save where one is due (``checkpoint_due``), then
+                                              end_step; on the other steps the update task
+                                              calls end_step (the step's metrics recorded)
     evaluate(spec, state)       -> Metrics    greedy held-out accuracy of a state
     finalize(spec, state)       -> dict       final checkpoint committed, export, metrics table
 
@@ -84,30 +84,33 @@ def checkpoint_due(spec: RunSpec, step: int) -> bool:
     updates: on the step schedule (every ``checkpoint.checkpoint_interval`` steps, the last
     step) and, with a time-based ``checkpoint.checkpoint_interval_s``, on every step (the worker
     decides). On the other steps it could only answer "not now", so the workflow leaves it out
-    (on a Flyte cluster every node is a pod) and :func:`update` ends the step."""
+    (on a Flyte cluster every node is a pod) and the update task ends the step
+    (:func:`end_step`)."""
     return runtime.checkpoint_due(spec.config, step)
 
 
 def update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
     """Apply the update of step ``advantaged.step`` under the guard; the state after it is
-    recorded in the lineage before anyone is told it exists. When no checkpoint is due after it
-    (:func:`checkpoint_due`) the step ends here: its metrics are recorded, with the
-    ``checkpoint/saved=0`` that the checkpoint phase would have added."""
+    recorded in the lineage before anyone is told it exists."""
     metrics = runtime.call_worker(spec, "update", advantaged.step, advantaged.batch)
-    state = StepState(step=advantaged.step + 1, metrics=merged(advantaged.metrics, metrics))
-    if checkpoint_due(spec, state.step):
-        return state
-    done = StepState(step=state.step, metrics=merged(state.metrics, {"checkpoint/saved": 0.0}))
-    runtime.record_step_metrics(spec, done.step, done.metrics)
-    return done
+    return StepState(step=advantaged.step + 1, metrics=merged(advantaged.metrics, metrics))
 
 
 def checkpoint(spec: RunSpec, state: StepState) -> StepState:
     """Save the state on the checkpoint schedule (committed, or its write queued and awaited
-    later), then record the finished step's metrics (store table, trackers). The workflow calls
-    it only where :func:`checkpoint_due`."""
-    metrics = runtime.checkpoint_phase(spec, state.step)
-    done = StepState(step=state.step, metrics=merged(state.metrics, metrics))
+    later), then end the step (:func:`end_step`). The workflow calls it only where
+    :func:`checkpoint_due`."""
+    return end_step(spec, state, runtime.checkpoint_phase(spec, state.step))
+
+
+def end_step(spec: RunSpec, state: StepState, checkpoint_metrics: dict | None = None
+             ) -> StepState:
+    """Record the finished step's metrics (store table, trackers; the guard's event counts of
+    the step join them). The checkpoint phase ends the steps where one is due; on the others the
+    update task calls this after the update's wall-clock detectors ran (so their events count),
+    with the ``checkpoint/saved=0`` the checkpoint phase would have added."""
+    extra = {"checkpoint/saved": 0.0} if checkpoint_metrics is None else checkpoint_metrics
+    done = StepState(step=state.step, metrics=merged(state.metrics, extra))
     runtime.record_step_metrics(spec, done.step, done.metrics)
     return done
 

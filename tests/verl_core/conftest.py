@@ -51,8 +51,8 @@ def tracked_run(tmp_path_factory) -> TrackedRun:
             for _ in range(TRACKED_STEPS):
                 sampled = phases.rollout(spec, state)
                 state = phases.update(spec, phases.advantage(spec, phases.reward(spec, sampled)))
-                if phases.checkpoint_due(spec, state.step):
-                    state = phases.checkpoint(spec, state)
+                state = (phases.checkpoint(spec, state) if phases.checkpoint_due(spec, state.step)
+                         else phases.end_step(spec, state))
             phases.evaluate(spec, state)
             phases.finalize(spec, state)
         finally:
