@@ -8,8 +8,10 @@ norm 1.0), the same loss (token-mean PPO-clip, TRL's ``dapo``), group-normalised
 the same rule scorer. Runs N steps of each, one after the other in this process (the Flyte
 workflow as ``pyflyte run`` in a subprocess), ``--repeats`` rounds of TRL, plain loop, workflow and
 TRL again, and prints each round's median step time (steps 1 to ``--warmup`` excluded) and its
-ratio to the mean of the round's two TRL runs, the median ratio over the rounds, and the held-out accuracy before and after, all scored by our greedy
-evaluator.
+ratio to the mean of the round's two TRL runs, the median ratio over the rounds, and the held-out
+accuracy before and after, all scored by our greedy evaluator. Every run's step is timed the same
+way, from the end of the step before to its own end (all a step costs: fetching its prompts,
+logging its metrics, and for the workflow its tasks).
 
     pip install -e '.[bench]' -c .ci/constraints-cpu.txt
     python bench/trl_compare.py                        # 3 rounds of 12 steps each
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -59,10 +62,18 @@ def accuracy(cfg, model_path: str) -> float:
         trainer.close()
 
 
+def intervals(ends: list[float], first: float) -> list[float]:
+    """Step times from the moments steps ended: the first step's own time, then the wall time
+    from one step's end to the next (what a run's throughput is made of)."""
+    return [first] + [b - a for a, b in zip(ends, ends[1:])]
+
+
 def run_trl(cfg, steps: int, out: str) -> tuple[list[float], str]:
     """TRL GRPOTrainer on the same model folder, prompts, batch and optimizer settings. Returns
-    the per-step wall times (generation, reward, loss and optimizer step: a TrainerCallback's
-    step begin to step end) and the final model folder."""
+    the per-step wall times and the final model folder. A step is timed from the end of the one
+    before (a TrainerCallback's ``on_step_end``), as the workflow's are from the phase log: the
+    Trainer fetches the step's prompts before ``on_step_begin`` and logs its metrics after
+    ``on_step_end``, and both are part of a step's cost."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -89,18 +100,22 @@ def run_trl(cfg, steps: int, out: str) -> tuple[list[float], str]:
         weight_decay=o.weight_decay, max_grad_norm=o.grad_clip,
         lr_scheduler_type="constant_with_warmup", warmup_steps=o.warmup_steps,
         dataloader_num_workers=0)
-    times: list[float] = []
+    ends: list[float] = []
+    first: list[float] = []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *a, **k):
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t0)
+            ends.append(time.perf_counter())
+            if len(ends) == 1:
+                first.append(ends[0] - self.t0)
 
     trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=arithmetic_reward, args=args,
                           train_dataset=data, processing_class=tok, callbacks=[StepTimer()])
     trainer.train()
+    times = intervals(ends, first[0])
     final = os.path.join(out, "final_model")
     trainer.model.save_pretrained(final, safe_serialization=True)
     tok.save_pretrained(final)
@@ -144,9 +159,15 @@ def main() -> None:
             trl_times, trl_final = run_trl(cfg, args.steps, os.path.join(out, "trl"))
             res["TRL GRPOTrainer"] = (med(trl_times), start, accuracy(cfg, trl_final))
             if "plain" not in skip:
-                s = train(cfg, os.path.join(out, "plain"), log=lambda *_: None)
-                res["plain loop"] = (med([h["timing/step_s"] for h in s["history"]]),
-                                     s["start_accuracy"], s["end_accuracy"])
+                ends = []  # the loop logs one "step k/N ..." line as each step ends
+
+                def stamp(line):
+                    if re.match(r"step \d+/\d+ ", line):
+                        ends.append(time.perf_counter())
+
+                s = train(cfg, os.path.join(out, "plain"), log=stamp)
+                times = intervals(ends, s["history"][0]["timing/step_s"])
+                res["plain loop"] = (med(times), s["start_accuracy"], s["end_accuracy"])
             if "flyte" not in skip:
                 from orchestration import run_flyte
                 from verl_core.store import RunStore
