@@ -62,10 +62,10 @@ def accuracy(cfg, model_path: str) -> float:
         trainer.close()
 
 
-def intervals(ends: list[float], first: float) -> list[float]:
-    """Step times from the moments steps ended: the first step's own time, then the wall time
+def intervals(start: float, ends: list[float]) -> list[float]:
+    """Step times from when the first step started and the moments steps ended: the wall time
     from one step's end to the next (what a run's throughput is made of)."""
-    return [first] + [b - a for a, b in zip(ends, ends[1:])]
+    return [b - a for a, b in zip([start, *ends], ends)]
 
 
 def run_trl(cfg, steps: int, out: str) -> tuple[list[float], str]:
@@ -100,22 +100,20 @@ def run_trl(cfg, steps: int, out: str) -> tuple[list[float], str]:
         weight_decay=o.weight_decay, max_grad_norm=o.grad_clip,
         lr_scheduler_type="constant_with_warmup", warmup_steps=o.warmup_steps,
         dataloader_num_workers=0)
+    starts: list[float] = []
     ends: list[float] = []
-    first: list[float] = []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
+            starts.append(time.perf_counter())
 
         def on_step_end(self, *a, **k):
             ends.append(time.perf_counter())
-            if len(ends) == 1:
-                first.append(ends[0] - self.t0)
 
     trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=arithmetic_reward, args=args,
                           train_dataset=data, processing_class=tok, callbacks=[StepTimer()])
     trainer.train()
-    times = intervals(ends, first[0])
+    times = intervals(starts[0], ends)
     final = os.path.join(out, "final_model")
     trainer.model.save_pretrained(final, safe_serialization=True)
     tok.save_pretrained(final)
@@ -166,7 +164,7 @@ def main() -> None:
                         ends.append(time.perf_counter())
 
                 s = train(cfg, os.path.join(out, "plain"), log=stamp)
-                times = intervals(ends, s["history"][0]["timing/step_s"])
+                times = intervals(ends[0] - s["history"][0]["timing/step_s"], ends)
                 res["plain loop"] = (med(times), s["start_accuracy"], s["end_accuracy"])
             if "flyte" not in skip:
                 from orchestration import run_flyte

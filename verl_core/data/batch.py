@@ -226,7 +226,7 @@ def batch_from_parquet_bytes(data: bytes) -> Batch:
     # one in-memory file: ParquetFile reads it directly (pq.read_table's dataset layer costs
     # ~0.5 ms more per batch); the same table either way. No reader threads: a batch is a few
     # small column chunks, and handing them to arrow's pool cost more than decoding them here
-    # (0.26 vs 0.38 ms per 256-row batch on an idle 2-core VM; more while a worker computes)
+    # (0.26 vs 0.38 ms per 256-row batch on an idle 2-core VM)
     return table_to_batch(pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False))
 
 
