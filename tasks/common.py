@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+import msgpack
 from flytekit import Cache
+from flytekit.core.constants import FLYTE_USE_OLD_DC_FORMAT, MESSAGEPACK
+from flytekit.core.type_engine import DataclassTransformer
+from flytekit.core.utils import str2bool
 from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.core.context_manager import ExecutionParameters, FlyteContextManager
 from flytekit.extend import TaskPlugins, TypeEngine, TypeTransformer
-from flytekit.models.literals import Literal, Primitive, Scalar
+from flytekit.models.literals import Binary, Literal, Primitive, Scalar
 from flytekit.models.types import LiteralType, SimpleType
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
@@ -23,6 +29,7 @@ from verl_core.engine import runtime
 from verl_core.engine.runtime import RunSpec
 from verl_core.guard.events import event_line
 from verl_core.guard.faults import maybe_inject
+from verl_core.phases import PhaseOut, StepState
 
 T = TypeVar("T")
 
@@ -77,6 +84,43 @@ def _spec_from_json(text: str) -> RunSpec:
 
 
 TypeEngine.register(_RunSpecTransformer())
+
+
+class _PhaseResultTransformer(TypeTransformer[T]):
+    """:class:`PhaseOut` and :class:`StepState` (what every phase returns) as flytekit's own
+    dataclass literal: the same literal type (schema and all, so a cluster still type-checks the
+    wiring and the console shows the fields) and byte-identical msgpack values (so cache keys
+    are unchanged). Why not flytekit's DataclassTransformer itself: on every conversion it walks
+    the value looking for Flyte file types and re-reads the type hints (~0.3 ms per task output,
+    BENCHMARKS.md "A step against TRL"); these two types hold only ints, strings and a float
+    map, so ``msgpack.dumps(asdict(v))`` is the whole job (tests/workflows/test_spec_literal.py
+    checks the bytes against flytekit's). Anything else (FLYTE_USE_OLD_DC_FORMAT, a JSON literal
+    from the console or an older run) goes through flytekit's transformer."""
+
+    def __init__(self, cls: type[T]):
+        super().__init__(cls.__name__, cls)
+        self._cls = cls
+        self._flytekit = DataclassTransformer()
+        self._type = self._flytekit.get_literal_type(cls)
+
+    def get_literal_type(self, t=None) -> LiteralType:
+        return self._type
+
+    def to_literal(self, ctx, python_val: T, python_type, expected) -> Literal:
+        if type(python_val) is not self._cls or str2bool(os.getenv(FLYTE_USE_OLD_DC_FORMAT)):
+            return self._flytekit.to_literal(ctx, python_val, python_type, expected)
+        data = msgpack.dumps(dataclasses.asdict(python_val))
+        return Literal(scalar=Scalar(binary=Binary(value=data, tag=MESSAGEPACK)))
+
+    def to_python_value(self, ctx, lv: Literal, expected_python_type) -> T:
+        binary = lv.scalar.binary if lv.scalar else None
+        if binary is None or binary.tag != MESSAGEPACK:
+            return self._flytekit.to_python_value(ctx, lv, expected_python_type)
+        return self._cls(**msgpack.loads(binary.value))
+
+
+TypeEngine.register(_PhaseResultTransformer(PhaseOut))
+TypeEngine.register(_PhaseResultTransformer(StepState))
 
 
 @dataclass

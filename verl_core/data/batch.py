@@ -102,41 +102,63 @@ def _pad_left(seqs: list[np.ndarray], pad, dtype) -> torch.Tensor:
     return out
 
 
-def _to_list_array(x: torch.Tensor, mask: torch.Tensor, value_type) -> pa.Array:
-    """Padded (N, W) + mask -> arrow list array of each row's unmasked values, in order.
-    Vectorised: one boolean gather and an offsets vector, no per-row Python."""
-    keep = mask.bool().cpu().numpy()
-    values = x.cpu().numpy()[keep]  # row-major: each row's kept values, in order
-    offsets = np.zeros(keep.shape[0] + 1, np.int32)
-    np.cumsum(keep.sum(1), out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, value_type))
+class _Kept:
+    """The unmasked entries of padded (N, W) columns that share one mask: each row's kept
+    values, in order, as arrow list arrays. Vectorised (one boolean gather and one offsets
+    vector, no per-row Python), and the mask work is done once for all columns that share it
+    (the response's token columns)."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.keep = mask.bool().cpu().numpy()  # (N, W)
+        offsets = np.zeros(self.keep.shape[0] + 1, np.int32)
+        np.cumsum(self.keep.sum(1), out=offsets[1:])
+        self.offsets = pa.array(offsets)
+
+    def array(self, x: torch.Tensor, value_type) -> pa.Array:
+        values = x.cpu().numpy()[self.keep]  # row-major: each row's kept values, in order
+        return pa.ListArray.from_arrays(self.offsets, pa.array(values, value_type))
 
 
-def _from_list_array(col, pad, np_dtype, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Arrow list column -> (padded (N, W) array, mask (N, W)); the inverse of
-    :func:`_to_list_array` (left=True pads on the left)."""
+class _Slots:
+    """Where the values of an arrow list column go in a padded (N, W) array (W = the longest
+    row; left=True pads on the left): the inverse of :class:`_Kept`. Built once and reused by
+    the columns that share the offsets (the response's token columns)."""
+
+    def __init__(self, offsets: np.ndarray, left: bool = False):
+        self.offsets = offsets = offsets.astype(np.int64) - offsets[0]
+        lengths = np.diff(offsets)
+        n = len(lengths)
+        self.shape = (n, int(lengths.max()) if n else 0)
+        self.rows = np.repeat(np.arange(n), lengths)
+        pos = np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths)  # index within the row
+        self.pos = pos + (self.shape[1] - lengths)[self.rows] if left else pos
+
+    def matches(self, offsets: np.ndarray) -> bool:
+        return np.array_equal(offsets - offsets[0], self.offsets)
+
+    def padded(self, values, pad, np_dtype) -> np.ndarray:
+        out = np.full(self.shape, pad, np_dtype)
+        out[self.rows, self.pos] = values
+        return out
+
+    def mask(self) -> np.ndarray:
+        return self.padded(True, False, bool)
+
+
+def _list_parts(col) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, flat values) of an arrow list column."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    offsets = arr.offsets.to_numpy().astype(np.int64)
-    offsets = offsets - offsets[0]
-    values = arr.flatten().to_numpy(zero_copy_only=False)
-    lengths = np.diff(offsets)
-    n = len(lengths)
-    width = int(lengths.max()) if n else 0
-    out = np.full((n, width), pad, np_dtype)
-    mask = np.zeros((n, width), bool)
-    rows = np.repeat(np.arange(n), lengths)
-    pos = np.arange(len(values)) - np.repeat(offsets[:-1], lengths)  # index within the row
-    if left:
-        pos = pos + (width - lengths)[rows]
-    out[rows, pos] = values
-    mask[rows, pos] = True
-    return out, mask
+    return arr.offsets.to_numpy(), arr.flatten().to_numpy(zero_copy_only=False)
+
+
+_JSON = json.JSONEncoder(sort_keys=True)
+"""``json.dumps(e, sort_keys=True)`` without building an encoder per call."""
 
 
 def _encode_shared(dicts: list[dict]) -> list[str]:
     """JSON of each row's dict; the G rows of a prompt share one dict, so encode each once."""
     memo: dict[int, str] = {}
-    return [memo[id(e)] if id(e) in memo else memo.setdefault(id(e), json.dumps(e, sort_keys=True))
+    return [memo[id(e)] if id(e) in memo else memo.setdefault(id(e), _JSON.encode(e))
             for e in dicts]
 
 
@@ -149,12 +171,12 @@ def _decode_shared(texts: list[str]) -> list[dict]:
 
 def batch_to_table(batch: Batch) -> pa.Table:
     """One row per response; token columns are unpadded lists (float32 stays float32)."""
-    resp_mask = batch.response_mask
+    resp = _Kept(batch.response_mask)
     cols = {
         "uid": pa.array(batch.uid, pa.string()),
         "group": pa.array(batch.group.numpy(), pa.int64()),
-        "prompt_ids": _to_list_array(batch.prompt_ids, batch.prompt_mask, pa.int32()),
-        "response_ids": _to_list_array(batch.response_ids, resp_mask, pa.int32()),
+        "prompt_ids": _Kept(batch.prompt_mask).array(batch.prompt_ids, pa.int32()),
+        "response_ids": resp.array(batch.response_ids, pa.int32()),
         "ground_truth": pa.array(batch.ground_truth, pa.string()),
         "data_source": pa.array(batch.data_source, pa.string()),
         "extra_info": pa.array(_encode_shared(batch.extra_info), pa.string()),
@@ -162,12 +184,12 @@ def batch_to_table(batch: Batch) -> pa.Table:
     for name in _TOKEN_COLS:
         v = getattr(batch, name)
         if v is not None:
-            cols[name] = _to_list_array(v.float(), resp_mask, pa.float32())
+            cols[name] = resp.array(v.float(), pa.float32())
     if batch.score is not None:
         cols["score"] = pa.array(batch.score.float().numpy(), pa.float32())
     if batch.baseline_response_ids is not None:  # lengths carry the mask, as for response_ids
-        cols["baseline_response_ids"] = _to_list_array(batch.baseline_response_ids,
-                                                       batch.baseline_response_mask, pa.int32())
+        cols["baseline_response_ids"] = _Kept(batch.baseline_response_mask).array(
+            batch.baseline_response_ids, pa.int32())
     if batch.baseline_score is not None:
         cols["baseline_score"] = pa.array(batch.baseline_score.float().numpy(), pa.float32())
     meta = {b"pad_id": str(batch.pad_id).encode(),
@@ -183,22 +205,28 @@ def table_to_batch(table: pa.Table) -> Batch:
     d = {name: table.column(name).to_pylist() if name in ("uid", "ground_truth", "data_source",
                                                              "extra_info") else None
          for name in table.column_names}
-    pid, pmask = _from_list_array(table.column("prompt_ids"), pad_id, np.int64, left=True)
-    rid, rmask = _from_list_array(table.column("response_ids"), pad_id, np.int64)
-    prompt_ids, prompt_mask = torch.from_numpy(pid), torch.from_numpy(pmask.astype(np.int64))
-    response_ids = torch.from_numpy(rid)
-    response_mask = torch.from_numpy(rmask.astype(np.float32))
+    offsets, values = _list_parts(table.column("prompt_ids"))
+    slots = _Slots(offsets, left=True)
+    prompt_ids = torch.from_numpy(slots.padded(values, pad_id, np.int64))
+    prompt_mask = torch.from_numpy(slots.mask().astype(np.int64))
+    offsets, values = _list_parts(table.column("response_ids"))
+    resp = _Slots(offsets)
+    response_ids = torch.from_numpy(resp.padded(values, pad_id, np.int64))
+    response_mask = torch.from_numpy(resp.mask().astype(np.float32))
     kw = {}
     for name in _TOKEN_COLS:
         if name in table.column_names:
-            kw[name] = torch.from_numpy(_from_list_array(table.column(name), 0.0, np.float32)[0])
+            offsets, values = _list_parts(table.column(name))
+            slots = resp if resp.matches(offsets) else _Slots(offsets)  # ours always match
+            kw[name] = torch.from_numpy(slots.padded(values, 0.0, np.float32))
     for name in ("score", "baseline_score"):
         if name in table.column_names:
             kw[name] = torch.tensor(table.column(name).to_numpy(), dtype=torch.float32)
     if "baseline_response_ids" in table.column_names:
-        bid, bmask = _from_list_array(table.column("baseline_response_ids"), pad_id, np.int64)
-        kw["baseline_response_ids"] = torch.from_numpy(bid)
-        kw["baseline_response_mask"] = torch.from_numpy(bmask.astype(np.float32))
+        offsets, values = _list_parts(table.column("baseline_response_ids"))
+        slots = _Slots(offsets)
+        kw["baseline_response_ids"] = torch.from_numpy(slots.padded(values, pad_id, np.int64))
+        kw["baseline_response_mask"] = torch.from_numpy(slots.mask().astype(np.float32))
     logprobs = kw.pop("response_logprobs", torch.zeros_like(response_mask))
     return Batch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,

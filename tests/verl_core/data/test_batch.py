@@ -104,3 +104,26 @@ def test_batch_object_is_plain_parquet_dictionary_encoded_only_where_strings_rep
                   for i in range(meta.num_columns)
                   if any("DICTIONARY" in e for e in meta.column(i).encodings)}
     assert dictionary == {"uid", "ground_truth", "data_source", "extra_info"}
+
+
+def test_a_table_in_chunks_or_with_its_own_token_lengths_decodes_by_its_offsets():
+    # table_to_batch reuses the response's slots for the token columns when their offsets match
+    # (always, for batches we write); chunked/sliced columns and a column of other lengths (a
+    # table edited by hand) must still decode by their own offsets
+    import pyarrow as pa
+
+    from verl_core.data.batch import batch_to_table, table_to_batch
+
+    b = _batch()
+    t = batch_to_table(b)
+    chunked = pa.concat_tables([t.slice(0, 2), t.slice(2, 3), t.slice(5)])
+    assert chunked.column("response_ids").num_chunks == 3
+    r = table_to_batch(chunked)
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages"):
+        assert torch.equal(getattr(r, name), getattr(b, name)), name
+    own = [[0.5] * (i % 3) for i in range(b.num_rows)]  # lengths 0, 1, 2, 0, 1, 2
+    t2 = t.set_column(t.column_names.index("advantages"), "advantages",
+                      pa.array(own, pa.list_(pa.float32())))
+    adv = table_to_batch(t2).advantages
+    assert adv.shape == (b.num_rows, 2)
+    assert adv.tolist() == [[0.5] * (i % 3) + [0.0] * (2 - i % 3) for i in range(b.num_rows)]
