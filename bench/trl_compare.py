@@ -198,6 +198,12 @@ def main() -> None:
         print(f"| {name} | {' / '.join(f'{x:.3f}' for x in secs)} | "
               f"{' / '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}** | "
               f"{a0:.3f} -> {a1:.3f} |")
+    if {"plain loop", "Flyte workflow"} <= set(rounds[0]):
+        # within a round, and untouched by how TRL's own speed drifts: what the orchestration
+        # (tasks, Ray calls, committed batches) costs over the same work in one process
+        over = [rd["Flyte workflow"][0] / rd["plain loop"][0] for rd in rounds]
+        print(f"\nFlyte workflow / plain loop per round: {' / '.join(f'{x:.2f}' for x in over)}"
+              f" (median {statistics.median(over):.2f})")
 
 
 if __name__ == "__main__":
