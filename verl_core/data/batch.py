@@ -151,6 +151,14 @@ def _list_parts(col) -> tuple[np.ndarray, np.ndarray]:
     return arr.offsets.to_numpy(), arr.flatten().to_numpy(zero_copy_only=False)
 
 
+def _ids_and_mask(col, pad, mask_dtype, left: bool = False):
+    """An id list column as (padded ids (N, W) long, mask (N, W) ``mask_dtype``, its slots)."""
+    offsets, values = _list_parts(col)
+    slots = _Slots(offsets, left=left)
+    return (torch.from_numpy(slots.padded(values, pad, np.int64)),
+            torch.from_numpy(slots.mask().astype(mask_dtype)), slots)
+
+
 _JSON = json.JSONEncoder(sort_keys=True)
 """``json.dumps(e, sort_keys=True)`` without building an encoder per call."""
 
@@ -205,14 +213,10 @@ def table_to_batch(table: pa.Table) -> Batch:
     d = {name: table.column(name).to_pylist() if name in ("uid", "ground_truth", "data_source",
                                                              "extra_info") else None
          for name in table.column_names}
-    offsets, values = _list_parts(table.column("prompt_ids"))
-    slots = _Slots(offsets, left=True)
-    prompt_ids = torch.from_numpy(slots.padded(values, pad_id, np.int64))
-    prompt_mask = torch.from_numpy(slots.mask().astype(np.int64))
-    offsets, values = _list_parts(table.column("response_ids"))
-    resp = _Slots(offsets)
-    response_ids = torch.from_numpy(resp.padded(values, pad_id, np.int64))
-    response_mask = torch.from_numpy(resp.mask().astype(np.float32))
+    prompt_ids, prompt_mask, _ = _ids_and_mask(table.column("prompt_ids"), pad_id, np.int64,
+                                               left=True)
+    response_ids, response_mask, resp = _ids_and_mask(table.column("response_ids"), pad_id,
+                                                      np.float32)
     kw = {}
     for name in _TOKEN_COLS:
         if name in table.column_names:
@@ -223,10 +227,8 @@ def table_to_batch(table: pa.Table) -> Batch:
         if name in table.column_names:
             kw[name] = torch.tensor(table.column(name).to_numpy(), dtype=torch.float32)
     if "baseline_response_ids" in table.column_names:
-        offsets, values = _list_parts(table.column("baseline_response_ids"))
-        slots = _Slots(offsets)
-        kw["baseline_response_ids"] = torch.from_numpy(slots.padded(values, pad_id, np.int64))
-        kw["baseline_response_mask"] = torch.from_numpy(slots.mask().astype(np.float32))
+        kw["baseline_response_ids"], kw["baseline_response_mask"], _ = _ids_and_mask(
+            table.column("baseline_response_ids"), pad_id, np.float32)
     logprobs = kw.pop("response_logprobs", torch.zeros_like(response_mask))
     return Batch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
