@@ -851,15 +851,22 @@ class RunStore:
     def append_log(self, name: str, record: dict) -> None:
         """Append one JSON record to log ``name``. Locally: one ``O_APPEND`` write per record (a
         record is never interleaved with another writer's). Object stores: one small object per
-        record under ``logs/<name>/``, since S3 cannot append."""
+        record under ``logs/<name>/``, since S3 cannot append.
+
+        A writer killed mid-record leaves a torn last line with no newline; the next record would
+        be glued to it and lost with it on read, so it then starts with a newline of its own
+        (two writers both repairing leave one empty line, which :meth:`read_log` skips)."""
         check_doc_name(name)
         line = json.dumps(record, sort_keys=True, separators=(",", ":"), default=str) + "\n"
         with _io(f"appending to log {name}"):
             if self.is_local:
                 path = self._p(f"logs/{name}.jsonl")
                 self._makedirs(os.path.dirname(path))
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
                 try:
+                    size = os.fstat(fd).st_size
+                    if size and os.pread(fd, 1, size - 1) != b"\n":
+                        line = "\n" + line  # a torn tail: end it before this record
                     os.write(fd, line.encode("utf-8"))
                 finally:
                     os.close(fd)

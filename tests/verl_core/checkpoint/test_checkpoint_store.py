@@ -101,6 +101,18 @@ def test_append_log_is_append_only_and_survives_torn_line(store):
     assert store.read_log("other") == []
 
 
+def test_append_after_a_torn_line_starts_a_new_line(store):
+    """A record appended after a torn tail is not glued to it (and lost with it) on read."""
+    store.append_log("phases", {"k": 0})
+    with open(f"{store.root}/logs/phases.jsonl", "a") as f:
+        f.write('{"torn": ')  # a writer killed mid-record
+    store.append_log("phases", {"k": 1})
+    store.append_log("phases", {"k": 2})  # a whole tail: no extra newline
+    assert store.read_log("phases") == [{"k": 0}, {"k": 1}, {"k": 2}]
+    with open(f"{store.root}/logs/phases.jsonl") as f:
+        assert f.read().splitlines() == ['{"k":0}', '{"torn": ', '{"k":1}', '{"k":2}']
+
+
 def test_io_errors_are_transient(store, monkeypatch):
     import errno
 
