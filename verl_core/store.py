@@ -59,13 +59,13 @@ log = logging.getLogger(__name__)
 
 __all__ = ["RunStore", "StoreStats", "NotFoundError", "StorePermissionError", "is_sha256",
            "check_sha256", "check_doc_name", "sha256_hex", "hash_hex", "new_hasher",
-           "check_hash_algo", "HASH_ALGOS", "canonical_json"]
+           "check_hash_algo", "HASH_ALGOS", "canonical_json", "resolve_storage_options"]
 
 STORE_FORMAT = "verl-run-store/1"
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 # A doc name is one or more '/'-separated segments; each starts with an alphanumeric or '_' so
 # '.', '..', hidden files and absolute paths are impossible.
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}\Z")  # \Z: "$" admits a final "\n"
 _MISSING = object()
 
 
@@ -232,6 +232,20 @@ def _io(what: str, *, missing_ok: bool = False):
         raise StoreUnavailableError(f"{what}: I/O error ({type(e).__name__}: {e})") from e
 
 
+def resolve_storage_options(url: str, storage_options: Optional[dict] = None) -> dict:
+    """The fsspec options every call of a run makes for ``url`` with: for S3 the endpoint from
+    ``$VERL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL`` and the client timeouts (:func:`_s3_options`),
+    for anything else ``storage_options`` as given. Idempotent, so options a :class:`RunStore`
+    already resolved (its ``storage_options``) can pass through again unchanged.
+
+    Why one function: botocore knows nothing of ``VERL_S3_ENDPOINT``, so an fsspec call built
+    from the caller's raw options reaches the default AWS endpoint instead of the configured
+    server (issue 21: finalize sent the final model there)."""
+    protocol = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else "file"
+    opts = dict(storage_options or {})
+    return _s3_options(opts) if protocol in ("s3", "s3a") else opts
+
+
 def _s3_options(storage_options: dict) -> dict:
     """Default endpoint (from env) and short timeouts for s3fs, unless the caller chose them."""
     opts = dict(storage_options)
@@ -274,10 +288,7 @@ class RunStore:
                  op_timeout_s: Optional[float] = None):
         if not isinstance(root, str) or not root:
             raise PermanentError(f"store root {root!r} must be a non-empty path or URL")
-        opts = dict(storage_options or {})
-        protocol = root.split("://", 1)[0] if "://" in root else "file"
-        if protocol in ("s3", "s3a"):
-            opts = _s3_options(opts)
+        opts = resolve_storage_options(root, storage_options)
         with _io(f"opening store {root}"):
             self.fs, path = fsspec.core.url_to_fs(root, **opts)
         self.is_local = isinstance(self.fs, LocalFileSystem)
@@ -285,7 +296,10 @@ class RunStore:
         self.op_timeout_s = float(op_timeout_s or os.environ.get("VERL_STORE_TIMEOUT_S") or 300)
         self.root = (os.path.abspath(path) if self.is_local else path.rstrip("/"))
         self.uri = self.root if self.is_local else root.rstrip("/")
-        self.storage_options = storage_options or {}
+        # the resolved options (endpoint and timeouts included): every fsspec call of the run
+        # that does not go through this store (finalize's export, a worker's own store, the
+        # probe) builds its filesystem from these, never from the caller's raw options
+        self.storage_options = opts
         self.fsync = fsync
         self.io_threads = io_threads or (4 if self.is_local else 16)
         self.stats = StoreStats()
