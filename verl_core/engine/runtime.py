@@ -32,8 +32,9 @@ from typing import Callable, TypeVar
 from verl_core.alarm import alarm
 from verl_core.checkpoint.errors import TransientError
 from verl_core.checkpoint.manager import CheckpointManager
-from verl_core.store import RunStore
-from verl_core.config import RunConfig
+from verl_core.errors import UnsafeManifestError
+from verl_core.store import RunStore, check_doc_name
+from verl_core.config import ConfigError, RunConfig
 from verl_core.engine import cluster
 from verl_core.engine.assets import materialize_assets, publish_assets
 from verl_core.engine.group import WorkerGroup, WorkerLostError  # noqa: F401 (re-exported)
@@ -121,8 +122,17 @@ def _store(uri: str) -> RunStore:
 
 # ---------------------------------------------------------------------- preparation
 def run_store_uri(store: str, run_name: str) -> str:
-    if not run_name or "/" in run_name or run_name.startswith("."):
-        raise ValueError(f"--run-name {run_name!r}: use a plain name (letters, digits, - _ .)")
+    """``<store>/<run_name>``. The name becomes a path segment on every store and in Ray actor
+    names, so it is held to the rule its error states (the store's doc-segment rule): a space,
+    ``\\``, a newline, non-ASCII or ``..`` would each mean something else to some filesystem."""
+    try:
+        ok = isinstance(run_name, str) and "/" not in run_name and bool(check_doc_name(run_name))
+    except UnsafeManifestError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"--run-name {run_name!r}: use a plain name (letters, digits, - _ .): "
+                          "ASCII only, at most 200 characters, starting with a letter, a digit "
+                          "or _, no '..'")
     base = store or os.environ.get("VERL_STORE") or os.path.join(os.getcwd(), "runs")
     return f"{base.rstrip('/')}/{run_name}"
 
