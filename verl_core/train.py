@@ -194,7 +194,8 @@ def main(argv=None) -> int:
                    help="ppo (GAE + critic), or an advantage estimator: grpo, rloo, "
                         "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, "
                         "grpo_passk, gdpo, optimal_token_baseline, tir_optimal_token_baseline "
-                        "(grpo_vectorized, rloo_vectorized: aliases)")
+                        "(grpo_vectorized: alias of grpo; rloo_vectorized: rloo, 0 for a group of "
+                        "one)")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
     p.add_argument("--model", default="", help="local HF model folder (default: tiny model)")
     p.add_argument("--train-files", default="", help="comma-separated parquet files")

@@ -66,7 +66,7 @@ def ppo(algorithm: str = "grpo", model: str = "", train_files: str = "", val_fil
 
     algorithm: grpo | ppo (GAE + critic) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
         | remax (greedy baseline rollout) | opo | gpg | grpo_passk | gdpo | optimal_token_baseline
-        | tir_optimal_token_baseline | grpo_vectorized, rloo_vectorized (aliases); see README
+        | tir_optimal_token_baseline | grpo_vectorized (alias) | rloo_vectorized; see README
     model: local Hugging Face folder ("" = tiny model, warm-started on the synthetic task)
     train_files / val_files: comma-separated parquet files in verl's row layout ("" = synthetic)
     steps, batch_size (prompts per step), rollout_n (samples per prompt): 0 = preset default

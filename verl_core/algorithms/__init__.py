@@ -6,7 +6,7 @@ caller reduces and logs. No config objects, I/O or host syncs in here. Each fami
 config's name and never branch on it:
 
 * ``ADVANTAGE_ESTIMATORS`` (``algorithm.adv_estimator``): gae, grpo (alias grpo_vectorized),
-  rloo (alias rloo_vectorized), reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo,
+  rloo, rloo_vectorized (groups of one: 0, not the score), reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo,
   gpg, grpo_passk, gdpo, optimal_token_baseline, tir_optimal_token_baseline; each entry carries
   its :class:`EstimatorTraits` (critic, groups, greedy baseline, Σπ²);
 * ``POLICY_LOSSES`` (``algorithm.policy_loss``): vanilla, gspo, cispo, dppo_tv, dppo_kl, sapo,

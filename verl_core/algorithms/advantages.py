@@ -269,7 +269,7 @@ def _outcome_over_tokens(adv: Tensor, dtype: torch.dtype, response_mask: Tensor)
     return advantages, advantages.clone()
 
 
-@register_advantage("rloo", "rloo_vectorized", needs_groups=True)
+@register_advantage("rloo", needs_groups=True)
 @torch.no_grad()
 def rloo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
          values: Optional[Tensor], *, gamma: float, lam: float,
@@ -281,15 +281,11 @@ def rloo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740;
     Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free").
 
-    Follows verl ``compute_rloo_outcome_advantage``: in a group of n > 1 responses with mean μ,
+    Follows verl ``compute_rloo_outcome_advantage`` (its loop version): in a group of n > 1
+    responses with mean μ,
         A_i = s_i * n/(n-1) - μ * n/(n-1)  =  s_i - mean_{j != i} s_j
-    broadcast over the response's tokens; a group of one keeps its raw score.
-
-    ``rloo_vectorized`` is an alias. Deliberate difference: verl's
-    ``compute_rloo_vectorized_outcome_advantage`` gives a group of one advantage 0 where its
-    ``compute_rloo_outcome_advantage`` keeps the raw score; both names follow the latter here, so
-    the two names never disagree (with ``rollout.n >= 2``, which the config requires, there are no
-    groups of one and verl's two functions agree too).
+    broadcast over the response's tokens; a group of one keeps its raw score, A_i = s_i.
+    :func:`rloo_vectorized` differs from it on groups of one only, as verl's two functions do.
 
     Args:
         token_level_rewards: (N, T); the score is its row sum.
@@ -300,10 +296,46 @@ def rloo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
     """
     _check(token_level_rewards, response_mask, group_index, values)
     scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,)
+    adv = _leave_one_out(scores, group_index, singleton=scores)
+    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+
+
+@register_advantage("rloo_vectorized", needs_groups=True)
+@torch.no_grad()
+def rloo_vectorized(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
+                    values: Optional[Tensor], *, gamma: float, lam: float,
+                    norm_adv_by_std_in_grpo: bool,
+                    baseline_score: Optional[Tensor] = None,
+                    old_logprobs: Optional[Tensor] = None,
+                    sum_pi_squared: Optional[Tensor] = None,
+                    reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """RLOO as verl ``compute_rloo_vectorized_outcome_advantage`` computes it:
+        A_i = (n s_i - Σ_j s_j) / max(n - 1, 1) * [n > 1]
+    the same numbers as :func:`rloo` on groups of n > 1, but a group of one gets advantage 0
+    (no other response to compare with, so no learning signal) where verl's loop version, and
+    :func:`rloo`, keep its raw score. Each name follows its own verl function, so a verl config
+    naming either gives verl's numbers. Groups of one need ``rollout.n = 1``, which the config
+    refuses for both (``needs_groups``), or rows missing from a group.
+
+    Args:
+        token_level_rewards: (N, T); the score is its row sum.
+        response_mask: (N, T). group_index: (N,) long.
+        values, gamma, lam, norm_adv_by_std_in_grpo: unused.
+    Returns:
+        advantages (N, T) and returns (N, T), equal.
+    """
+    _check(token_level_rewards, response_mask, group_index, values)
+    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,)
+    adv = _leave_one_out(scores, group_index, singleton=torch.zeros_like(scores))
+    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+
+
+def _leave_one_out(scores: Tensor, group_index: Tensor, *, singleton: Tensor) -> Tensor:
+    """s_i minus the mean of the other scores of its group (N,) float64, for scores (N,)
+    float64; ``singleton`` (N,) where the group has one response."""
     count, mean, _ = _group_stats(scores, group_index)
     factor = count / (count - 1).clamp(min=1.0)  # n / (n - 1)
-    adv = torch.where(count > 1, scores * factor - mean * factor, scores)  # s·n/(n-1) - μ·n/(n-1)
-    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+    return torch.where(count > 1, scores * factor - mean * factor, singleton)  # s·n/(n-1) - μ·n/(n-1)
 
 
 @register_advantage("reinforce_plus_plus")

@@ -73,6 +73,15 @@ def naive_rloo(rewards, mask, index):
     return [[a * m for m in mrow] for a, mrow in zip(out, mask.tolist())]
 
 
+def naive_rloo_vectorized(rewards, mask, index):
+    """verl's vectorized RLOO: (n s - sum) / max(n - 1, 1) * [n > 1], so a group of one gets 0."""
+    scores = [sum(r) for r in rewards.tolist()]
+    groups = naive_group(scores, index.tolist())
+    out = [(len(groups[g]) * s - sum(groups[g])) / max(len(groups[g]) - 1, 1)
+           * (len(groups[g]) > 1) for s, g in zip(scores, index.tolist())]
+    return [[a * m for m in mrow] for a, mrow in zip(out, mask.tolist())]
+
+
 def naive_rpp_baseline(rewards, mask, index):
     scores = [sum(r) for r in rewards.tolist()]
     groups = naive_group(scores, index.tolist())
@@ -215,6 +224,10 @@ def test_rloo_hand_computed():
     # the group of one keeps its raw score 5
     assert adv[:, 0].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 5.0], rel=1e-6)
     assert torch.equal(adv, ret)
+    # verl's vectorized RLOO: the same group of four, (4 s - 2) / 3; the group of one gets 0
+    adv, ret = run("rloo_vectorized", rewards, mask, index)
+    assert adv[:, 0].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0], rel=1e-6)
+    assert torch.equal(adv, ret)
 
 
 def test_reinforce_plus_plus_hand_computed():
@@ -327,6 +340,8 @@ def test_rloo_matches_naive(seed):
     rewards, mask, index, _ = random_batch(seed)
     adv, _ = run("rloo", rewards, mask, index)
     assert_on_mask(adv, naive_rloo(rewards, mask, index), mask)
+    adv, _ = run("rloo_vectorized", rewards, mask, index)
+    assert_on_mask(adv, naive_rloo_vectorized(rewards, mask, index), mask)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -790,20 +805,23 @@ def test_verl_0_9_names_are_all_registered():
     assert set(ADVANTAGE_ESTIMATORS.names(include_aliases=True)) == verl
 
 
-def test_vectorized_names_are_aliases():
+def test_vectorized_names_follow_their_own_verl_function():
+    # verl's two GRPO functions agree everywhere (singletons included): one entry, two names
     assert ADVANTAGE_ESTIMATORS.get("grpo_vectorized") is ADVANTAGE_ESTIMATORS.get("grpo")
-    assert ADVANTAGE_ESTIMATORS.get("rloo_vectorized") is ADVANTAGE_ESTIMATORS.get("rloo")
-    # a group of one keeps its raw score under both names (verl's rloo_vectorized gives it 0)
+    # verl's two RLOO functions differ on a group of one (issue 21 item 9): the loop version
+    # keeps its raw score, the vectorized one multiplies by [n > 1]; each name follows its own
     rewards, mask = outcome([1.0, 0.0, 5.0])
-    adv, _ = run("rloo_vectorized", rewards, mask, torch.tensor([0, 0, 1]))
-    assert adv[:, 0].tolist() == [1.0, -1.0, 5.0]
+    index = torch.tensor([0, 0, 1])
+    assert run("rloo", rewards, mask, index)[0][:, 0].tolist() == [1.0, -1.0, 5.0]
+    assert run("rloo_vectorized", rewards, mask, index)[0][:, 0].tolist() == [1.0, -1.0, 0.0]
 
 
 def test_traits_live_on_the_registry_entries():
     t = ADVANTAGE_ESTIMATORS.traits
     assert t("gae").needs_critic and not any(t(n).needs_critic for n in ADVANTAGE_ESTIMATORS
                                              if n != "gae")
-    assert set(GROUP_ESTIMATORS) == {"grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg",
+    assert set(GROUP_ESTIMATORS) == {"grpo", "rloo", "rloo_vectorized",
+                                     "reinforce_plus_plus_baseline", "opo", "gpg",
                                      "grpo_passk", "gdpo", "optimal_token_baseline",
                                      "tir_optimal_token_baseline"}
     assert t("grpo_vectorized") is t("grpo")
