@@ -33,10 +33,13 @@ class CorruptObjectError(PermanentError):
     """A stored object is missing, truncated, has the wrong hash, or is not in the expected format.
     The message names the object (and the checkpoint/group/tensor when known)."""
 
-    def __init__(self, message: str, *, sha: str | None = None, path: str | None = None):
+    def __init__(self, message: str, *, sha: str | None = None, path: str | None = None,
+                 quarantined: str | None = None):
         super().__init__(message)
         self.sha = sha
         self.path = path
+        self.quarantined = quarantined
+        """Where the reader moved the damaged bytes (``quarantine/…``), or None."""
 
 class UnsafeManifestError(PermanentError):
     """A manifest, pointer or reference is malformed or tries to name something outside the store

@@ -12,7 +12,9 @@ Layout under the store root (a local folder, NFS, ``s3://bucket/prefix`` or any 
     <doc>.json                    small named JSON docs (manifests, pointers, shared indexes)
     logs/<name>.jsonl             local append-only JSON-lines log (one O_APPEND write per record)
     logs/<name>/<ns>-<uuid>.json  the same log on object stores (S3 cannot append)
-    quarantine/<sha>-<ns>         damaged objects moved aside by loads and ``verify --repair``
+    quarantine/<sha>-<ns>         damaged objects moved aside by loads, writes of the same content
+                                  and ``verify --repair``
+    quarantine/<doc>-<ns>.json    damaged docs moved aside by their readers ('/' written as '__')
     <doc>.cas/<n>.json            compare-and-swap docs (the run lease), local: generation n
     <doc>.json                    the same on S3, replaced by conditional PUTs (see ``put_if``)
 
@@ -523,12 +525,19 @@ class RunStore:
         return self.object_size(sha) is not None
 
     def put_parts(self, parts: Sequence[Any], *, sha: Optional[str] = None,
-                  algo: str = "sha256") -> tuple[str, int, bool]:
+                  algo: str = "sha256", verify_existing: bool = True) -> tuple[str, int, bool]:
         """Store the concatenation of ``parts`` (bytes-like, written without joining locally),
         named by its ``algo`` hash.
 
-        Returns ``(sha, size, written)``; ``written`` is False when an object of that hash and size
+        Returns ``(sha, size, written)``; ``written`` is False when an intact object of that hash
         already existed (the incremental case). ``sha`` may be passed if the caller already hashed.
+
+        An existing object of the right size is re-hashed before the write is skipped, and a
+        damaged one (flipped bytes keep the size) is moved to ``quarantine/`` and written again:
+        otherwise re-running a phase (``--overwrite-cache``) could never repair what it wrote.
+        ``verify_existing=False`` trusts the size alone; only checkpoint chunks use it, whose
+        incremental saves would re-read every unchanged chunk (the reference model, frozen layers)
+        and whose damaged objects loads and ``verify --repair`` quarantine instead.
         """
         views = [memoryview(p).cast("B") for p in parts]
         size = sum(v.nbytes for v in views)
@@ -537,10 +546,20 @@ class RunStore:
         path = self.object_path(sha)
         with _io(f"writing object {sha} to {self.uri}"):
             existing = self._size(path)
-            if existing == size:
+            if existing == size and not verify_existing:
                 self._count(objects_skipped=1, bytes_skipped=size)
                 return sha, size, False
-            if existing is not None:
+            if existing == size:
+                try:
+                    data = self._read_file(path)
+                except FileNotFoundError:  # moved aside (or collected) since the stat
+                    data = None
+                if data is not None and hash_hex([data], algo) == sha:
+                    self._count(objects_skipped=1, bytes_skipped=size)
+                    return sha, size, False
+                if data is not None:
+                    self._set_aside(sha, path, data)
+            elif existing is not None:
                 log.warning("object %s exists with size %d != %d; rewriting it", sha, existing,
                             size)
             self._write_file(path, views)
@@ -553,9 +572,12 @@ class RunStore:
         return self.put_parts([data], algo=algo)[0]
 
     def get_bytes(self, sha: str, verify: bool = True, *, what: str = "",
-                  algo: str = "sha256") -> bytes:
+                  algo: str = "sha256", quarantine: bool = False) -> bytes:
         """Read object ``sha``. Missing, or (with ``verify``) a mismatch of its ``algo`` hash,
-        raises :class:`CorruptObjectError` naming the object and ``what`` it was for."""
+        raises :class:`CorruptObjectError` naming the object and ``what`` it was for. With
+        ``quarantine`` a damaged object is also moved to ``quarantine/`` (its bytes kept), so the
+        next write of the same content stores it afresh and later reads find it missing rather
+        than damaged; the error's ``quarantined`` names where it went."""
         path = self.object_path(sha)
         label = f"object {sha}" + (f" ({what})" if what else "")
         try:
@@ -568,9 +590,14 @@ class RunStore:
         if verify:
             got = hash_hex([data], algo)
             if got != sha:
+                moved = None
+                if quarantine:
+                    with _io(f"quarantining {label}"):
+                        moved = self._set_aside(sha, path, data)
                 raise CorruptObjectError(
-                    f"{label} at {path} is corrupted: its {len(data)} bytes hash to {got}",
-                    sha=sha, path=path)
+                    f"{label} at {path} is corrupted: its {len(data)} bytes hash to {got}"
+                    + (f"; moved to {moved}" if moved else ""), sha=sha, path=path,
+                    quarantined=moved)
         return data
 
     def local_object_path(self, sha: str) -> Optional[str]:
@@ -623,7 +650,6 @@ class RunStore:
         damaged in every later checkpoint too. Once it is moved aside, the next save that holds
         those tensors writes it afresh; the damaged bytes are kept for inspection, not deleted."""
         path = self.object_path(sha)
-        dest = self._p(f"quarantine/{sha}-{time.time_ns()}")
         with _io(f"quarantining object {sha}"):
             try:
                 data = self._read_file(path)
@@ -631,18 +657,31 @@ class RunStore:
                 return False
             if hash_hex([data], algo) == sha:
                 return False
-            if self.is_local:
-                self._makedirs(os.path.dirname(dest))
-                try:
-                    os.replace(path, dest)
-                except FileNotFoundError:
-                    return False
-            else:
-                self._call("pipe_file", dest, data)
-                self._rm(path)
-        log.warning("object %s is damaged (%d bytes that hash to something else); moved it to %s "
-                    "so the next save rewrites it", sha, len(data), dest)
-        return True
+            return self._set_aside(sha, path, data) is not None
+
+    def _set_aside(self, sha: str, path: str, data: bytes) -> Optional[str]:
+        """Move damaged object ``sha`` (its bytes ``data``, already judged) from ``path`` to
+        ``quarantine/<sha>-<ns>``; the destination, or None if it vanished meanwhile. Callers
+        wrap it in :func:`_io`."""
+        dest = self._move(path, self._p(f"quarantine/{sha}-{time.time_ns()}"), data)
+        if dest:
+            log.warning("object %s is damaged (%d bytes that hash to something else); moved it "
+                        "to %s so the next save rewrites it", sha, len(data), dest)
+        return dest
+
+    def _move(self, path: str, dest: str, data: bytes) -> Optional[str]:
+        """Move the file at ``path`` (whose bytes are ``data``) to ``dest``: ``dest``, or None if
+        it vanished first. On object stores a copy then a delete (S3 has no rename)."""
+        if self.is_local:
+            self._makedirs(os.path.dirname(dest))
+            try:
+                os.replace(path, dest)
+            except FileNotFoundError:
+                return None
+        else:
+            self._call("pipe_file", dest, data)
+            self._rm(path)
+        return dest
 
     def delete_path(self, path: str) -> None:
         """Delete a leftover temp file returned by :meth:`iter_temp_files`."""
@@ -673,9 +712,11 @@ class RunStore:
         except FileNotFoundError as e:
             raise NotFoundError(f"{name}.json does not exist in {self.uri}") from e
 
-    def get_json(self, name: str, default: Any = _MISSING) -> Any:
+    def get_json(self, name: str, default: Any = _MISSING, *, quarantine: bool = False) -> Any:
         """Read doc ``<name>.json``; missing -> ``default`` if given, else :class:`NotFoundError`;
-        unparseable -> :class:`CorruptObjectError` naming the doc."""
+        unparseable -> :class:`CorruptObjectError` naming the doc. With ``quarantine`` the
+        unparseable doc is also moved to ``quarantine/`` (see :meth:`quarantine_doc`), so a
+        re-run finds it missing, which its reader knows how to recompute or explain."""
         try:
             raw = self.get_json_raw(name)
         except NotFoundError:
@@ -685,8 +726,28 @@ class RunStore:
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise CorruptObjectError(f"{name}.json in {self.uri} is not valid JSON ({e})",
-                                     path=self.doc_path(name)) from e
+            moved = self.quarantine_doc(name, raw) if quarantine else None
+            raise CorruptObjectError(f"{name}.json in {self.uri} is not valid JSON ({e})"
+                                     + (f"; moved to {moved}" if moved else ""),
+                                     path=self.doc_path(name), quarantined=moved) from e
+
+    def quarantine_doc(self, name: str, raw: bytes) -> Optional[str]:
+        """Move doc ``<name>.json``, whose bytes ``raw`` its reader found damaged, to
+        ``quarantine/<name, '/' as '__'>-<ns>.json`` (kept for inspection, like damaged objects)
+        and return where it went; None if it changed or vanished since it was read (a writer
+        replaced it: the new doc is left alone)."""
+        path = self.doc_path(name)
+        dest = self._p(f"quarantine/{name.replace('/', '__')}-{time.time_ns()}.json")
+        with _io(f"quarantining {name}.json"):
+            try:
+                if self._read_file(path) != raw:
+                    return None
+            except FileNotFoundError:
+                return None
+            if self._move(path, dest, raw) is None:
+                return None
+        log.warning("%s.json in %s is damaged; moved it to %s", name, self.uri, dest)
+        return dest
 
     def has_json(self, name: str) -> bool:
         with _io(f"stat of {name}.json"):

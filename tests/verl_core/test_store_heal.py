@@ -1,0 +1,100 @@
+"""Damaged store objects and docs are set aside and rewritten (issue 21 item 2): a write of the
+same content never trusts an object just because its size matches, a reader can quarantine what
+it found damaged, and nothing intact is ever moved."""
+import json
+import os
+
+import pytest
+
+from verl_core.errors import CorruptObjectError
+from verl_core.store import RunStore, sha256_hex
+
+
+@pytest.fixture
+def store(tmp_path):
+    return RunStore(str(tmp_path / "store"), fsync=False)
+
+
+def _flip(path, n=64, at=16):
+    """Flip ``n`` bytes of the file in place (bit rot: same size, other content)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        data = f.read(n)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _quarantined(store):
+    d = os.path.join(store.root, "quarantine")
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def test_same_size_damaged_object_is_rewritten_by_put_parts(store):
+    data = os.urandom(4096)
+    sha, size, written = store.put_parts([data])
+    assert written and size == 4096
+    _flip(store.object_path(sha))
+    assert os.path.getsize(store.object_path(sha)) == size  # the size cannot tell
+    with pytest.raises(CorruptObjectError):
+        store.get_bytes(sha)
+
+    assert store.put_parts([data]) == (sha, size, True)  # rewritten, not skipped
+    assert store.get_bytes(sha) == data
+    (moved,) = _quarantined(store)  # the damaged bytes are kept for inspection
+    assert moved.startswith(sha)
+    assert store.stats.objects_written == 2 and store.stats.objects_skipped == 0
+
+
+def test_intact_object_is_still_skipped_and_opt_out_trusts_the_size(store):
+    data = b"x" * 1000
+    sha, _, _ = store.put_parts([data])
+    assert store.put_parts([data]) == (sha, 1000, False)  # verified intact: skipped
+    _flip(store.object_path(sha), n=8)
+    # checkpoint chunks opt out (their loads and `verify --repair` quarantine instead)
+    assert store.put_parts([data], verify_existing=False) == (sha, 1000, False)
+    assert _quarantined(store) == []
+
+
+def test_get_bytes_quarantines_a_damaged_object_when_asked(store):
+    data = os.urandom(512)
+    sha = store.put_bytes(data)
+    _flip(store.object_path(sha))
+    with pytest.raises(CorruptObjectError) as plain:
+        store.get_bytes(sha)
+    assert plain.value.quarantined is None and store.has_object(sha)  # a plain read moves nothing
+
+    with pytest.raises(CorruptObjectError) as e:
+        store.get_bytes(sha, quarantine=True, what="batch")
+    assert e.value.quarantined and os.path.exists(e.value.quarantined)
+    assert "moved to" in str(e.value) and "batch" in str(e.value)
+    assert not store.has_object(sha)
+    assert store.put_bytes(data) == sha and store.get_bytes(sha) == data  # written afresh
+
+
+def test_truncated_doc_is_quarantined_by_a_reader_that_asks(store):
+    store.put_json("lineage/abc/000000002", {"step": 2, "batch": sha256_hex([b"b"])})
+    path = store.doc_path("lineage/abc/000000002")
+    raw = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(raw[:len(raw) // 2])  # torn: half a JSON doc
+    with pytest.raises(CorruptObjectError) as plain:
+        store.get_json("lineage/abc/000000002")
+    assert plain.value.quarantined is None and store.has_json("lineage/abc/000000002")
+
+    with pytest.raises(CorruptObjectError) as e:
+        store.get_json("lineage/abc/000000002", default=None, quarantine=True)
+    assert "lineage/abc/000000002.json" in str(e.value) and "moved to" in str(e.value)
+    assert not store.has_json("lineage/abc/000000002")
+    (moved,) = _quarantined(store)
+    assert moved.startswith("lineage__abc__000000002-") and moved.endswith(".json")
+    assert open(e.value.quarantined, "rb").read() == raw[:len(raw) // 2]
+    assert store.get_json("lineage/abc/000000002", default=None, quarantine=True) is None
+
+
+def test_quarantine_doc_leaves_a_doc_a_writer_replaced(store):
+    store.put_json("pending/abc/x", {"batch": "old"})
+    stale = b'{"batch": "ol'  # what a reader saw before the writer replaced it
+    assert store.quarantine_doc("pending/abc/x", stale) is None
+    assert store.get_json("pending/abc/x") == {"batch": "old"}
+    assert _quarantined(store) == []
+    assert json.loads(store.get_json_raw("pending/abc/x")) == {"batch": "old"}
