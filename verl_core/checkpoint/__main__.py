@@ -14,8 +14,9 @@
                                            frees it now (for a holder that is dead: a live one
                                            stops at its next renewal with "lost the lease")
 
-``ref`` is ``latest``, ``auto`` (newest valid), a step, ``<step>-<sha>``, or a sha prefix. S3
-stores read their endpoint from ``$VERL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``.
+``ref`` is ``latest``, ``auto`` (newest valid), a step, ``<step>-<sha>``, or a sha prefix.
+``latest`` with a missing or damaged ``latest.json`` is the newest checkpoint that verifies, named
+on stderr. S3 stores read their endpoint from ``$VERL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def _manager(root: str) -> CheckpointManager:
     store = RunStore(root, create=False)
     store.incarnation_id  # raises NotFoundError when root is not a run store
     return CheckpointManager(store)
+
+
+def _resolve(m: CheckpointManager, ref: str) -> str:
+    """``ref``, with ``latest`` replaced by the name it stands for; a fallback (no usable
+    ``latest.json``) is named on stderr, so what was verified or exported is never a guess."""
+    if ref != "latest":
+        return ref
+    name, why = m.resolve_latest()
+    if why:
+        print(f"note: {why}", file=sys.stderr)
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             refs = a.refs or [i.name for i in m.list_checkpoints()]
             bad = 0
             for ref in refs:
+                ref = _resolve(m, ref)
                 problems = m.verify(ref, hashes=not a.sizes_only, repair=a.repair)
                 print(f"{'OK  ' if not problems else 'FAIL'} {ref}")
                 for pr in problems:
@@ -97,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 (m, ref), out = open_checkpoint(a.args[0]), a.args[1]
             else:
                 p.error("export takes <store> <ref> <out> or <manifest-uri> <out>")
+            ref = _resolve(m, ref)
             dtype = getattr(torch, a.dtype) if a.dtype else None
             info = export_hf(m, ref, out, group=a.group, dtype=dtype, overwrite=a.overwrite)
             print(f"exported {info.name} (step {info.step}) to {out}")

@@ -632,9 +632,9 @@ class CheckpointManager:
         if not isinstance(ref, str) or not ref:
             raise CheckpointNotFoundError(f"checkpoint reference {ref!r} is empty or not a string")
         if ref == "latest":
-            name = self._latest_name()
-            if name is None:
-                raise CheckpointNotFoundError(f"no latest checkpoint in {self.store.uri}")
+            name, why = self.resolve_latest()
+            if why:
+                log.warning("%s", why)
             return name
         if ref.endswith(".json"):
             base = ref.rstrip("/").rsplit("/", 1)[-1][:-5]
@@ -662,6 +662,31 @@ class CheckpointManager:
                                           f"checkpoints in {self.store.uri}")
         raise CheckpointNotFoundError(f"cannot resolve checkpoint reference {ref!r}; use latest, "
                                       "auto, a step, a name <step>-<sha>, a sha prefix or a path")
+
+    def resolve_latest(self) -> tuple[str, Optional[str]]:
+        """``latest`` -> ``(name, why)``: the checkpoint ``latest.json`` names (``why`` None), or,
+        when that pointer is missing, not JSON or names no valid checkpoint name (a crash or a
+        hand edit; every manifest is still there), the newest checkpoint that verifies, with
+        ``why`` saying so and naming it. A pointer that names a damaged checkpoint is kept: that
+        checkpoint's problems are the news. Raises :class:`CheckpointNotFoundError` when there
+        is no checkpoint to fall back to."""
+        name = self._latest_name()
+        if name is not None:
+            return name, None
+        pointer = ("latest.json is missing" if not self.store.has_json("latest")
+                   else "latest.json is unreadable or names no checkpoint")
+        names = self._names()
+        newest_first = sorted(  # several saves of one step: the newest first, as _by_step
+            names, key=lambda n: (_parse_name(n)[0],
+                                  self.store.json_mtime(f"checkpoints/{n}") or 0.0), reverse=True)
+        for cand in newest_first:
+            if not self.verify(cand):
+                return cand, (f"{pointer} in {self.store.uri}; using the newest valid checkpoint "
+                              f"{cand} (step {_parse_name(cand)[0]})")
+        raise CheckpointNotFoundError(
+            f"no latest checkpoint in {self.store.uri}: {pointer}, and "
+            + (f"none of its {len(names)} checkpoint(s) verifies (python -m verl_core.checkpoint "
+               f"verify {self.store.uri} lists the problems)" if names else "it has no checkpoints"))
 
     def _by_step(self, step: int) -> str:
         names = [n for n in self._names() if _parse_name(n)[0] == step]
