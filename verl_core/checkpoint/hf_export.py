@@ -11,17 +11,26 @@ The folder gets ``config.json``, ``model.safetensors`` (or ``model-0000i-of-0000
 ``model.safetensors.index.json`` above ``max_shard_bytes``), the tokenizer files and
 ``verl_checkpoint.json`` (provenance: store, checkpoint name, step). It is assembled in a temporary
 sibling folder and renamed into place, so a crash never leaves a half-written export behind.
+
+Every export (this one, and the final model a run's finalize phase publishes into its store with
+:func:`publish_export`) ends with a completion marker, ``verl_export.json``: the name, size and
+sha256 of every other file, written last. A rename is atomic on a local or NFS folder, but S3 has
+none, so there the files are uploaded with ``config.json`` (what makes a folder look like a
+model) just before the marker: a crash mid-upload leaves a folder without ``config.json``, and
+:func:`verify_export` (what readers call) refuses anything without a matching marker.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -29,9 +38,15 @@ from verl_core.checkpoint.errors import CorruptObjectError, UnsafeManifestError
 from verl_core.checkpoint.manager import CheckpointInfo, CheckpointManager
 from verl_core.store import RunStore, check_sha256, sha256_hex
 
-__all__ = ["store_tokenizer", "load_tokenizer_files", "export_hf", "TOKENIZER_DOC"]
+__all__ = ["store_tokenizer", "load_tokenizer_files", "export_hf", "publish_export", "verify_export",
+           "TOKENIZER_DOC", "EXPORT_MARKER"]
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_DOC = "shared/tokenizer"
+EXPORT_MARKER = "verl_export.json"
+"""Completion marker of an export folder, written last (:func:`write_export_marker`)."""
+EXPORT_FORMAT = "verl-export/1"
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 
 
@@ -172,6 +187,7 @@ def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_di
             json.dump({"store": manager.store.uri, "checkpoint": info.name, "step": info.step,
                        "config_hash": info.config_hash, "package_version": info.package_version},
                       f, indent=2)
+        write_export_marker(tmp)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -179,3 +195,118 @@ def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_di
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return info
+
+
+# ---------------------------------------------------------------------- completion marker
+def write_export_marker(folder: str) -> dict:
+    """Write :data:`EXPORT_MARKER` into the finished local ``folder``: size and sha256 of every
+    other file in it. Returns the marker doc."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name == EXPORT_MARKER or not os.path.isfile(path):
+            continue
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        files[_check_file_name(name)] = {"size": os.path.getsize(path), "sha256": h.hexdigest()}
+    doc = {"format": EXPORT_FORMAT, "files": files}
+    with open(os.path.join(folder, EXPORT_MARKER), "w") as f:
+        json.dump(doc, f, indent=2, sort_keys=True)
+    return doc
+
+
+def verify_export(uri: str, storage_options: Optional[dict] = None, *,
+                  hashes: bool = False) -> list[str]:
+    """Problems that make ``uri`` not a complete export ([] when it is one): no completion marker
+    (its write was interrupted, or it is not an export), or a file missing or of another size
+    (``hashes``: or another sha256) than the marker says. Readers of exports call this before
+    they trust the folder."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    path = path.rstrip("/")
+    try:
+        with fs.open(f"{path}/{EXPORT_MARKER}", "rb") as f:
+            doc = json.loads(f.read())
+    except FileNotFoundError:
+        return [f"{uri} is not a complete export: it has no {EXPORT_MARKER} (the export was "
+                "interrupted before it finished); run the run's command again to export it "
+                "again"]
+    except ValueError as e:
+        return [f"{uri}/{EXPORT_MARKER} is not valid JSON ({e}); run the run's command again to "
+                "export it again"]
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict) or doc.get("format") != EXPORT_FORMAT:
+        return [f"{uri}/{EXPORT_MARKER} is malformed (format {EXPORT_FORMAT!r} expected)"]
+    problems = []
+    for name, ent in sorted(files.items()):
+        p = f"{path}/{_check_file_name(name)}"
+        try:
+            size = fs.size(p)
+        except FileNotFoundError:
+            problems.append(f"{uri}: {name} is missing")
+            continue
+        if size != ent.get("size"):
+            problems.append(f"{uri}: {name} has {size} bytes, the marker says {ent.get('size')}")
+        elif hashes:
+            h = hashlib.sha256()
+            with fs.open(p, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            if h.hexdigest() != ent.get("sha256"):
+                problems.append(f"{uri}: {name} does not match its sha256 in the marker")
+    return problems
+
+
+def publish_export(folder: str, fs: Any, path: str, *,
+                   fence: Optional[Callable[[str], None]] = None) -> None:
+    """Copy the finished local HF folder ``folder`` to ``path`` on the fsspec filesystem ``fs``
+    so that no reader ever sees a half export as a model folder, even if this process is
+    killed at any point.
+
+    Local (or NFS) filesystem: copied into a hidden sibling ``.<name>.tmp-<id>``, then renamed
+    into place (an existing export of the same name is renamed away first). Object stores:
+    every file but ``config.json`` first, then ``config.json``, then the marker
+    (:data:`EXPORT_MARKER`, any old one removed first). ``fence`` (the run's lease check) is
+    called right before the export becomes visible and refuses it by raising."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    write_export_marker(folder)
+    path = path.rstrip("/")
+    parent, base = path.rsplit("/", 1)
+    what = f"the export {path}"
+    if isinstance(fs, LocalFileSystem):
+        os.makedirs(parent, exist_ok=True)
+        for stale in os.listdir(parent):  # left by an export killed midway (one writer: ours)
+            if stale.startswith(f".{base}.tmp-") or stale.startswith(f".{base}.old-"):
+                shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+        tmp = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            shutil.copytree(folder, tmp)
+            if fence is not None:
+                fence(what)
+            old = None
+            if os.path.exists(path):
+                old = os.path.join(parent, f".{base}.old-{uuid.uuid4().hex[:8]}")
+                os.rename(path, old)
+            os.rename(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return
+    fs.makedirs(path, exist_ok=True)
+    if fs.exists(f"{path}/{EXPORT_MARKER}"):  # an older export of this name: incomplete from now
+        fs.rm(f"{path}/{EXPORT_MARKER}")
+    last = ("config.json", EXPORT_MARKER)
+    names = sorted(n for n in os.listdir(folder) if n not in last) + list(last)
+    for name in names:
+        if name == "config.json" and fence is not None:
+            fence(what)
+        src = os.path.join(folder, name)
+        if os.path.isfile(src):
+            fs.put_file(src, f"{path}/{name}")
+    log.info("export %s published (%d files)", path, len(names))

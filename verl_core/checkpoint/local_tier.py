@@ -206,6 +206,7 @@ class Replicator:
             marker = self.remote._begin("replicate", step)  # gc keeps our objects meanwhile
             try:
                 dst.map(copy, sorted(m["objects"].items()))
+                self.remote.check_fence(f"the manifest of checkpoint {name} (replicated)")
                 dst.put_json_raw(f"checkpoints/{name}", raw)  # manifest last
                 problems = self.remote.verify(name, hashes=False)
                 if problems:
@@ -215,6 +216,7 @@ class Replicator:
                     raise err
                 cur = self.remote._latest_name()
                 if cur is None or _parse_name(cur)[0] <= step:
+                    self.remote.check_fence(f"moving latest to checkpoint {name} (replicated)")
                     dst.put_json("latest", {"name": name, "step": step, "sha": name[13:]})
             finally:
                 self.remote._end(marker)

@@ -27,6 +27,12 @@ pickled). Commit protocol (a reader never sees an uncommitted checkpoint; DESIGN
 A process killed anywhere in 1-4 leaves the previous checkpoint as ``latest``; leftovers are
 unreferenced objects that a later garbage collection removes.
 
+Fenced commits: with :attr:`CheckpointManager.fence` set (the run's workers get the launcher's
+:class:`~verl_core.guard.lease.Fence`), the save checks it before step 1, before the manifest
+(3) and before ``latest`` (5), so a writer that outlived its launcher, or whose launch another
+launch took over, commits nothing (``FencedError``); an async save checks the fence it was
+started under, not a later one.
+
 Loading verifies every object it reads (size, hash, and a chunk header that must describe exactly
 the dtype/shape the manifest promises). ``load("auto")`` tries ``latest``, then its parent chain,
 then every other checkpoint newest first, and logs each rejection with the object and the reason.
@@ -55,6 +61,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -63,7 +70,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -107,6 +114,7 @@ from verl_core.checkpoint.tensors import (
     torch_dtype,
     validate_index,
 )
+from verl_core.errors import VerlError
 from verl_core.training.dist import SINGLE, DataParallel
 
 log = logging.getLogger(__name__)
@@ -227,6 +235,8 @@ class _SaveJob:
     """``{group: JSON state tree}``, complete on rank 0 (every group any rank passed)."""
     meta_tree: Any
     """Rank 0's meta, encoded (``state.to_json``)."""
+    fence: Optional[Callable[[str], None]] = None
+    """The manager's :attr:`~CheckpointManager.fence` when the save was started."""
 
 
 class SaveHandle:
@@ -297,6 +307,11 @@ class CheckpointManager:
         self._pending: Optional[SaveHandle] = None
         self._snapshot_pool: dict = {}
         self._async_groups: dict = {}
+        self.fence: Optional[Callable[[str], None]] = None
+        """None, or the check every commit of this manager is made under: called with what is
+        about to be committed before a save starts, before its manifest and before ``latest``,
+        and raises to refuse (the run's workers set ``functools.partial(Fence.check,
+        run_store)`` of the launcher's :class:`~verl_core.guard.lease.Fence`)."""
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store.uri!r}, keep_last={self.keep_last}, " \
@@ -387,6 +402,11 @@ class CheckpointManager:
                 self._executor.shutdown(wait=True)
                 self._executor = None
 
+    def check_fence(self, what: str) -> None:
+        """Raise (``FencedError``) if :attr:`fence` refuses ``what``; a no-op without a fence.
+        Called right before each commit write (a save checks the fence it started with)."""
+        _check(self.fence, what)
+
     @staticmethod
     def _process_group(dp: DataParallel) -> Any:
         return dp.cpu_group if dp.cpu_group is not None else dp.group
@@ -409,13 +429,16 @@ class CheckpointManager:
         agree (a collective with ``dp.size > 1``). Refusals are raised on every rank, before
         anything is written."""
         _check_step(step)
-        err: Optional[CheckpointSaveError] = None
+        err: Optional[Exception] = None
         flat: dict = {}
         meta_tree: Any = None
+        fence = self.fence
         try:
             flat = _flatten_groups(state)
             meta_tree = _encode_meta(meta)
-        except CheckpointSaveError as e:
+            if dp.rank == 0:  # the committer: a fenced-out writer starts writing nothing
+                _check(fence, f"the checkpoint of step {step}")
+        except VerlError as e:  # a refusal, or the fence's read failing: raised on every rank
             err = e
         trees = {g: tree for g, (_, tree) in flat.items()}
         if dp.distributed:
@@ -450,7 +473,7 @@ class CheckpointManager:
         elif err is not None:
             raise err
         tensors = {f"{g}{dcp.SEP}{n}": t for g, (ts, _) in flat.items() for n, t in ts.items()}
-        return _SaveJob(step, tensors, trees, meta_tree)
+        return _SaveJob(step, tensors, trees, meta_tree, fence)
 
     def _write(self, job: _SaveJob, config_hash: str, shared_groups: tuple,
                dp: DataParallel, pg: Any) -> CheckpointInfo:
@@ -488,7 +511,8 @@ class CheckpointManager:
                 self.store.put_json(f"shared/groups/{g}",
                                     {"group": doc, "objects": index_objects(doc["tensors"])})
         group_docs.update(self._inherit_shared(shared_groups, group_docs))
-        return self._commit(job.step, group_docs, job.meta_tree, config_hash, world_size)
+        return self._commit(job.step, group_docs, job.meta_tree, config_hash, world_size,
+                            fence=job.fence)
 
     def _inherit_shared(self, shared_groups: Sequence[str], have: Mapping[str, dict]) -> dict:
         out = {}
@@ -509,7 +533,7 @@ class CheckpointManager:
     def _begin(self, kind: str, step: int) -> str:
         mid = f"inflight/{uuid.uuid4().hex}"
         self.store.put_json(mid, {"kind": kind, "step": step, "time": time.time(),
-                                  "host": socket.gethostname()})
+                                  "host": socket.gethostname(), "pid": os.getpid()})
         return mid
 
     def _end(self, marker: str) -> None:
@@ -519,7 +543,8 @@ class CheckpointManager:
             log.warning("could not remove in-flight marker %s: %s", marker, e)
 
     def _commit(self, step: int, group_docs: Mapping[str, dict], meta_tree: Any,
-                config_hash: str, world_size: int) -> CheckpointInfo:
+                config_hash: str, world_size: int,
+                fence: Optional[Callable[[str], None]] = None) -> CheckpointInfo:
         meta_bytes = canonical_json(meta_tree)
         meta_sha = self.store.put_bytes(meta_bytes, algo=self.hash_algo)
         objects: dict[str, int] = {meta_sha: len(meta_bytes)}
@@ -545,12 +570,14 @@ class CheckpointManager:
         raw = canonical_json(manifest)
         sha = sha256_hex([raw])
         name = f"{step:012d}-{sha}"
+        _check(fence, f"the manifest of checkpoint {name}")
         self.store.put_json_raw(f"checkpoints/{name}", raw)
         if self.verify_on_save != "none":
             problems = self.verify(name, hashes=self.verify_on_save == "hash")
             if problems:
                 raise CorruptObjectError(f"checkpoint {name} failed verification right after it "
                                          f"was written, not committing it: {'; '.join(problems)}")
+        _check(fence, f"moving latest to checkpoint {name}")
         self.store.put_json("latest", {"name": name, "step": step, "sha": sha})
         self._last_name = name
         info = self._info(name, manifest)
@@ -1154,6 +1181,11 @@ def _flatten_groups(groups: Mapping[str, Any]) -> dict[str, tuple[dict, Any]]:
         except CheckpointSaveError as e:
             raise CheckpointSaveError(f"group {g!r}: {e}") from e
     return out
+
+
+def _check(fence: Optional[Callable[[str], None]], what: str) -> None:
+    if fence is not None:
+        fence(what)
 
 
 def _check_step(step: Any) -> None:

@@ -31,6 +31,7 @@ from typing import Callable, TypeVar
 
 from verl_core.alarm import alarm
 from verl_core.checkpoint.errors import TransientError
+from verl_core.checkpoint.hf_export import publish_export
 from verl_core.checkpoint.manager import CheckpointManager
 from verl_core.errors import UnsafeManifestError
 from verl_core.store import RunStore, check_doc_name
@@ -42,7 +43,7 @@ from verl_core.engine.worker import (RunWorker, checkpoint_due, eval_samples_doc
                                      pending_doc, put_batch)
 from verl_core.guard import faults
 from verl_core.guard.events import read_events
-from verl_core.guard.lease import LeaseHeldError, RunLease
+from verl_core.guard.lease import Fence, LeaseHeldError, RunLease
 from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer
 from verl_core.tracking import Trackers, default_run_name, flat_params
@@ -236,6 +237,37 @@ def release_lease(spec: RunSpec) -> None:
         faults.set_second_writer_hook(None)  # no lease held: the drill reports that
 
 
+def run_fence(spec: RunSpec) -> Fence | None:
+    """The :class:`~verl_core.guard.lease.Fence` of this process's hold on the run's lease: what
+    the run's workers commit under (None without a lease: ``guard.lease_ttl_s=0``, or none taken
+    in this process). Raises :class:`~verl_core.guard.lease.LeaseLostError` if it was lost."""
+    with _LEASES_LOCK:
+        lease = _LEASES.get((spec.store, spec.config.guard.lease_ttl_s))
+    return lease.fence() if lease is not None else None
+
+
+def commit_fence(spec: RunSpec) -> Callable[[str], None] | None:
+    """The fence check for a commit this process makes itself (finalize's export): called with
+    what is committed, it raises unless this launch still holds the run (None: no lease)."""
+    fence = run_fence(spec)
+    return None if fence is None else functools.partial(fence.check, spec.open_store())
+
+
+_FENCED: dict[tuple, tuple] = {}  # worker key -> (worker, fence) last handed to that worker
+
+
+def _hand_fence(spec: RunSpec, worker) -> None:
+    """Give the run's worker the fence its commits are made under (``RunWorker.set_fence``):
+    once per worker and lease generation, so it costs one call per run, not per phase."""
+    fence = run_fence(spec)
+    key = _worker_key(spec)
+    sent = _FENCED.get(key)
+    if sent is not None and sent[0] is worker and sent[1] == fence:
+        return
+    call(worker, "set_fence", fence, timeout_s=spec.config.guard.phase_timeout_s)
+    _FENCED[key] = (worker, fence)
+
+
 def _second_writer_drill(st: RunStore, ttl_s: float) -> None:
     """The ``second_writer`` fault (VERL_FAULTS): another writer tries to take the lease this
     process holds; it must be refused."""
@@ -320,6 +352,7 @@ def call_worker(spec: RunSpec, method: str, *args):
     :class:`PhaseTimeoutError`), so a retry gets a fresh one."""
     worker = worker_for(spec)
     try:
+        _hand_fence(spec, worker)  # it commits only while this launch holds the run's lease
         return call(worker, method, *args, timeout_s=spec.config.guard.phase_timeout_s)
     except (WorkerLostError, PhaseTimeoutError):
         _WORKERS.pop(_worker_key(spec), None)  # the worker is gone: the retry starts a new one
@@ -636,9 +669,8 @@ def finalize_run(spec: RunSpec, step: int) -> dict:
         call_worker(spec, "export_final", step, tmp)
         final_uri = f"{st.uri}/exports/{tag}"
         fs, path = fsspec.core.url_to_fs(final_uri, **st.storage_options)
-        fs.makedirs(path, exist_ok=True)
-        for name in sorted(os.listdir(tmp)):
-            fs.put_file(os.path.join(tmp, name), f"{path}/{name}")
+        # renamed into place (local) or config.json + marker last (S3), under the run's lease
+        publish_export(tmp, fs, path, fence=commit_fence(spec))
     df = metrics_table(spec)
     table_uri = f"{st.uri}/metrics/{spec.config_hash[:12]}.parquet"
     fs, path = fsspec.core.url_to_fs(table_uri, **st.storage_options)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -619,6 +620,15 @@ class RunWorker:
             self.trainer.rollout_model.save_pretrained(folder, safe_serialization=True)
             self.trainer.tokenizer.save_pretrained(folder)
         return folder
+
+    def set_fence(self, fence) -> None:
+        """Commit only under ``fence`` from now on: the launcher's hold on the run's lease (a
+        :class:`~verl_core.guard.lease.Fence`; None: no lease). Every checkpoint commit checks it
+        (``CheckpointManager.fence``), so a worker that outlived its launcher, or whose launch
+        another launch took over, commits nothing. Handed over by ``runtime.call_worker``."""
+        check = None if fence is None else functools.partial(fence.check, self.store)
+        for mgr in self._tiers():
+            mgr.fence = check
 
     def close(self):
         try:

@@ -8,7 +8,7 @@ PUTs on S3) and when a run takes the lease (``verl_core.engine.runtime.hold_leas
 The lease is the doc ``lease`` of the run store (``lease.json`` on S3, ``lease.cas/`` locally):
 
     {"format", "owner", "host", "pid", "process", "since", "renewed", "expires", "ttl_s",
-     "released", "token"}
+     "released", "token", "generation"}
 
 ``owner`` names the writer: the Flyte execution (``flyte:<project>/<domain>/<execution id>``)
 when running on a Flyte cluster, so every pod of one execution is the same writer; else
@@ -19,6 +19,17 @@ renewal for ``ttl_s`` seconds), or, on the same host only, when the holder's pro
 compare-and-swap against the version read, so of two contenders exactly one wins; the loser
 reads again and decides again. Expiry compares the holder's ``expires`` with the reader's clock:
 hosts sharing a store must keep their clocks in step (NTP) to well within ``ttl_s``.
+
+Fencing (DESIGN "Writers are fenced"). The lease alone does not stop a process that outlived its
+launcher (a Ray worker in its own process group after ``kill -9`` of ``pyflyte``) from committing
+into a store a new launch took over. So ``generation`` counts the times the lease changed hands
+(+1 on every take-over, release or break; renewals keep it), the launcher hands its
+:class:`Fence` (owner + generation) to its workers, and every commit point (a checkpoint's start,
+its manifest, ``latest``, an export) calls :meth:`Fence.check` first: it re-reads the lease doc
+and refuses (:class:`FencedError`) unless the same owner still holds the same generation, not
+released, not expired, and its process is alive where that can be judged (same host). What is
+left is the window between that read and the commit write itself (one store round trip); a new
+launch needs seconds (prepare, warm start) before it writes anything of its own.
 """
 
 from __future__ import annotations
@@ -40,8 +51,8 @@ from verl_core.errors import PermanentError, VerlError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunLease", "Holder", "LeaseHeldError", "LeaseLostError", "read_lease", "break_lease",
-           "default_owner", "LEASE_DOC"]
+__all__ = ["RunLease", "Holder", "Fence", "LeaseHeldError", "LeaseLostError", "FencedError",
+           "read_lease", "break_lease", "default_owner", "LEASE_DOC"]
 
 LEASE_DOC = "lease"
 FORMAT = "verl-run-lease/1"
@@ -70,6 +81,12 @@ class LeaseLostError(LeaseHeldError):
     """This process held the lease and another writer has taken it over (or it was broken)."""
 
 
+class FencedError(LeaseLostError):
+    """A commit refused by :meth:`Fence.check`: the launch it was made for no longer holds the
+    lease (taken over, released, broken, expired, or its launcher process is gone). Permanent:
+    the writer must stop; ``holder`` is the lease doc as read (None if there is none)."""
+
+
 @dataclass(frozen=True)
 class Holder:
     """One state of the lease doc."""
@@ -95,6 +112,9 @@ class Holder:
     """Random id of this write (a writer recognises its own write after a lost response)."""
     released: bool = False
     """Given up by its owner (end of run) or broken with the CLI: free for anyone."""
+    generation: int = 0
+    """Fencing token: +1 every time the lease changes hands (taken over, released, broken),
+    kept by renewals; 0 in docs written before fencing. Commits check it (:class:`Fence`)."""
     format: str = FORMAT
 
     def to_json(self) -> bytes:
@@ -211,6 +231,46 @@ def read_lease(store: RunStore) -> Optional[Holder]:
     return _get(store)[0]
 
 
+# ---------------------------------------------------------------------- fencing
+@dataclass(frozen=True)
+class Fence:
+    """The lease a writer commits under: what the launcher hands to its workers (a Ray actor,
+    every rank of a worker group) so that they commit only while that launch holds the run.
+    Renewals do not change it; a take-over does (``generation``)."""
+
+    store: str
+    """URI of the run store the lease is of."""
+    owner: str
+    """The launch: :attr:`Holder.owner`."""
+    generation: int
+    """:attr:`Holder.generation` when the launch took the lease."""
+
+    def check(self, store: RunStore, what: str) -> None:
+        """Raise :class:`FencedError` unless this launch still holds the lease of ``store``:
+        call it right before ``what`` is committed. One read of the lease doc."""
+        cur = read_lease(store)
+        now = time.time()
+        why = None
+        if cur is None:
+            why = "the store has no lease doc (it was deleted)"
+        elif cur.owner != self.owner or cur.generation != self.generation:
+            why = f"{cur.describe()} holds it now (generation {cur.generation})"
+        elif cur.released:
+            why = "the launch released it (the run ended) or it was broken"
+        elif _holder_gone(cur):
+            why = f"the launcher process {cur.pid} on {cur.host} is gone"
+        elif cur.expires <= now:
+            why = (f"it expired at {_iso(cur.expires)}: the launcher stopped renewing it "
+                   f"(every {cur.ttl_s / 3:.3g} s while it runs)")
+        if why is None:
+            return
+        raise FencedError(
+            f"{what} refused: this process writes for the launch {self.owner} (lease generation "
+            f"{self.generation}) of {store.uri}, which no longer holds the run's writer lease: "
+            f"{why}. Nothing was committed; this writer stops. Launch the run again to continue "
+            "(it resumes from the last committed checkpoint)", cur)
+
+
 def break_lease(store: RunStore) -> Optional[Holder]:
     """Mark the lease released whoever holds it (the CLI's ``--break``), so the next launch takes
     it at once; returns the holder it replaced (None if there was none). A holder that is in fact
@@ -228,7 +288,8 @@ def break_lease(store: RunStore) -> Optional[Holder]:
         me = f"{socket.gethostname()}:{os.getpid()}"
         new = Holder(owner=f"broken-by:{me}", host=socket.gethostname(), pid=os.getpid(),
                      process="", since=now, renewed=now, expires=now, ttl_s=0.0,
-                     token=uuid.uuid4().hex, released=True)
+                     token=uuid.uuid4().hex, released=True,
+                     generation=(old.generation if old else 0) + 1)
         if store.put_if(LEASE_DOC, new.to_json(), version) is not None:
             return old
     raise StoreUnavailableError(f"breaking the lease of {store.uri}: other writers kept changing "
@@ -268,6 +329,16 @@ class RunLease:
     def held(self) -> bool:
         return self._held is not None and self.lost is None
 
+    def fence(self) -> Fence:
+        """The :class:`Fence` of our hold, for the workers that commit on our behalf. Raises
+        :class:`LeaseLostError` (or :class:`LeaseHeldError`) when we do not hold the lease."""
+        with self._lock:
+            held = self._held
+            if held is None or self.lost is not None:
+                raise self.lost or LeaseHeldError(
+                    f"this process does not hold the writer lease of {self.store.uri}", held)
+            return Fence(self.store.uri, held.owner, held.generation)
+
     # ------------------------------------------------------------------ decisions
     def _why_free(self, cur: Holder, now: float) -> Optional[str]:
         """Why ``cur`` may be replaced by us (None: it may not)."""
@@ -297,12 +368,13 @@ class RunLease:
             f"break the lease now: {break_command(self.store)}", cur)
 
     def _new_state(self, cur: Optional[Holder], now: float) -> Holder:
-        keep_since = cur is not None and cur.owner == self.owner and not cur.released
+        keep = cur is not None and cur.owner == self.owner and not cur.released  # a renewal
         pid = os.getpid()
         return Holder(owner=self.owner, host=socket.gethostname(), pid=pid,
-                      process=_process_id(pid), since=cur.since if keep_since else now,
+                      process=_process_id(pid), since=cur.since if keep else now,
                       renewed=now, expires=now + self.ttl_s, ttl_s=self.ttl_s,
-                      token=uuid.uuid4().hex)
+                      token=uuid.uuid4().hex,
+                      generation=cur.generation if keep else (cur.generation if cur else 0) + 1)
 
     def _swap(self, new: Holder, version: Optional[str]) -> bool:
         if self.store.put_if(LEASE_DOC, new.to_json(), version) is not None:

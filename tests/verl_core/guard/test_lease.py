@@ -359,3 +359,69 @@ def test_lease_ttl_is_validated_and_leaves_the_trajectory_alone():
         cfg.trajectory_hash()
     with pytest.raises(ConfigError, match="guard.lease_ttl_s=-1.0: must be >= 0"):
         with_overrides(cfg, {"guard.lease_ttl_s": -1})
+
+
+# ---------------------------------------------------------------------- fencing (issue 21.3)
+def test_generation_is_kept_by_renewals_and_bumped_whenever_the_lease_changes_hands(open_store):
+    store = open_store()
+    a, b = RunLease(store, 30, owner="a"), RunLease(open_store(), 30, owner="b")
+    g1 = a.acquire().generation
+    assert g1 == 1  # a fresh store: the first hold
+    assert a.renew().generation == g1 and a.acquire().generation == g1  # renewals keep it
+    fence = a.fence()
+    assert (fence.store, fence.owner, fence.generation) == (store.uri, "a", g1)
+    fence.check(store, "a commit")  # held: passes
+    a.release()  # a release keeps the number; the next hold is a new generation
+    assert read_lease(store).generation == g1
+    assert b.acquire().generation == g1 + 1
+    assert break_lease(store).owner == "b" and read_lease(store).generation == g1 + 2
+    assert a.acquire().generation == g1 + 3  # "a" again, but a new launch of it
+    with pytest.raises(LeaseLostError):  # the old fence names generation 1 of "a"
+        fence.check(store, "a commit")
+    a.release()
+
+
+def test_a_stale_fence_is_refused_for_every_reason_a_launch_loses_the_run(tmp_path):
+    """Taken over, released, broken, expired, launcher process gone, doc deleted: each refuses
+    with FencedError naming the launch, its generation and why."""
+    from verl_core.guard.lease import FencedError
+
+    store = RunStore(str(tmp_path / "run"))
+    a = RunLease(store, 30, owner="a")
+    a.acquire()
+    fence = a.fence()
+
+    def refused(pattern: str) -> None:
+        with pytest.raises(FencedError, match=pattern) as ei:
+            fence.check(store, "moving latest to checkpoint X")
+        msg = str(ei.value)
+        assert msg.startswith("moving latest to checkpoint X refused: this process writes for "
+                              f"the launch a (lease generation {fence.generation}) of {store.uri}")
+        assert "Nothing was committed" in msg
+
+    # the launcher's process is gone (same host): a pid that exited, as after kill -9
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    cur, version = read_lease(store), store.get_versioned(LEASE_DOC)[1]
+    boot, ns, _ = cur.process.split("/", 2)
+    assert store.put_if(LEASE_DOC, replace(cur, pid=dead.pid, process=f"{boot}/{ns}/1").to_json(),
+                        version)
+    refused(f"the launcher process {dead.pid} on {re.escape(socket.gethostname())} is gone")
+    # expired: nobody renewed it for ttl_s (the launcher elsewhere stopped)
+    cur, version = read_lease(store), store.get_versioned(LEASE_DOC)[1]
+    gone = replace(cur, pid=os.getpid(), process=a._held.process, expires=time.time() - 1)
+    assert store.put_if(LEASE_DOC, gone.to_json(), version)
+    refused(f"it expired at {ISO}: the launcher stopped renewing it")
+    a.acquire()  # renewed by its own launcher: the same generation, accepted again
+    assert a.fence() == fence
+    fence.check(store, "a commit")
+    a.release()
+    refused("the launch released it")
+    b = RunLease(store, 30, owner="b")
+    b.acquire()
+    refused(r"b \(host .*, last renewed .* holds it now \(generation 2\)")
+    b.release()
+    import shutil
+
+    shutil.rmtree(store.root + "/lease.cas")
+    refused("the store has no lease doc")
