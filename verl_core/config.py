@@ -136,6 +136,10 @@ class DataConfig:
     """Rows in the generated held-out split (disjoint from training)."""
     synthetic_max_operand: int = 50
     """Largest operand of the generated arithmetic problems."""
+    assets_id: str = ""
+    """Empty: a run trains on the files it recorded when it first ran (a dataset or model file
+    changed since is refused at resume, naming it). An asset index id (the refusal prints it):
+    train on the files as they are now, as a new trajectory of the run (from step 0)."""
 
     def __post_init__(self):
         _check_types("data", self)
@@ -964,6 +968,8 @@ class RunConfig:
                   *(k for k in d["guard"] if k.startswith(TIMING_DETECTORS))):
             d["guard"].pop(k)  # wall-clock detectors and the lease never change the trajectory
         d["data"].pop("val_batch_size")
+        if not self.data.assets_id:  # unset: hashes as before the field existed
+            d["data"].pop("assets_id")
         d["rollout"].pop("micro_batch_size")
         for k in ("nnodes", "n_gpus_per_node", "worker_timeout_s"):
             d["trainer"].pop(k)  # the same trajectory on any number of workers (up to rounding)

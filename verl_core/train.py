@@ -25,16 +25,18 @@ from verl_core.data.batch import PromptTooLongError
 from verl_core.data.dataset import DatasetError
 from verl_core.store import RunStore
 from verl_core.guard import checks, policy
+from verl_core.guard.faults import FaultSpecError
 from verl_core.guard.lease import LeaseHeldError, RunLease
 from verl_core.models import ModelLoadError
 from verl_core.tracking import Trackers, default_run_name, flat_params
 from verl_core.trainer import RLTrainer, prepare_assets
 from verl_core.training.optim import optimizer_steps_line
-from verl_core.validation import DataValidationError, validate_batch
+from verl_core.validation import (DataValidationError, RunInputError, check_run_inputs,
+                                  validate_batch)
 
 PHASES = ("rollout", "reward", "advantage", "update")
 USER_ERRORS = (ConfigError, DatasetError, PromptTooLongError, ModelLoadError, LeaseHeldError,
-               DataValidationError)
+               DataValidationError, RunInputError, FaultSpecError)
 """Wrong input (options, data files, model folder, a workdir another loop is writing): the CLI
 prints the message, which names the field or file and the fix, and exits 2; a traceback would
 only bury it."""
@@ -59,6 +61,7 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
     try:
         lease = _workdir_lease(cfg, workdir)  # a second loop writing this workdir fails here
         log(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}")
+        check_run_inputs(cfg)  # every permanent check, before the warm start
         assets = prepare_assets(cfg, workdir, log=log)
         t_prepared = time.perf_counter()
         trainer = RLTrainer(cfg, assets)

@@ -661,3 +661,78 @@ def report_html(report: ValidationReport | dict) -> str:
     return (head + '<table border="1" cellpadding="3" style="border-collapse:collapse">'
             "<tr><th></th><th>column</th><th>expected</th><th>expectation</th>"
             "<th>observed</th></tr>" + "".join(rows) + "</table>")
+
+
+# ---------------------------------------------------------------------- prepare checks
+class RunInputError(PermanentError, ValueError):
+    """A run's inputs cannot work together (a batch larger than the dataset, a data_source no
+    scorer knows): found at prepare, before the warm start, naming the file and the fix."""
+
+
+def check_run_inputs(cfg: "RunConfig", storage_options: dict | None = None) -> None:
+    """Every permanent check that needs no model and no rollout, before any work (prepare):
+    ``VERL_FAULTS``, the model and reward-model folders (headers only, nothing unpickled),
+    ``data.train_batch_size`` against the training rows, and with ``reward.scorer=auto`` every
+    data_source against the rule-scorer registry. Each used to surface in a worker, after the
+    warm start, where a transient-looking failure was retried. Reads parquet footers and the
+    ``data_source`` column only. Raises a :class:`~verl_core.errors.PermanentError`."""
+    from verl_core.guard.faults import check_faults
+    from verl_core.models import check_model_folder
+
+    check_faults()
+    if cfg.model.path:
+        check_model_folder(cfg.model.path, "model.path")
+    if cfg.reward_model.enable:
+        check_model_folder(cfg.reward_model.path, "reward_model.path")
+    if cfg.data.train_files:
+        train = _data_sources(cfg.data.train_file_list, storage_options)
+        val = _data_sources(cfg.data.val_file_list, storage_options)
+        rows = sum(n for n, _ in train.values())
+        what = f"the {rows} rows of data.train_files"
+    else:  # the synthetic task: its size and data_source are known without generating it
+        from verl_core.data.synthetic import DATA_SOURCE
+
+        rows = cfg.data.synthetic_train_size
+        train = val = {"the synthetic task": (rows, {DATA_SOURCE})}
+        what = f"the synthetic task's {rows} training rows (data.synthetic_train_size)"
+    if cfg.data.train_batch_size > rows:
+        raise RunInputError(
+            f"data.train_batch_size={cfg.data.train_batch_size} is larger than {what}: every "
+            "batch would be dropped; use a smaller --batch-size (data.train_batch_size) or more "
+            "prompts")
+    if cfg.reward.scorer == "auto":
+        rm = cfg.reward_model
+        scored = {**(train if not (rm.enable and rm.combine == "replace") else {}), **val}
+        _check_data_sources(scored)
+
+
+def _data_sources(files: Sequence[str], storage_options: dict | None) -> dict[str, tuple]:
+    """``{file: (rows, data_source values)}`` from each parquet file's footer and its
+    data_source column (a file without one is left to the dataset suite)."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    from verl_core.store import resolve_storage_options
+
+    out = {}
+    for path in files:
+        with fsspec.open(path, "rb", **resolve_storage_options(path, storage_options)) as f:
+            pf = pq.ParquetFile(f)
+            sources: set = set()
+            if "data_source" in pf.schema_arrow.names:
+                sources = set(pf.read(columns=["data_source"]).column(0).unique().to_pylist())
+            out[path] = (pf.metadata.num_rows, sources)
+    return out
+
+
+def _check_data_sources(files: dict[str, tuple]) -> None:
+    from verl_core.reward.registry import DATA_SOURCE_SCORERS
+
+    for path, (_, sources) in files.items():
+        unknown = sorted(str(s) for s in sources if s not in DATA_SOURCE_SCORERS)
+        if unknown:
+            raise RunInputError(
+                f"{path}: data_source {', '.join(map(repr, unknown[:5]))} has no rule scorer "
+                f"(reward.scorer=auto knows {', '.join(sorted(DATA_SOURCE_SCORERS))}); set "
+                "reward.scorer to a rule scorer's name or to a custom 'path/to/file.py:function' "
+                "with the signature fn(data_source, solution_str, ground_truth, extra_info)")

@@ -114,3 +114,83 @@ def test_probe_commands_exit_codes_and_a_hung_phase(tmp_path):
     assert bad.returncode == 2 and "VERL_HEARTBEAT_MAX_AGE_S='soon'" in bad.stderr
     unknown = run([sys.executable, "-m", "verl_core", "healthz"])
     assert unknown.returncode == 2 and "use one of: health, train, checkpoint" in unknown.stderr
+
+
+def test_store_check_uses_the_endpoint_of_VERL_S3_ENDPOINT(moto_s3, monkeypatch):
+    """The README's S3 recipe sets only VERL_S3_ENDPOINT: the probe must round-trip to that
+    server (the same options the run's store resolves), not to AWS's default endpoint."""
+    endpoint, bucket, _ = moto_s3
+    monkeypatch.setenv("VERL_S3_ENDPOINT", endpoint)
+    r = verl_core.health_check(f"s3://{bucket}/runs", timeout_s=30)
+    assert r["checks"]["store"] == {"ok": True, "detail": f"round trip to s3://{bucket}/runs"}
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    assert s3.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0  # the probe cleaned up
+
+
+def test_a_stalled_store_is_unhealthy_within_the_deadline(moto_server_factory, tmp_path):
+    """A SIGSTOPped S3 server accepts connections and never replies (botocore alone would wait
+    minutes: read timeout x attempts, per call). In-process the report comes at the deadline
+    (the checks run at once, so one deadline covers all of them); both probe spellings answer
+    unhealthy, naming the stall, inside the deploy probes' timeoutSeconds (30 s), start-up
+    included."""
+    server = moto_server_factory()
+    bucket = server.create_bucket()
+    deadline = 3.0
+    env = {**os.environ, "VERL_S3_ENDPOINT": server.endpoint, "VERL_STORE": f"s3://{bucket}/r",
+           "VERL_HEALTH_TIMEOUT_S": str(deadline)}
+
+    def probe(cmd):
+        t = time.monotonic()
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        return out, time.monotonic() - t
+
+    healthy, t_healthy = probe(PROBE)  # the server answers: same command, same environment
+    assert healthy.returncode == 0, healthy.stderr
+    server.pause()
+    try:
+        t = time.monotonic()
+        r = verl_core.health_report(f"s3://{bucket}/r", timeout_s=deadline)
+        # join() returns at the deadline; 0.5 s covers building the report on a busy machine
+        assert time.monotonic() - t < deadline + 0.5
+        assert not r["ok"] and r["checks"]["torch"]["ok"]
+        assert r["checks"]["store"]["detail"] == (
+            f"store s3://{bucket}/r: the round trip stalled: no answer within 3s "
+            "(VERL_HEALTH_TIMEOUT_S sets this deadline)")
+        for cmd in (PROBE, [sys.executable, "-m", "verl_core", "health"]):
+            out, took = probe(cmd)
+            assert out.returncode == 1 and "round trip stalled" in out.stdout + out.stderr
+            assert took < 30, (took, t_healthy)  # healthy: ~4 s here, stalled: ~4 s + 3 s
+    finally:
+        server.resume()
+    resumed, _ = probe(PROBE)
+    assert resumed.returncode == 0, resumed.stderr  # the stall was the only fault
+
+
+def test_check_deadline_fits_the_deploy_probes():
+    """Kubernetes kills a probe at timeoutSeconds and counts that as a failure without our
+    report. Every probe in deploy/ must leave the interpreter's start-up (~4 s on 2 busy cores,
+    measured by the test above) plus one check deadline inside its timeoutSeconds."""
+    import pathlib
+
+    import yaml
+    from verl_core.health import DEFAULT_CHECK_TIMEOUT_S
+
+    def probes(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "livenessProbe":
+                    yield v
+                yield from probes(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from probes(v)
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+    found = [p for f in sorted(root.glob("*.yaml")) for doc in yaml.safe_load_all(f.read_text())
+             for p in probes(doc)]
+    assert found
+    for p in found:
+        assert p["exec"]["command"][-1] == "health"
+        assert p["timeoutSeconds"] >= DEFAULT_CHECK_TIMEOUT_S + 10, p

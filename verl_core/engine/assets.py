@@ -26,7 +26,7 @@ import threading
 
 import fsspec
 
-from verl_core.store import RunStore, check_sha256, sha256_hex
+from verl_core.store import RunStore, check_sha256, resolve_storage_options, sha256_hex
 from verl_core.errors import PermanentError
 from verl_core.trainer import Assets
 
@@ -79,14 +79,12 @@ def _files_under(folder: str) -> list[str]:
     return sorted(out)
 
 
-def publish_assets(store: RunStore, assets: Assets, storage_options: dict | None = None) -> dict:
-    """Copy the model folder and the dataset files into ``store``. Returns the asset index:
-    ``{"model": {relpath: sha}, "train": [sha...], "val": [sha...], "id": sha-of-index}``, plus
-    ``"reward_model": {relpath: sha}`` when the assets have one (``reward_model.enable``; absent
-    otherwise, so such an index and its id are what they were before reward models).
-
-    The index (a gc root) is written before the objects it names, so a concurrent garbage
-    collection can never see one of them without its root."""
+def index_assets(assets: Assets, storage_options: dict | None = None
+                 ) -> tuple[dict, dict[str, bytes], dict[str, dict[str, str]]]:
+    """Hash the model folder and the dataset files without writing anything. Returns the asset
+    index (see :func:`publish_assets`), the files' bytes by sha, and the files by their source
+    names: ``{"model": {"<folder>/<relpath>": sha}, "train": {uri: sha}, "val": {uri: sha}}``
+    (+ ``"reward_model"``), what :func:`check_pinned` compares and names."""
     blobs: dict[str, bytes] = {}
 
     def add(data: bytes) -> str:
@@ -101,20 +99,113 @@ def publish_assets(store: RunStore, assets: Assets, storage_options: dict | None
                 out[rel] = add(f.read())
         return out
 
-    model = folder(assets.model_path)
-
     def read(uri: str) -> bytes:
-        with fsspec.open(uri, "rb", **(storage_options or {})) as f:
+        with fsspec.open(uri, "rb", **resolve_storage_options(uri, storage_options)) as f:
             return f.read()
 
-    index = {"model": model, "train": [add(read(u)) for u in assets.train_files],
-             "val": [add(read(u)) for u in assets.val_files]}
+    model = folder(assets.model_path)
+    train = [add(read(u)) for u in assets.train_files]
+    val = [add(read(u)) for u in assets.val_files]
+    index = {"model": model, "train": train, "val": val}
+    sources = {"model": {os.path.join(assets.model_path, r): h for r, h in model.items()},
+               "train": dict(zip(assets.train_files, train)),
+               "val": dict(zip(assets.val_files, val))}
     if assets.reward_model_path:
         index["reward_model"] = folder(assets.reward_model_path)
+        sources["reward_model"] = {os.path.join(assets.reward_model_path, r): h
+                                   for r, h in index["reward_model"].items()}
     index["id"] = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
-    store.put_json(f"assets/{index['id']}", index)
-    store.map(lambda kv: store.put_parts([kv[1]], sha=kv[0]), list(blobs.items()))
+    return index, blobs, sources
+
+
+def publish_assets(store: RunStore, assets: Assets, storage_options: dict | None = None,
+                   indexed: tuple | None = None) -> dict:
+    """Copy the model folder and the dataset files into ``store``. Returns the asset index:
+    ``{"model": {relpath: sha}, "train": [sha...], "val": [sha...], "id": sha-of-index}``, plus
+    ``"reward_model": {relpath: sha}`` when the assets have one (``reward_model.enable``; absent
+    otherwise, so such an index and its id are what they were before reward models).
+    ``indexed``: :func:`index_assets`'s answer, when the caller has it already.
+
+    The index (a gc root) is written before the objects it names, so a concurrent garbage
+    collection can never see one of them without its root. If the copy fails, an index this
+    call created is removed again: a failed prepare keeps nothing alive (gc may delete what it
+    copied)."""
+    index, blobs, _ = indexed or index_assets(assets, storage_options)
+    created = store.put_json(f"assets/{index['id']}", index, create_only=True)
+    try:
+        store.map(lambda kv: store.put_parts([kv[1]], sha=kv[0]), list(blobs.items()))
+    except BaseException:
+        if created:
+            unpublish_assets(store, index)
+        raise
     return index
+
+
+def unpublish_assets(store: RunStore, index: dict) -> None:
+    """Remove the index doc of ``index`` (its objects become garbage unless a recorded run or
+    another root names them): what a prepare that failed after :func:`publish_assets` undoes."""
+    try:
+        store.delete_json(f"assets/{index['id']}")
+    except Exception as e:  # noqa: BLE001 - the original failure is what the caller reports
+        log.warning("could not remove the asset index %s of a failed prepare: %s", index["id"], e)
+
+
+# ---------------------------------------------------------------------- assets pinned to a run
+class AssetsChangedError(PermanentError):
+    """A dataset or model file changed since the run (this trajectory) recorded its assets:
+    resuming would mix other data (or another reference model) into the same trajectory."""
+
+
+GIVEN_KINDS = ("model", "train", "val", "reward_model")
+
+
+def _record_doc(trajectory: str) -> str:
+    # under assets/, a gc root folder: a recorded run's files are never collected
+    return f"assets/trajectories/{check_sha256(trajectory, 'trajectory hash')}"
+
+
+def check_pinned(store: RunStore, trajectory: str, given: tuple[str, ...],
+                 sources: dict[str, dict[str, str]], index: dict, assets_id: str = ""
+                 ) -> dict | None:
+    """The asset index this trajectory recorded when it first ran (None: it has none yet), after
+    checking that every file the user gave (``given``: the kinds of :data:`GIVEN_KINDS` that came
+    from the config, not generated) still has the content recorded then. Generated assets (the
+    synthetic data, the warm-started tiny model) are taken from the record, never regenerated
+    into another trajectory's files. Raises :class:`AssetsChangedError` naming the file, the old
+    and new sha256 and the two ways on. ``assets_id`` (``data.assets_id``): the index id a new
+    trajectory was asked for; without a record yet, the files must hash to it."""
+    record = store.get_json(_record_doc(trajectory), default=None)
+    if record is None:
+        if assets_id and assets_id != index["id"]:
+            raise AssetsChangedError(
+                f"data.assets_id={assets_id} names other files than the ones given now "
+                f"(asset index {index['id']}): they changed again. Pass data.assets_id="
+                f"{index['id']} to train on them as they are now, or use a new --run-name")
+        return None
+    changed = []
+    for kind in given:
+        old, new = record["files"].get(kind, {}), sources.get(kind, {})
+        for name in sorted(set(old) | set(new)):
+            if old.get(name) != new.get(name):
+                changed.append(f"{name} (sha256 {old.get(name, 'absent')} -> "
+                               f"{new.get(name, 'absent')})")
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise AssetsChangedError(
+            f"{store.uri}: {'; '.join(changed[:3])}{more} changed since this run recorded its "
+            f"assets (asset index {record['index']}). Resuming would train the same trajectory "
+            "on other files and load its reference model from them. Either start a new run "
+            "(another --run-name), or train on the files as they are now as a new trajectory "
+            "of this run: --overrides '{\"data.assets_id\": \"" + index["id"] + "\"}'")
+    pinned = store.get_json(f"assets/{check_sha256(record['index'], 'asset index id')}")
+    return pinned
+
+
+def record_assets(store: RunStore, trajectory: str, index: dict,
+                  sources: dict[str, dict[str, str]]) -> None:
+    """Record ``index`` as the assets of ``trajectory`` (once; a recorded run keeps its own)."""
+    store.put_json(_record_doc(trajectory), {"index": index["id"], "files": sources},
+                   create_only=True)
 
 
 def _entries(index: dict) -> dict[str, str]:

@@ -142,6 +142,8 @@ class IdleReaper:
             os._exit(0)
 
     def call(self, method: str, *args):
+        if getattr(self, "_init_error", None) is not None:  # see RayRunWorker
+            raise self._init_error
         self._calls += 1
         self._last_call = time.monotonic()
         try:
@@ -158,9 +160,18 @@ class RayRunWorker(RunWorker):
         import torch
 
         torch.set_num_threads(num_threads)
-        super().__init__(store_uri, config_json, assets_index)
+        # An error of the constructor would reach the caller as ActorDiedError, its class lost
+        # (a permanent error retried as a lost worker): keep it and raise it from every call
+        self._init_error: Exception | None = None
+        try:
+            super().__init__(store_uri, config_json, assets_index)
+        except Exception as e:  # noqa: BLE001 - raised again by call()
+            e.worker_init_failed = True  # runtime.call_worker replaces this actor
+            self._init_error = e
 
     def call(self, method: str, *args):
+        if self._init_error is not None:
+            raise self._init_error
         return getattr(self, method)(*args)
 
 

@@ -33,11 +33,13 @@ from verl_core.alarm import alarm
 from verl_core.checkpoint.errors import TransientError
 from verl_core.checkpoint.hf_export import publish_export
 from verl_core.checkpoint.manager import CheckpointManager
-from verl_core.errors import UnsafeManifestError
+from verl_core.errors import PermanentError, UnsafeManifestError
 from verl_core.store import RunStore, check_doc_name
 from verl_core.config import ConfigError, RunConfig
 from verl_core.engine import cluster
-from verl_core.engine.assets import materialize_assets, publish_assets
+from verl_core.engine.assets import (GIVEN_KINDS, check_pinned, index_assets,
+                                     materialize_assets, publish_assets, record_assets,
+                                     unpublish_assets)
 from verl_core.engine.group import WorkerGroup, WorkerLostError  # noqa: F401 (re-exported)
 from verl_core.engine.worker import (RunWorker, checkpoint_due, eval_samples_doc, get_batch,
                                      pending_doc, put_batch)
@@ -48,7 +50,7 @@ from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer
 from verl_core.tracking import Trackers, default_run_name, flat_params
 from verl_core.trainer import compute_advantages, prepare_assets, score_batch
-from verl_core.validation import validate_and_record
+from verl_core.validation import check_run_inputs, validate_and_record
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -145,11 +147,29 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
         cluster.address(cfg.cluster)  # no cluster to attach to: refused before any work
     st = _store(uri)
     _hold(st, cfg.guard.lease_ttl_s)  # a second launch of this run fails here, before any work
+    check_run_inputs(cfg)
+    h = cfg.trajectory_hash()
     with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
         # checks every dataset file (rows, columns, prompt lengths) before the warm start
         assets = prepare_assets(cfg, work, log=log_fn)
-        index = publish_assets(st, assets)
-    start = resume_step(st, cfg)
+        indexed = index_assets(assets)
+        index, _, sources = indexed
+        given = tuple(k for k, on in zip(GIVEN_KINDS, (
+            cfg.model.path, cfg.data.train_files, cfg.data.train_files, cfg.reward_model.enable))
+            if on)
+        pinned = check_pinned(st, h, given, sources, index, cfg.data.assets_id)
+        # only an index this prepare created is undone on failure (another trajectory of the
+        # run may share it)
+        published = pinned is None and not st.has_json(f"assets/{index['id']}")
+        index = pinned or publish_assets(st, assets, indexed=indexed)
+    try:
+        start = resume_step(st, cfg)
+        if pinned is None:
+            record_assets(st, h, index, sources)
+    except BaseException:
+        if published:
+            unpublish_assets(st, index)  # a failed prepare keeps nothing alive
+        raise
     if start:
         log_fn(f"resuming from the checkpoint of step {start} in {uri}")
     return RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
@@ -339,6 +359,14 @@ def call(worker, method: str, *args, timeout_s: float | None = None):
     ref = worker.call.remote(method, *args)
     try:
         return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.RayTaskError as e:
+        # Ray raises a copy that subclasses the worker's error class, or, when that class
+        # cannot be subclassed (an __init__ with other arguments), a bare RayTaskError: then
+        # the worker's own error goes on, so a permanent error is never taken for another kind
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, (PermanentError, TransientError)) and not isinstance(e, type(cause)):
+            raise cause from e
+        raise
     except ray.exceptions.GetTimeoutError as e:
         ray.kill(worker)  # a hung actor would run the retry after the hung call: replace it
         raise PhaseTimeoutError(f"{method} on the run's worker did not answer within "
@@ -358,12 +386,23 @@ def call_worker(spec: RunSpec, method: str, *args):
         _WORKERS.pop(_worker_key(spec), None)  # the worker is gone: the retry starts a new one
         raise
     except Exception as e:
-        if isinstance(worker, WorkerGroup):  # it tore itself down when the error surfaced
+        if isinstance(worker, WorkerGroup) or getattr(e, "worker_init_failed", False):
+            # a group tore itself down when the error surfaced; an actor whose construction
+            # failed (cluster.RayRunWorker) is useless: the retry of a transient one gets a new one
             _WORKERS.pop(_worker_key(spec), None)
         if type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
             _WORKERS.pop(_worker_key(spec), None)
             raise WorkerLostError(f"the run's worker died during {method}: {e}") from e
         raise
+
+
+def _kill_actor(worker) -> None:
+    import ray
+
+    try:
+        ray.kill(worker)
+    except Exception as e:  # noqa: BLE001 - it is being replaced either way
+        log.debug("could not kill the failed worker: %s", e)
 
 
 def start_local_ray() -> None:

@@ -34,13 +34,13 @@ from verl_core.checkpoint.errors import StoreUnavailableError
 from verl_core.checkpoint.hf_export import TOKENIZER_DOC, store_tokenizer
 from verl_core.checkpoint.local_tier import Replicator, open_local_store
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
-from verl_core.store import NotFoundError, RunStore, sha256_hex
+from verl_core.store import NotFoundError, RunStore, is_sha256, sha256_hex
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.engine.assets import materialize_assets
 from verl_core.guard import checks, faults
 from verl_core.guard.faults import maybe_inject
-from verl_core.trainer import RLTrainer
+from verl_core.trainer import RLTrainer, compute_advantages
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.validation import validate_and_record
 
@@ -68,6 +68,13 @@ def _needed(info) -> list[str]:
 
 PENDING_PHASES = ("rollout", "reward", "advantage")
 """Phases whose output batch an update consumes (see :func:`pending_doc`)."""
+
+INPUT_OF = {"reward": "rollout", "advantage": "reward"}
+"""The phase whose batch each light phase reads (a rollout reads the state of its step)."""
+
+RECOVER = ("re-run the same command with --overwrite-cache (pyflyte run --overwrite-cache …), "
+           "which recomputes every phase of the run and rewrites what they stored")
+"""The one command that recovers a run whose stored data cannot be rebuilt from the store."""
 
 
 def pending_doc(config_hash: str, step: int, phase: str) -> str:
@@ -116,8 +123,12 @@ def _digest(record: dict) -> str:
     return sha256_hex([json.dumps(record, sort_keys=True).encode()])
 
 
-def get_batch(store: RunStore, ref: str) -> Batch:
-    return batch_from_parquet_bytes(store.get_bytes(ref, what=f"batch {ref[:12]}"))
+def get_batch(store: RunStore, ref: str, *, quarantine: bool = False) -> Batch:
+    """Batch object ``ref`` (hash-verified; with ``quarantine`` a damaged one is moved aside).
+    Phases that read a batch another phase wrote go through :meth:`RunWorker.batch`, which
+    recomputes a damaged one."""
+    return batch_from_parquet_bytes(store.get_bytes(ref, what=f"batch {ref[:12]}",
+                                                    quarantine=quarantine))
 
 
 class RunWorker:
@@ -287,7 +298,11 @@ class RunWorker:
         """The lineage record that made the live state is the store's (attached workers)."""
         if self.applied is None or self.step == 0:
             return True  # a verified checkpoint or the initial model made it
-        doc = self.store.get_json(self._lineage(self.step - 1), default=None)
+        try:
+            doc = self.store.get_json(self._lineage(self.step - 1), default=None,
+                                      quarantine=self.leader)
+        except CorruptObjectError:  # moved aside: the live state cannot be vouched for
+            doc = None
         return self._lead(doc is not None and _digest(doc) == self.applied)
 
     def ensure_state(self, step: int) -> None:
@@ -313,7 +328,16 @@ class RunWorker:
                         "--overwrite-cache to recompute, or resume from a checkpoint")
         while self.step < step:
             s = self.step
-            doc = self.store.get_json(self._lineage(s), default=None)
+            try:
+                doc = self.store.get_json(self._lineage(s), default=None, quarantine=self.leader)
+            except CorruptObjectError as e:
+                # The record names the batch of update s; without it that update cannot be
+                # redone (its input is known only to the cache entry of the advantage phase).
+                raise StateUnavailableError(
+                    f"cannot rebuild the state of step {step}: the lineage record of update {s} "
+                    f"is damaged ({e}) and no checkpoint of this trajectory in {self.store.uri} "
+                    f"lies between step {s + 1} and step {step}, so updates {s}..{step - 1} "
+                    f"are lost; {RECOVER}") from e
             if doc is None:
                 raise StateUnavailableError(
                     f"cannot rebuild the state of step {step}: the batch of update {s} is not in "
@@ -328,7 +352,7 @@ class RunWorker:
         original one whatever the detectors would say now."""
         action = doc.get("action", "update")
         if action == "update":
-            batch = get_batch(self.store, doc["batch"])
+            batch = self.batch(s, "advantage", doc["batch"])
             with self._changing_state():
                 self.trainer.update(batch, s)
                 self.step = s + 1
@@ -371,6 +395,86 @@ class RunWorker:
         metrics["timing/rollout_s"] = time.perf_counter() - t0
         return ref, metrics
 
+    # ------------------------------------------------------------------ self-healing batches
+    def batch(self, step: int, phase: str, ref: str) -> Batch:
+        """Batch ``ref``, the output of ``phase`` of ``step``, for a phase that consumes it.
+
+        A missing or damaged one (moved to ``quarantine/``) is not the end of the run: phases are
+        deterministic given their inputs (DESIGN rule 3), so it is recomputed from that phase's
+        own inputs (:meth:`_recompute`) and written again, but only if the result hashes to
+        ``ref``, the name every cache entry and lineage record downstream of it holds. A cache
+        hit that pointed at it is then true again. When it does not (the phase is not
+        bit-reproducible here) or its inputs are gone too, the error names what is lost and
+        :data:`RECOVER`. With W > 1 rank 0's view decides, and every worker recomputes
+        (rollouts and the reward model are collectives); rank 0 writes."""
+        err = None
+        try:
+            batch = get_batch(self.store, ref, quarantine=self.leader)
+        except CorruptObjectError as e:
+            batch, err = None, e
+        if not self._lead(err is not None):
+            if err is not None:
+                raise err
+            return batch
+        what = f"the {phase} batch {ref[:12]} of step {step}"
+        log.warning("%s is unreadable (%s); recomputing it from its inputs", what, err)
+        try:
+            batch = self._recompute(step, phase)
+        except (CorruptObjectError, StateUnavailableError) as e:
+            raise CorruptObjectError(f"{what} is unreadable ({err}) and cannot be recomputed: "
+                                     f"{e}; {RECOVER}", sha=ref, path=err.path,
+                                     quarantined=err.quarantined) from e
+        got = ref
+        if self.leader:
+            data = batch_to_parquet_bytes(batch)
+            got = sha256_hex([data])
+            if got == ref:
+                if not self.store.has_json(self._lineage(step)):  # not consumed: keep it rooted
+                    self.store.put_json(pending_doc(self.config_hash, step, phase), {"batch": ref})
+                self.store.put_parts([data], sha=ref)  # the root first, as in put_batch
+        if not self._lead(got == ref):  # (a collective: the others wait for rank 0's write)
+            raise CorruptObjectError(
+                f"{what} is unreadable ({err}); recomputing it from its inputs gave other bytes "
+                f"({got[:12]}: this phase is not bit-reproducible on this host, or the code "
+                f"changed), so it is lost and every state built on it with it; {RECOVER}",
+                sha=ref, path=err.path, quarantined=err.quarantined)
+        log.warning("%s recomputed bit-identical and written again", what)
+        return batch if self.leader else get_batch(self.store, ref)
+
+    def _recompute(self, step: int, phase: str) -> Batch:
+        """The batch ``phase`` of ``step`` writes, computed again from its inputs: a rollout from
+        the state after ``step`` updates; a reward or advantage batch from the batch before it,
+        read (and itself recomputed if damaged) when its pending doc still names it, else
+        recomputed from the state (the pending docs of a step go once its update is recorded).
+        With W > 1 only rank 0's result is complete (as for the phases themselves)."""
+        if phase == "rollout":
+            self.ensure_state(step)
+            return self.trainer.rollout(step)[0]
+        src = INPUT_OF[phase]
+        ref = self._lead(self._pending_ref(step, src) if self.leader else None)
+        upstream = self.batch(step, src, ref) if ref else self._recompute(step, src)
+        if phase == "reward":
+            return self.trainer.reward(upstream)[0]  # the reward phase's scoring, model or not
+        return compute_advantages(upstream, self.cfg.algorithm)[0] if self.leader else upstream
+
+    def _pending_ref(self, step: int, phase: str) -> str | None:
+        """The batch the pending doc of ``phase`` of ``step`` names; None if it is gone or
+        damaged (then moved to ``quarantine/``: it is rewritten when the batch is)."""
+        name = pending_doc(self.config_hash, step, phase)
+        try:
+            doc = self.store.get_json(name, default=None, quarantine=True)
+        except CorruptObjectError as e:
+            log.warning("%s", e)
+            return None
+        ref = doc.get("batch") if isinstance(doc, dict) else None
+        return ref if is_sha256(ref) else None
+
+    def restore_batch(self, step: int, phase: str, ref: str) -> str:
+        """:meth:`batch` for the light phases, which run outside the workers: make batch ``ref``
+        readable in the store again (or raise why it cannot be) and return it."""
+        self.batch(step, phase, ref)
+        return ref
+
     def update(self, step: int, batch_ref: str) -> dict:
         """Apply update ``step`` under the guard (README "Training guard").
 
@@ -390,7 +494,7 @@ class RunWorker:
 
         self.ensure_state(step)
         t0 = time.perf_counter()
-        batch = get_batch(self.store, batch_ref)
+        batch = self.batch(step, "advantage", batch_ref)
         if self.dp.distributed:  # VERL_FAULTS drills: a worker hanging (or killed) mid-update
             maybe_inject(f"update-rank{self.dp.rank}", step)
         g = self.cfg.guard
@@ -649,7 +753,7 @@ class RunWorker:
         the rows, rank 0 gathers, runs ``reward.scorer`` and writes the scored batch). The reward
         model is frozen, so no policy state is needed (no :meth:`ensure_state`)."""
         t0 = time.perf_counter()
-        batch, metrics = self.trainer.reward(get_batch(self.store, batch_ref))
+        batch, metrics = self.trainer.reward(self.batch(step, "rollout", batch_ref))
         if not self.leader:  # the driver takes rank 0's answer
             return "", metrics
         ref = put_batch(self.store, batch, pending=pending_doc(self.config_hash, step, "reward"))

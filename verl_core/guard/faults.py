@@ -6,7 +6,8 @@ config hash (a Ray actor inherits the environment of the process that started Ra
     VERL_FAULTS='[{"phase": "reward", "step": 1, "kind": "transient", "times": 2}]'
     VERL_FAULTS_DIR=/tmp/faults      # attempt counters and markers (shared across processes)
 
-Every fault takes ``phase`` and ``step`` (the RL step the phase belongs to) and fires at most
+Every fault takes ``phase`` and ``step`` (the RL step the phase belongs to; both required, checked
+at prepare by :func:`check_faults`, since a fault without them never fires) and fires at most
 ``times`` times (counted in ``VERL_FAULTS_DIR``, so across processes and re-runs; default 1,
 except ``permanent`` and ``hang`` which default to every time). Kinds:
 
@@ -49,6 +50,13 @@ IN_CODE = ("nan_grad", "nan_reward", "corrupt_object")
 """Kinds that the phase's own code applies (through :func:`take`), not :func:`maybe_inject`."""
 
 
+PHASES = ("rollout", "reward", "advantage", "update", "checkpoint", "evaluate", "finalize")
+"""The task-level phases a fault can name (plus ``update-rank<r>``, see the module docstring)."""
+IN_CODE_PHASE = {"nan_grad": "update", "nan_reward": "reward", "corrupt_object": "checkpoint"}
+"""The one phase whose code applies each in-code kind: elsewhere it would never fire."""
+_KEYS = {"kind", "phase", "step", "times", "seconds"}
+
+
 class InjectedTransientFault(TransientError):
     """A transient fault raised on purpose (VERL_FAULTS)."""
 
@@ -57,19 +65,66 @@ class InjectedPermanentFault(PermanentError):
     """A permanent fault raised on purpose (VERL_FAULTS)."""
 
 
+class FaultSpecError(PermanentError, ValueError):
+    """``VERL_FAULTS`` is not a valid fault list: a fault that would silently never fire (a
+    misspelt phase, no step) is refused, at prepare, before any work."""
+
+
 def _faults() -> list[dict]:
     spec = os.environ.get("VERL_FAULTS", "")
     if not spec:
         return []
+    return parse_faults(spec)
+
+
+def check_faults() -> int:
+    """Validate ``VERL_FAULTS`` (prepare calls this before any work); returns how many faults it
+    declares. Raises :class:`FaultSpecError` naming the fault and the fix."""
+    return len(_faults())
+
+
+def parse_faults(spec: str) -> list[dict]:
+    """The faults of a ``VERL_FAULTS`` value: one JSON object or a list of them, each with a
+    known ``kind`` (default ``transient``), a known ``phase`` and an integer ``step`` >= 0."""
     try:
         faults = json.loads(spec)
     except json.JSONDecodeError as e:
-        raise ValueError(f"VERL_FAULTS is not JSON: {e}") from e
+        raise FaultSpecError(f"VERL_FAULTS is not JSON: {e}; expected e.g. "
+                             '[{"phase": "reward", "step": 1, "kind": "transient"}]') from e
     faults = faults if isinstance(faults, list) else [faults]
-    for f in faults:
-        if f.get("kind", "transient") not in KINDS:
-            raise ValueError(f"VERL_FAULTS: unknown kind {f.get('kind')!r}; known: "
-                             f"{', '.join(KINDS)}")
+    for i, f in enumerate(faults):
+        where = f"VERL_FAULTS[{i}]={json.dumps(f)}"
+        if not isinstance(f, dict):
+            raise FaultSpecError(f"{where}: a fault is a JSON object with kind, phase and step")
+        kind = f.get("kind", "transient")
+        if kind not in KINDS:
+            raise FaultSpecError(f"{where}: unknown kind {kind!r}; known: {', '.join(KINDS)}")
+        unknown = sorted(set(f) - _KEYS)
+        if unknown:
+            raise FaultSpecError(f"{where}: unknown key(s) {unknown}; known: "
+                                 f"{', '.join(sorted(_KEYS))}")
+        phase = f.get("phase")
+        rank = isinstance(phase, str) and phase.startswith("update-rank") and \
+            phase[len("update-rank"):].isdigit()
+        if phase not in PHASES and not rank:
+            raise FaultSpecError(f"{where}: phase {phase!r} is not a phase, so the fault would "
+                                 f"never fire; use one of {', '.join(PHASES)} or update-rank<r>")
+        if kind in IN_CODE_PHASE and phase != IN_CODE_PHASE[kind]:
+            raise FaultSpecError(f"{where}: kind {kind!r} fires only in phase "
+                                 f"{IN_CODE_PHASE[kind]!r}; set \"phase\": "
+                                 f"\"{IN_CODE_PHASE[kind]}\"")
+        step = f.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise FaultSpecError(f"{where}: needs \"step\": the RL step (an integer >= 0, "
+                                 "0-based) whose phase it fires in; without it it never fires")
+        times = f.get("times")
+        if times is not None and (not isinstance(times, int) or isinstance(times, bool)
+                                  or times < 1):
+            raise FaultSpecError(f"{where}: \"times\" must be an integer >= 1 (or absent)")
+        seconds = f.get("seconds")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(
+                seconds, (int, float)) or not seconds >= 0):
+            raise FaultSpecError(f"{where}: \"seconds\" must be a number >= 0 (or absent)")
     return faults
 
 
@@ -80,7 +135,7 @@ def _state_dir() -> str:
 
 
 def _matching(phase: str, step: int, kinds) -> list[dict]:
-    return [f for f in _faults() if f.get("phase") == phase and int(f.get("step", -1)) == step
+    return [f for f in _faults() if f.get("phase") == phase and f["step"] == step
             and f.get("kind", "transient") in kinds]
 
 

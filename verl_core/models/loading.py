@@ -6,14 +6,20 @@ a hub at run time. Store URIs are materialised into a local folder by the caller
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import struct
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+from verl_core.errors import PermanentError
 
-class ModelLoadError(ValueError):
-    """The model folder is missing or incomplete; the message names the folder and the fix."""
+
+class ModelLoadError(PermanentError, ValueError):
+    """The model folder is missing or incomplete; the message names the folder and the fix.
+    Permanent: a retry reads the same folder."""
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -28,6 +34,137 @@ def _check_folder(path: str) -> None:
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ModelLoadError(f"model folder {path!r} has no config.json; is it a Hugging Face "
                              "model folder (save_pretrained output)?")
+
+
+# bytes per element of each safetensors dtype (the format's own list)
+_ST_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2,
+             "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+             "F64": 8, "C64": 8}
+_PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_MAX_HEADER = 100 << 20  # the safetensors library's own limit on a header (100 MB)
+
+
+def check_model_folder(path: str, what: str = "model.path") -> None:
+    """Check a model folder without loading (or unpickling) anything: ``config.json`` parses, the
+    weights are safetensors (a pickle-only folder is refused: loading it could run code), every
+    safetensors header parses, its tensors' byte sizes add up to the file's size, and embedding
+    shapes agree with the config's ``vocab_size`` x ``hidden_size``. Reads only headers (a few KB
+    per file), so prepare runs it before anything is copied or warm-started. Raises
+    :class:`ModelLoadError` naming ``what``, the file and the fix."""
+    where = f"{what}={path!r}"
+    _check_folder(path)
+    try:
+        with open(os.path.join(path, "config.json"), "rb") as f:
+            config = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{where}: config.json does not parse ({e}); save the folder again "
+                             "with save_pretrained") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{where}: config.json is not a JSON object")
+    names = sorted(os.listdir(path))
+    shards = [n for n in names if n.endswith(".safetensors")]
+    if not shards:
+        pickles = [n for n in names if n.endswith(_PICKLE_WEIGHTS)]
+        if pickles:
+            raise ModelLoadError(
+                f"{where}: its weights are pickle files only ({', '.join(pickles)}), which are "
+                "never loaded (unpickling can run arbitrary code); convert it to safetensors: in "
+                "an environment you trust, load it and save_pretrained(folder, "
+                "safe_serialization=True)")
+        raise ModelLoadError(f"{where}: no *.safetensors weights; save the model into the folder "
+                             "with save_pretrained(folder, safe_serialization=True)")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index, "rb") as f:
+                wanted = set(json.loads(f.read())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{where}: model.safetensors.index.json does not parse ({e}); "
+                                 "save the folder again with save_pretrained") from e
+        missing = sorted(str(w) for w in wanted if w not in shards)
+        if missing:
+            raise ModelLoadError(f"{where}: model.safetensors.index.json names shards that are "
+                                 f"not in the folder: {', '.join(missing[:5])}; copy the whole "
+                                 "folder")
+    for name in shards:
+        _check_safetensors(os.path.join(path, name), where, config)
+
+
+def _check_safetensors(file: str, where: str, config: dict) -> None:
+    """One safetensors file: ``<u64 header length N><N bytes of JSON header><tensor bytes>``;
+    every tensor's ``data_offsets`` span prod(shape) x its dtype's size, and the spans tile the
+    byte buffer exactly (what the safetensors library checks when it opens the file)."""
+    name = os.path.basename(file)
+    size = os.path.getsize(file)
+
+    def bad(why: str) -> ModelLoadError:
+        return ModelLoadError(f"{where}: {name} is not a valid safetensors file ({why}); the "
+                              "file is damaged or truncated: copy or save the model again")
+
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, shorter than its 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER, size - 8):
+            raise bad(f"header length {n} does not fit in the file's {size} bytes")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise bad(f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    spans, buffer = [], size - 8 - n
+    for tensor, info in header.items():
+        if tensor == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            numel = math.prod(int(d) for d in shape)
+            want = numel * _ST_BYTES[dtype]
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"tensor {tensor!r} has a malformed entry ({e!r})") from None
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise bad(f"tensor {tensor!r} has data_offsets {info['data_offsets']!r}")
+        if end - begin != want:
+            raise bad(f"tensor {tensor!r} ({dtype} {list(shape)}) spans {end - begin} bytes, "
+                      f"its shape needs {want}")
+        spans.append((begin, end, tensor))
+        _check_shape(tensor, shape, config, where, name)
+    at = 0
+    for begin, end, tensor in sorted(spans):
+        if begin != at:
+            raise bad(f"tensor {tensor!r} starts at byte {begin}, expected {at} (a gap or an "
+                      "overlap)")
+        at = end
+    if at != buffer:
+        raise bad(f"its tensors span {at} bytes, the file holds {buffer} after the header")
+
+
+def _check_shape(tensor: str, shape, config: dict, where: str, name: str) -> None:
+    """Embedding and output matrices are (vocab_size, hidden_size) in every HF causal LM (and
+    the sequence classifiers built on them): the one shape check that needs no architecture."""
+    vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
+    if not (isinstance(vocab, int) and isinstance(hidden, int)):
+        return
+    if tensor.endswith(("embed_tokens.weight", "wte.weight", "lm_head.weight")):
+        if list(shape) != [vocab, hidden]:
+            raise ModelLoadError(
+                f"{where}: {name}: {tensor} has shape {list(shape)}, but config.json says "
+                f"vocab_size={vocab} x hidden_size={hidden}; the weights and the config belong to "
+                "different models: save the folder again with save_pretrained")
+
+
+def _load_failed(what: str, path: str, e: Exception) -> ModelLoadError:
+    """A load error with the folder named. torch's advice for a refused pickle ("Re-running
+    torch.load with weights_only=False will likely succeed") would run the pickle: it is
+    replaced by the safe fix."""
+    text = str(e)
+    if "weights_only" in text:
+        text = ("its weights are a pickle that is refused (unpickling can run arbitrary code); "
+                "convert it to safetensors: in an environment you trust, load it and "
+                "save_pretrained(folder, safe_serialization=True)")
+    return ModelLoadError(f"cannot load {what} from {path!r}: {text}")
 
 
 def load_tokenizer(path: str):
@@ -54,7 +191,7 @@ def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=_DTYPES[dtype])
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load a causal LM from {path!r}: {e}") from e
+        raise _load_failed("a causal LM", path, e) from None
     model.eval()
     return model
 
@@ -71,6 +208,6 @@ def load_critic(path: str, dtype: str = "float32") -> torch.nn.Module:
         model = AutoModelForTokenClassification.from_pretrained(
             path, config=config, local_files_only=True, dtype=_DTYPES[dtype])
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot build a critic from {path!r}: {e}") from e
+        raise _load_failed("a critic", path, e) from None
     model.eval()
     return model
