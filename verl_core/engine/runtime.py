@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from verl_core.alarm import alarm
-from verl_core.checkpoint.errors import TransientError
+from verl_core.checkpoint.errors import CorruptObjectError, TransientError
 from verl_core.checkpoint.hf_export import publish_export
 from verl_core.checkpoint.manager import CheckpointManager
 from verl_core.errors import PermanentError, UnsafeManifestError
@@ -468,6 +468,19 @@ def _light(spec: RunSpec):
     return _LIGHT[key]
 
 
+def _input_batch(spec: RunSpec, step: int, phase: str, ref: str):
+    """The batch ``ref`` that ``phase`` of ``step`` wrote, read by a light phase; a damaged or
+    missing one is recomputed by the run's worker (``RunWorker.batch``: bit-identical or a
+    clear error), since a cache hit upstream may point at it."""
+    st = spec.open_store()
+    try:
+        return get_batch(st, ref)
+    except CorruptObjectError as e:
+        log.warning("%s; asking the run's worker to recompute it", e)
+        call_worker(spec, "restore_batch", step, phase, ref)
+        return get_batch(st, ref)
+
+
 def reward_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict]:
     """Score the rollout batch ``batch_ref``. Rule and custom scorers run here (light); with
     ``reward_model.enable`` the run's worker(s) score it (``RunWorker.score_with_model``), where
@@ -479,7 +492,8 @@ def reward_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict]:
         ref, metrics = call_worker(spec, "score_with_model", step, batch_ref)
     else:
         tok, scorer, _ = _light(spec)
-        batch, metrics = score_batch(get_batch(st, batch_ref), scorer, tok)
+        batch, metrics = score_batch(_input_batch(spec, step, "rollout", batch_ref), scorer,
+                                     tok)
     if faults.take("nan_reward", "reward", step):  # a VERL_FAULTS drill; None otherwise
         batch = get_batch(st, ref) if batch is None else batch
         score = batch.score.clone()
@@ -497,7 +511,8 @@ def advantage_phase(spec: RunSpec, step: int, batch_ref: str) -> tuple[str, dict
     t0 = time.perf_counter()
     _, _, cfg = _light(spec)
     st = spec.open_store()
-    batch, metrics = compute_advantages(get_batch(st, batch_ref), cfg.algorithm)
+    batch, metrics = compute_advantages(_input_batch(spec, step, "reward", batch_ref),
+                                        cfg.algorithm)
     validate_and_record(st, spec.config_hash, step, "advantage", batch, cfg)
     ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "advantage"))
     metrics["timing/advantage_s"] = time.perf_counter() - t0
