@@ -225,7 +225,9 @@ def verify_export(uri: str, storage_options: Optional[dict] = None, *,
     they trust the folder."""
     import fsspec
 
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    from verl_core.store import resolve_storage_options
+
+    fs, path = fsspec.core.url_to_fs(uri, **resolve_storage_options(uri, storage_options))
     path = path.rstrip("/")
     try:
         with fs.open(f"{path}/{EXPORT_MARKER}", "rb") as f:

@@ -29,6 +29,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from verl_core.store import resolve_storage_options
+
 __all__ = ["PromptRow", "DatasetError", "load_prompt_rows", "render_prompt", "REQUIRED_COLUMNS"]
 
 REQUIRED_COLUMNS = ("data_source", "prompt")
@@ -96,7 +98,7 @@ def load_prompt_rows(files: Sequence[str] | str,
 
 def _read_table(path: str, storage_options: dict) -> pa.Table:
     try:
-        with fsspec.open(path, "rb", **storage_options) as f:
+        with fsspec.open(path, "rb", **resolve_storage_options(path, storage_options)) as f:
             return pq.read_table(f)
     except FileNotFoundError as e:
         raise DatasetError(f"{path}: file not found ({e}); check the path in data.train_files / "

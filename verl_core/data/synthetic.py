@@ -23,6 +23,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from verl_core.store import resolve_storage_options
+
 __all__ = ["DATA_SOURCE", "OPS", "arithmetic_problems", "arithmetic_rows",
            "write_arithmetic_dataset"]
 
@@ -107,7 +109,8 @@ def write_arithmetic_dataset(out_dir: str, *, train_size: int, val_size: int, ma
     val = [problems[j] for j in order[:val_size]]
     train = [problems[j] for j in order[val_size:val_size + train_size]]
 
-    fs, root = fsspec.core.url_to_fs(out_dir, **(storage_options or {}))
+    fs, root = fsspec.core.url_to_fs(out_dir,
+                                     **resolve_storage_options(out_dir, storage_options))
     fs.makedirs(root, exist_ok=True)
     paths = []
     for split, probs in (("train", train), ("val", val)):
