@@ -464,9 +464,11 @@ def validate_dataset_files(files: Sequence[str], cfg: "RunConfig", tokenizer=Non
     import fsspec
     import pyarrow.parquet as pq
 
+    from verl_core.store import resolve_storage_options
+
     reports = []
     for path in files:
-        with fsspec.open(path, "rb", **(storage_options or {})) as f:
+        with fsspec.open(path, "rb", **resolve_storage_options(path, storage_options)) as f:
             df = pq.read_table(f).to_pandas()
         reports.append(validate_dataset(df, cfg, tokenizer=tokenizer, name=f"dataset {path}"))
     return reports
