@@ -5,7 +5,7 @@ and guard events, no plots."""
 from flytekit import task
 
 from tasks import decks
-from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase
+from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase, store_call
 from tasks.images import GPU_IMAGE
 from verl_core import phases, report
 from verl_core.engine import runtime
@@ -27,7 +27,7 @@ def checkpoint_attached(spec: RunSpec, state: StepState) -> StepState:
 
 def _checkpoint(spec: RunSpec, state: StepState) -> StepState:
     done = run_phase(spec, "checkpoint", state.step, lambda: phases.checkpoint(spec, state))
-    decks.attach("Step", report.step_card(done.step, done.metrics,
-                                          events=runtime.step_events(spec, done.step - 1)),
-                 only=True)
+    events = store_call(f"guard events of step {done.step}",
+                        lambda: runtime.step_events(spec, done.step - 1))
+    decks.attach("Step", report.step_card(done.step, done.metrics, events=events), only=True)
     return done

@@ -159,11 +159,24 @@ RAY_CONFIG = _RayConfig(
 )
 
 
+def store_call(what: str, fn: Callable[[], T]) -> T:
+    """``fn()`` under a phase's retry policy, a transient fault that outlived it raised as
+    FlyteRecoverableException (a cluster retries the phase; a raw StoreUnavailableError would
+    fail the run). For every store call a task makes around its body: the phase log, a progress
+    line's guard events, a Deck's reads, prepare. Permanent faults propagate unchanged."""
+    try:
+        return runtime.with_retries(fn, what=what, attempts=RETRIES)
+    except TransientError as e:
+        raise FlyteRecoverableException(f"{what}: {e}") from e
+
+
 def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T],
               then: Callable[[T], T] | None = None) -> T:
     """Run a phase body with the local retry policy, log it in the run store's phase log, and map
     a transient fault that outlived the retries to FlyteRecoverableException (so a cluster
-    retries only this phase). Permanent faults propagate unchanged: they fail fast. ``then``
+    retries only this phase). The phase log append is a store call like the body's, under the
+    same policy (:func:`store_call`), but retried on its own: a log write that fails does not
+    redo the body. Permanent faults propagate unchanged: they fail fast. ``then``
     runs on the body's result after the wall-clock detectors, within the same attempt (the
     update task ends a step there when no checkpoint phase follows)."""
     t0 = time.time()
@@ -186,11 +199,9 @@ def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T],
                             metrics if isinstance(metrics, dict) else {})
         return out if then is None else then(out)
 
-    try:
-        out = runtime.with_retries(attempt, what=f"{phase} step {step}", attempts=RETRIES)
-    except TransientError as e:
-        raise FlyteRecoverableException(f"{phase} of step {step}: {e}") from e
-    runtime.log_phase(spec, phase, step, started=t0)
+    out = store_call(f"{phase} of step {step}", attempt)
+    store_call(f"phase log of {phase} step {step}",
+               lambda: runtime.log_phase(spec, phase, step, started=t0))
     verl_core.beat()  # the liveness probe's heartbeat (VERL_HEARTBEAT_FILE), at the end too
     return out
 
@@ -209,7 +220,9 @@ def progress(spec: RunSpec, step: int, metrics: dict) -> None:
         if k in metrics:
             parts.append(f"{name}={metrics[k]:.3f}")
     parts.append(f"ETA {eta:.0f}s")
-    events = runtime.step_events(spec, step - 1)  # the step's guard events (one store listing)
+    # the step's guard events (one store listing)
+    events = store_call(f"guard events of step {step}",
+                        lambda: runtime.step_events(spec, step - 1))
     if events:
         parts.append(event_line(events))
     print("[verl] " + " ".join(parts), flush=True)

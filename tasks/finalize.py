@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from flytekit import task
 
 from tasks import decks
-from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase
+from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase, store_call
 from tasks.evaluate import EvalResult
 from tasks.images import GPU_IMAGE
 from verl_core import phases, report
@@ -61,6 +61,7 @@ def _finalize(spec: RunSpec, last: StepState, start: EvalResult, end: EvalResult
     print(f"[verl] done: accuracy {s.start_accuracy:.3f} -> {s.end_accuracy:.3f}, reward "
           f"{s.first_reward:.3f} -> {s.last_reward:.3f}; final model: {s.final_model}; "
           f"metrics: {s.metrics_table}", flush=True)
-    decks.attach("RL run", report.for_run(spec, title=f"{s.algorithm}: {s.steps} steps",
-                                          sample_steps=sorted({start.step, end.step})))
+    decks.attach("RL run", store_call("the run report", lambda: report.for_run(
+        spec, title=f"{s.algorithm}: {s.steps} steps",
+        sample_steps=sorted({start.step, end.step}))))
     return s

@@ -6,7 +6,7 @@ import json
 
 from flytekit import task
 
-from tasks.common import RETRIES, cache_for
+from tasks.common import RETRIES, cache_for, store_call
 from verl_core import verl_keys
 from verl_core.config import ConfigError, preset, typed_overrides, with_overrides
 from verl_core.engine import runtime
@@ -64,14 +64,15 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
     # the run header (this task is never cached, so every command prints it)
     print(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}", flush=True)
     uri = runtime.run_store_uri(store, run_name)
-    st = runtime._store(uri)
-    spec = RunSpec(store=st.uri, incarnation=st.incarnation_id,
+    st = store_call(f"opening the run store {uri}", lambda: runtime._store(uri))
+    spec = RunSpec(store=st.uri, incarnation=store_call("the store's incarnation id",
+                                                        lambda: st.incarnation_id),
                    config=cfg,
                    config_hash=cfg.trajectory_hash(), assets_json="", start_step=0,
                    total_steps=cfg.total_steps)
     # one writer per run: a second launch of a live run fails here, naming the holder, even
     # when every later task would be a cache hit
-    runtime.hold_lease(spec)
+    store_call("taking the run's lease", lambda: runtime.hold_lease(spec))
     return spec
 
 
@@ -80,7 +81,7 @@ def prepare(spec: RunSpec) -> RunSpec:
     """Synthetic dataset + tiny warm-started model (or the given ones), validated and copied
     into the run store; the start step (auto-resume). Cached per store incarnation."""
     runtime.start_local_ray()  # lean local Ray (no-op on a cluster or with RAY_ADDRESS)
-    full = runtime.prepare_run(spec.config, spec.store.rsplit("/", 1)[0],
-                               spec.store.rsplit("/", 1)[1])
+    full = store_call("prepare", lambda: runtime.prepare_run(
+        spec.config, spec.store.rsplit("/", 1)[0], spec.store.rsplit("/", 1)[1]))
     print(f"[verl] run store: {full.store} (start step {full.start_step})", flush=True)
     return full
