@@ -879,7 +879,10 @@ class RunConfig:
     eval_every: int = 0
     """Greedy held-out evaluation every k steps (0: only at start and end)."""
     num_threads: int = 0
-    """torch intra-op threads (0: leave torch's default)."""
+    """torch intra-op threads per worker (0: this host's CPUs / the worker count). Resolved at the
+    run's first prepare and recorded in its store (``compute.json``): every mode, worker, retry
+    and rebuild, on any host, computes with that count; a different count on a later launch of
+    the run is refused (``verl_core.threads``)."""
 
     def __post_init__(self):
         _check_types("run", self)

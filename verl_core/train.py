@@ -24,6 +24,7 @@ from verl_core.config import ConfigError, RunConfig, preset, with_overrides
 from verl_core.data.batch import PromptTooLongError
 from verl_core.data.dataset import DatasetError
 from verl_core.store import RunStore
+from verl_core.threads import intra_op_threads
 from verl_core.guard import checks, policy
 from verl_core.guard.faults import FaultSpecError
 from verl_core.guard.lease import LeaseHeldError, RunLease
@@ -51,8 +52,7 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
             "workflows/ppo.py ppo --overrides '{\"trainer.n_gpus_per_node\": "
             f"{cfg.trainer.n_gpus_per_node}}}'")
     t_start = time.perf_counter()
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    torch.set_num_threads(intra_op_threads(cfg))  # 0: this host's CPUs (verl_core.threads)
     # opened before the warm start, so a misconfigured tracker fails in seconds, not after it
     trackers = Trackers(cfg.tracking, run_name=default_run_name(workdir),
                         config_hash=cfg.trajectory_hash(), run_key=uuid.uuid4().hex,

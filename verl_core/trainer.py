@@ -43,6 +43,7 @@ from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.training.ppo import ppo_update
 from verl_core.training import sharding
 from verl_core.training.sft import supervised_warm_start
+from verl_core.threads import intra_op_threads
 from verl_core.validation import validate_dataset_files
 from verl_core.guard import checks, faults
 from verl_core.guard.policy import GUARD_DEFAULTS
@@ -302,8 +303,9 @@ class RLTrainer:
     def __init__(self, cfg: RunConfig, assets: Assets, dp: DataParallel = SINGLE):
         self.cfg = cfg
         self.dp = dp  # W > 1: FSDP2-sharded models, each worker rolls out its block of rows
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        # the run's recorded count (verl_core.threads): never the host's or Ray's default, which
+        # differ between modes and pods and change the float sums
+        torch.set_num_threads(intra_op_threads(cfg))
         self.tokenizer = tok = load_tokenizer(assets.model_path)
         self.train_rows = load_prompt_rows(assets.train_files)
         self.val_rows = load_prompt_rows(assets.val_files)

@@ -1,7 +1,10 @@
 """`pyflyte run … --overrides '{"trainer.n_gpus_per_node": 2}'`: the real workflow on a worker group
 of 2 (Ray actors, FSDP2 over gloo) trains what one worker trains, up to float rounding; and
 `cluster.mode=attached` against a long-lived local Ray cluster (`ray start --head`) ends with the
-same weights as the default `per_task` mode."""
+same weights as the default `per_task` mode, on the defaults: neither run pins `num_threads`, both
+compute with the count their first prepare recorded (issue 21 item 8: the attached actor used to
+get Ray's one thread, the per_task actor the host's CPU count, and the weights differed)."""
+import json
 import os
 import pathlib
 
@@ -11,6 +14,7 @@ from safetensors.torch import load_file
 
 from conftest import flyte_env, ppo_cmd, run
 from tests.ray_nodes import RayNodes
+from verl_core import threads
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +35,13 @@ def _tokens(store_run) -> list:
             for d in sorted(st.list_json(folder))]
 
 
+def _threads(store_run) -> int:
+    """The intra-op thread count the run's first prepare recorded (verl_core.threads)."""
+    return json.loads((store_run / "compute.json").read_text())["num_threads"]
+
+
 def test_two_workers_match_one_and_attached_mode_matches_per_task_through_pyflyte(tmp_path):
-    one = run(ppo_cmd(tmp_path / "w1", steps=3, overrides={"num_threads": 1}),
-              flyte_env(tmp_path / "a"))
+    one = run(ppo_cmd(tmp_path / "w1", steps=3), flyte_env(tmp_path / "a"))
     two = run(ppo_cmd(tmp_path / "w2", steps=3, overrides={"trainer.n_gpus_per_node": 2}),
               flyte_env(tmp_path / "b"))
     # the same sampled tokens at every step (see tests/verl_core/engine/test_group.py for why
@@ -44,11 +52,14 @@ def test_two_workers_match_one_and_attached_mode_matches_per_task_through_pyflyt
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-5
 
     # cluster.mode=attached: plain tasks join a long-lived cluster where the worker is a
-    # detached actor; same arithmetic (one thread) as the per_task run above: the same weights
+    # detached actor (Ray gives it one thread by default); it computes with the thread count its
+    # prepare recorded, as the per_task run above does (the same host: the same count), so the
+    # arithmetic, and the weights, are the same bit for bit
+    recorded = _threads(tmp_path / "w1" / "t")
+    assert recorded == threads.default_num_threads(1)
     nodes = RayNodes(tmp_path / "ray", num_cpus=2)
     try:
-        attached = run(ppo_cmd(tmp_path / "w3", steps=3,
-                               overrides={"num_threads": 1, "cluster.mode": "attached"}),
+        attached = run(ppo_cmd(tmp_path / "w3", steps=3, overrides={"cluster.mode": "attached"}),
                        flyte_env(tmp_path / "c", RAY_ADDRESS=nodes.address))
         # the worker ran on that cluster as the detached actor (Ray logs each actor's class)
         logs = [f.read_text(errors="replace")
@@ -56,5 +67,6 @@ def test_two_workers_match_one_and_attached_mode_matches_per_task_through_pyflyt
         assert any(":actor_name:AttachedRunWorker" in text for text in logs)
     finally:
         nodes.stop()
+    assert _threads(tmp_path / "w3" / "t") == recorded
     wc = _final_weights(attached.stdout)
     assert wa.keys() == wc.keys() and all(torch.equal(wa[k], wc[k]) for k in wa)

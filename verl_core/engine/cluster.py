@@ -26,6 +26,7 @@ import time
 
 from verl_core.engine.worker import RunWorker
 from verl_core.errors import PermanentError
+from verl_core.threads import intra_op_threads
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ def single_worker(spec, index: dict):
 
     cfg = spec.config
     connect(cfg.cluster)
-    threads = cfg.num_threads or 1
+    threads = intra_op_threads(cfg)  # the run's recorded count, as in every other mode
     env = forwarded_env()
     actor_cls = ray.remote(num_cpus=1, max_restarts=0)(AttachedRunWorker)
     return actor_cls.options(
@@ -211,7 +212,7 @@ def group_workers(spec, index: dict):
     tc = cfg.trainer
     return WorkerGroup(spec.store, spec.config_json, index, nnodes=tc.nnodes,
                        n_gpus_per_node=tc.n_gpus_per_node, timeout_s=tc.worker_timeout_s,
-                       num_threads=cfg.num_threads,
+                       num_threads=intra_op_threads(cfg),
                        detached=Detached(prefix=actor_prefix(spec.config_json),
                                          namespace=namespace(spec.incarnation),
                                          idle_timeout_s=cfg.cluster.idle_timeout_s,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from verl_core.checkpoint.errors import TransientError
 from verl_core.engine.cluster import IdleReaper
 from verl_core.engine.worker import RunWorker
+from verl_core.threads import default_num_threads
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class WorkerGroup:
 
             ip, port = ray.get(ray.remote(num_cpus=0)(_rendezvous_address).options(
                 scheduling_strategy=on(0)).remote(), timeout=timeout_s)
-            threads = num_threads or max(1, (os.cpu_count() or 1) // W)
+            threads = num_threads or default_num_threads(W)
             args = (W, f"tcp://{ip}:{port}", store_uri, config_json, assets_index, threads,
                     timeout_s)
             if detached is None:

@@ -35,6 +35,7 @@ from verl_core.checkpoint.hf_export import publish_export
 from verl_core.checkpoint.manager import CheckpointManager
 from verl_core.errors import PermanentError, UnsafeManifestError
 from verl_core.store import RunStore, check_doc_name
+from verl_core.threads import intra_op_threads, pin_num_threads
 from verl_core.config import ConfigError, RunConfig
 from verl_core.engine import cluster
 from verl_core.engine.assets import (GIVEN_KINDS, check_pinned, index_assets,
@@ -148,6 +149,8 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     st = _store(uri)
     _hold(st, cfg.guard.lease_ttl_s)  # a second launch of this run fails here, before any work
     check_run_inputs(cfg)
+    # the thread count every worker of the run computes with, recorded at its first prepare
+    cfg = pin_num_threads(st, cfg, log_fn)
     h = cfg.trajectory_hash()
     with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
         # checks every dataset file (rows, columns, prompt lengths) before the warm start
@@ -329,16 +332,15 @@ def worker_for(spec: RunSpec):
             _WORKERS[key] = WorkerGroup(spec.store, spec.config_json, index, nnodes=tc.nnodes,
                                         n_gpus_per_node=tc.n_gpus_per_node,
                                         timeout_s=tc.worker_timeout_s,
-                                        num_threads=spec.config.num_threads)
+                                        num_threads=intra_op_threads(spec.config))
         elif cluster.connected():
             import ray
 
             cfg_id = hashlib.sha256(spec.config_json.encode()).hexdigest()[:12]
             name = f"verl-{spec.incarnation[:12]}-{cfg_id}"
-            threads = spec.config.num_threads or os.cpu_count() or 1
             actor_cls = ray.remote(num_cpus=1)(cluster.RayRunWorker)
             _WORKERS[key] = actor_cls.options(name=name, get_if_exists=True).remote(
-                spec.store, spec.config_json, index, threads)
+                spec.store, spec.config_json, index, intra_op_threads(spec.config))
         else:
             _WORKERS[key] = RunWorker(spec.store, spec.config_json, index)
     return _WORKERS[key]
@@ -462,6 +464,10 @@ def _light(spec: RunSpec):
     key = _worker_key(spec)
     if key not in _LIGHT:
         cfg = spec.config
+        # the reward and advantage math of this process (batch-wide sums) with the run's count
+        import torch
+
+        torch.set_num_threads(intra_op_threads(cfg))
         assets = materialize_assets(spec.open_store(), json.loads(spec.assets_json))
         scorer = RewardScorer.from_config(cfg.reward)
         _LIGHT[key] = (load_tokenizer(assets.model_path), scorer, cfg)
