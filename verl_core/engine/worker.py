@@ -336,8 +336,8 @@ class RunWorker:
                 raise StateUnavailableError(
                     f"cannot rebuild the state of step {step}: the lineage record of update {s} "
                     f"is damaged ({e}) and no checkpoint of this trajectory in {self.store.uri} "
-                    f"lies between step {s + 1} and step {step}, so updates {s}..{step - 1} "
-                    f"are lost; {RECOVER}") from e
+                    f"lies between step {s + 1} and step {step}, so the states of steps "
+                    f"{s + 1}..{step} cannot be rebuilt; {RECOVER}") from e
             if doc is None:
                 raise StateUnavailableError(
                     f"cannot rebuild the state of step {step}: the batch of update {s} is not in "

@@ -17,6 +17,7 @@ import pytest
 from verl_core import phases
 from verl_core.engine import runtime
 from verl_core.engine.worker import StateUnavailableError, pending_doc
+from verl_core.errors import CorruptObjectError
 from verl_core.store import RunStore
 
 
@@ -142,7 +143,30 @@ def test_truncated_lineage_record_is_quarantined_and_named_with_the_fix(copy_run
         w.ensure_state(1)  # no checkpoint at or before step 1: update 0 must be replayed
     msg = str(e.value)
     assert f"{name}.json" in msg and "moved to" in msg and "--overwrite-cache" in msg
-    assert "updates 0..0 are lost" in msg
+    assert "the states of steps 1..1 cannot be rebuilt" in msg
     assert not st.has_json(name) and len(_quarantined(st)) == 1
     with pytest.raises(StateUnavailableError, match="--overwrite-cache"):
         w.ensure_state(1)  # the next attempt finds it missing and says the same fix
+
+
+def test_batch_that_recomputes_to_other_bytes_is_not_written_and_names_the_fix(copy_run):
+    """The damaged batch of update 2 is recomputed from an input that is not the one it was made
+    from (a pending reward doc naming update 1's batch: a wrong recorded input stands for a phase
+    that is not bit-reproducible here). The result hashes to something else: nothing is written
+    under the old name, and the error says it is lost and how to recover."""
+    spec = copy_run("other")
+    st = spec.open_store()
+    h = spec.config_hash
+    ref = st.get_json(f"lineage/{h[:16]}/000000002")["batch"]
+    other = st.get_json(f"lineage/{h[:16]}/000000001")["batch"]
+    st.put_json(pending_doc(h, 2, "reward"), {"batch": other})
+    _flip(st, ref)
+
+    w = runtime.worker_for(spec)
+    w.ensure_state(2)
+    with pytest.raises(CorruptObjectError) as e:
+        w.batch(2, "advantage", ref)
+    msg = str(e.value)
+    assert "recomputing it from its inputs gave other bytes" in msg and "--overwrite-cache" in msg
+    assert e.value.quarantined and os.path.exists(e.value.quarantined)
+    assert not st.has_object(ref)  # never stored under a name its bytes do not hash to
