@@ -57,10 +57,28 @@ def flat_params(config: Mapping, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def _check_tensorboard_s3_endpoint(logdir: str) -> None:
+    """TensorBoard writes ``s3://`` through its own boto3 client, which reads ``S3_ENDPOINT``
+    (not fsspec, not ``VERL_S3_ENDPOINT``): refuse a logdir whose events would go to another S3
+    service than the run's store (:func:`verl_core.store.resolve_storage_options`)."""
+    from verl_core.store import resolve_storage_options
+
+    want = (resolve_storage_options(logdir).get("client_kwargs") or {}).get("endpoint_url")
+    have = os.environ.get("S3_ENDPOINT") or None
+    if want != have:
+        raise TrackerError(
+            f"tracking.tensorboard_dir={logdir!r}: TensorBoard writes s3:// through its own "
+            f"client, which reads S3_ENDPOINT ({have or 'unset: AWS'}), while the run's S3 "
+            f"endpoint is {want or 'AWS'} (VERL_S3_ENDPOINT); set S3_ENDPOINT="
+            f"{want or '(unset)'} too, or set tracking.tensorboard_dir to a local folder")
+
+
 class _TensorBoard:
     """One event-file writer per process (TensorBoard merges the files of a log folder)."""
 
     def __init__(self, logdir: str):
+        if logdir.startswith(("s3://", "s3a://")):
+            _check_tensorboard_s3_endpoint(logdir)
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # torch's writer needs the tensorboard package

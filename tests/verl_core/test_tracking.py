@@ -161,3 +161,19 @@ def test_trackers_never_change_the_trajectory():
     assert on.config_hash() != RunConfig().config_hash()
     with pytest.raises(ConfigError, match=r"tracking.mlflow_experiment='': must name"):
         TrackingConfig(mlflow_experiment="")
+
+
+def test_tensorboard_on_s3_must_use_the_runs_endpoint(monkeypatch):
+    """TensorBoard's own S3 client reads S3_ENDPOINT, not VERL_S3_ENDPOINT: with only the
+    README's variable set its events would go to AWS, so the tracker refuses to open."""
+    monkeypatch.setenv("VERL_S3_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("S3_ENDPOINT", raising=False)
+    cfg = TrackingConfig(tensorboard_dir="s3://bkt/tb")
+    with pytest.raises(TrackerError, match=r"tracking.tensorboard_dir='s3://bkt/tb/r-0+': .*"
+                                           r"S3_ENDPOINT \(unset: AWS\).* is http://127.0.0.1:9 "
+                                           r".*set S3_ENDPOINT=http://127.0.0.1:9 too"):
+        Trackers(cfg, run_name="r", config_hash="0" * 64, run_key="k")
+    monkeypatch.setenv("S3_ENDPOINT", "http://127.0.0.1:10")
+    with pytest.raises(TrackerError, match=r"reads S3_ENDPOINT \(http://127.0.0.1:10\)"):
+        Trackers(cfg, run_name="r", config_hash="0" * 64, run_key="k")
