@@ -9,6 +9,10 @@ Fixtures:
                         pause (SIGSTOP) or resume; every server it started is killed at teardown.
     moto_s3_serial   -> like ``moto_s3``, on a server that handles one request at a time, for
                         compare-and-swap races (see ``_SERIAL_SERVER``).
+    moto_s3_readme   -> ``(endpoint_url, bucket)`` configured the README's way: VERL_S3_ENDPOINT
+                        set in the environment, keys in AWS_* variables, no storage_options.
+
+The other fixtures unset VERL_S3_ENDPOINT, so their tests pass explicit storage_options.
 
 No real credentials are ever read or needed: the fixtures set AWS_ACCESS_KEY_ID=testing etc.
 """
@@ -151,6 +155,15 @@ def moto_s3(_moto_session_server, monkeypatch):
     _set_dummy_env(monkeypatch)
     bucket = _moto_session_server.create_bucket()
     yield _moto_session_server.endpoint, bucket, _moto_session_server.storage_options()
+
+
+@pytest.fixture
+def moto_s3_readme(_moto_session_server, monkeypatch):
+    """``(endpoint_url, bucket)``: a fresh bucket, reachable only through VERL_S3_ENDPOINT (the
+    README's "S3 and an existing Ray cluster" recipe); subprocesses inherit the environment."""
+    _set_dummy_env(monkeypatch)
+    monkeypatch.setenv("VERL_S3_ENDPOINT", _moto_session_server.endpoint)
+    yield _moto_session_server.endpoint, _moto_session_server.create_bucket()
 
 
 @pytest.fixture(scope="session")
