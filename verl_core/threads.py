@@ -51,7 +51,7 @@ def intra_op_threads(cfg: RunConfig) -> int:
     return cfg.num_threads or default_num_threads(cfg.trainer.world_size)
 
 
-def pin_num_threads(st, cfg: RunConfig, log_fn=print) -> RunConfig:
+def pin_num_threads(st, cfg: RunConfig) -> RunConfig:
     """``cfg`` with ``num_threads`` set to the count run store ``st`` records, recording it at the
     run's first prepare (``cfg.num_threads``, or :func:`default_num_threads` when it is 0).
 
@@ -68,9 +68,9 @@ def pin_num_threads(st, cfg: RunConfig, log_fn=print) -> RunConfig:
         if doc is None:
             raise CorruptObjectError(f"{RECORD}.json in {st.uri} could not be read back after "
                                      "writing it", path=st.doc_path(RECORD))
-        if doc["num_threads"] == n:
-            log_fn(f"[verl] intra-op threads: {n} per worker, recorded for this run in "
-                   f"{st.uri}/{RECORD}.json (every later rebuild, on any host, uses it)")
+        if doc["num_threads"] == n:  # logged, not printed: a prepare prints nothing before work
+            log.info("intra-op threads: %d per worker, recorded for this run in %s/%s.json "
+                     "(every later rebuild, on any host, uses it)", n, st.uri, RECORD)
     n = doc["num_threads"]
     if cfg.num_threads and cfg.num_threads != n:
         raise ConfigError(

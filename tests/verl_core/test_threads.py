@@ -18,13 +18,13 @@ def _cfg(**over) -> RunConfig:
 def test_the_first_prepare_records_the_count_and_other_hosts_reuse_it(tmp_path, monkeypatch):
     st = RunStore(str(tmp_path / "run"))
     monkeypatch.setattr(threads, "host_cpus", lambda: 6)
-    first = threads.pin_num_threads(st, _cfg(), log_fn=lambda *_: None)
+    first = threads.pin_num_threads(st, _cfg())
     assert first.num_threads == 6  # 6 CPUs, one worker
     assert json.loads((tmp_path / "run" / "compute.json").read_text())["num_threads"] == 6
     # a rebuild on a pod with 2 CPUs, or in a Ray actor that Ray gave one thread: the same count,
     # so the same config (and spec literal: every cache key) as on the first host
     monkeypatch.setattr(threads, "host_cpus", lambda: 2)
-    again = threads.pin_num_threads(RunStore(str(tmp_path / "run")), _cfg(), log_fn=print)
+    again = threads.pin_num_threads(RunStore(str(tmp_path / "run")), _cfg())
     assert again == first and again.trajectory_hash() == RunConfig().trajectory_hash()
     assert threads.pin_num_threads(st, _cfg(num_threads=6)) == first  # the same count: fine
 

@@ -150,7 +150,7 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     _hold(st, cfg.guard.lease_ttl_s)  # a second launch of this run fails here, before any work
     check_run_inputs(cfg)
     # the thread count every worker of the run computes with, recorded at its first prepare
-    cfg = pin_num_threads(st, cfg, log_fn)
+    cfg = pin_num_threads(st, cfg)
     h = cfg.trajectory_hash()
     with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
         # checks every dataset file (rows, columns, prompt lengths) before the warm start
