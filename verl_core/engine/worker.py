@@ -40,6 +40,7 @@ from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parqu
 from verl_core.engine.assets import materialize_assets
 from verl_core.guard import checks, faults
 from verl_core.guard.faults import maybe_inject
+from verl_core.guard.lease import FencedError
 from verl_core.trainer import RLTrainer, compute_advantages
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.validation import validate_and_record
@@ -730,6 +731,14 @@ class RunWorker:
         :class:`~verl_core.guard.lease.Fence`; None: no lease). Every checkpoint commit checks it
         (``CheckpointManager.fence``), so a worker that outlived its launcher, or whose launch
         another launch took over, commits nothing. Handed over by ``runtime.call_worker``."""
+        if self._pending_save is not None and fence != getattr(self, "_fence", None):
+            # a new launch adopted this worker (cluster.mode=attached): a background save the
+            # previous one started can no longer commit; its refusal is not this launch's error
+            try:
+                self.wait_checkpoints()
+            except FencedError as e:
+                log.warning("a checkpoint the previous launch started was not committed: %s", e)
+        self._fence = fence
         check = None if fence is None else functools.partial(fence.check, self.store)
         for mgr in self._tiers():
             mgr.fence = check
