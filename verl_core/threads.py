@@ -55,19 +55,18 @@ def pin_num_threads(st, cfg: RunConfig) -> RunConfig:
     """``cfg`` with ``num_threads`` set to the count run store ``st`` records, recording it at the
     run's first prepare (``cfg.num_threads``, or :func:`default_num_threads` when it is 0).
 
-    A later prepare with ``num_threads`` 0 gets the recorded count, on any host; one that sets a
-    different count is refused before any work: continuing the run with it would change its
-    weights in the last bits at every rebuild (a replay of the lineage), so it is a new run."""
+    A later prepare with ``num_threads`` 0 gets the recorded count, on any host and for any worker
+    count (a run moved to W workers keeps its per-worker count); one that sets a different count
+    is refused before any work: continuing the run with it would change its weights in the last
+    bits at every rebuild (a replay of the lineage), so it is a new run."""
     doc = _read(st)
     if doc is None:
-        n = cfg.num_threads or default_num_threads(cfg.trainer.world_size)
+        n = intra_op_threads(cfg)
         st.put_json(RECORD, {"num_threads": n, "host": socket.gethostname(),
                              "host_cpus": host_cpus(), "world_size": cfg.trainer.world_size,
                              "explicit": bool(cfg.num_threads)}, create_only=True)
-        doc = _read(st)  # a concurrent first prepare may have won the create: its count holds
-        if doc is None:
-            raise CorruptObjectError(f"{RECORD}.json in {st.uri} could not be read back after "
-                                     "writing it", path=st.doc_path(RECORD))
+        # a concurrent first prepare may have won the create: its count holds
+        doc = _read(st) or {"num_threads": n}
         if doc["num_threads"] == n:  # logged, not printed: a prepare prints nothing before work
             log.info("intra-op threads: %d per worker, recorded for this run in %s/%s.json "
                      "(every later rebuild, on any host, uses it)", n, st.uri, RECORD)
