@@ -13,7 +13,8 @@ PROBE = [sys.executable, "-c", "import verl_core; verl_core.health_check()"]
 
 @pytest.fixture(autouse=True)
 def _no_probe_env(monkeypatch):
-    for name in ("VERL_STORE", "VERL_HEARTBEAT_FILE", "VERL_HEARTBEAT_MAX_AGE_S"):
+    for name in ("VERL_STORE", "VERL_HEARTBEAT_FILE", "VERL_HEARTBEAT_MAX_AGE_S",
+                 "VERL_HEALTH_TIMEOUT_S"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -70,6 +71,12 @@ def test_store_and_heartbeat_come_from_the_environment(tmp_path, monkeypatch):
         monkeypatch.setenv("VERL_HEARTBEAT_MAX_AGE_S", bad)
         with pytest.raises(ValueError, match="VERL_HEARTBEAT_MAX_AGE_S=.*positive number"):
             verl_core.health_report()
+    monkeypatch.delenv("VERL_HEARTBEAT_MAX_AGE_S")
+    for bad in ("soon", "0", "nan"):
+        monkeypatch.setenv("VERL_HEALTH_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="VERL_HEALTH_TIMEOUT_S=.*under the liveness"):
+            verl_core.health_report()
+    monkeypatch.delenv("VERL_HEALTH_TIMEOUT_S")
     monkeypatch.setenv("VERL_HEARTBEAT_FILE", str(tmp_path / "file" / "hb"))
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match="VERL_HEARTBEAT_FILE=.*cannot touch"):
