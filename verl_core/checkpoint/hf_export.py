@@ -198,6 +198,13 @@ def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_di
 
 
 # ---------------------------------------------------------------------- completion marker
+def _sha256(f) -> str:
+    h = hashlib.sha256()
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
+    return h.hexdigest()
+
+
 def write_export_marker(folder: str) -> dict:
     """Write :data:`EXPORT_MARKER` into the finished local ``folder``: size and sha256 of every
     other file in it. Returns the marker doc."""
@@ -206,11 +213,8 @@ def write_export_marker(folder: str) -> dict:
         path = os.path.join(folder, name)
         if name == EXPORT_MARKER or not os.path.isfile(path):
             continue
-        h = hashlib.sha256()
         with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        files[_check_file_name(name)] = {"size": os.path.getsize(path), "sha256": h.hexdigest()}
+            files[_check_file_name(name)] = {"size": os.path.getsize(path), "sha256": _sha256(f)}
     doc = {"format": EXPORT_FORMAT, "files": files}
     with open(os.path.join(folder, EXPORT_MARKER), "w") as f:
         json.dump(doc, f, indent=2, sort_keys=True)
@@ -253,11 +257,9 @@ def verify_export(uri: str, storage_options: Optional[dict] = None, *,
         if size != ent.get("size"):
             problems.append(f"{uri}: {name} has {size} bytes, the marker says {ent.get('size')}")
         elif hashes:
-            h = hashlib.sha256()
             with fs.open(p, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            if h.hexdigest() != ent.get("sha256"):
+                digest = _sha256(f)
+            if digest != ent.get("sha256"):
                 problems.append(f"{uri}: {name} does not match its sha256 in the marker")
     return problems
 
