@@ -1,0 +1,60 @@
+"""Self-healing phase outputs on a worker group of W = 2 Ray actors (FSDP2 over gloo): rank 0's
+view decides that a batch is damaged, every worker recomputes it together (the rollout and the
+reward are collectives), rank 0 writes it back, and the update goes on. A rank that healed alone
+would leave the other waiting in a collective, so this is the case a single worker cannot test."""
+import hashlib
+import os
+
+import pytest
+
+from verl_core.config import preset
+from verl_core.engine import runtime
+from verl_core.engine.worker import PENDING_PHASES, pending_doc
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def local_ray(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))  # the actors inherit it
+    monkeypatch.delenv("VERL_FAULTS", raising=False)
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    try:
+        yield
+    finally:
+        runtime.release_workers()
+        ray.shutdown()
+
+
+def _flip(path, n=64):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        data = f.read(n)
+        f.seek(-len(data), 1)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_two_workers_recompute_damaged_pending_batches_together(tmp_path, local_ray):
+    cfg = preset("grpo", **{
+        "total_steps": 1, "model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
+        "data.synthetic_train_size": 48, "data.synthetic_val_size": 8,
+        "data.train_batch_size": 6, "rollout.n": 4, "actor.ppo_mini_batch_size": 6,
+        "actor.ppo_micro_batch_size": 8, "checkpoint.async_save": False,
+        "trainer.n_gpus_per_node": 2, "trainer.worker_timeout_s": 120.0, "num_threads": 1})
+    spec = runtime.prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
+    ref, _ = runtime.call_worker(spec, "rollout", 0)
+    ref, _ = runtime.reward_phase(spec, 0, ref)
+    ref, _ = runtime.advantage_phase(spec, 0, ref)
+    runtime.release_workers()  # a fresh group, as after a lost pod
+
+    st = spec.open_store()
+    refs = [st.get_json(pending_doc(spec.config_hash, 0, p))["batch"] for p in PENDING_PHASES]
+    for sha in refs:
+        _flip(st.object_path(sha))
+    runtime.call_worker(spec, "update", 0, ref)  # recomputed by both workers, then applied
+    for sha in refs:
+        assert hashlib.sha256(open(st.object_path(sha), "rb").read()).hexdigest() == sha
+    assert len(os.listdir(os.path.join(st.root, "quarantine"))) == 3
+    assert st.get_json(f"lineage/{spec.config_hash[:16]}/000000000")["batch"] == ref
