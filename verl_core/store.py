@@ -550,15 +550,12 @@ class RunStore:
                 self._count(objects_skipped=1, bytes_skipped=size)
                 return sha, size, False
             if existing == size:
-                try:
-                    data = self._read_file(path)
-                except FileNotFoundError:  # moved aside (or collected) since the stat
-                    data = None
-                if data is not None and hash_hex([data], algo) == sha:
+                got = self._file_hash(path, algo)  # None: moved aside (or collected) meanwhile
+                if got == sha:
                     self._count(objects_skipped=1, bytes_skipped=size)
                     return sha, size, False
-                if data is not None:
-                    self._set_aside(sha, path, data)
+                if got is not None:
+                    self._set_aside(sha, path)
             elif existing is not None:
                 log.warning("object %s exists with size %d != %d; rewriting it", sha, existing,
                             size)
@@ -651,27 +648,25 @@ class RunStore:
         those tensors writes it afresh; the damaged bytes are kept for inspection, not deleted."""
         path = self.object_path(sha)
         with _io(f"quarantining object {sha}"):
-            try:
-                data = self._read_file(path)
-            except FileNotFoundError:
+            got = self._file_hash(path, algo)
+            if got is None or got == sha:
                 return False
-            if hash_hex([data], algo) == sha:
-                return False
-            return self._set_aside(sha, path, data) is not None
+            return self._set_aside(sha, path) is not None
 
-    def _set_aside(self, sha: str, path: str, data: bytes) -> Optional[str]:
-        """Move damaged object ``sha`` (its bytes ``data``, already judged) from ``path`` to
-        ``quarantine/<sha>-<ns>``; the destination, or None if it vanished meanwhile. Callers
-        wrap it in :func:`_io`."""
+    def _set_aside(self, sha: str, path: str, data: Optional[bytes] = None) -> Optional[str]:
+        """Move damaged object ``sha`` (already judged; ``data``: its bytes, if the caller has
+        them) from ``path`` to ``quarantine/<sha>-<ns>``; the destination, or None if it vanished
+        meanwhile. Callers wrap it in :func:`_io`."""
         dest = self._move(path, self._p(f"quarantine/{sha}-{time.time_ns()}"), data)
         if dest:
-            log.warning("object %s is damaged (%d bytes that hash to something else); moved it "
-                        "to %s so the next save rewrites it", sha, len(data), dest)
+            log.warning("object %s is damaged (its bytes hash to something else); moved it to %s "
+                        "so the next save rewrites it", sha, dest)
         return dest
 
-    def _move(self, path: str, dest: str, data: bytes) -> Optional[str]:
-        """Move the file at ``path`` (whose bytes are ``data``) to ``dest``: ``dest``, or None if
-        it vanished first. On object stores a copy then a delete (S3 has no rename)."""
+    def _move(self, path: str, dest: str, data: Optional[bytes] = None) -> Optional[str]:
+        """Move the file at ``path`` (whose bytes are ``data``, read here if not given) to
+        ``dest``: ``dest``, or None if it vanished first. On object stores a copy then a delete
+        (S3 has no rename)."""
         if self.is_local:
             self._makedirs(os.path.dirname(dest))
             try:
@@ -679,9 +674,28 @@ class RunStore:
             except FileNotFoundError:
                 return None
         else:
+            try:
+                data = self._read_file(path) if data is None else data
+            except FileNotFoundError:
+                return None
             self._call("pipe_file", dest, data)
             self._rm(path)
         return dest
+
+    def _file_hash(self, path: str, algo: str) -> Optional[str]:
+        """``algo`` digest of the file at ``path``, or None if it does not exist. Local files are
+        hashed in 8 MiB reads, so checking a multi-GB object (a model shard of the assets) does
+        not hold a second copy of it in memory next to the one being written."""
+        try:
+            if not self.is_local:
+                return hash_hex([self._read_file(path)], algo)
+            h = new_hasher(algo)
+            with open(path, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    h.update(chunk)
+            return h.hexdigest()
+        except FileNotFoundError:
+            return None
 
     def delete_path(self, path: str) -> None:
         """Delete a leftover temp file returned by :meth:`iter_temp_files`."""

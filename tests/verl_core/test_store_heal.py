@@ -98,3 +98,28 @@ def test_quarantine_doc_leaves_a_doc_a_writer_replaced(store):
     assert store.get_json("pending/abc/x") == {"batch": "old"}
     assert _quarantined(store) == []
     assert json.loads(store.get_json_raw("pending/abc/x")) == {"batch": "old"}
+
+
+def test_on_s3_a_same_size_damaged_object_and_a_torn_doc_are_moved_aside(moto_s3):
+    """The object-store branch (copy + delete, whole-object hashing) against a real S3 server."""
+    _, bucket, opts = moto_s3
+    store = RunStore(f"s3://{bucket}/heal", opts)
+    data = os.urandom(2048)
+    sha = store.put_bytes(data)
+    path = store.object_path(sha)
+    damaged = bytearray(data)
+    damaged[100:164] = bytes(b ^ 0xFF for b in damaged[100:164])
+    store.fs.pipe_file(path, bytes(damaged))
+
+    assert store.put_parts([data]) == (sha, 2048, True)
+    assert store.get_bytes(sha) == data
+    store.put_json("lineage/abc/000000001", {"step": 1})
+    store.fs.pipe_file(store.doc_path("lineage/abc/000000001"), b'{"st')
+    with pytest.raises(CorruptObjectError) as e:
+        store.get_json("lineage/abc/000000001", quarantine=True)
+    assert e.value.quarantined and not store.has_json("lineage/abc/000000001")
+    moved = [p.rsplit("/", 1)[-1] for p in store.fs.ls(f"{store.root}/quarantine")]
+    assert len(moved) == 2
+    assert {m.startswith(sha) for m in moved} == {True, False}
+    assert any(m.startswith("lineage__abc__000000001-") for m in moved)
+    assert store.fs.cat_file(e.value.quarantined) == b'{"st'
