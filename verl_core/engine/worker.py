@@ -545,6 +545,7 @@ class RunWorker:
                                          + "; ".join(a.message for a in decision.anomalies))
         # record how this state was made before anyone is told it exists
         if self.leader:
+            self.ckpt.check_fence(f"the lineage record of update {step}")  # the launch's lease
             self.store.put_json(self._lineage(step), record)
             self._drop_pending(step)
         self.applied = _digest(record)

@@ -1,8 +1,9 @@
 """Fenced commits (issue 21.3): a checkpoint manager whose fence is the launcher's lease
 generation commits no manifest and no ``latest`` once another launch holds the run, whether the
-takeover happened before the save or while it was being written; an export becomes visible only
-complete (renamed into place locally, ``config.json`` and the completion marker last elsewhere)
-and only under the fence."""
+takeover happened before the save or while it was being written; the run's worker, fenced by its
+launcher, writes no lineage record and no checkpoint once another launch took the run; an export
+becomes visible only complete (renamed into place locally, ``config.json`` and the completion
+marker last elsewhere) and only under the fence."""
 
 from __future__ import annotations
 
@@ -187,3 +188,41 @@ def test_export_hf_carries_the_completion_marker(manager, tiny_llama, tmp_path):
     out = tmp_path / "hf"
     export_hf(manager, "latest", str(out))
     assert verify_export(str(out), hashes=True) == []
+
+
+# ---------------------------------------------------------------------- the run's worker
+def test_a_worker_whose_launch_lost_the_run_writes_no_lineage_and_no_checkpoint(tmp_path,
+                                                                              monkeypatch):
+    """Another launch takes the run between two phases of this one (before this launcher's next
+    lease check): the worker still runs the update it was asked for, but its commits check the
+    lease doc itself and refuse."""
+    from verl_core import phases
+    from verl_core.config import preset
+    from verl_core.engine import runtime
+
+    monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))
+    cfg = preset("grpo", **{
+        "total_steps": 1, "model.warmup_sft_steps": 2, "model.warmup_target_accuracy": 1.0,
+        "data.synthetic_train_size": 32, "data.synthetic_val_size": 8,
+        "data.train_batch_size": 4, "rollout.n": 2, "actor.ppo_mini_batch_size": 4,
+        "actor.ppo_micro_batch_size": 8,
+        "checkpoint.async_save": False, "num_threads": 1})
+    spec = runtime.prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
+    st = spec.open_store()
+    other = RunLease(RunStore(st.uri), 30, owner="b")
+    try:
+        advantaged = phases.advantage(spec, phases.reward(spec, phases.rollout(
+            spec, phases.StepState(step=0))))
+        break_lease(st)
+        other.acquire()  # a second launch of the run, after the first was presumed dead
+        with pytest.raises(FencedError, match=r"^the lineage record of update 0 refused: .* "
+                                              r"b \(host .* holds it now \(generation 3\)"):
+            phases.update(spec, advantaged)
+        assert st.list_json(f"lineage/{spec.config_hash[:16]}") == []
+        with pytest.raises(FencedError, match="^the checkpoint of step 0 refused"):
+            runtime.call_worker(spec, "checkpoint", 0, True, True)  # forced, synchronous
+        assert st.list_json("checkpoints") == [] and not st.has_json("latest")
+    finally:
+        other.release()
+        runtime.release_workers()
+        runtime.release_lease(spec)
