@@ -11,15 +11,15 @@ from verl_core.config import (SECTIONS, AlgorithmConfig, ConfigError, DataConfig
 
 def test_defaults_are_valid_and_derived_values():
     cfg = RunConfig()
-    # 16 prompts x 8 samples = 128 rows per mini-batch, micro 128 -> 1 accumulation step
-    assert cfg.grad_accum_steps == 1
-    # 32 prompts / 16 per mini-batch = 2 optimizer steps per RL step
+    # 32 prompts x 8 samples = 256 rows per mini-batch, micro 128 -> 2 accumulation steps
+    assert cfg.grad_accum_steps == 2
+    # 64 prompts / 32 per mini-batch = 2 optimizer steps per RL step
     assert cfg.optimizer_steps_per_rl_step == 2
     assert cfg.total_optimizer_steps == 2 * cfg.total_steps
 
 
 def test_mini_batch_must_divide_batch():
-    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size=12.*train_batch_size=32"):
+    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size=12.*train_batch_size=64"):
         RunConfig(actor=ActorConfig(ppo_mini_batch_size=12))
 
 

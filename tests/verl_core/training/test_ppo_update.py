@@ -386,9 +386,9 @@ def test_optimizer_is_fused_adamw_and_loads_a_for_loop_adamw_state():
 def test_run_header_counts_the_optimizer_steps_of_an_rl_step():
     from verl_core.config import grpo_preset
     from verl_core.training.optim import optimizer_steps_line
-    # 32 prompts / mini-batches of 16 prompts x 1 epoch = 2 steps (what --batch-size 32 gives)
-    assert optimizer_steps_line(grpo_preset(**{"data.train_batch_size": 32})) == (
-        "2 optimizer steps per RL step (data.train_batch_size 32 / actor.ppo_mini_batch_size 16 "
+    # 64 prompts / mini-batches of 32 prompts x 1 epoch = 2 steps (the defaults)
+    assert optimizer_steps_line(grpo_preset()) == (
+        "2 optimizer steps per RL step (data.train_batch_size 64 / actor.ppo_mini_batch_size 32 "
         "x actor.ppo_epochs 1)")
     one = grpo_preset(**{"data.train_batch_size": 32, "actor.ppo_mini_batch_size": 32})
     assert optimizer_steps_line(one).startswith("1 optimizer step per RL step")
