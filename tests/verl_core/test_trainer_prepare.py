@@ -60,7 +60,7 @@ def test_bad_dataset_file_is_refused_before_the_warm_start(tmp_path, kind, which
 
 def test_prepare_run_refuses_a_bad_val_file_before_publishing(tmp_path):
     bad, _, _ = _bad_file(tmp_path, "long_prompt")
-    good = _write(tmp_path / "good.parquet", [_row()] * 32)  # a full batch (32 prompts)
+    good = _write(tmp_path / "good.parquet", [_row()] * 64)  # a full batch (64 prompts)
     cfg = preset("grpo", **{"data.train_files": good, "data.val_files": bad,
                             "model.warmup_sft_steps": 2000, "model.warmup_target_accuracy": 1.0})
     logs = []
@@ -72,7 +72,7 @@ def test_prepare_run_refuses_a_bad_val_file_before_publishing(tmp_path):
 
 def test_cli_names_the_bad_file_and_exits_2(tmp_path, capsys):
     bad, _, _ = _bad_file(tmp_path, "bad_row")
-    good = _write(tmp_path / "good.parquet", [_row()] * 32)  # a full batch (32 prompts)
+    good = _write(tmp_path / "good.parquet", [_row()] * 64)  # a full batch (64 prompts)
     rc = main(["--train-files", good, "--val-files", bad, "--workdir", str(tmp_path / "w"),
                "--set", "model.warmup_target_accuracy=1.0"])
     out = capsys.readouterr()
