@@ -705,8 +705,10 @@ class GuardConfig:
     """Policy/value loss: ... and at least this far from its median (loss units)."""
     kl_spike_z: float = 6.0
     """KL loss / reward KL: robust z above the median."""
-    kl_spike_min_change: float = 0.05
-    """KL loss / reward KL: ... and at least this many nats above its median."""
+    kl_spike_min_change: float = 0.25
+    """KL loss / reward KL: ... and at least this many nats above its median. 0.25 is about
+    log(1 + clip_ratio_high) = log 1.28: the most one clipped PPO step moves a token's log-prob,
+    so a healthy step raises the KL by less; a jump past it is more than one step's worth."""
     kl_spike_min_ratio: float = 2.0
     """KL loss / reward KL: ... and above this many times its median. The batch KL is a mean of
     a positive, right-skewed per-token estimate, so its upper spread is wider than the MAD says;
