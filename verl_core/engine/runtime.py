@@ -142,7 +142,13 @@ def run_store_uri(store: str, run_name: str) -> str:
 
 
 def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunSpec:
-    """Validate data and model, publish the assets into the run store, pick the start step."""
+    """Validate data and model, publish the assets into the run store, pick the start step.
+
+    Every permanent check runs first, before the warm start and before anything is copied
+    (:func:`~verl_core.validation.check_run_inputs`). A trajectory that ran before trains on the
+    assets it recorded then: a file the user gave that changed since is refused
+    (:func:`~verl_core.engine.assets.check_pinned`), and generated assets come from the record,
+    so the reference model is always the one the run started from."""
     uri = run_store_uri(store, run_name)
     if cfg.cluster.mode == "attached":
         cluster.address(cfg.cluster)  # no cluster to attach to: refused before any work
@@ -176,7 +182,7 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     if start:
         log_fn(f"resuming from the checkpoint of step {start} in {uri}")
     return RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
-                   config_hash=cfg.trajectory_hash(),
+                   config_hash=h,
                    assets_json=json.dumps(index, sort_keys=True),
                    start_step=min(start, cfg.total_steps), total_steps=cfg.total_steps)
 
@@ -392,6 +398,8 @@ def call_worker(spec: RunSpec, method: str, *args):
             # a group tore itself down when the error surfaced; an actor whose construction
             # failed (cluster.RayRunWorker) is useless: the retry of a transient one gets a new one
             _WORKERS.pop(_worker_key(spec), None)
+            if not isinstance(worker, (WorkerGroup, RunWorker)):
+                _kill_actor(worker)
         if type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
             _WORKERS.pop(_worker_key(spec), None)
             raise WorkerLostError(f"the run's worker died during {method}: {e}") from e
