@@ -35,7 +35,9 @@ def build_config(algorithm: str, model: str, train_files: str, val_files: str, s
     if train_files or val_files:
         over["data.train_files"] = train_files
         over["data.val_files"] = val_files
-    base = preset(algorithm)
+    # the model decides the preset's sampling (the demo's temperature only without one)
+    base = preset(algorithm, **{k: over[k] for k in ("model.path", "rollout.temperature")
+                                if k in over})
     if batch_size:
         over["data.train_batch_size"] = batch_size
         if "actor.ppo_mini_batch_size" not in over:  # two optimizer steps per RL step

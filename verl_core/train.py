@@ -20,7 +20,7 @@ import uuid
 import torch
 
 from verl_core import verl_keys
-from verl_core.config import ConfigError, RunConfig, preset, with_overrides
+from verl_core.config import ConfigError, RunConfig, preset
 from verl_core.data.batch import PromptTooLongError
 from verl_core.data.dataset import DatasetError
 from verl_core.store import RunStore
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
         overrides["data.train_files"] = args.train_files
         overrides["data.val_files"] = args.val_files
     try:
-        cfg = with_overrides(preset(args.algorithm), overrides)
+        cfg = preset(args.algorithm, **overrides)  # the model given decides the sampling
         workdir = args.workdir or tempfile.mkdtemp(prefix="verl-train-")
         os.makedirs(workdir, exist_ok=True)
         summary = train(cfg, workdir)

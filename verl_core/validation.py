@@ -714,12 +714,15 @@ def _data_sources(files: Sequence[str], storage_options: dict | None) -> dict[st
     import fsspec
     import pyarrow.parquet as pq
 
+    from verl_core.data.dataset import check_columns
     from verl_core.store import resolve_storage_options
 
     out = {}
     for path in files:
         with fsspec.open(path, "rb", **resolve_storage_options(path, storage_options)) as f:
             pf = pq.ParquetFile(f)
+            # a file that is not in verl's layout is named for its columns, not for its size
+            check_columns(pf.schema_arrow.names, path)
             sources: set = set()
             if "data_source" in pf.schema_arrow.names:
                 sources = set(pf.read(columns=["data_source"]).column(0).unique().to_pylist())

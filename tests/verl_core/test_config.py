@@ -228,3 +228,25 @@ def test_only_bypass_mode_takes_the_rollout_logprobs_as_old():
     for name in NAMES:
         algo = AlgorithmConfig(policy_loss=name, dro_beta=0.1)
         assert algo.old_logp_from_rollout == (name == "bypass_mode"), name
+
+
+def test_demo_temperature_only_for_the_builtin_tiny_model(tmp_path):
+    """The demo samples at DEMO_TEMPERATURE; a model you bring keeps verl's 1.0, through every
+    front door (presets, the plain loop's CLI keys, the workflow's options and verl's keys), and
+    an explicit temperature always wins."""
+    import json
+
+    from tasks.prepare import build_config
+    from verl_core.config import DEMO_TEMPERATURE, RolloutConfig, preset
+
+    assert RolloutConfig().temperature == 1.0  # verl's default
+    for algo in ("grpo", "ppo", "rloo"):
+        assert preset(algo).rollout.temperature == DEMO_TEMPERATURE
+        assert preset(algo, **{"model.path": str(tmp_path)}).rollout.temperature == 1.0
+        assert preset(algo, **{"rollout.temperature": 0.9}).rollout.temperature == 0.9
+    assert build_config("grpo", "", "", "", 0, 0, 0, "").rollout.temperature == DEMO_TEMPERATURE
+    assert build_config("grpo", str(tmp_path), "", "", 0, 0, 0, "").rollout.temperature == 1.0
+    verl_model = json.dumps({"actor_rollout_ref.model.path": str(tmp_path)})
+    assert build_config("grpo", "", "", "", 0, 0, 0, verl_model).rollout.temperature == 1.0
+    verl_temp = json.dumps({"actor_rollout_ref.rollout.temperature": 1.0})
+    assert build_config("grpo", "", "", "", 0, 0, 0, verl_temp).rollout.temperature == 1.0

@@ -31,7 +31,8 @@ import pyarrow.parquet as pq
 
 from verl_core.store import resolve_storage_options
 
-__all__ = ["PromptRow", "DatasetError", "load_prompt_rows", "render_prompt", "REQUIRED_COLUMNS"]
+__all__ = ["PromptRow", "DatasetError", "load_prompt_rows", "render_prompt", "REQUIRED_COLUMNS",
+           "check_columns"]
 
 REQUIRED_COLUMNS = ("data_source", "prompt")
 """Columns every file must have, plus ``reward_model`` (or a flat ``ground_truth``)."""
@@ -108,14 +109,21 @@ def _read_table(path: str, storage_options: dict) -> pa.Table:
                            f"file must be a parquet table in verl's layout. {_LAYOUT_HINT}") from e
 
 
-def _rows_from_table(table: pa.Table, path: str, start_index: int) -> list[PromptRow]:
-    present = table.column_names
+def check_columns(present: list[str], path: str) -> None:
+    """Raise :class:`DatasetError` naming ``path`` when its columns ``present`` lack one that
+    verl's row layout needs (prepare checks this from the parquet footer, before anything else
+    of the file is judged)."""
     missing = [c for c in REQUIRED_COLUMNS if c not in present]
     if "reward_model" not in present and "ground_truth" not in present:
         missing.append("reward_model")
     if missing:
         raise DatasetError(f"{path}: missing column(s) {missing}; columns present: {present}. "
                            f"{_LAYOUT_HINT}")
+
+
+def _rows_from_table(table: pa.Table, path: str, start_index: int) -> list[PromptRow]:
+    present = table.column_names
+    check_columns(present, path)
     n = table.num_rows
     if n == 0:
         raise DatasetError(f"{path}: the file has no rows; remove it from the file list or "
