@@ -8,6 +8,7 @@ import pytest
 
 from verl_core.errors import CorruptObjectError
 from verl_core.store import RunStore, sha256_hex
+from tests.damage import flip_bytes
 
 
 @pytest.fixture
@@ -15,13 +16,8 @@ def store(tmp_path):
     return RunStore(str(tmp_path / "store"), fsync=False)
 
 
-def _flip(path, n=64, at=16):
-    """Flip ``n`` bytes of the file in place (bit rot: same size, other content)."""
-    with open(path, "r+b") as f:
-        f.seek(at)
-        data = f.read(n)
-        f.seek(at)
-        f.write(bytes(b ^ 0xFF for b in data))
+def _flip(path, n=64):
+    flip_bytes(path, n, at=16)
 
 
 def _quarantined(store):

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import flyte_env, ppo_cmd, run
 from test_resume import _final_weights_sha, _summary
+from tests.damage import flip_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -17,11 +18,7 @@ STEPS = 3
 
 
 def _flip(path, n=64):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        data = f.read(n)
-        f.seek(-len(data), 1)
-        f.write(bytes(b ^ 0xFF for b in data))
+    flip_bytes(path, n)
 
 
 def test_flipped_pending_batches_then_plain_rerun_ends_identical(tmp_path):

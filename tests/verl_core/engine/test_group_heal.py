@@ -10,6 +10,7 @@ import pytest
 from verl_core.config import preset
 from verl_core.engine import runtime
 from verl_core.engine.worker import PENDING_PHASES, pending_doc
+from tests.damage import flip_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +30,7 @@ def local_ray(tmp_path, monkeypatch):
 
 
 def _flip(path, n=64):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        data = f.read(n)
-        f.seek(-len(data), 1)
-        f.write(bytes(b ^ 0xFF for b in data))
+    flip_bytes(path, n)
 
 
 def test_two_workers_recompute_damaged_pending_batches_together(tmp_path, local_ray):
