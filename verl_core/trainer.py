@@ -361,6 +361,11 @@ class RLTrainer:
                                   gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                                   enforce_eager=cfg.rollout.enforce_eager,
                                   free_cache_engine=cfg.rollout.free_cache_engine,
+                                  cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
+                                  # the longest sequence a run asks for (not the model's
+                                  # context, whose KV cache may not fit cpu_kv_cache_gib)
+                                  max_model_len=cfg.data.max_prompt_length
+                                  + cfg.rollout.max_new_tokens,
                                   dtype=cfg.model.dtype, seed=cfg.seed)
         self.scorer = RewardScorer.from_config(cfg.reward)
         # reward_model.enable: a frozen scorer next to the policy, a full copy on every worker
@@ -593,7 +598,9 @@ class RLTrainer:
                 self.rollout_model, part, self.cfg.rollout.temperature or 1.0, micro)))
         tokens = float(out.response_mask.sum())
         return batch, {"rollout/time_s": dt, "rollout/tokens_per_s": tokens / max(dt, 1e-9),
-                       "response_length/mean": tokens / batch.num_rows, **metrics}
+                       "response_length/mean": tokens / batch.num_rows,
+                       # 1: the engine gave its memory back for the update (vLLM's sleep mode)
+                       "rollout/memory_released": float(self.engine.releases_memory), **metrics}
 
     def reward(self, batch: Batch) -> tuple[Batch, dict]:
         """Score ``batch`` (:func:`score_batch`). With ``reward_model.enable`` the reward model

@@ -684,6 +684,8 @@ def check_run_inputs(cfg: "RunConfig", storage_options: dict | None = None) -> N
     check_faults()
     if cfg.model.path:
         check_model_folder(cfg.model.path, "model.path")
+    if cfg.rollout.engine == "vllm":
+        check_vllm_head_size(cfg)
     if cfg.reward_model.enable:
         check_model_folder(cfg.reward_model.path, "reward_model.path")
     if cfg.data.train_files:
@@ -706,6 +708,42 @@ def check_run_inputs(cfg: "RunConfig", storage_options: dict | None = None) -> N
         rm = cfg.reward_model
         scored = {**(train if not (rm.enable and rm.combine == "replace") else {}), **val}
         _check_data_sources(scored)
+
+
+def check_vllm_head_size(cfg: "RunConfig") -> None:
+    """With ``rollout.engine=vllm`` on vLLM's CPU backend, refuse a model whose attention head
+    size its kernel cannot run (it takes 32, 64, 80 and up; vLLM itself would fail only once
+    the engine is built, in a worker, after the warm start), naming the ``model.*`` keys and the
+    sizes that work. Nothing to check where vLLM is not installed (the engine, when built,
+    names the install) or where it is vLLM's CUDA build (its backend is chosen per GPU)."""
+    from verl_core.rollout.vllm import head_size, supported_head_sizes
+
+    sizes = supported_head_sizes()
+    if sizes is None:
+        return
+    m = cfg.model
+    if m.path:
+        import transformers
+
+        size = head_size(transformers.AutoConfig.from_pretrained(m.path))
+        if size in sizes:
+            return
+        raise RunInputError(
+            f"model.path={m.path!r} has attention head size {size} (config.json head_dim, or "
+            f"hidden_size / num_attention_heads), which vLLM's CPU attention kernel cannot run "
+            f"(it runs {', '.join(map(str, sizes))}); use rollout.engine='hf' for this model, or "
+            "a model with one of those head sizes")
+    size = m.tiny_hidden_size // m.tiny_heads
+    if size in sizes:
+        return
+    heads = [m.tiny_hidden_size // s for s in sizes if m.tiny_hidden_size % s == 0]
+    fix = (f"set model.tiny_heads to {' or '.join(map(str, heads))}" if heads else
+           "set model.tiny_hidden_size to a multiple of one of those sizes")
+    raise RunInputError(
+        f"the tiny model's attention head size is {size} (model.tiny_hidden_size="
+        f"{m.tiny_hidden_size} / model.tiny_heads={m.tiny_heads}), which vLLM's CPU attention "
+        f"kernel cannot run (it runs {', '.join(map(str, sizes))}); {fix}, or use "
+        "rollout.engine='hf'")
 
 
 def _data_sources(files: Sequence[str], storage_options: dict | None) -> dict[str, tuple]:

@@ -11,7 +11,8 @@ config's name and never branch on it:
   its :class:`EstimatorTraits` (critic, groups, greedy baseline, Σπ²);
 * ``POLICY_LOSSES`` (``algorithm.policy_loss``): vanilla, gspo, cispo, dppo_tv, dppo_kl, sapo,
   geo_mean, gpg, dro, clip_cov, kl_cov, bypass_mode; hyper-parameters in one
-  :class:`PolicyLossOptions`, rollout importance weights from :func:`rollout_is_weights`;
+  :class:`PolicyLossOptions`, rollout importance weights from :func:`rollout_is_weights`, the mismatch they correct
+  measured by :func:`rollout_probs_diff`;
 * ``KL_ESTIMATORS`` (``algorithm.kl_loss_type`` / ``kl_penalty``): k1/kl, abs, k2/mse,
   k3/low_var_kl, and their straight-through ``+`` forms (k1+/kl+, abs+, k2+/mse+,
   k3+/low_var_kl+);
@@ -44,7 +45,7 @@ from verl_core.algorithms.policy_losses import (
     register_policy_loss,
 )
 from verl_core.algorithms.registry import Registry, UnknownNameError
-from verl_core.algorithms.rollout_correction import rollout_is_weights
+from verl_core.algorithms.rollout_correction import rollout_is_weights, rollout_probs_diff
 from verl_core.algorithms.utils import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -86,5 +87,6 @@ __all__ = [
     "register_advantage",
     "register_policy_loss",
     "rollout_is_weights",
+    "rollout_probs_diff",
     "value_loss",
 ]

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from verl_core.algorithms.aggregation import seq_mean_token_mean
-from verl_core.algorithms.utils import masked_mean, masked_sum
+from verl_core.algorithms.utils import masked_mean, masked_sum, masked_var
 
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 _SAFETY_BOUND = 20.0  # |log w| is clamped here before exp, as verl (e^20 ≈ 4.9e8)
@@ -99,3 +99,40 @@ def rollout_is_weights(train_logp: Tensor, rollout_logp: Tensor, response_mask: 
             mean = seq_mean_token_mean(weights, mask)
         weights = weights / torch.where(mean > 1e-8, mean, torch.ones_like(mean))  # w / mean(w)
     return weights, {k: v.detach() for k, v in metrics.items()}
+
+
+def rollout_probs_diff(train_logp: Tensor, rollout_logp: Tensor,
+                       response_mask: Tensor) -> dict[str, Tensor]:
+    """How far the rollout engine's token probabilities are from the trainer's: verl's
+    ``training/rollout_probs_diff_*`` (``calculate_debug_metrics``,
+    ``verl/utils/debug/metrics.py``).
+
+        d_t = |exp(logp_rollout_t) - exp(logp_train_t)|      over response tokens (m_t = 1)
+        max = max_t d_t,  mean = Σ m d / Σ m,
+        std = sqrt(Σ m (d - mean)² / (Σ m - 1))              (unbiased, as verl's ``torch.std``)
+
+    A diagnostic of the training-inference mismatch that ``rollout_is_weights`` corrects for: it
+    is 0 when both sides compute the same numbers (same weights, same kernels), and grows with
+    bf16 kernels or stale weights. Computed in float64 so the statistics of differences near
+    float32's rounding are not themselves rounding. Masked, not selected: no host sync; an empty
+    mask gives 0 for all three, a single token a std of 0 (verl's ``torch.std`` gives NaN).
+
+    Args:
+        train_logp: (N, T) the trainer's log-probs of the sampled tokens, before any step.
+        rollout_logp: (N, T) the rollout engine's log-probs of the same tokens.
+        response_mask: (N, T).
+    Returns:
+        0-d detached float64 tensors ``rollout_probs_diff_max``, ``rollout_probs_diff_mean``,
+        ``rollout_probs_diff_std``.
+    """
+    if train_logp.shape != rollout_logp.shape or train_logp.shape != response_mask.shape:
+        raise ValueError(f"train_logp, rollout_logp and response_mask must share one (N, T) shape, "
+                         f"got {tuple(train_logp.shape)}, {tuple(rollout_logp.shape)}, "
+                         f"{tuple(response_mask.shape)}")
+    mask = response_mask.to(torch.float64)
+    d = (train_logp.detach().double().exp() - rollout_logp.detach().double().exp()).abs()  # (N, T)
+    return {
+        "rollout_probs_diff_max": torch.where(mask.bool(), d, torch.zeros_like(d)).max(),  # d >= 0
+        "rollout_probs_diff_mean": masked_mean(d, mask),
+        "rollout_probs_diff_std": masked_var(d, mask, unbiased=True).sqrt(),
+    }

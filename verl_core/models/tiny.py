@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from verl_core.models.tokenizer import build_char_tokenizer
 
 
-def build_tiny_model(*, hidden_size: int = 64, layers: int = 2, heads: int = 4,
+def build_tiny_model(*, hidden_size: int = 64, layers: int = 2, heads: int = 2,
                      max_positions: int = 128, seed: int = 0):
     """Return ``(model, tokenizer)``: a randomly initialised Llama-style model (seeded) and the
     character tokenizer it was sized for."""

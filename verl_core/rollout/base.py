@@ -57,6 +57,10 @@ class RolloutEngine(abc.ABC):
     refreshes it with :meth:`load_weights` after every change. False (``hf``): the engine
     samples from the torch model it was given, so changes to that model are seen directly."""
 
+    releases_memory: bool = False
+    """True when the engine frees its memory after each :meth:`generate` (vLLM's sleep mode,
+    where the platform has it), so the update gets it back."""
+
     @abc.abstractmethod
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  params: SamplingParams, *, first_row: int = 0,

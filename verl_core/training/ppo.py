@@ -20,6 +20,7 @@ from verl_core.algorithms import (
     kl_loss,
     micro_batch_weight,
     rollout_is_weights,
+    rollout_probs_diff,
     value_loss,
 )
 from verl_core.config import AlgorithmConfig
@@ -113,6 +114,17 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
 
     ``after_backward(actor)``, if given, runs once after the first micro-batch's backward (fault
     drills use it to poison the gradients).
+
+    The rollout/trainer mismatch is reported every step, for every engine, as verl logs it:
+    ``training/rollout_probs_diff_{max,mean,std}``
+    (:func:`~verl_core.algorithms.rollout_probs_diff`) of the trainer's log-probs of the sampled tokens, with the rollout's weights, against the
+    engine's, from a forward the update already runs: the recomputed ``old_logp`` (all rows);
+    exactly on-policy, the update's own forward (all rows, all before the one optimizer step);
+    with ``old_logp_from_rollout``, the update's forward of the first mini-batch of the first
+    epoch only (the later ones run after a step has moved the weights), so there the statistics
+    cover those rows (and, in a model with dropout, include its noise: a training-mode
+    forward). With W > 1 the rows are gathered first: the numbers are those of all rows, not a
+    mean of the workers'.
     """
     if batch.advantages is None:
         raise ValueError("ppo_update needs batch.advantages: run the advantage phase first")
@@ -125,6 +137,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     reuse_logp = on_policy_shortcut and exactly_on_policy(actor, algo, num_rows=N,
                                                           mini_batch_rows=mini_batch_rows,
                                                           epochs=epochs)
+    mismatch = None  # the rollout_probs_diff metrics (0-d tensors), once measured
+    pre_step: list[torch.Tensor] = []  # this worker's update-forward logp (m, T) before any step
     if algo.old_logp_from_rollout:
         old_logp = batch.response_logprobs  # (N, T) bypass: the rollout engine's own log-probs
     elif reuse_logp:
@@ -136,6 +150,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
         mine = dp.block(torch.arange(N))
         old_logp = dp.gather_rows(batched_logprobs(actor, batch.select(mine) if dp.distributed
                                                    else batch, temperature, micro_batch_rows))
+        mismatch = rollout_probs_diff(old_logp, batch.response_logprobs.to(old_logp.device),
+                                      batch.response_mask.to(old_logp.device))
         if algo.rollout_is:
             is_weights, is_metrics = rollout_is_weights(
                 old_logp, batch.response_logprobs.to(old_logp.device), batch.response_mask,
@@ -187,6 +203,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                                  loss_agg_mode=algo.loss_agg_mode, loss_scale_factor=scale)
                     loss = loss + algo.kl_loss_coef * kl
                     sums["actor/kl_loss"].append(kl.detach())
+                if mismatch is None:  # no step yet: logp is the trainer's at the rollout weights
+                    pre_step.append(logp.detach())
                 (loss * weight).backward()
                 if after_backward is not None:
                     after_backward(actor)
@@ -194,6 +212,12 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                 sums["actor/pg_loss"].append(pg_loss.detach())
                 for k, v in pg_metrics.items():
                     sums[f"actor/{k}"].append(v.detach())
+            if mismatch is None:  # the first mini-batch's rows, every worker's block: (M, T)
+                train_logp = dp.gather_rows(torch.cat(pre_step, 0))
+                mismatch = rollout_probs_diff(
+                    train_logp, batch.response_logprobs[mini].to(train_logp.device),
+                    mini_mask.to(train_logp.device))
+                pre_step.clear()
             grad_norm, ok = _optimizer_step(actor, actor_optimizer, actor_scheduler, grad_clip)
             sums["actor/grad_norm"].append(grad_norm)
             skipped += not ok
@@ -218,6 +242,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                 skipped += not c_ok
     metrics = dp.mean_metrics({k: float(torch.stack([t.float() for t in v]).mean())
                                for k, v in sums.items()})
+    # the same on every worker (computed from gathered rows): not averaged, a max is no mean
+    metrics.update({f"training/{k}": float(v) for k, v in (mismatch or {}).items()})
     if sums["actor/grad_norm"]:  # the largest pre-clip norm (the guard's explosion signal)
         metrics["actor/grad_norm_max"] = float(torch.stack(sums["actor/grad_norm"]).max())
     metrics["actor/lr"] = lr_used  # LR of this step's first optimizer step
