@@ -81,6 +81,10 @@ def test_cli_writes_summary(tmp_path):
     assert rc == 0
     s = json.loads(out.read_text())
     assert s["algorithm"] == "rloo" and len(s["history"]) == 2
+    # the rollout/trainer mismatch of every step (hf engine, float32: the bar and its derivation
+    # are in tests/verl_core/training/test_rollout_probs_diff.py)
+    assert all(0.0 <= h[f"training/rollout_probs_diff_{k}"] <= 1e-4
+               for h in s["history"] for k in ("max", "mean", "std"))
     assert (tmp_path / "w" / "final_model" / "model.safetensors").exists()
 
 
