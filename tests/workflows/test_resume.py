@@ -36,8 +36,19 @@ def _summary(stdout: str) -> str:
 
 
 def test_sigkill_mid_phase_then_rerun_resumes_bit_identical(tmp_path):
+    _sigkill_mid_rollout_then_rerun(tmp_path, {})
+
+
+@pytest.mark.vllm
+def test_sigkill_mid_vllm_rollout_then_rerun_resumes_bit_identical(tmp_path):
+    """The same with rollout.engine=vllm (vLLM's CPU backend in .venv-vllm, or CUDA): vLLM's
+    per-request seeds make a rollout a pure function of (weights, step), like the hf engine's."""
+    _sigkill_mid_rollout_then_rerun(tmp_path, {"rollout.engine": "vllm"})
+
+
+def _sigkill_mid_rollout_then_rerun(tmp_path, overrides: dict):
     # 1. uninterrupted reference run; eval_every=2 also evaluates inside the loop (after step 2)
-    ev = {"eval_every": 2}
+    ev = {"eval_every": 2, **overrides}
     ref = run(ppo_cmd(tmp_path / "ref-store", overrides=ev), flyte_env(tmp_path / "a"))
     ref_sha = _final_weights_sha(_summary(ref.stdout))
     ref_log = _phase_log(tmp_path / "ref-store" / "t")

@@ -138,6 +138,24 @@ def test_ppo_with_critic_and_reference_on_two_workers_trains_like_one(tmp_path, 
     runtime.release_workers()
 
 
+@pytest.mark.vllm
+def test_vllm_on_two_workers_samples_the_tokens_of_one_and_trains_like_one(tmp_path, local_ray):
+    """rollout.engine=vllm (vLLM's CPU backend in .venv-vllm, or CUDA): each worker builds its
+    own vLLM engine next to its FSDP2 shard and samples its block of rows with the rows' own
+    seeds, so W = 2 draws exactly the tokens of W = 1; the weights then differ from W = 1 by the
+    gradient sums' rounding only (ATOL above)."""
+    (local_ray[1] / "update-rank1-1.attempts").write_text("1")  # the kill test's fault: spent
+    over = {"rollout.engine": "vllm", "stop": 2}
+    one = _run(tmp_path / "w1", "r", 1, **over)
+    w1 = _final(one, 2)
+    runtime.release_workers()
+    two = _run(tmp_path / "w2", "r", 2, **over)
+    tokens = _sampled_tokens(tmp_path / "w2" / "r")
+    assert len(tokens) == 2 and _same_tokens(tokens, _sampled_tokens(tmp_path / "w1" / "r"))
+    assert _max_diff(_final(two, 2), w1) <= ATOL
+    runtime.release_workers()
+
+
 def test_worker_killed_mid_update_fails_transient_and_the_group_is_rebuilt(tmp_path, local_ray):
     ray, faults = local_ray
     (faults / "update-rank1-1.attempts").write_text("1")  # spent: no hang in this run
