@@ -169,3 +169,41 @@ def test_worker_errors_keep_their_class(ray_local, tmp_path):
     with pytest.raises(PermanentError) as e:
         runtime.call(actor, "rollout", 0, timeout_s=120)
     assert getattr(e.value, "worker_init_failed", False)
+
+
+@pytest.mark.vllm
+def test_a_head_size_vllms_cpu_kernel_cannot_run_is_refused_at_prepare(tiny_folder):
+    """rollout.engine=vllm on vLLM's CPU backend (run in .venv-vllm): a head size its attention
+    kernel lacks is refused before any work, naming the keys and the sizes that work. Where
+    vLLM is its CUDA build the check has nothing to say (its backend is picked per GPU)."""
+    from verl_core.rollout.vllm import on_cpu_backend
+
+    if not on_cpu_backend():
+        pytest.skip("vLLM's CUDA build: head sizes are checked by the backend it picks per GPU")
+    # the tiny model at 4 heads: head size 16
+    cfg = with_overrides(RunConfig(), {"rollout.engine": "vllm", "model.tiny_heads": 4})
+    with pytest.raises(RunInputError, match=r"head size is 16 \(model\.tiny_hidden_size=64 / "
+                                            r"model\.tiny_heads=4\).*32, 64, 80.*set "
+                                            r"model\.tiny_heads to 2 or 1"):
+        check_run_inputs(cfg)
+    check_run_inputs(with_overrides(cfg, {"model.tiny_heads": 2}))  # the default: head size 32
+    check_run_inputs(with_overrides(cfg, {"rollout.engine": "hf"}))  # hf runs any head size
+    # a model folder you bring: hidden 32 over 2 heads
+    mine = with_overrides(RunConfig(), {"rollout.engine": "vllm", "model.path": tiny_folder})
+    with pytest.raises(RunInputError, match=r"model\.path=.*attention head size 16.*"
+                                            r"rollout\.engine='hf'"):
+        check_run_inputs(mine)
+
+
+def test_without_vllm_the_head_size_is_left_to_the_engine(monkeypatch):
+    """Where vLLM is not installed (the light image a prepare may run in), prepare does not
+    refuse rollout.engine=vllm: the engine, when a worker builds it, names the install."""
+    import sys
+
+    from verl_core.rollout.vllm import supported_head_sizes
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)
+    assert supported_head_sizes() is None
+    check_run_inputs(with_overrides(RunConfig(), {"rollout.engine": "vllm",
+                                                  "model.tiny_heads": 4}))

@@ -214,7 +214,8 @@ class VLLMEngine(RolloutEngine):
             # W > 1 trainer workers already form a torch.distributed group: each runs its own
             # single-GPU vLLM inside it (verl's and TRL's colocated mode). That backend reads
             # the worker's rank from torchrun's variables, which a Ray worker does not have.
-            # (Not run yet: W > 1 with vLLM needs a multi-GPU machine.)
+            # (Run on vLLM's CPU backend over gloo, tests/verl_core/engine/test_group.py; not
+            # yet on GPUs, beside NCCL.)
             kwargs["distributed_executor_backend"] = "external_launcher"
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
             os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank() if self.on_cpu

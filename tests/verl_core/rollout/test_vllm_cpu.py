@@ -1,7 +1,7 @@
-"""The ``vllm`` engine's CPU side (always runs): the clear error without CUDA/vllm, the config and
+"""The ``vllm`` engine's pure side (runs without vLLM): the clear error without vllm, the config and
 verl keys that select it, its pure helpers (prompt unpadding, per-row seeds, output assembly),
 and the trainer pushing weights to an engine that owns its own copy after an update. The engine
-itself runs in test_vllm_engine.py (``-m vllm``, GPU only)."""
+itself runs in test_vllm_engine.py (``-m vllm``: vLLM's CPU backend in .venv-vllm, or CUDA)."""
 import copy
 import sys
 
@@ -40,6 +40,10 @@ def test_config_accepts_vllm_and_its_fields():
     with pytest.raises(ConfigError, match=r"rollout\.temperature=2\.5.*\[0, 2\]"):
         RolloutConfig(engine="vllm", temperature=2.5)
     RolloutConfig(engine="hf", temperature=2.5)  # the hf engine has no such limit
+    # vLLM's CPU KV cache is sized by the config (never by the machine's RAM): positive GiB
+    assert d.cpu_kv_cache_gib == 0.5
+    with pytest.raises(ConfigError, match=r"rollout\.cpu_kv_cache_gib=0\b.*> 0"):
+        RolloutConfig(cpu_kv_cache_gib=0)
 
 
 def test_verl_rollout_keys_map_to_ours():
