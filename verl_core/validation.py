@@ -402,7 +402,10 @@ def dataset_frame(df: pd.DataFrame, tokenizer=None) -> tuple[pd.DataFrame, str]:
         for p in prompts:
             chat = _chat_of(p)
             texts.append(render_prompt(chat, tokenizer) if chat else _text_of(p))
-        enc = tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []
+        from verl_core.data.batch import prompt_add_special_tokens
+
+        special = prompt_add_special_tokens(tokenizer)  # as encode_prompts: one BOS, not two
+        enc = tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
         frame["prompt_length"] = [len(ids) for ids in enc]
     return frame, gt_column
 

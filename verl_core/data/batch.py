@@ -264,13 +264,26 @@ class PromptTooLongError(ValueError):
     """A prompt exceeds ``data.max_prompt_length`` tokens."""
 
 
+def prompt_add_special_tokens(tokenizer) -> bool:
+    """Whether a prompt rendered by :func:`~verl_core.data.dataset.render_prompt` for this
+    tokenizer is tokenised with the tokenizer's special tokens.
+
+    A chat template writes its own (Llama-3's starts with ``{{ bos_token }}``), so a templated
+    prompt is tokenised with ``add_special_tokens=False``, as verl's ``RLHFDataset`` does; adding
+    them again would start every prompt with two BOS. A tokenizer without a template gets the
+    joined plain text, which only has a BOS if the tokenizer adds one (``True``, the tokenizer's
+    own default, as our reward model does)."""
+    return not getattr(tokenizer, "chat_template", None)
+
+
 def encode_prompts(tokenizer, texts: list[str], max_prompt_length: int,
                    names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenise rendered prompts, left-padded. Returns (prompt_ids (B, P), prompt_mask (B, P)).
 
-    Over-long prompts raise naming the row instead of being silently truncated (truncating the
-    question of a verifiable task makes its ground truth wrong)."""
-    enc = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    Special tokens as :func:`prompt_add_special_tokens` decides (one BOS, from the template or
+    the tokenizer, never both). Over-long prompts raise naming the row instead of being silently
+    truncated (truncating the question of a verifiable task makes its ground truth wrong)."""
+    enc = tokenizer(texts, add_special_tokens=prompt_add_special_tokens(tokenizer))["input_ids"]
     for i, ids in enumerate(enc):
         if len(ids) > max_prompt_length:
             where = names[i] if names else f"row {i}"
