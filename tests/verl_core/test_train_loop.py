@@ -32,7 +32,10 @@ def test_grpo_raises_reward_for_real(tmp_path):
     rewards = [h["reward/mean"] for h in summary["history"]]
     assert max(rewards[:3]) < 0.75, rewards
     assert min(rewards[-3:]) > max(rewards[:3]) + 0.15, rewards
-    assert summary["end_accuracy"] > summary["start_accuracy"]
+    # greedy held-out accuracy: it rises, or it was already saturated by the warm start (the
+    # reward above is of sampled responses; a greedy policy may answer "1..." everywhere first)
+    assert summary["end_accuracy"] >= summary["start_accuracy"]
+    assert summary["end_accuracy"] > summary["start_accuracy"] or summary["end_accuracy"] == 1.0
     for h in summary["history"]:
         assert all(v == v for v in h.values() if isinstance(v, float))  # no NaN metrics
 
