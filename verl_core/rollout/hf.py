@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams,
                                     concat_outputs, register_engine)
+from verl_core.training.forward import takes_logits_to_keep
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -73,8 +74,11 @@ def generate_with_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     attn = prompt_mask.long()
     position = (attn.cumsum(-1) - 1).clamp_(min=0)  # (n, P): left padding does not shift positions
     cache_kw = {_cache_kwarg(model): DynamicCache()}  # mutated in place by every forward
+    # the LM head on the last prompt position only: a full (n, P, V) prefill logits tensor would
+    # grow with vocabulary x prompt length (~3 GB for 32 rows x 159 tokens at V = 151,936)
+    head_kw = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
     out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=position,
-                use_cache=True, **cache_kw)
+                use_cache=True, **cache_kw, **head_kw)
     logits = out.logits[:, -1]  # (n, V)
     next_pos = position[:, -1:] + 1  # (n, 1)
     tokens = torch.full((n, T), pad_token_id, dtype=torch.long, device=device)
