@@ -11,7 +11,10 @@ every row runs the full 128 tokens). Phases, each in its own fresh subprocess:
 - ``old_logprob``: ``batched_logprobs`` over the 32 rows (no grad; what the trainer computes for
   the old and reference log-probs), one micro-batch;
 - ``update``: one PPO micro-batch of the 32 rows as ``ppo_update`` runs it (log-probs and entropy
-  with grad, a loss, backward, an AdamW step).
+  with grad, a loss, backward, an AdamW step);
+- ``update_gc``: the same with ``model.gradient_checkpointing=true`` (verl's
+  ``enable_gradient_checkpointing``, on in its quickstart): the decoder layers' activations are
+  recomputed in backward instead of kept.
 
 "peak RSS" is the child's peak resident set size from ``os.wait4`` (the kernel's ru_maxrss).
 "logits" is what one full ``[rows, P + T, V]`` float32 tensor of the pre-fix computation would take,
@@ -31,7 +34,7 @@ import sys
 
 import torch
 
-PHASES = ("model", "rollout", "old_logprob", "update")
+PHASES = ("model", "rollout", "old_logprob", "update", "update_gc")
 VOCABS = (16384, 151936)
 B, G, P, T = 8, 4, 31, 128
 
@@ -81,13 +84,17 @@ def child(phase: str, vocab: int) -> None:
         lp = batched_logprobs(model, batch, 1.0, n)
         print(json.dumps({"mean_logp": float(lp.mean())}))
         return
+    if phase == "update_gc":
+        # as the trainer does for model.gradient_checkpointing (renamed in transformers 5.x)
+        (getattr(model, "activation_checkpointing_enable", None)
+         or model.gradient_checkpointing_enable)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     model.train()
     logp, ent = response_logprobs(model, ids, mask, resp, resp_mask, 1.0, with_entropy=True)
     loss = -(logp * resp_mask).mean() - 1e-3 * (ent * resp_mask).mean()
     loss.backward()
     opt.step()
-    print(json.dumps({"loss": float(loss)}))
+    print(json.dumps({"loss": float(loss.detach())}))
 
 
 def measure(phase: str, vocab: int) -> dict:
