@@ -31,6 +31,7 @@ from verl_core.data.dataset import PromptRow, load_prompt_rows, render_prompt
 from verl_core.data.sampler import ResumableSampler
 from verl_core.data.synthetic import write_arithmetic_dataset
 from verl_core.models import build_tiny_model, load_causal_lm, load_critic, load_tokenizer
+from verl_core.models.loading import precision_line
 from verl_core.models.tokenizer import build_char_tokenizer
 from verl_core.reward.decode import decode_responses
 from verl_core.reward.manager import RewardScorer
@@ -136,6 +137,7 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
                 f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{acc}")
         model.save_pretrained(model_path, safe_serialization=True)
         tok.save_pretrained(model_path)
+    log(precision_line(model_path, cfg.model.dtype))
     return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
                   reward_model_path=rm.path if rm.enable else "")
 
@@ -316,7 +318,11 @@ class RLTrainer:
         self.sampler = ResumableSampler(len(self.train_rows), cfg.data.train_batch_size, cfg.seed,
                                         shuffle=cfg.data.shuffle)
         algo = cfg.algorithm
-        self.actor = load_causal_lm(assets.model_path, cfg.model.dtype)
+        # model.dtype=bfloat16: float32 master weights and optimizer state, bf16 compute (FSDP2's
+        # MixedPrecisionPolicy with W > 1, sharding.compute_in on one worker); the frozen
+        # reference and the rollout copy need no master: they are loaded in model.dtype
+        compute = sharding.COMPUTE_DTYPES[cfg.model.dtype]
+        self.actor = load_causal_lm(assets.model_path, "float32")
         if cfg.model.gradient_checkpointing:  # renamed in transformers 5.x; the old name warns
             enable = getattr(self.actor, "activation_checkpointing_enable", None)
             (enable or self.actor.gradient_checkpointing_enable)()
@@ -325,7 +331,7 @@ class RLTrainer:
         self.rollout_model = self.actor
         if dp.distributed:
             self.rollout_model = load_causal_lm(assets.model_path, cfg.model.dtype)
-            sharding.shard(self.actor)
+        sharding.train_in(self.actor, compute, distributed=dp.distributed)
         self._rollout_stale = False
         self.ref = None
         if algo.uses_reference:
@@ -340,9 +346,8 @@ class RLTrainer:
             # the value head is freshly initialised: seed it, so every worker builds the same one
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(derive_seed(cfg.seed, 0, "critic-init"))
-                self.critic = load_critic(assets.model_path, cfg.model.dtype)
-            if dp.distributed:
-                sharding.shard(self.critic)
+                self.critic = load_critic(assets.model_path, "float32")
+            sharding.train_in(self.critic, compute, distributed=dp.distributed)
             self.critic_optimizer = make_optimizer(self.critic.parameters(), cfg.optim,
                                                    cfg.optim.critic_lr)
             self.critic_scheduler = make_scheduler(self.critic_optimizer, cfg.optim, total)

@@ -299,6 +299,88 @@ VERL_TO_OURS: dict[str, Transform] = {
 given together, for the keys verl reads in pairs)."""
 
 
+# ---------------------------------------------------------------- precision (verl's fsdp_config)
+# verl's PrecisionType spellings -> torch's names
+_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+              "32": "float32", "fp16": "float16", "float16": "float16", "16": "float16"}
+_MP_KEYS = ("param_dtype", "reduce_dtype", "buffer_dtype")
+
+
+def _precision(key: str, value) -> str:
+    name = _PRECISION.get(str(value).lower())
+    if name is None:
+        raise ConfigError(f"{key}={value!r}: not a dtype verl knows; use bf16 or fp32")
+    return name
+
+
+def _compute_dtype(key: str):
+    """``fsdp_config.mixed_precision.param_dtype`` / ``fsdp_config.dtype``: the dtype forwards
+    compute in, i.e. ``model.dtype`` (the actor, critic and reference share it here)."""
+    def t(value, ctx) -> Pairs:
+        name = _precision(key, value)
+        if name == "float16":
+            raise ConfigError(f"{key}={value!r}: float16 compute needs loss scaling, which is not "
+                              "offered; use bf16 (model.dtype=bfloat16: bf16 compute over float32 "
+                              "master weights, verl's default) or fp32")
+        return [("model.dtype", name)]
+    t.target = "model.dtype"
+    return t
+
+
+def _fp32_only(key: str, what: str):
+    def t(value, ctx) -> Pairs:
+        if _precision(key, value) != "float32":
+            raise ConfigError(f"{key}={value!r}: {what}; only fp32 is offered")
+        return []
+    return t
+
+
+def _master_dtype(key: str):
+    """``fsdp_config.model_dtype``: the dtype the trained weights are *kept* in."""
+    def t(value, ctx) -> Pairs:
+        if value is None or _precision(key, value) == "float32":
+            return []
+        raise ConfigError(f"{key}={value!r}: the trained weights and AdamW state are kept in "
+                          "float32 here (pure bf16 weights lose every update under one bf16 ulp, "
+                          "2^-8 of a weight: at lr 1e-6 nearly all of them); for bf16 compute "
+                          "set model.dtype=bfloat16 (verl: fsdp_config.mixed_precision."
+                          "param_dtype=bf16) and leave model_dtype at fp32")
+    return t
+
+
+def _mixed_precision(prefix: str):
+    """``fsdp_config.mixed_precision`` given as one mapping (a Python override dict)."""
+    def t(value, ctx) -> Pairs:
+        if not isinstance(value, dict) or set(value) - set(_MP_KEYS):
+            raise ConfigError(f"{prefix}mixed_precision={value!r}: a mapping of "
+                              f"{', '.join(_MP_KEYS)}")
+        return [p for k, v in value.items()
+                for p in VERL_TO_OURS[f"{prefix}mixed_precision.{k}"](v, ctx)]
+    return t
+
+
+for _prefix in (A + "fsdp_config.", "actor_rollout_ref.ref.fsdp_config.",
+                "critic.model.fsdp_config."):
+    VERL_TO_OURS.update({
+        _prefix + "dtype": _compute_dtype(_prefix + "dtype"),
+        _prefix + "mixed_precision.param_dtype": _compute_dtype(_prefix + "mixed_precision."
+                                                                "param_dtype"),
+        _prefix + "mixed_precision.reduce_dtype": _fp32_only(
+            _prefix + "mixed_precision.reduce_dtype", "gradients are reduced and kept in float32"),
+        _prefix + "mixed_precision.buffer_dtype": _fp32_only(
+            _prefix + "mixed_precision.buffer_dtype",
+            "buffers (rotary frequencies) stay float32, as loaded"),
+        _prefix + "mixed_precision": _mixed_precision(_prefix),
+    })
+    VERL_TO_OURS[_prefix + "model_dtype"] = _master_dtype(_prefix + "model_dtype")
+READ_WITH_GET = {k for k in VERL_TO_OURS if ".mixed_precision" in k}
+"""verl keys missing from its generated defaults: verl's FSDP workers read
+``fsdp_config.mixed_precision`` with ``.get`` (param bf16, reduce fp32, buffers fp32 when absent)."""
+VERL_TO_OURS["actor_rollout_ref.ref.fsdp_config.model_dtype"] = _fp32_only(
+    "actor_rollout_ref.ref.fsdp_config.model_dtype", "the frozen reference is loaded in "
+    "model.dtype (it needs no master copy): model.dtype=bfloat16 gives a bf16 reference")
+
+
 def _any(v) -> bool:
     return True
 

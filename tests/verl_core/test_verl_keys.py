@@ -7,8 +7,8 @@ import textwrap
 import pytest
 
 from verl_core.config import ConfigError, RunConfig, preset, typed_overrides, with_overrides
-from verl_core.verl_keys import (DEFAULTS_FILE, NO_EFFECT, VERL_TO_OURS, load_yaml, overrides_from,
-                                 parse_cli, to_ours, verl_defaults)
+from verl_core.verl_keys import (DEFAULTS_FILE, NO_EFFECT, READ_WITH_GET, VERL_TO_OURS, load_yaml,
+                                 overrides_from, parse_cli, to_ours, verl_defaults)
 
 A = "actor_rollout_ref.actor."
 
@@ -135,7 +135,7 @@ def test_verl_key_and_ours_for_one_field_must_agree():
 
 def test_every_table_key_is_a_verl_key():
     defaults = verl_defaults()
-    assert set(VERL_TO_OURS) | set(NO_EFFECT) <= set(defaults)
+    assert set(VERL_TO_OURS) | set(NO_EFFECT) <= set(defaults) | READ_WITH_GET
 
 
 def test_verl_default_yaml_changes_nothing():

@@ -211,3 +211,48 @@ def load_critic(path: str, dtype: str = "float32") -> torch.nn.Module:
         raise _load_failed("a critic", path, e) from None
     model.eval()
     return model
+
+
+_ST_FLOATS = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def stored_dtype(path: str) -> str:
+    """The dtype a model folder's weights are stored in: the floating dtype holding most elements
+    of its safetensors files (headers only), else config.json's ``torch_dtype``/``dtype``, else
+    "unknown"."""
+    count: dict[str, int] = {}
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        if not name.endswith(".safetensors"):
+            continue
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(min(n, _MAX_HEADER)))
+            for tensor, info in header.items():
+                if tensor != "__metadata__" and info.get("dtype") in _ST_FLOATS:
+                    dt = _ST_FLOATS[info["dtype"]]
+                    count[dt] = count.get(dt, 0) + math.prod(int(d) for d in info["shape"])
+        except (OSError, ValueError, struct.error, AttributeError, TypeError):
+            continue  # check_model_folder names a damaged file; this is only the console line
+    if count:
+        return max(count, key=count.get)
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        return str(config.get("torch_dtype") or config.get("dtype") or "unknown")
+    except (OSError, ValueError, AttributeError):
+        return "unknown"
+
+
+def precision_line(path: str, dtype: str) -> str:
+    """The run's one console line on precision: what the folder stores, what training computes
+    in and keeps as master weights (``dtype``: ``model.dtype``)."""
+    stored = stored_dtype(path)
+    if dtype == "bfloat16":
+        how = ("trains in bfloat16 compute over float32 master weights and float32 AdamW state; "
+               "reference and rollout weights bfloat16")
+    else:
+        how = (f"trains in {dtype} throughout (model.dtype=bfloat16: bf16 compute over float32 "
+               "master weights)")
+    return f"[verl] model weights stored in {stored}, {how} (model.dtype={dtype})"

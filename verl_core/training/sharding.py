@@ -1,13 +1,24 @@
-"""FSDP2 wrapping of Hugging Face models, and the full weights the rollout engine's copy needs.
+"""FSDP2 wrapping of Hugging Face models, mixed precision, and the full weights the rollout
+engine's copy needs.
 
-What belongs here: ``fully_shard`` and the gather of full weights from the shards. Checkpoints of
+Mixed precision as verl does it (``model.dtype=bfloat16``): parameters, gradients and AdamW
+moments stay float32 (the *master* weights: at lr 1e-6 most updates are far below one bf16 ulp
+of a weight, 2^-8 relative, and would round away in bf16 parameters); every forward and backward
+computes with bf16 copies. With W > 1 that is FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`` over float32 shards; with one process (no FSDP) :func:`compute_in` makes the
+same bf16 copies with module hooks, so W = 1 and W give the same numbers up to the order of the
+float32 gradient sums.
+
+What belongs here: ``fully_shard``, the one-process mixed precision, and the gather of full
+weights from the shards. Checkpoints of
 sharded state go through ``CheckpointManager.save_distributed``/``load_distributed`` (DCP),
 process groups and Ray through ``verl_core.engine.group``, the batch split ``training/dist.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Optional
 
 import torch
 
@@ -27,22 +38,107 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return []
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+COMPUTE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+"""``model.dtype`` -> the dtype forwards compute in over float32 master weights (None: float32
+throughout, no copies)."""
+
+
+def shard(model: torch.nn.Module, compute_dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root, in place (FSDP2 over the default process
-    group). The gradient reduction *sums* over workers (divide factor 1): the update weighs each
+    group). ``compute_dtype`` (bf16): the shards keep the model's float32 parameters and each
+    unit all-gathers them as bf16 for its forward/backward; gradients are reduced (and kept) in
+    float32 (verl's ``mixed_precision`` default: param bf16, reduce fp32, buffers as loaded). The gradient reduction *sums* over workers (divide factor 1): the update weighs each
     worker's part of a mini-batch by its share of the loss's denominator
     (``micro_batch_weight``), so the parts add up to the mini-batch's gradient."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in _decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             # a plain SUM (gloo has no pre-multiplied sum; with factor 1 there is nothing to scale)
             m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def train_in(model: torch.nn.Module, compute_dtype: Optional[torch.dtype], *,
+               distributed: bool) -> torch.nn.Module:
+    """Make ``model`` (float32 parameters) trainable by this worker: sharded with W > 1
+    (:func:`shard`), else bf16 compute hooks when ``compute_dtype`` is set (:func:`compute_in`),
+    else as it is."""
+    if distributed:
+        return shard(model, compute_dtype)
+    return compute_in(model, compute_dtype) if compute_dtype is not None else model
+
+
+def compute_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """One process's equivalent of FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype)``, in place:
+    the parameters stay what they are (float32 masters: the optimizer and checkpoints hold only
+    them), and a module's floating parameters are replaced by ``dtype`` copies (``p.to(dtype)``;
+    autograd casts their gradients back to float32 into ``p.grad``) from its first forward in a
+    root forward until that forward's backward has finished, as FSDP2 keeps a unit's unsharded
+    bf16 parameters registered through its backward (a recomputed checkpoint, or the chunked LM
+    head's recompute in ``training/forward.py``, then sees the copies). Without grad they are
+    put back when the root's forward returns; ``state_dict`` and the next root forward always
+    put them back first. Buffers (rotary frequencies) are left as they are, as FSDP2 leaves them.
+
+    Each parameter is cast once per root forward and its copy shared by every module that holds
+    it, so a tied embedding/LM head accumulates its two gradients in ``dtype`` first, as FSDP2's
+    one unsharded copy does.
+
+    Why not ``torch.autocast``: it casts only matmul inputs, so norms, embeddings and the
+    residual stream would stay float32 on one worker and be bf16 under FSDP2 on W (the numbers
+    would depend on W), and a bf16 reference model would not reproduce the actor's log-probs."""
+    model._compute = {"dtype": dtype, "copies": {}, "swapped": []}
+    for m in model.modules():
+        if m is model or any(True for _ in m.parameters(recurse=False)):
+            m.register_forward_pre_hook(functools.partial(_cast_params, model))
+    model.register_forward_hook(functools.partial(_root_done, model), always_call=True)
+    model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _restore(model))
+    return model
+
+
+def _cast_params(root, module, args) -> None:
+    state = root._compute
+    if module is root:
+        _restore(root)  # a forward whose backward never ran must not leave copies behind
+    if "_masters" in module.__dict__:
+        return  # swapped already (a checkpointed layer recomputed in backward)
+    masters = dict(module._parameters)
+    module._masters = masters
+    state["swapped"].append(module)
+    for name, p in masters.items():
+        if p is None or not p.is_floating_point() or p.dtype == state["dtype"]:
+            continue
+        copy = state["copies"].get(id(p))
+        if copy is None:
+            copy = state["copies"][id(p)] = p.to(state["dtype"])
+        module._parameters[name] = copy
+
+
+def _root_done(root, module, args, output) -> None:
+    """After the root's forward: put the masters back now (no backward will come), or at the end
+    of the backward that reaches the copies (an autograd-engine callback, FSDP2's mechanism)."""
+    copies = [c for c in root._compute["copies"].values() if c.requires_grad]
+    if not copies:
+        _restore(root)
+        return
+
+    def at_first_gradient(grads):
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _restore(root))
+
+    torch.autograd.graph.register_multi_grad_hook(copies, at_first_gradient, mode="any")
+
+
+def _restore(root) -> None:
+    state = root._compute
+    for m in state["swapped"]:
+        m._parameters.update(m.__dict__.pop("_masters", {}))
+    state["swapped"].clear()
+    state["copies"] = {}
 
 
 def full_model_state(model: torch.nn.Module, *, rank0_only: bool) -> dict[str, torch.Tensor]:
