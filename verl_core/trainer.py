@@ -33,7 +33,7 @@ from verl_core.data.synthetic import write_arithmetic_dataset
 from verl_core.models import build_tiny_model, load_causal_lm, load_critic, load_tokenizer
 from verl_core.models.loading import precision_line
 from verl_core.models.tokenizer import build_char_tokenizer
-from verl_core.reward.decode import decode_responses
+from verl_core.reward.decode import decode_responses, stop_token_ids
 from verl_core.reward.manager import RewardScorer
 from verl_core.reward.model import RewardModel, check_finite, check_reward_model
 from verl_core.rollout import SamplingParams, make_engine
@@ -265,7 +265,7 @@ class _AccuracyProbe:
     def __init__(self, model, tok, rows, prompts, cfg: RunConfig):
         self.ids, self.mask = encode_prompts(tok, prompts, cfg.data.max_prompt_length)
         self.rows, self.tok = rows, tok
-        self.engine = make_engine("hf", model=model, eos_token_id=tok.eos_token_id,
+        self.engine = make_engine("hf", model=model, eos_token_ids=stop_token_ids(tok),
                                   pad_token_id=tok.pad_token_id)
         self.params = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
         self.scorer = RewardScorer.from_config(cfg.reward)
@@ -360,7 +360,8 @@ class RLTrainer:
                                           target_kl=algo.kl_target, horizon=algo.kl_horizon)
         self.engine = make_engine(cfg.rollout.engine, model=self.rollout_model,
                                   model_path=assets.model_path,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                  eos_token_ids=stop_token_ids(tok),  # the model's EOS set
+                                  pad_token_id=tok.pad_token_id,
                                   micro_batch_size=cfg.rollout.micro_batch_size,
                                   # read by vllm only (hf ignores them)
                                   gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,

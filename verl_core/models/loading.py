@@ -167,8 +167,44 @@ def _load_failed(what: str, path: str, e: Exception) -> ModelLoadError:
     return ModelLoadError(f"cannot load {what} from {path!r}: {text}")
 
 
+def _json_eos(path: str, name: str) -> set[int]:
+    """The ``eos_token_id`` (an int, a list of ints, or absent) of ``name`` in the folder."""
+    file = os.path.join(path, name)
+    if not os.path.exists(file):
+        return set()
+    try:
+        with open(file, "rb") as f:
+            eos = json.loads(f.read()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{file} does not parse ({e}); save the folder again with "
+                             "save_pretrained") from e
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
+        raise ModelLoadError(f"{file}: eos_token_id={eos!r} is not a token id or a list of token "
+                             "ids; fix the file (e.g. [151645, 151643])")
+    return set(eos)
+
+
+def resolve_eos_token_ids(path: str, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a response of the model in ``path`` (sorted): the tokenizer's EOS,
+    ``generation_config.json``'s ``eos_token_id`` and ``config.json``'s (each an int or a list).
+
+    Why the union: vLLM (verl's rollout) stops at the tokenizer's EOS plus the generation config's
+    list, Hugging Face ``generate`` at the generation config's (``config.json``'s when there is no
+    generation config). A Qwen2.5-Instruct model ends a turn with ``<|im_end|>`` or
+    ``<|endoftext|>``, a Llama-3.1 one with any of three ids: a response stopped at any of them
+    by either engine is stopped here too, and scored without the stop token."""
+    ids = _json_eos(path, "generation_config.json") | _json_eos(path, "config.json")
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
 def load_tokenizer(path: str):
-    """Tokenizer from a local folder, left-padded (generation appends on the right)."""
+    """Tokenizer from a local folder, left-padded (generation appends on the right). Its
+    ``stop_token_ids`` attribute holds the model's EOS set (:func:`resolve_eos_token_ids`), which
+    the engines stop at and the reward decode cuts at
+    (:func:`verl_core.reward.decode.stop_token_ids`)."""
     _check_folder(path)
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -181,6 +217,7 @@ def load_tokenizer(path: str):
         tok.pad_token = tok.eos_token
     if tok.eos_token_id is None:
         raise ModelLoadError(f"tokenizer in {path!r} has no eos token: generation could not stop")
+    tok.stop_token_ids = resolve_eos_token_ids(path, tok)
     return tok
 
 

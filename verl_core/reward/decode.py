@@ -1,7 +1,8 @@
 """Turning generated token ids into the text every scorer sees.
 
-A response is what the policy generated up to its first EOS: tokens past the response mask
-(padding) and from the first EOS on are dropped, and the rest is decoded with special tokens
+A response is what the policy generated up to its first EOS (any id of the model's EOS set,
+:func:`stop_token_ids`: ``<|im_end|>`` or ``<|endoftext|>`` for Qwen2.5, as verl/vLLM stop there):
+tokens past the response mask (padding) and from the first EOS on are dropped, and the rest is decoded with special tokens
 KEPT as their text. Stripping them instead (``skip_special_tokens=True``) would let ``1<pad>12``
 score as ``112``. A special token before the first EOS is flagged: rule scorers count such a
 response as a wrong answer; custom scorers see the token's text (e.g. ``1<pad>12``) and decide.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DecodedResponses", "decode_responses", "special_token_ids"]
+__all__ = ["DecodedResponses", "decode_responses", "special_token_ids", "stop_token_ids"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,16 @@ class DecodedResponses:
     """(N,) each response cut at its first EOS, decoded with special tokens kept as text."""
     special_token: list[bool]
     """(N,) whether a special token (pad, bos, unk, ...) comes before the first EOS."""
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """The ids that end a response: the model's EOS set that ``load_tokenizer`` resolved
+    (``tokenizer.stop_token_ids``: tokenizer, generation_config and config EOS ids), else the
+    tokenizer's one EOS (a tokenizer built in memory, e.g. the tiny model's)."""
+    ids = getattr(tokenizer, "stop_token_ids", None)
+    if ids:
+        return tuple(ids)
+    return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
@@ -45,14 +56,15 @@ def decode_responses(tokenizer, response_ids, response_mask=None) -> DecodedResp
     rows = response_ids.tolist() if hasattr(response_ids, "tolist") else list(response_ids)
     masks = (response_mask.tolist() if hasattr(response_mask, "tolist") else response_mask) \
         if response_mask is not None else [None] * len(rows)
-    eos = tokenizer.eos_token_id
+    stop = frozenset(stop_token_ids(tokenizer))
     special = special_token_ids(tokenizer)
     kept: list[list[int]] = []
     flags: list[bool] = []
     for ids, mask in zip(rows, masks):
         ids = [int(t) for t, m in zip(ids, mask) if m] if mask is not None else list(ids)
-        if eos is not None and eos in ids:
-            ids = ids[:ids.index(eos)]
+        first = next((i for i, t in enumerate(ids) if t in stop), None)
+        if first is not None:
+            ids = ids[:first]
         kept.append(ids)
         flags.append(any(t in special for t in ids))
     # the G responses to a prompt often repeat (short answers): decode each distinct one once

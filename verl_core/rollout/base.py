@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -47,6 +47,21 @@ def concat_outputs(parts: list[GenerationOutput], pad_id: int) -> GenerationOutp
     T = int(mask.sum(0).nonzero().max()) + 1 if mask.any() else 0  # every row stopped early
     return GenerationOutput(response_ids=ids[:, :T], response_mask=mask[:, :T],
                             logprobs=logp[:, :T])
+
+
+def resolve_stop_ids(eos_token_ids: Iterable[int] | None = None,
+                     eos_token_id: int | None = None) -> tuple[int, ...]:
+    """The ids that end a response (sorted, distinct): ``eos_token_ids`` (the model's resolved
+    EOS set, ``verl_core.models.loading.resolve_eos_token_ids``), else the one ``eos_token_id``
+    (the older keyword, kept for callers with a single EOS). Raises when neither is given: an
+    engine that cannot stop would fill every response to ``max_new_tokens``."""
+    ids = set(eos_token_ids) if eos_token_ids is not None else set()
+    if not ids and eos_token_id is not None:
+        ids = {eos_token_id}
+    if not ids:
+        raise ValueError("a rollout engine needs eos_token_ids (the model's EOS set) or "
+                         "eos_token_id; pass make_engine(..., eos_token_ids=...)")
+    return tuple(sorted(int(i) for i in ids))
 
 
 class RolloutEngine(abc.ABC):
@@ -90,11 +105,16 @@ def register_engine(name: str):
 
 
 def make_engine(name: str, **kwargs) -> RolloutEngine:
-    """``hf`` needs ``model``, ``eos_token_id``, ``pad_token_id``; ``vllm`` needs ``model_path``
-    (the Hugging Face folder), ``eos_token_id``, ``pad_token_id`` and takes ``model`` (the torch
+    """``hf`` needs ``model``, ``eos_token_ids``, ``pad_token_id``; ``vllm`` needs ``model_path``
+    (the Hugging Face folder), ``eos_token_ids``, ``pad_token_id`` and takes ``model`` (the torch
     policy), ``gpu_memory_utilization``, ``enforce_eager``, ``free_cache_engine``, ``dtype``,
     ``seed``. Each factory ignores the keywords it does not use. ``vllm`` without CUDA or the
-    vllm package raises ``VLLMUnavailableError`` naming rollout.engine and the fix."""
+    vllm package raises ``VLLMUnavailableError`` naming rollout.engine and the fix.
+
+    ``eos_token_ids``: every id that ends a response (the model's EOS set: tokenizer,
+    ``generation_config.json`` and ``config.json``, :func:`verl_core.reward.decode.stop_token_ids`
+    of a loaded tokenizer); a response stops after the first of them, which it keeps (mask 1).
+    ``eos_token_id=`` (one id) is still accepted."""
     if name not in _ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; known: {', '.join(sorted(_ENGINES))}")
     return _ENGINES[name](**kwargs)

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams,
-                                    concat_outputs, register_engine)
+                                    concat_outputs, register_engine, resolve_stop_ids)
 from verl_core.training.forward import takes_logits_to_keep
 
 
@@ -65,12 +65,15 @@ def _cache_kwarg(model) -> str:
 
 @torch.no_grad()
 def generate_with_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                        uniforms: torch.Tensor, params: SamplingParams, *, eos_token_id: int,
-                        pad_token_id: int) -> GenerationOutput:
+                        uniforms: torch.Tensor, params: SamplingParams, *,
+                        eos_token_ids=None, pad_token_id: int,
+                        eos_token_id: int | None = None) -> GenerationOutput:
     """prompt_ids/prompt_mask: (n, P) left-padded; uniforms: (n, T). One prefill, then one
-    cached forward per new token; stops when every row has emitted EOS."""
+    cached forward per new token; a row stops after the first of ``eos_token_ids`` (any EOS of
+    the model), the loop when every row has."""
     n, T = prompt_ids.shape[0], params.max_new_tokens
     device = prompt_ids.device
+    stop = torch.tensor(resolve_stop_ids(eos_token_ids, eos_token_id), device=device)  # (S,)
     attn = prompt_mask.long()
     position = (attn.cumsum(-1) - 1).clamp_(min=0)  # (n, P): left padding does not shift positions
     cache_kw = {_cache_kwarg(model): DynamicCache()}  # mutated in place by every forward
@@ -91,7 +94,7 @@ def generate_with_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
         tokens[:, t] = torch.where(alive, tok, pad_token_id)
         logps[:, t] = torch.where(alive, lp, 0.0)
         mask[:, t] = alive.float()
-        done = done | (tok == eos_token_id)
+        done = done | torch.isin(tok, stop)
         if t == T - 1 or bool(done.all()):
             break
         attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=device)], dim=1)
@@ -105,9 +108,10 @@ def generate_with_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
 class HFEngine(RolloutEngine):
     """Samples from a (CPU or GPU) transformers causal LM it holds in memory."""
 
-    def __init__(self, model, *, eos_token_id: int, pad_token_id: int, micro_batch_size: int = 512):
+    def __init__(self, model, *, eos_token_ids=None, pad_token_id: int,
+                 micro_batch_size: int = 512, eos_token_id: int | None = None):
         self.model = model
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = resolve_stop_ids(eos_token_ids, eos_token_id)
         self.pad_token_id = pad_token_id
         self.micro_batch_size = micro_batch_size
 
@@ -131,13 +135,14 @@ class HFEngine(RolloutEngine):
             keep = m.sum(0) > 0  # drop prompt columns that are padding for every row of the slice
             outs.append(generate_with_cache(
                 self.model, ids[:, keep].to(device), m[:, keep].to(device),
-                uniforms[sl].to(device), params, eos_token_id=self.eos_token_id,
+                uniforms[sl].to(device), params, eos_token_ids=self.eos_token_ids,
                 pad_token_id=self.pad_token_id))
         self.model.train(was_training)
         return concat_outputs(outs, self.pad_token_id)
 
 
 @register_engine("hf")
-def _make_hf(model, eos_token_id: int, pad_token_id: int, micro_batch_size: int = 512, **_):
-    return HFEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                    micro_batch_size=micro_batch_size)
+def _make_hf(model, pad_token_id: int, eos_token_ids=None, eos_token_id: int | None = None,
+             micro_batch_size: int = 512, **_):
+    return HFEngine(model, eos_token_ids=eos_token_ids, eos_token_id=eos_token_id,
+                    pad_token_id=pad_token_id, micro_batch_size=micro_batch_size)

@@ -52,7 +52,8 @@ import os
 import torch
 
 from verl_core.errors import PermanentError
-from verl_core.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, register_engine
+from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, register_engine,
+                                    resolve_stop_ids)
 
 EXTENSION = "verl_core.rollout.vllm_ext.WeightSyncExtension"
 MAX_TEMPERATURE = 2.0
@@ -181,14 +182,15 @@ class VLLMEngine(RolloutEngine):
 
     owns_weights = True
 
-    def __init__(self, model_path: str, *, eos_token_id: int, pad_token_id: int, model=None,
+    def __init__(self, model_path: str, *, eos_token_ids=None, pad_token_id: int, model=None,
                  gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                  free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0,
-                 max_model_len: int | None = None, cpu_kv_cache_gib: float = 0.5):
+                 max_model_len: int | None = None, cpu_kv_cache_gib: float = 0.5,
+                 eos_token_id: int | None = None):
+        self.eos_token_ids = resolve_stop_ids(eos_token_ids, eos_token_id)
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.model = model
         self.on_cpu = bool(current_platform.is_cpu())
@@ -207,7 +209,8 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             # prompts arrive as token ids and responses leave as token ids: no tokenizer
             skip_tokenizer_init=True,
-            # ignore the folder's generation_config.json: EOS comes from eos_token_id only
+            # ignore the folder's generation_config.json: our sampling parameters are explicit,
+            # and its EOS list is already in eos_token_ids (the stop set, below)
             generation_config="vllm")
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
@@ -326,7 +329,7 @@ class VLLMEngine(RolloutEngine):
             top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy or params.top_k < 0 else params.top_k,  # vLLM: 0 disables
             max_tokens=params.max_new_tokens, logprobs=0,  # 0: only the sampled token's
-            seed=None if greedy else s, stop_token_ids=[self.eos_token_id],
+            seed=None if greedy else s, stop_token_ids=list(self.eos_token_ids),
             detokenize=False) for s in row_seeds(params.seed, first_row, n)]
         self.wake()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
@@ -367,11 +370,13 @@ class VLLMEngine(RolloutEngine):
 
 
 @register_engine("vllm")
-def _make_vllm(model_path: str, eos_token_id: int, pad_token_id: int, model=None,
+def _make_vllm(model_path: str, pad_token_id: int, eos_token_ids=None,
+               eos_token_id: int | None = None, model=None,
                gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0,
                max_model_len: int | None = None, cpu_kv_cache_gib: float = 0.5, **_):
-    return VLLMEngine(model_path, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+    return VLLMEngine(model_path, eos_token_ids=eos_token_ids, eos_token_id=eos_token_id,
+                      pad_token_id=pad_token_id,
                       model=model, gpu_memory_utilization=gpu_memory_utilization,
                       enforce_eager=enforce_eager, free_cache_engine=free_cache_engine,
                       dtype=dtype, seed=seed, max_model_len=max_model_len,
