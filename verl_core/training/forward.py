@@ -13,10 +13,14 @@ from torch.utils.checkpoint import checkpoint
 
 from verl_core.algorithms.utils import entropy_from_logits, logprobs_from_logits
 
-# Elements of a (rows, V) chunk of response logits per checkpointed log-prob/entropy call: the
-# backward recomputes one chunk's softmax and products at a time (~64 MiB of float32 each), so
-# those temporaries stay bounded whatever n * T * V is.
+# Elements of a (rows, V) chunk of response logits per checkpointed call: each chunk's logits,
+# softmax and products (~64 MiB of float32 each) exist one chunk at a time, in forward and again
+# in backward (recomputed), so they stay bounded whatever n * T * V is.
 _CHUNK_ELEMENTS = 1 << 24
+
+# Model classes whose forward turned out to post-process the LM head's output (a soft cap, a
+# logit scale): they take the full-logits path (see ``_rows_through_head``).
+_HEAD_NOT_LAST: set[type] = set()
 
 
 def _inputs(prompt_ids, prompt_mask, response_ids, response_mask):
@@ -36,11 +40,11 @@ def takes_logits_to_keep(model) -> bool:
 
 def response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
                     temperature: float = 1.0) -> torch.Tensor:
-    """Logits that predict each response token: (n, T, V), divided by ``temperature``.
+    """Logits that predict each response token: (n, T, V), float32, divided by ``temperature``.
 
-    Only the T positions that predict response tokens go through the LM head (``logits_to_keep``
-    inside the model's own forward, so an FSDP2-sharded head is unsharded as usual): the prompt
-    positions' logits, ~P/(P+T) of a full [n, P+T, V] tensor, are never formed."""
+    The full-logits path, for a model whose LM head cannot be chunked (``_rows_through_head``):
+    only the T positions that predict response tokens go through the head when the model takes
+    ``logits_to_keep``; the prompt positions' logits are never formed."""
     ids, attn, position, P = _inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     T = response_ids.shape[1]
     if takes_logits_to_keep(model):
@@ -57,39 +61,92 @@ def response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
     return logits
 
 
-def _logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                  with_entropy: bool):
-    """logits: (rows, V) raw, labels: (rows,). Returns (logp (rows,), entropy (rows,) or an empty
-    tensor) under softmax(logits / temperature)."""
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    logp = logprobs_from_logits(logits, labels)
-    ent = entropy_from_logits(logits) if with_entropy else logp.new_empty(0)
-    return logp, ent
+def _by_chunks(fn, x: torch.Tensor, labels: torch.Tensor, vocab: int, head=None):
+    """``fn`` over chunks of rows: x (rows, H) hidden states when ``head`` is given (the LM head
+    runs per chunk), else (rows, V) logits; labels (rows,). ``fn(logits (r, V) float32, labels
+    (r,))`` returns a tuple of (r,) tensors; returns their (rows,) concatenations. With grad each
+    chunk is checkpointed: backward recomputes its logits (the head's gemm included) instead of
+    keeping them, so no (rows, V) tensor outlives its chunk."""
+    def piece(xc, lc):
+        return fn((xc if head is None else head(xc)).float(), lc)
+
+    step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    grad = torch.is_grad_enabled() and (x.requires_grad or head is not None)
+    parts = [checkpoint(piece, xc, lc, use_reentrant=False) if grad else piece(xc, lc)
+             for xc, lc in zip(x.split(step), labels.split(step))]  # one SplitBackward for all
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _rows_through_head(model, prompt_ids, prompt_mask, response_ids, response_mask, fn):
+    """``fn`` (see ``_by_chunks``) at every response position: a tuple of (n, T) tensors.
+
+    The decoder runs once to the T response positions' hidden states (``logits_to_keep``); the LM
+    head then runs chunk by chunk *inside the model's own forward*: its ``forward`` is replaced
+    for the call by the chunked computation, whose small (n, T, k) result the model returns as its
+    "logits". So the head's weights are used between the root module's forward hooks, where FSDP2
+    has them unsharded (tied embeddings included), and backward's recomputation runs after the
+    root's pre-backward unshard. No [n, T, V] tensor exists, forward or backward.
+
+    A model without ``logits_to_keep`` or an output embedding, or whose forward changes the head's
+    output (Gemma's soft cap, Cohere's logit scale: the returned logits are then not the head's
+    result), takes the full-logits path (``response_logits``) with the same chunked ``fn``."""
+    n, T = response_ids.shape
+    labels = response_ids.reshape(n * T)  # (n*T,)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if (type(model) not in _HEAD_NOT_LAST and isinstance(head, torch.nn.Module)
+            and takes_logits_to_keep(model)):
+        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+        linear = head.forward  # the head's own forward, called per chunk
+        result = []
+
+        def chunked_head(h):  # h: (n, T, H), the LM head's input
+            outs = _by_chunks(fn, h.reshape(n * T, -1), labels, vocab, head=linear)
+            # (n, T, k), a tensor of its own: FSDP2 warns about a view returned by the root
+            result.append(torch.stack([o.reshape(n, T) for o in outs], -1))
+            return result[-1]
+
+        ids, attn, position, P = _inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+        keep = torch.arange(P - 1, P + T - 1, device=ids.device)  # predict response tokens
+        own = head.__dict__.get("forward")  # an instance-level forward someone else set
+        head.forward = chunked_head
+        try:
+            out = model(input_ids=ids, attention_mask=attn, position_ids=position,
+                        logits_to_keep=keep).logits  # (n, T, k)
+        finally:
+            if own is None:
+                del head.forward  # the class's forward again
+            else:
+                head.forward = own
+        if len(result) == 1 and out is result[0]:
+            return out.unbind(-1)
+        _HEAD_NOT_LAST.add(type(model))
+    logits = response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    V = logits.shape[-1]
+    outs = _by_chunks(fn, logits.reshape(n * T, V), labels, V)  # logits: (n*T, V)
+    return tuple(o.reshape(n, T) for o in outs)
+
+
+def _logp_entropy(temperature: float, with_entropy: bool):
+    """``fn`` for ``_rows_through_head``: (logp,) or (logp, entropy) under
+    softmax(logits / temperature)."""
+    def fn(logits, labels):  # (rows, V), (rows,)
+        if temperature not in (0.0, 1.0):
+            logits = logits / temperature
+        logp = logprobs_from_logits(logits, labels)
+        return (logp, entropy_from_logits(logits)) if with_entropy else (logp,)
+    return fn
 
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       temperature: float = 1.0, with_entropy: bool = False):
     """Returns (logp (n, T), entropy (n, T) or None); padding positions are zeroed.
 
-    The log-softmax and entropy run over chunks of (rows, V); with grad each chunk is
-    checkpointed (its temperature-scaled logits, softmax and products are recomputed in backward
-    instead of kept), so the raw response logits are the only [n, T, V] tensor the graph holds."""
-    logits = response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
-    n, T, V = logits.shape
-    flat, labels = logits.reshape(n * T, V), response_ids.reshape(n * T)  # (n*T, V), (n*T,)
-    step = max(1, _CHUNK_ELEMENTS // max(V, 1))
-    grad = torch.is_grad_enabled() and flat.requires_grad
-    parts = []
-    for lg, lb in zip(flat.split(step), labels.split(step)):  # one SplitBackward for all chunks
-        if grad:
-            parts.append(checkpoint(_logp_entropy, lg, lb, temperature, with_entropy,
-                                    use_reentrant=False))
-        else:
-            parts.append(_logp_entropy(lg, lb, temperature, with_entropy))
-    logp = torch.cat([p[0] for p in parts]).reshape(n, T) * response_mask
-    ent = torch.cat([p[1] for p in parts]).reshape(n, T) * response_mask if with_entropy else None
-    return logp, ent
+    The LM head, log-softmax and entropy run over checkpointed chunks of rows
+    (``_rows_through_head``): memory for the logits is one chunk's, whatever n * T * V is."""
+    outs = _rows_through_head(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                              _logp_entropy(temperature, with_entropy))
+    logp = outs[0] * response_mask
+    return logp, outs[1] * response_mask if with_entropy else None
 
 
 def critic_values(critic, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
@@ -119,15 +176,19 @@ def batched_logprobs(model, batch, temperature: float, micro_batch_size: int) ->
 def batched_sum_pi_squared(model, batch, temperature: float, micro_batch_size: int) -> torch.Tensor:
     """No-grad Σ_v π_v² of the (temperature-scaled) policy at every response position: (N, T),
     0 on padding. The optimal-token-baseline estimators read it (verl's ``sum_pi_squared``)."""
+    def sum_pi_sq(logits, labels):  # (rows, V), (rows,) -> ((rows,),)
+        if temperature not in (0.0, 1.0):
+            logits = logits / temperature
+        # Σ_v π_v² = exp(logsumexp(2z) - 2 logsumexp(z)), without forming the probabilities
+        return (torch.exp(torch.logsumexp(2 * logits, -1) - 2 * torch.logsumexp(logits, -1)),)
+
     was_training = model.training
     model.eval()
     out = []
     for s in range(0, batch.num_rows, micro_batch_size):
         sl = slice(s, s + micro_batch_size)
-        logits = response_logits(model, batch.prompt_ids[sl], batch.prompt_mask[sl],
-                                 batch.response_ids[sl], batch.response_mask[sl], temperature)
-        # Σ_v π_v² = exp(logsumexp(2z) - 2 logsumexp(z)), without forming the probabilities
-        sq = torch.exp(torch.logsumexp(2 * logits, -1) - 2 * torch.logsumexp(logits, -1))
+        (sq,) = _rows_through_head(model, batch.prompt_ids[sl], batch.prompt_mask[sl],
+                                   batch.response_ids[sl], batch.response_mask[sl], sum_pi_sq)
         out.append(sq * batch.response_mask[sl])
     model.train(was_training)
     return torch.cat(out, 0)
