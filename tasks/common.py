@@ -30,6 +30,8 @@ from verl_core.engine.runtime import RunSpec
 from verl_core.guard.events import event_line
 from verl_core.guard.faults import maybe_inject
 from verl_core.phases import PhaseOut, StepState
+from verl_core.train import eta_s
+from verl_core.validation import clipped_responses_warning
 
 T = TypeVar("T")
 
@@ -39,10 +41,11 @@ logging.getLogger("ray").setLevel(logging.WARNING)
 
 # Bump one phase's entry when its behaviour changes; a package version bump invalidates all.
 PHASE_VERSIONS = {"prepare": "2", "rollout": "1", "reward": "2", "advantage": "1",
-                  "update": "3", "checkpoint": "1", "evaluate": "3", "finalize": "2"}
+                  "update": "3", "checkpoint": "1", "evaluate": "4", "finalize": "2"}
 # prepare/reward/evaluate v2: responses are scored cut at the first EOS, special tokens kept
 # update v2: the guard decides (skip/rollback records in the lineage); finalize v2: scrub
-# evaluate v3: stores held-out samples for the reports (Decks)
+# evaluate v3: stores held-out samples for the reports (Decks); v4: their tokens as the model saw
+# them (special tokens visible), the first one printed
 
 RETRIES = 3
 """Cluster retries of a phase (Flyte applies them only on a cluster; locally
@@ -206,14 +209,23 @@ def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T],
     return out
 
 
-_T0: dict[str, tuple[float, int]] = {}
+_STEP_TIMES: dict[str, dict] = {}  # store -> {"last": (step, time), "seconds": [...]}
+PHASE_TIMINGS = ("timing/rollout_s", "timing/reward_s", "timing/advantage_s", "timing/update_s")
 
 
 def progress(spec: RunSpec, step: int, metrics: dict) -> None:
-    """One console line per finished step: step, reward, speed, ETA."""
-    t0, s0 = _T0.setdefault(spec.store, (time.time(), step - 1))
-    done = step - s0
-    eta = (time.time() - t0) / max(done, 1) * (spec.total_steps - step)
+    """One console line per finished step: step, reward, speed, ETA. A step's time is the wall
+    time since the previous step's line in this process, unless an evaluation ran in between
+    (evaluations are not steps: :func:`verl_core.train.eta_s`); until one such interval is
+    known (the first line, or a fresh process on a cluster), the step's own phase timings."""
+    seen = _STEP_TIMES.setdefault(spec.store, {"last": None, "seconds": []})
+    now, every = time.time(), spec.config.eval_every
+    last = seen["last"]
+    if last is not None and step == last[0] + 1 and not (every and last[0] % every == 0):
+        seen["seconds"].append(now - last[1])
+    seen["last"] = (step, now)
+    own = [sum(float(metrics.get(k, 0.0)) for k in PHASE_TIMINGS)]
+    eta = eta_s(seen["seconds"] or own, spec.total_steps - step)
     parts = [f"step {step}/{spec.total_steps}", f"reward={metrics.get('reward/mean', 0):.3f}"]
     for k, name in (("response_length/mean", "len"), ("actor/pg_clipfrac", "clip"),
                     ("actor/grad_norm", "gnorm"), ("critic/vf_loss", "vf")):
@@ -226,3 +238,6 @@ def progress(spec: RunSpec, step: int, metrics: dict) -> None:
     if events:
         parts.append(event_line(events))
     print("[verl] " + " ".join(parts), flush=True)
+    warning = clipped_responses_warning(metrics, spec.config, step)  # as the plain loop warns
+    if warning:
+        print("[verl] " + warning, flush=True)

@@ -8,7 +8,7 @@ from flytekit import task
 
 from tasks.common import RETRIES, cache_for, store_call
 from verl_core import verl_keys
-from verl_core.config import ConfigError, preset, typed_overrides, with_overrides
+from verl_core.config import ConfigError, effective_line
 from verl_core.engine import runtime
 from verl_core.engine.runtime import RunSpec
 from verl_core.training.optim import optimizer_steps_line
@@ -16,43 +16,36 @@ from verl_core.training.optim import optimizer_steps_line
 
 def build_config(algorithm: str, model: str, train_files: str, val_files: str, steps: int,
                  batch_size: int, rollout_n: int, overrides: str, verl_config: str = ""):
-    """Options -> validated RunConfig. 0 / "" keep the preset's value. ``overrides`` takes our
-    dotted keys and verl's; ``verl_config`` is a local verl YAML file, read here (so its content,
-    not its path, reaches the config and the cache key). Raises ConfigError, a permanent failure
-    (never retried)."""
+    """Options -> validated RunConfig, through the plain loop's front door
+    (:func:`verl_core.verl_keys.run_config`: the same defaults, model-aware, the same micro-batch
+    fit, the same epochs). 0 / "" keep the preset's value; ``algorithm`` "" is grpo, or verl's
+    gae for verl-style overrides. ``overrides`` takes our dotted keys and verl's;
+    ``verl_config`` is a local verl YAML file, read here (so its content, not its path, reaches
+    the config and the cache key). Raises a PermanentError (ConfigError, RunInputError), never
+    retried."""
     parsed = None
     if overrides:
         try:
             parsed = json.loads(overrides)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--overrides is not a JSON object of dotted keys: {e}") from e
-    # typed first: the micro-batch arithmetic below must not see "8", 2.5 or NaN
-    over = typed_overrides(verl_keys.overrides_from(verl_config, parsed))
+    given = verl_keys.overrides_from(verl_config, parsed)
+    options: dict = {}
     if steps:
-        over["total_steps"] = steps
+        options["total_steps"] = steps
     if model:
-        over["model.path"] = model
+        options["model.path"] = model
     if train_files or val_files:
-        over["data.train_files"] = train_files
-        over["data.val_files"] = val_files
-    # the model decides the preset's sampling (the demo's temperature only without one)
-    base = preset(algorithm, **{k: over[k] for k in ("model.path", "rollout.temperature")
-                                if k in over})
+        options["data.train_files"] = train_files
+        options["data.val_files"] = val_files
     if batch_size:
-        over["data.train_batch_size"] = batch_size
-        if "actor.ppo_mini_batch_size" not in over:  # two optimizer steps per RL step
-            over["actor.ppo_mini_batch_size"] = batch_size // 2 if batch_size % 2 == 0 else batch_size
+        options["data.train_batch_size"] = batch_size
+        if "actor.ppo_mini_batch_size" not in given:  # two optimizer steps per RL step
+            options["actor.ppo_mini_batch_size"] = \
+                batch_size // 2 if batch_size % 2 == 0 else batch_size
     if rollout_n:
-        over["rollout.n"] = rollout_n
-    if (batch_size or rollout_n) and "actor.ppo_micro_batch_size" not in over:
-        # keep the micro-batch a divisor of the (new) mini-batch rows
-        rows = over.get("actor.ppo_mini_batch_size", base.actor.ppo_mini_batch_size) * \
-            over.get("rollout.n", base.rollout.n)
-        micro = base.actor.ppo_micro_batch_size
-        while rows % micro:
-            micro //= 2
-        over["actor.ppo_micro_batch_size"] = min(micro, rows)
-    return with_overrides(base, over)
+        options["rollout.n"] = rollout_n
+    return verl_keys.run_config(algorithm, verl_config, parsed, options)
 
 
 @task
@@ -65,6 +58,10 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
                        overrides, verl_config)
     # the run header (this task is never cached, so every command prints it)
     print(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}", flush=True)
+    print(effective_line(cfg), flush=True)
+    if not cfg.val_before_train:
+        print("[verl] note: val_before_train=False is honoured by the plain loop; the workflow "
+              "still evaluates step 0 (its Summary reports the gain)", flush=True)
     uri = runtime.run_store_uri(store, run_name)
     st = store_call(f"opening the run store {uri}", lambda: runtime._store(uri))
     spec = RunSpec(store=st.uri, incarnation=store_call("the store's incarnation id",

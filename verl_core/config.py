@@ -805,7 +805,7 @@ class GuardConfig:
 @dataclass(frozen=True)
 class TrackingConfig:
     """Experiment trackers fed with the metrics table's scalars as each step's record is written
-    (``verl_core.tracking``). Each is off while its field is empty; neither changes training."""
+    (``verl_core.tracking``). Each is off while its field is empty; none changes training."""
 
     tensorboard_dir: str = ""
     """TensorBoard log folder (each run writes to ``<run name>-<trajectory hash>`` inside it)."""
@@ -813,6 +813,10 @@ class TrackingConfig:
     """MLflow tracking URI without a server, e.g. ``sqlite:///runs/mlflow.db`` or a folder."""
     mlflow_experiment: str = "verl-flyte"
     """MLflow experiment the run is logged under (created if missing)."""
+    wandb_project: str = ""
+    """Weights & Biases project (verl's ``trainer.project_name`` with ``trainer.logger`` wandb)."""
+    wandb_run_name: str = ""
+    """The run's name in W&B (verl's ``trainer.experiment_name``); empty: the run's name."""
 
     def __post_init__(self):
         _check_types("tracking", self)
@@ -901,6 +905,9 @@ class RunConfig:
     """Run seed; every phase derives its own seed from (seed, step, phase)."""
     eval_every: int = 0
     """Greedy held-out evaluation every k steps (0: only at start and end)."""
+    val_before_train: bool = True
+    """Evaluate before the first step (verl's ``trainer.val_before_train``); False skips it, and
+    the run's gain is then not measured. Never changes the trajectory."""
     num_threads: int = 0
     """torch intra-op threads per worker (0: this host's CPUs / the worker count). Resolved at the
     run's first prepare and recorded in its store (``compute.json``): every mode, worker, retry
@@ -985,7 +992,8 @@ class RunConfig:
         changing the checkpoint interval continues the same trajectory: its checkpoints and
         lineage stay usable. Names checkpoints, lineage and metrics in the run store."""
         d = self.to_dict()
-        for k in ("eval_every", "num_threads", "checkpoint", "tracking", "validation", "cluster"):
+        for k in ("eval_every", "val_before_train", "num_threads", "checkpoint", "tracking",
+                  "validation", "cluster"):
             d.pop(k)
         if self.optim.lr_schedule == "constant":
             d.pop("total_steps")  # a cosine schedule's LR at step k depends on the run length
@@ -1031,6 +1039,20 @@ class RunConfig:
             else:
                 kw[k] = v
         return cls(**kw)
+
+
+def effective_line(cfg: RunConfig) -> str:
+    """``cfg``'s fields that differ from the dataclass defaults as one compact ``key=value``
+    list (what the preset, the model-aware defaults and the user's keys set), printed once at
+    the start of a run so a default that did not apply is seen before any work."""
+    items = []
+    for k, v in sorted(cfg.non_default().items()):
+        if isinstance(v, dict) and k in SECTIONS:
+            items += [f"{k}.{f}={x!r}" if isinstance(x, str) else f"{k}.{f}={x}"
+                      for f, x in sorted(v.items())]
+        else:
+            items.append(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}")
+    return "[verl] config: " + (" ".join(items) or "the defaults")
 
 
 @functools.lru_cache(maxsize=1)
@@ -1107,17 +1129,69 @@ accuracy and left that accuracy flat on seed 2 (README "Results"). A model you b
 verl's 1.0, so a verl config that leaves the temperature at verl's default samples as in verl."""
 
 
-def _demo_sampling(overrides: dict) -> dict:
-    """``overrides`` plus the demo's temperature when they name no model and no temperature."""
-    if overrides.get("model.path") or "rollout.temperature" in overrides:
-        return overrides
-    return {"rollout.temperature": DEMO_TEMPERATURE, **overrides}
+USER_MODEL_DEFAULTS: dict[str, object] = {
+    "data.max_prompt_length": 512,
+    "rollout.max_new_tokens": 512,
+    "optim.lr": 1e-6,
+    "optim.critic_lr": 1e-5,
+    "optim.weight_decay": 0.01,
+    "optim.beta2": 0.999,
+    "optim.warmup_steps": 0,
+    "optim.min_lr_ratio": 0.0,
+    "algorithm.clip_ratio_high": 0.2,
+    "algorithm.lam": 1.0,
+    "actor.ppo_epochs": 1,
+    "model.gradient_checkpointing": True,
+}
+"""verl's defaults (``verl_defaults/ppo_trainer.yaml``: ``data.max_prompt_length``,
+``max_response_length``, ``actor.optim.*``, ``critic.optim.lr``, ``clip_ratio``, ``lam``,
+``ppo_epochs``, ``enable_gradient_checkpointing``) for the fields where the built-in demo's values
+differ: they apply when ``model.path`` names a model you bring and you did not set the field.
+The demo's 8 response tokens, 64 prompt tokens and lr 5e-4 fit a 3-token arithmetic answer
+and a 0.1M-parameter model; on a real model they truncate every response and take 500x verl's
+steps. The batch sizes stay ours (64 prompts x 8 samples, mini-batch 32; verl's 1024 x 256 are
+cluster sizes): set ``data.train_batch_size``/``actor.ppo_mini_batch_size`` for your hardware."""
+
+
+def _model_aware(base: RunConfig, overrides: dict) -> dict:
+    """``overrides`` plus the defaults the model decides, for fields they leave unset: verl's
+    (:data:`USER_MODEL_DEFAULTS`) with ``model.path``, else the demo's temperature; and the
+    micro-batch fitted to the mini-batch (:func:`_fitted_micro_batch`)."""
+    if overrides.get("model.path"):
+        out = {**USER_MODEL_DEFAULTS, **overrides}
+    elif "rollout.temperature" in overrides:
+        out = dict(overrides)
+    else:
+        out = {"rollout.temperature": DEMO_TEMPERATURE, **overrides}
+    if "actor.ppo_micro_batch_size" not in overrides:
+        micro = _fitted_micro_batch(base, out)
+        if micro is not None:
+            out["actor.ppo_micro_batch_size"] = micro
+    return out
+
+
+def _fitted_micro_batch(base: RunConfig, overrides: dict) -> int | None:
+    """The preset's micro-batch, halved until it divides the mini-batch rows (``mini x
+    rollout.n``): a small mini-batch must not make a default the user never set fail. Memory
+    only (a mini-batch's loss does not depend on it). None when a size is not a positive integer
+    yet (then the config names that field)."""
+    mini = _coerce(int, overrides.get("actor.ppo_mini_batch_size",
+                                      base.actor.ppo_mini_batch_size))
+    n = _coerce(int, overrides.get("rollout.n", base.rollout.n))
+    if not mini or not n or mini < 0 or n < 0:
+        return None
+    rows, micro = mini * n, base.actor.ppo_micro_batch_size
+    while rows % micro:
+        micro //= 2
+    return min(micro, rows)
 
 
 def grpo_preset(**overrides) -> RunConfig:
     """Default: GRPO on the synthetic arithmetic task with the tiny warm-started model (sampled
-    at :data:`DEMO_TEMPERATURE`; pass ``model.path`` here, not later, for verl's 1.0)."""
-    return with_overrides(RunConfig(), _demo_sampling(overrides))
+    at :data:`DEMO_TEMPERATURE`; pass ``model.path`` here, not later, for verl's defaults:
+    :data:`USER_MODEL_DEFAULTS`)."""
+    base = RunConfig()
+    return with_overrides(base, _model_aware(base, overrides))
 
 
 def ppo_preset(**overrides) -> RunConfig:
@@ -1128,7 +1202,7 @@ def ppo_preset(**overrides) -> RunConfig:
         data=DataConfig(train_batch_size=64),
         actor=ActorConfig(ppo_epochs=2, ppo_mini_batch_size=32, ppo_micro_batch_size=128),
     )
-    return with_overrides(base, _demo_sampling(overrides))
+    return with_overrides(base, _model_aware(base, overrides))
 
 
 def preset(algorithm: str, **overrides) -> RunConfig:

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 
 import torch
 
 from verl_core import verl_keys
-from verl_core.config import ConfigError, RunConfig, preset
+from verl_core.config import ConfigError, RunConfig, effective_line
+from verl_core.checkpoint.hf_export import export_trained
 from verl_core.data.batch import PromptTooLongError
+from verl_core.report import sample_lines
 from verl_core.data.dataset import DatasetError
 from verl_core.store import RunStore
 from verl_core.threads import intra_op_threads
@@ -33,7 +37,7 @@ from verl_core.tracking import Trackers, default_run_name, flat_params
 from verl_core.trainer import RLTrainer, prepare_assets
 from verl_core.training.optim import optimizer_steps_line
 from verl_core.validation import (DataValidationError, RunInputError, check_run_inputs,
-                                  validate_batch)
+                                  clipped_responses_warning, validate_batch)
 
 PHASES = ("rollout", "reward", "advantage", "update")
 USER_ERRORS = (ConfigError, DatasetError, PromptTooLongError, ModelLoadError, LeaseHeldError,
@@ -61,9 +65,9 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
     try:
         lease = _workdir_lease(cfg, workdir)  # a second loop writing this workdir fails here
         log(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}")
+        log(effective_line(cfg))  # what differs from the defaults, once
         check_run_inputs(cfg)  # every permanent check, before the warm start
         assets = prepare_assets(cfg, workdir, log=log)
-        t_prepared = time.perf_counter()
         trainer = RLTrainer(cfg, assets)
     except BaseException:
         trackers.close()
@@ -72,10 +76,11 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
         raise
     history = []
     try:
-        start = trainer.evaluate()
-        trackers.log(0, start)  # the same records as the workflow's metrics table
-        log(f"step 0: val/accuracy={start['val/accuracy']:.3f}")
-        evals = {0: start}
+        evals = {}
+        if cfg.val_before_train:  # verl's trainer.val_before_train=False skips it
+            evals[0] = start = _evaluate(trainer, log)
+            trackers.log(0, start)  # the same records as the workflow's metrics table
+            log(f"step 0: val/accuracy={start['val/accuracy']:.3f}")
         for step in range(cfg.total_steps):
             t0 = time.perf_counter()
             timing = {}
@@ -95,34 +100,41 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
             metrics["timing/step_s"] = time.perf_counter() - t0
             last = step + 1 == cfg.total_steps
             if last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
-                evals[step + 1] = ev = trainer.evaluate()
+                evals[step + 1] = ev = _evaluate(trainer, log)
                 metrics.update(ev)
             metrics["step"] = step + 1
+            warning = clipped_responses_warning(metrics, cfg, step + 1)
+            if warning:
+                log(warning)
             history.append(metrics)
             trackers.log(step + 1, metrics)
-            log(format_step(metrics, cfg.total_steps, time.perf_counter() - t_prepared))
+            log(format_step(metrics, cfg.total_steps, [h["timing/step_s"] for h in history]))
         final_path = os.path.join(workdir, "final_model")
-        trainer.actor.save_pretrained(final_path, safe_serialization=True)
-        trainer.tokenizer.save_pretrained(final_path)
+        # as the workflow's finalize and the CLI export write it (the user's tokenizer files and
+        # generation config as given, the folder's stored dtype, tied weights once)
+        export_trained(trainer.actor, final_path, assets.model_path)
     finally:
         trainer.close()
         trackers.close()
         if lease is not None:
             lease.release()
     end = evals[cfg.total_steps]
+    start = evals.get(0)  # None with val_before_train=False: no gain is measured
     summary = {
         "algorithm": cfg.algorithm.adv_estimator,
-        "start_accuracy": start["val/accuracy"],
+        "start_accuracy": start["val/accuracy"] if start else None,
         "end_accuracy": end["val/accuracy"],
-        "accuracy_gain": end["val/accuracy"] - start["val/accuracy"],
+        "accuracy_gain": end["val/accuracy"] - start["val/accuracy"] if start else None,
         "first_reward": history[0]["reward/mean"],
         "last_reward": history[-1]["reward/mean"],
         "final_model": final_path,
         "wall_s": time.perf_counter() - t_start,
         "history": history,
     }
-    log(f"done: accuracy {summary['start_accuracy']:.3f} -> {summary['end_accuracy']:.3f} "
-        f"(+{summary['accuracy_gain']:.3f}), reward {summary['first_reward']:.3f} -> "
+    accuracy = (f"{summary['start_accuracy']:.3f} -> {summary['end_accuracy']:.3f} "
+                f"(+{summary['accuracy_gain']:.3f})" if start else
+                f"{summary['end_accuracy']:.3f} (no evaluation before training)")
+    log(f"done: accuracy {accuracy}, reward {summary['first_reward']:.3f} -> "
         f"{summary['last_reward']:.3f}, {summary['wall_s']:.0f}s, model: {final_path}")
     return summary
 
@@ -170,9 +182,27 @@ def _guarded_update(trainer: RLTrainer, batch, step: int, log) -> dict:
     return metrics
 
 
-def format_step(m: dict, total: int, elapsed: float) -> str:
+def _evaluate(trainer: RLTrainer, log) -> dict:
+    """The held-out metrics; prints the first held-out row as verl's reward manager does
+    (``[prompt]`` … ``[score]``, special tokens visible), so a doubled BOS or a missing EOS is
+    seen at the first evaluation."""
+    metrics, [sample] = trainer.evaluate_with_samples(1)
+    log(sample_lines(dataclasses.asdict(sample)))
+    return metrics
+
+
+def eta_s(step_seconds: Sequence[float], remaining: int) -> float:
+    """Seconds left for ``remaining`` steps at the mean of the steps' own times so far: the
+    evaluations (the start one can take longer than several steps) are not steps and never
+    enter it, so a line's ETA is not the first evaluation spread over the run."""
+    return sum(step_seconds) / max(1, len(step_seconds)) * remaining
+
+
+def format_step(m: dict, total: int, step_seconds: Sequence[float]) -> str:
+    """One console line per step; ``step_seconds``: the time of each step so far (this one
+    included), evaluations excluded (:func:`eta_s`)."""
     step = int(m["step"])
-    eta = elapsed / step * (total - step)
+    eta = eta_s(step_seconds, total - step)
     parts = [f"step {step}/{total}", f"reward={m['reward/mean']:.3f}",
              f"len={m['response_length/mean']:.1f}"]
     for k, name in (("actor/pg_clipfrac", "clip"), ("actor/entropy", "ent"),
@@ -193,8 +223,10 @@ def _parse_value(text: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_core.train", description=__doc__.splitlines()[0])
-    p.add_argument("--algorithm", default="grpo",
-                   help="ppo (GAE + critic), or an advantage estimator: grpo, rloo, "
+    p.add_argument("--algorithm", default="",
+                   help="grpo (default; verl's gae, i.e. ppo, for a verl-style command that "
+                        "names no algorithm.adv_estimator), "
+                        "ppo (GAE + critic), or an advantage estimator: grpo, rloo, "
                         "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, "
                         "grpo_passk, gdpo, optimal_token_baseline, tir_optimal_token_baseline "
                         "(grpo_vectorized: alias of grpo; rloo_vectorized: rloo, 0 for a group of "
@@ -219,21 +251,18 @@ def main(argv=None) -> int:
         if not sep:
             p.error(f"--set {item!r}: expected KEY=VALUE")
         given[key] = _parse_value(value)
+    options = {}
+    if args.steps is not None:
+        options["total_steps"] = args.steps
+    if args.model:
+        options["model.path"] = args.model
+    if args.train_files or args.val_files:
+        options["data.train_files"] = args.train_files
+        options["data.val_files"] = args.val_files
     try:
         given = {**verl_keys.parse_cli(args.overrides), **given}
-        overrides = verl_keys.overrides_from(args.config, given)
-    except ConfigError as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
-    if args.steps is not None:
-        overrides["total_steps"] = args.steps
-    if args.model:
-        overrides["model.path"] = args.model
-    if args.train_files or args.val_files:
-        overrides["data.train_files"] = args.train_files
-        overrides["data.val_files"] = args.val_files
-    try:
-        cfg = preset(args.algorithm, **overrides)  # the model given decides the sampling
+        # the workflow's configure builds its config through the same door
+        cfg = verl_keys.run_config(args.algorithm, args.config, given, options)
         workdir = args.workdir or tempfile.mkdtemp(prefix="verl-train-")
         os.makedirs(workdir, exist_ok=True)
         summary = train(cfg, workdir)

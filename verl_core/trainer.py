@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 from transformers.utils import logging as hf_logging
 
+from verl_core import report
 from verl_core.algorithms import (apply_kl_penalty, get_advantage_estimator, make_kl_controller,
                                   outcome_to_token_rewards)
 from verl_core.algorithms.utils import masked_mean
@@ -86,9 +87,9 @@ class EvalSample:
     """One greedy held-out response as scored (what the reports show)."""
 
     prompt: str
-    """The prompt as text (message contents; no chat template)."""
+    """The prompt's tokens as the policy read them (chat template, BOS; padding stripped)."""
     response: str
-    """The decoded response, cut where it was scored."""
+    """The generated tokens, EOS included, special tokens visible (scored: cut at the EOS)."""
     ground_truth: str
     """The row's reference answer."""
     score: float
@@ -605,6 +606,9 @@ class RLTrainer:
         tokens = float(out.response_mask.sum())
         return batch, {"rollout/time_s": dt, "rollout/tokens_per_s": tokens / max(dt, 1e-9),
                        "response_length/mean": tokens / batch.num_rows,
+                       # verl's: the share of responses cut at rollout.max_new_tokens
+                       "response_length/clip_ratio": float(
+                           (out.response_mask.sum(-1) >= rc.max_new_tokens).float().mean()),
                        # 1: the engine gave its memory back for the update (vLLM's sleep mode)
                        "rollout/memory_released": float(self.engine.releases_memory), **metrics}
 
@@ -720,12 +724,17 @@ class RLTrainer:
         params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
         n, W, r = self.val_prompt_ids.shape[0], self.dp.size, self.dp.rank
         lo, hi = n * r // W, n * (r + 1) // W  # no collectives in decoding: shares may differ
-        texts, special, lengths = [], [], []
+        texts, special, lengths, shown = [], [], [], []
         step = self.cfg.data.val_batch_size
         for s in range(lo, hi, step):
             e = min(s + step, hi)
             out = self.engine.generate(self.val_prompt_ids[s:e], self.val_prompt_mask[s:e], params)
             dec = decode_responses(self.tokenizer, out.response_ids, out.response_mask)
+            for i in range(min(e - s, n_samples - len(shown))):  # the tokens, as the model saw them
+                shown.append((report.visible_text(self.tokenizer, self.val_prompt_ids[s + i],
+                                                  self.val_prompt_mask[s + i]),
+                              report.visible_text(self.tokenizer, out.response_ids[i],
+                                                  out.response_mask[i])))
             texts += dec.texts
             special += dec.special_token
             lengths += out.response_mask.sum(-1).tolist()
@@ -735,8 +744,8 @@ class RLTrainer:
                                 special_token=special)
         scores = [s for part in self.dp.gather_objects(list(res.scores)) for s in part]
         lengths = [x for part in self.dp.gather_objects(lengths) for x in part]
-        samples = [EvalSample(prompt=render_prompt(row), response=text,
-                              ground_truth=row.ground_truth, score=float(score))
-                   for row, text, score in zip(rows[:n_samples], texts, res.scores)]
+        samples = [EvalSample(prompt=prompt, response=response, ground_truth=row.ground_truth,
+                              score=float(score))
+                   for row, (prompt, response), score in zip(rows, shown, res.scores)]
         return {"val/accuracy": sum(scores) / max(1, len(scores)),
                 "val/response_length": sum(lengths) / max(1, len(lengths))}, samples

@@ -691,26 +691,47 @@ def check_run_inputs(cfg: "RunConfig", storage_options: dict | None = None) -> N
         check_vllm_head_size(cfg)
     if cfg.reward_model.enable:
         check_model_folder(cfg.reward_model.path, "reward_model.path")
-    if cfg.data.train_files:
-        train = _data_sources(cfg.data.train_file_list, storage_options)
-        val = _data_sources(cfg.data.val_file_list, storage_options)
-        rows = sum(n for n, _ in train.values())
-        what = f"the {rows} rows of data.train_files"
-    else:  # the synthetic task: its size and data_source are known without generating it
-        from verl_core.data.synthetic import DATA_SOURCE
+    train, val = _train_val_sources(cfg, storage_options)
+    batches_per_epoch(cfg, train)
+    if cfg.reward.scorer == "auto":
+        rm = cfg.reward_model
+        scored = {**(train if not (rm.enable and rm.combine == "replace") else {}), **val}
+        _check_data_sources(scored)
 
-        rows = cfg.data.synthetic_train_size
-        train = val = {"the synthetic task": (rows, {DATA_SOURCE})}
+
+def _train_val_sources(cfg: "RunConfig", storage_options: dict | None = None
+                       ) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """``{file: (rows, data_source values)}`` of the training and held-out files; the synthetic
+    task's are known without generating it."""
+    if cfg.data.train_files:
+        return (_data_sources(cfg.data.train_file_list, storage_options),
+                _data_sources(cfg.data.val_file_list, storage_options))
+    from verl_core.data.synthetic import DATA_SOURCE
+
+    task = {"the synthetic task": (cfg.data.synthetic_train_size, {DATA_SOURCE})}
+    return task, task
+
+
+def batches_per_epoch(cfg: "RunConfig", train: dict[str, tuple] | None = None,
+                      storage_options: dict | None = None) -> int:
+    """Full batches of ``data.train_batch_size`` prompts in one pass over the training rows
+    (the last partial batch is dropped, as verl's train dataloader does): what verl's
+    ``trainer.total_epochs`` multiplies. The one check of the batch against the dataset's size,
+    for both front doors: RunInputError when not one batch fits. Reads parquet footers only
+    (``train``: the sources already read)."""
+    if train is None:
+        train, _ = _train_val_sources(cfg, storage_options)
+    rows = sum(n for n, _ in train.values())
+    if cfg.data.train_files:
+        what = f"the {rows} rows of data.train_files"
+    else:
         what = f"the synthetic task's {rows} training rows (data.synthetic_train_size)"
     if cfg.data.train_batch_size > rows:
         raise RunInputError(
             f"data.train_batch_size={cfg.data.train_batch_size} is larger than {what}: every "
             "batch would be dropped; use a smaller --batch-size (data.train_batch_size) or more "
             "prompts")
-    if cfg.reward.scorer == "auto":
-        rm = cfg.reward_model
-        scored = {**(train if not (rm.enable and rm.combine == "replace") else {}), **val}
-        _check_data_sources(scored)
+    return rows // cfg.data.train_batch_size
 
 
 def check_vllm_head_size(cfg: "RunConfig") -> None:
@@ -782,3 +803,19 @@ def _check_data_sources(files: dict[str, tuple]) -> None:
                 f"(reward.scorer=auto knows {', '.join(sorted(DATA_SOURCE_SCORERS))}); set "
                 "reward.scorer to a rule scorer's name or to a custom 'path/to/file.py:function' "
                 "with the signature fn(data_source, solution_str, ground_truth, extra_info)")
+
+
+CLIPPED_WARN_FRACTION = 0.5
+"""A step where more than this share of responses hit ``rollout.max_new_tokens`` warns."""
+
+
+def clipped_responses_warning(metrics: dict, cfg: "RunConfig", step: int) -> str | None:
+    """The warning for a step whose responses mostly hit the length limit (verl's
+    ``response_length/clip_ratio``), or None: cut responses lose their final answer, so every
+    such reward is 0 and nothing trains, which the reward alone does not say."""
+    ratio = metrics.get("response_length/clip_ratio")
+    if ratio is None or ratio <= CLIPPED_WARN_FRACTION:
+        return None
+    return (f"warning: step {step}: {ratio:.0%} of the responses hit rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} (response_length/clip_ratio); they are cut before "
+            "their answer: raise rollout.max_new_tokens (verl's data.max_response_length)")

@@ -22,7 +22,8 @@ from typing import Callable
 
 import yaml
 
-from verl_core.config import MOVED_KEYS, SECTIONS, ConfigError, RunConfig, _fields_of
+from verl_core.config import (MOVED_KEYS, SECTIONS, ConfigError, RunConfig, _fields_of, preset,
+                              typed_overrides, with_overrides)
 
 DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "verl_defaults", "ppo_trainer.yaml")
 A = "actor_rollout_ref.actor."
@@ -173,12 +174,28 @@ def _bypass(value, ctx) -> Pairs:
     return [("algorithm.policy_loss", "bypass_mode")] if value is True else []
 
 
+TOTAL_EPOCHS = "trainer.total_epochs"
+"""Kept as it is by :func:`to_ours`: epochs become RL steps only once the training rows are
+counted, in :func:`run_config`."""
+
+
 def _total_epochs(value, ctx) -> Pairs:
-    if ctx.get("trainer.total_training_steps") is not None:
-        return []  # verl: total_training_steps, when given, replaces epochs x batches per epoch
-    raise ConfigError(f"trainer.total_epochs={value!r}: give trainer.total_training_steps (RL "
-                      "steps; verl lets it replace total_epochs) - the step count is fixed "
-                      "before the dataset is read here")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"trainer.total_epochs={value!r}: must be a positive integer (passes "
+                          "over the training rows)")
+    return [(TOTAL_EPOCHS, value)]
+
+
+def _critic_path(value, ctx) -> Pairs:
+    actor = ctx.get("actor_rollout_ref.model.path", ctx.get("model.path"))
+    if value is None or value == actor:
+        return []
+    if actor is None:  # the actor's path comes from an option (--model): it must be the same
+        return [("model.path", value)]
+    raise ConfigError(f"critic.model.path={value!r}: the critic starts from the actor's model "
+                      f"here (actor_rollout_ref.model.path={actor!r}: its weights with a value "
+                      "head); a critic from another model is not offered; give the actor's path "
+                      "or leave critic.model.path out")
 
 
 def _save_freq(value, ctx) -> Pairs:
@@ -226,6 +243,25 @@ def _reward_name(value, ctx) -> Pairs:
         return []  # taken by custom_reward_function.path
     raise ConfigError(f"custom_reward_function.name={value!r}: does nothing without "
                       "custom_reward_function.path (in verl too); give the file")
+
+
+def _logger(value, ctx) -> Pairs:
+    """verl's loggers: ``console`` is the step log; ``wandb`` switches on the W&B tracker under
+    verl's ``trainer.project_name`` (verl's default project when unset) and
+    ``trainer.experiment_name`` (unset: the run's name)."""
+    loggers = [value] if isinstance(value, str) else list(value or [])
+    other = [x for x in loggers if x not in ("console", "wandb")]
+    if other:
+        raise ConfigError(f"trainer.logger={value!r}: {other} not offered here; 'console' (the "
+                          "step log) and 'wandb' are; for TensorBoard or MLflow set "
+                          "tracking.tensorboard_dir / tracking.mlflow_tracking_uri")
+    if "wandb" not in loggers:
+        return []
+    project = ctx.get("trainer.project_name") or verl_defaults()["trainer.project_name"]
+    pairs = [("tracking.wandb_project", str(project))]
+    if ctx.get("trainer.experiment_name"):
+        pairs.append(("tracking.wandb_run_name", str(ctx["trainer.experiment_name"])))
+    return pairs
 
 
 VERL_TO_OURS: dict[str, Transform] = {
@@ -289,11 +325,14 @@ VERL_TO_OURS: dict[str, Transform] = {
     # the run loop (verl's trainer section)
     "trainer.total_training_steps": _to("total_steps"),
     "trainer.total_epochs": _total_epochs,
+    "trainer.val_before_train": _to("val_before_train"),
+    "critic.model.path": _critic_path,
     "trainer.save_freq": _save_freq,
     "trainer.test_freq": _test_freq,
     "trainer.resume_mode": _resume_mode,
     "trainer.resume_from_path": _resume_path,
     "trainer.max_actor_ckpt_to_keep": _to("checkpoint.keep_last"),
+    "trainer.logger": _logger,
 }
 """verl key -> transform of its value into ``[(our key, value), ...]`` (context: all the keys
 given together, for the keys verl reads in pairs)."""
@@ -389,20 +428,15 @@ def _is(*ok) -> Callable[[object], bool]:
     return lambda v: v in ok
 
 
-def _console_only(v) -> bool:
-    return set([v] if isinstance(v, str) else v or []) <= {"console"}
 
 
 _MEMORY = ("memory placement only: results are the same; the workers keep parameters and "
            "optimizer state on their device")
 NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
-    "trainer.project_name": (_any, "a label for verl's loggers; a run here is named by its run "
-                                   "store and --run-name"),
+    "trainer.project_name": (_any, "a label for verl's loggers (the W&B project with "
+                                   "trainer.logger wandb); a run here is named by its run store "
+                                   "and --run-name"),
     "trainer.experiment_name": (_any, "a label for verl's loggers; see trainer.project_name"),
-    "trainer.logger": (_console_only, "only 'console' (the step log) is here; for TensorBoard "
-                       "or MLflow set tracking.tensorboard_dir / tracking.mlflow_tracking_uri "
-                       "(wandb, swanlab, … are not offered)"),
-    "trainer.val_before_train": (_is(True), "both entry points always evaluate before training"),
     "trainer.critic_warmup": (_is(0), "there is no critic warm-up phase here"),
     "trainer.device": (_is("cuda", "cpu"), "each worker uses CUDA when present, else the CPU"),
     "trainer.balance_batch": (_is(True, False), "workers take equal blocks of the batch here "
@@ -414,13 +448,18 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     "critic.model.fsdp_config.optimizer_offload": (_is(True, False), _MEMORY),
     "actor_rollout_ref.model.use_remove_padding": (_is(True, False),
                                                    "a kernel choice in verl (same results)"),
-    A + "use_dynamic_bsz": (_is(False), "token-budget micro-batches are not offered; use "
-                            f"{A}ppo_micro_batch_size_per_gpu"),
     A + "ppo_max_token_len_per_gpu": (_any, "read by verl only with use_dynamic_bsz (refused)"),
     R + "log_prob_micro_batch_size_per_gpu": (_any, "memory only; log-probs are recomputed in "
                                               "micro-batches of actor.ppo_micro_batch_size"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": (
         _any, "memory only; reference log-probs use micro-batches of actor.ppo_micro_batch_size"),
+    "critic.ppo_micro_batch_size_per_gpu": (
+        _any, "memory only; the critic trains in micro-batches of actor.ppo_micro_batch_size"),
+    "critic.forward_micro_batch_size_per_gpu": (
+        _any, "memory only; values are computed in micro-batches of actor.ppo_micro_batch_size"),
+    R + "calculate_log_probs": (_is(True, False), "the rollout engines always return the "
+                                "sampled tokens' log-probs (training/rollout_probs_diff_* is "
+                                "logged every step)"),
     R + "tensor_model_parallel_size": (_is(1), "no tensor parallelism: the rollout engine (hf or "
                                        "vllm) holds the whole model on each worker "
                                        "(trainer.n_gpus_per_node)"),
@@ -437,6 +476,35 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
 }
 """verl keys that change nothing here while their value is accepted (else refused with the
 reason)."""
+
+_LORA = "LoRA is not offered yet (tracked in issue 28: adapters with PEFT)"
+REFUSED: dict[str, str] = {
+    "actor_rollout_ref.model.lora_rank": _LORA,
+    "actor_rollout_ref.model.lora_alpha": _LORA,
+    "actor_rollout_ref.model.target_modules": _LORA,
+    "actor_rollout_ref.model.lora_adapter_path": _LORA,
+    R + "multi_turn.": "multi-turn rollouts with tool calls are not offered yet (tracked in "
+                       "issue 25: verl's agent loop)",
+    R + "agent.": "agent loops are not offered yet (tracked in issue 25)",
+    "actor_rollout_ref.model.trust_remote_code": "a model folder's own Python code is never run "
+                                                 "here (only architectures transformers ships "
+                                                 "load; the folder is checked before loading)",
+    "data.trust_remote_code": "a model folder's own Python code is never run here",
+    A + "use_dynamic_bsz": "token-budget micro-batches are not offered yet (tracked in issue "
+                           "26); use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    A + "ulysses_sequence_parallel_size": "no sequence parallelism: each worker holds whole "
+                                         "sequences",
+    "actor_rollout_ref.model.external_lib": "no external model libraries are imported",
+}
+"""verl keys (or prefixes, ending in ``.``) refused at any value other than verl's default,
+each with its reason (a key with no entry gets the generic one)."""
+
+
+def _refusal(key: str) -> str | None:
+    for k, why in REFUSED.items():
+        if key == k or k.endswith(".") and key.startswith(k):
+            return why
+    return None
 
 
 # ---------------------------------------------------------------- translation
@@ -459,47 +527,72 @@ def to_ours(values: dict[str, object], *, from_file: str = "") -> dict[str, obje
     """Our dotted overrides for ``values``, a mapping of our keys and verl's. ``from_file``
     (the YAML's path, for messages): keys at verl's default value are accepted and change
     nothing (our preset's value stands). A verl key and our key that set one field to different
-    values fail naming both."""
+    values fail naming both. Every key that cannot apply is named in one error, each with its
+    reason (a command is fixed in one round trip, not one key at a time)."""
     where = f" (in {from_file})" if from_file else ""
     defaults = verl_defaults()
     out: dict[str, object] = {}
     origin: dict[str, str] = {}
+    refused: list[str] = []
     for key, value in values.items():
         key = str(key)
-        if key in MOVED_KEYS:
-            raise ConfigError(f"config key {key!r}{where} was renamed to {MOVED_KEYS[key]!r} "
-                              f"(verl's trainer.* is the run loop); use {MOVED_KEYS[key]}")
-        if from_file and key in defaults and _same(value, defaults[key]):
+        try:
+            pairs = _one_key(key, value, values, defaults, where, from_file)
+        except ConfigError as e:
+            refused.append(str(e))
             continue
-        if isinstance(value, str) and "${" in value:
-            raise ConfigError(f"{key}={value!r}{where}: interpolations are not resolved here; "
-                              "write the value")
-        if key in VERL_TO_OURS:
-            pairs = VERL_TO_OURS[key](value, values)
-        elif is_our_key(key):
-            pairs = [(key, value)]
-        elif key in NO_EFFECT:
-            ok, why = NO_EFFECT[key]
-            if not ok(value):
-                raise ConfigError(f"verl key {key}={value!r}{where} cannot apply here: {why}")
-            pairs = []
-        elif key in defaults:
-            if not _same(value, defaults[key]):
-                raise ConfigError(
-                    f"verl key {key}={value!r}{where} has no equivalent here (only verl's default "
-                    f"{defaults[key]!r} is accepted); README 'verl keys' lists what maps")
-            pairs = []
-        else:
-            raise ConfigError(f"unknown config key {key!r}{where}: neither ours "
-                              "(verl_core/config.py) nor verl's (verl_core/verl_defaults/"
-                              "ppo_trainer.yaml)")
         for target, v in pairs:
             if target in out and not _same(out[target], v):
-                raise ConfigError(f"{origin[target]}={values[origin[target]]!r} and "
-                                  f"{key}={value!r}{where} both set {target} "
-                                  f"({out[target]!r} vs {v!r}); give one of them")
+                refused.append(f"{origin[target]}={values[origin[target]]!r} and "
+                               f"{key}={value!r}{where} both set {target} "
+                               f"({out[target]!r} vs {v!r}); give one of them")
+                continue
             out[target], origin[target] = v, key
+    if len(refused) == 1:
+        raise ConfigError(refused[0])
+    if refused:
+        raise ConfigError(f"{len(refused)} config keys cannot apply:\n" +
+                          "\n".join(f"  - {r}" for r in refused))
     return out
+
+
+def _one_key(key: str, value, values: dict, defaults: dict, where: str, from_file: str) -> Pairs:
+    """``[(our key, value), ...]`` for one key of ``values``, or ConfigError with the reason."""
+    if key in MOVED_KEYS:
+        raise ConfigError(f"config key {key!r}{where} was renamed to {MOVED_KEYS[key]!r} "
+                          f"(verl's trainer.* is the run loop); use {MOVED_KEYS[key]}")
+    if from_file and key in defaults and _same(value, defaults[key]):
+        return []
+    if isinstance(value, str) and "${" in value:
+        raise ConfigError(f"{key}={value!r}{where}: interpolations are not resolved here; "
+                          "write the value")
+    if key in VERL_TO_OURS:
+        return VERL_TO_OURS[key](value, values)
+    if is_our_key(key):
+        return [(key, value)]
+    if key in NO_EFFECT:
+        ok, why = NO_EFFECT[key]
+        if not ok(value):
+            raise ConfigError(f"verl key {key}={value!r}{where} cannot apply here: {why}")
+        return []
+    if key in defaults and _same(value, defaults[key]):
+        return []
+    why = _refusal(key)
+    if why:
+        raise ConfigError(f"verl key {key}={value!r}{where} cannot apply here: {why}")
+    if key in defaults:
+        raise ConfigError(
+            f"verl key {key}={value!r}{where} has no equivalent here (only verl's default "
+            f"{defaults[key]!r} is accepted); README 'verl keys' lists what maps")
+    raise ConfigError(f"unknown config key {key!r}{where}: neither ours "
+                      "(verl_core/config.py) nor verl's (verl_core/verl_defaults/"
+                      "ppo_trainer.yaml)")
+
+
+def is_verl_style(verl_config: str = "", overrides: dict | None = None) -> bool:
+    """A verl YAML file, or a command with a key that is verl's and not ours (our keys such as
+    ``data.train_batch_size`` are both): then verl's defaults of the algorithm apply."""
+    return bool(verl_config) or any(not is_our_key(str(k)) for k in overrides or {})
 
 
 def overrides_from(verl_config: str = "", overrides: dict | None = None) -> dict[str, object]:
@@ -511,3 +604,37 @@ def overrides_from(verl_config: str = "", overrides: dict | None = None) -> dict
     out = to_ours(load_yaml(verl_config), from_file=verl_config) if verl_config else {}
     out.update(to_ours(overrides or {}))
     return out
+
+
+def run_config(algorithm: str = "", verl_config: str = "", overrides: dict | None = None,
+               options: dict | None = None) -> RunConfig:
+    """The one front door of both entry points (the plain loop's CLI and the workflow's
+    ``configure``), so they build the same config from the same input: ``overrides`` (our keys
+    and verl's) over ``verl_config`` (a verl YAML file), then ``options`` (our keys, from the
+    entry point's own options such as ``--model``), on the preset of ``algorithm``, whose
+    defaults the model decides (:func:`~verl_core.config.preset`: verl's with a model you bring,
+    the micro-batch fitted to the mini-batch).
+
+    ``algorithm`` empty: the estimator ``overrides`` name, else verl's default ``gae`` (PPO) when
+    the input is verl-style (:func:`is_verl_style`), else our own default ``grpo``.
+    ``trainer.total_epochs`` (verl's) is turned into RL steps once the training rows are counted
+    (parquet footers): epochs x full batches per epoch, capped by ``trainer.total_training_steps``
+    when that is given too, as verl's loop stops at whichever comes first."""
+    over = overrides_from(verl_config, overrides)
+    epochs = over.pop(TOTAL_EPOCHS, None)
+    # typed first: a bad value is named even where an option then replaces it
+    over = typed_overrides(over)
+    over.update(options or {})
+    if not algorithm:
+        verl_style = is_verl_style(verl_config, overrides)
+        algorithm = str(over.get("algorithm.adv_estimator") or
+                        ("gae" if verl_style else "grpo"))
+    cfg = preset("ppo" if algorithm == "gae" else algorithm, **over)
+    if epochs is None:
+        return cfg
+    from verl_core.validation import batches_per_epoch
+
+    steps = epochs * batches_per_epoch(cfg)
+    if "total_steps" in over:
+        steps = min(steps, cfg.total_steps)
+    return with_overrides(cfg, {"total_steps": steps})

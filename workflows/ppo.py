@@ -14,7 +14,7 @@ same command skips every phase that finished (the cache is the controller's memo
 
 from flytekit import LaunchPlan, dynamic, workflow
 
-from workflows._cli import add_dashed_aliases
+from workflows._cli import add_dashed_aliases, one_line_errors
 
 from tasks.advantage import advantage
 from tasks.finalize import Summary
@@ -25,6 +25,7 @@ from verl_core.engine.runtime import RunSpec
 from verl_core.phases import StepState, checkpoint_due
 
 add_dashed_aliases()
+one_line_errors()
 
 CHUNK = 10
 """RL steps per sub-workflow (at most 5 nodes per step)."""
@@ -59,12 +60,13 @@ def rl_run(spec: RunSpec) -> Summary:
 
 
 @workflow
-def ppo(algorithm: str = "grpo", model: str = "", train_files: str = "", val_files: str = "",
+def ppo(algorithm: str = "", model: str = "", train_files: str = "", val_files: str = "",
         steps: int = 0, batch_size: int = 0, rollout_n: int = 0, run_name: str = "default",
         store: str = "", overrides: str = "", verl_config: str = "") -> Summary:
     """Train a causal LM with RL.
 
-    algorithm: grpo | ppo (GAE + critic) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+    algorithm: "" (grpo, or verl's default gae, i.e. ppo, for verl-style overrides) | grpo
+        | ppo (GAE + critic) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
         | remax (greedy baseline rollout) | opo | gpg | grpo_passk | gdpo | optimal_token_baseline
         | tir_optimal_token_baseline | grpo_vectorized (alias) | rloo_vectorized; see README
     model: local Hugging Face folder ("" = tiny model, warm-started on the synthetic task)

@@ -70,7 +70,14 @@ MAPPED = [
     ("trainer.max_actor_ckpt_to_keep=2", {"checkpoint.keep_last": 2}),
     ("trainer.nnodes=1 trainer.n_gpus_per_node=2", {"trainer.nnodes": 1,
                                                      "trainer.n_gpus_per_node": 2}),
-    ("trainer.total_epochs=15 trainer.total_training_steps=3", {"total_steps": 3}),
+    # epochs become steps once the rows are counted (run_config); the pair caps them
+    ("trainer.total_epochs=15 trainer.total_training_steps=3",
+     {"trainer.total_epochs": 15, "total_steps": 3}),
+    ("trainer.val_before_train=False", {"val_before_train": False}),
+    # the critic starts from the actor's model: the same path is accepted
+    ("actor_rollout_ref.model.path=/m critic.model.path=/m", {"model.path": "/m"}),
+    ("critic.ppo_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.calculate_log_probs=True",
+     {}),
     ("custom_reward_function.path=/r.py custom_reward_function.name=score",
      {"reward.scorer": "/r.py:score"}),
     ("custom_reward_function.path=/r.py", {"reward.scorer": "/r.py:compute_score"}),
@@ -102,15 +109,22 @@ def test_mapped_values_build_a_valid_config():
 @pytest.mark.parametrize("cli,match", [
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2",
      r"tensor_model_parallel_size=2 cannot apply here: no tensor parallelism"),
-    ("trainer.logger=['console','wandb']", r"trainer.logger=.*wandb.*tracking.tensorboard_dir"),
-    ("trainer.val_before_train=False", r"val_before_train=False cannot apply.*always evaluate"),
+    ("trainer.logger=['console','tensorboard']",
+     r"trainer.logger=.*\['tensorboard'\] not offered.*tracking.tensorboard_dir"),
     ("trainer.save_freq=-1", r"trainer.save_freq=-1: .*always checkpoint"),
-    ("trainer.total_epochs=15", r"trainer.total_epochs=15: give trainer.total_training_steps"),
+    ("trainer.total_epochs=0", r"trainer.total_epochs=0: must be a positive integer"),
+    ("actor_rollout_ref.model.path=/m critic.model.path=/other",
+     r"critic.model.path='/other': the critic starts from the actor's model"),
+    ("actor_rollout_ref.model.lora_rank=32", r"lora_rank=32 cannot apply here: LoRA .*issue 28"),
+    ("actor_rollout_ref.model.trust_remote_code=True",
+     r"trust_remote_code=True cannot apply here: a model folder's own Python code is never run"),
     (f"{A}use_dynamic_bsz=True", r"use_dynamic_bsz=True cannot apply here"),
     ("data.truncation=left", r"data.truncation='left' cannot apply here: prompts are never"),
     # a verl key with no table entry: refused unless at verl's default
     ("actor_rollout_ref.rollout.multi_turn.enable=True",
-     r"multi_turn.enable=True has no equivalent here \(only verl's default False"),
+     r"multi_turn.enable=True cannot apply here: multi-turn .*issue 25"),
+    ("actor_rollout_ref.rollout.mode=sync",
+     r"rollout.mode='sync' has no equivalent here \(only verl's default 'async'"),
     ("trainer.resume_from_path=/x", r"resume_from_path.*only with trainer.resume_mode"),
     ("custom_reward_function.name=score", r"custom_reward_function.name='score': does nothing"),
     (f"{A}ppo_micro_batch_size=64", r"deprecated in verl.*ppo_micro_batch_size_per_gpu"),
@@ -169,7 +183,9 @@ def test_small_verl_yaml_loads_and_the_command_line_wins(tmp_path):
                     "algorithm.use_kl_loss": True, "rollout.n": 4, "algorithm.kl_coef": 0.002,
                     "rollout.max_new_tokens": 12, "eval_every": 2}
     path.write_text(SMALL_YAML.replace("logger: [console]", "logger: [wandb]"))
-    with pytest.raises(ConfigError, match=r"trainer.logger=\['wandb'\] \(in .*verl.yaml\)"):
+    assert overrides_from(str(path))["tracking.wandb_project"] == "demo"  # trainer.project_name
+    path.write_text(SMALL_YAML.replace("logger: [console]", "logger: [swanlab]"))
+    with pytest.raises(ConfigError, match=r"trainer.logger=\['swanlab'\]: \['swanlab'\] not "):
         overrides_from(str(path))
     path.write_text("defaults:\n  - actor@actor_rollout_ref.actor: dp_actor\n")
     with pytest.raises(ConfigError, match="Hydra 'defaults' entry"):
@@ -256,8 +272,10 @@ def verl_example(tmp_path_factory):
 
 
 def test_verl_example_translates(verl_example):
-    over = to_ours(parse_cli(verl_example))
-    cfg = with_overrides(preset("grpo"), over)
+    from verl_core.verl_keys import run_config
+
+    # total_epochs=15 x (40 rows // 4) = 150 steps, capped by total_training_steps=2
+    cfg = run_config("", "", parse_cli(verl_example))
     assert (cfg.total_steps, cfg.rollout.n, cfg.actor.ppo_micro_batch_size, cfg.optim.lr,
             cfg.eval_every, cfg.model.gradient_checkpointing) == (2, 5, 10, 1e-6, 5, True)
 
