@@ -2,8 +2,9 @@
 tasks show (``tasks/`` attach the strings; this module never imports flytekit).
 
 - :func:`run_report`: plots over steps (reward, held-out accuracy, KL, entropy, response length,
-  gradient norm, phase timings) as inline SVG, the held-out samples (prompt, response, score)
-  and the training guard's events.
+  gradient norm, phase timings) as inline SVG, the held-out samples (prompt, response, score;
+  the first one as the evaluation printed it: :func:`sample_lines`) and the training guard's
+  events.
 - :func:`step_card`: the light per-checkpoint card: one small table, no plots.
 - :func:`for_run`: :func:`run_report` from a run store (metrics table, samples, guard events).
 
@@ -80,6 +81,8 @@ _CSS = """<style>
 .verl-report th, .verl-report td { border: 1px solid #ddd; padding: 3px 8px; text-align: left;
   vertical-align: top; }
 .verl-report th { background: #f4f4f4; }
+.verl-report pre.verl-watch { font-size: 12px; background: #f8f8f8; padding: 6px;
+  white-space: pre-wrap; max-width: 900px; }
 .verl-samples td:nth-child(2), .verl-samples td:nth-child(3), .verl-events td:nth-child(9) {
   font-family: Menlo, Consolas, monospace; white-space: pre-wrap; max-width: 420px; }
 </style>"""
@@ -165,6 +168,35 @@ def _table(rows: Sequence[Mapping], columns: Sequence[str], css_class: str) -> s
             f"<tbody>{body}</tbody></table>")
 
 
+WATCH_FIELDS = ("prompt", "response", "ground_truth", "score")
+"""What :func:`sample_lines` prints of a held-out sample, in verl's reward manager's order."""
+
+
+def visible_text(tokenizer, ids, mask=None) -> str:
+    """Token ids decoded as the model read or wrote them: padding (``mask`` 0) stripped, special
+    tokens kept, so a doubled BOS, a missing EOS or a pad inside the text shows at once.
+    ``ids``, ``mask``: (L,) (a tensor or a list; ``mask`` None: every id is kept)."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if mask is not None:
+        mask = mask.tolist() if hasattr(mask, "tolist") else list(mask)
+        ids = [t for t, m in zip(ids, mask) if m]
+    return tokenizer.decode([int(t) for t in ids], skip_special_tokens=False)
+
+
+def sample_lines(sample: Mapping) -> str:
+    """One held-out sample as verl's reward manager prints it (``[prompt] …``, ``[response] …``,
+    ``[ground_truth] …``, ``[score] …``): what each evaluation prints and its Deck shows."""
+    return "\n".join(f"[{k}] {sample.get(k)}" for k in WATCH_FIELDS)
+
+
+def watched_sample(samples: Sequence[Mapping]) -> Mapping | None:
+    """The sample an evaluation prints: the first held-out row of the newest step's samples."""
+    if not samples:
+        return None
+    newest = max(s.get("step", 0) for s in samples)
+    return next(s for s in samples if s.get("step", 0) == newest)
+
+
 def samples_table(samples: Sequence[Mapping]) -> str:
     if not samples:
         return '<p class="sub">No held-out samples stored for these steps.</p>'
@@ -204,7 +236,13 @@ def run_report(table: pd.DataFrame, *, title: str, subtitle: str = "",
     parts.append('<h3>Metrics over steps</h3><div class="plots">')
     parts += [plot_panel(p, table, event_steps) for p in PANELS]
     parts.append("</div>")
-    parts.append(f"<h3>Held-out samples (greedy)</h3>{samples_table(samples)}")
+    parts.append("<h3>Held-out samples (greedy)</h3>")
+    watched = watched_sample(samples)
+    if watched is not None:  # what the evaluation printed, special tokens visible
+        parts.append(f'<p class="sub">First held-out row after {int(watched.get("step", 0))} '
+                     f'steps, as printed:</p><pre class="verl-watch">'
+                     f"{html.escape(sample_lines(watched))}</pre>")
+    parts.append(samples_table(samples))
     parts.append("<h3>Guard events</h3>")
     if events:
         parts.append('<p class="sub">step: the RL step (0-based) whose phase fired; its metrics '

@@ -29,3 +29,53 @@ def add_dashed_aliases() -> None:
 
     to_click_option._verl_dashed = True
     _run.to_click_option = to_click_option
+
+
+def one_line_errors() -> None:
+    """Our errors as the one line they were written to be, not under pyflyte's rich traceback
+    (~60 lines of frames above the message). A :class:`~verl_core.errors.PermanentError`, or an
+    input error of the plain loop's ``USER_ERRORS``, raised in a task prints
+    ``pyflyte run: error in <task>: <message>`` on stderr; an input error exits 2 (as the plain
+    loop does), another permanent fault 1. Anything else (a bug, flytekit's own errors) keeps
+    flytekit's traceback; ``pyflyte -v run …`` shows the traceback of ours too."""
+    try:
+        from flytekit.clis.sdk_in_container import utils as _utils
+    except ImportError:  # pragma: no cover - flytekit layout changed
+        return
+    original = _utils.pretty_print_exception
+    if getattr(original, "_verl_one_line", False):
+        return
+
+    def pretty_print_exception(e: Exception, verbosity: int = 1):
+        line = one_line(e) if verbosity == 0 else None
+        if line is None:
+            return original(e, verbosity)
+        import sys
+
+        from verl_core.train import USER_ERRORS
+
+        print(f"pyflyte run: error{line}", file=sys.stderr, flush=True)
+        sys.exit(2 if isinstance(e, USER_ERRORS) else 1)
+
+    pretty_print_exception._verl_one_line = True
+    _utils.pretty_print_exception = pretty_print_exception
+
+
+def one_line(e: BaseException) -> str | None:
+    """`` in <task>: <message>`` for one of our errors, as flytekit re-raised it from a task
+    (its message prefixed with ``Error encountered while executing '<task>':``), else None."""
+    import re
+
+    from verl_core.errors import PermanentError
+    from verl_core.train import USER_ERRORS
+
+    if not isinstance(e, (PermanentError, *USER_ERRORS)):
+        return None
+    where, text = "", str(e)
+    while True:  # flytekit nests the prefix once per scope (task, workflow)
+        m = re.match(r"Error encountered while executing '([^']+)':\s*", text)
+        if not m:
+            break
+        where, text = m.group(1), text[m.end():]  # the innermost: the task
+    text = " ".join(text.split())  # flytekit's indentation and rich's wrapping
+    return f" in {where}: {text}" if where else f": {text}"
