@@ -1,9 +1,9 @@
-"""Experiment trackers users already watch: TensorBoard event files and MLflow.
+"""Experiment trackers users already watch: TensorBoard event files, MLflow and Weights & Biases.
 
 Each is switched on by its field in ``tracking`` (:class:`~verl_core.config.TrackingConfig`) and is
 fed the same scalars as the run's metrics table, at the same moment: when a step's record is
 written (``engine.runtime.record_step_metrics`` in the workflow, ``train.train`` in the plain
-loop). Both packages are optional (``pip install 'verl-flyte[tracking]'``) and imported only when
+loop). The packages are optional (``pip install 'verl-flyte[tracking]'``) and imported only when
 a tracker is switched on.
 
 What belongs here: opening the trackers and writing scalars. What does not: deciding what is a
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping
 
@@ -162,6 +163,51 @@ class _MLflow:
         pass  # the run stays open: later phases (or a resumed run) append to it
 
 
+class _Wandb:
+    """One Weights & Biases run per training run: its id is the run's key, opened with
+    ``resume="allow"``, so every phase process (a Flyte task, a re-run after a crash) appends to
+    the same run. ``WANDB_MODE=offline`` needs no server (``wandb sync`` uploads later);
+    ``WANDB_API_KEY``, ``WANDB_ENTITY`` and ``WANDB_DIR`` are wandb's own.
+
+    The x-axis is the metric ``step`` (updates applied), not wandb's internal ``_step``: a
+    resumed process (every phase on a cluster) restarts ``_step`` from the server's last row and
+    would drop a record of a step it already has, e.g. the evaluation of step k logged after the
+    update task logged step k."""
+
+    def __init__(self, project: str, run_name: str, *, run_key: str, params: Mapping[str, str],
+                 tags: Mapping[str, str]):
+        try:
+            import wandb
+        except ImportError as e:
+            raise TrackerError(f"tracking.wandb_project={project!r} is set but wandb is not "
+                               f"installed ({e}): {INSTALL}, or set tracking.wandb_project to "
+                               "'' (verl: leave 'wandb' out of trainer.logger)") from e
+        # wandb's summary table at the end of every phase process would bury the step lines;
+        # WANDB_QUIET / WANDB_SILENT, when set, decide instead
+        quiet = not ({"WANDB_QUIET", "WANDB_SILENT"} & set(os.environ))
+        try:
+            self.run = wandb.init(
+                project=project, name=run_name, id=re.sub(r"[^A-Za-z0-9_-]", "-", run_key)[:64],
+                resume="allow", config={**params, **tags}, reinit="create_new",
+                # wandb reads its environment once per process; a run opened later in the same
+                # process (a second run of a notebook, a test) follows the environment of now
+                mode=os.environ.get("WANDB_MODE") or None, dir=os.environ.get("WANDB_DIR") or None,
+                settings=wandb.Settings(quiet=True) if quiet else None)
+        except Exception as e:  # noqa: BLE001 - wandb raises its own types (no login, network)
+            raise TrackerError(
+                f"tracking.wandb_project={project!r}: wandb cannot open a run ({type(e).__name__}: "
+                f"{e}). Log in (wandb login, or WANDB_API_KEY), or set WANDB_MODE=offline to "
+                "write the run locally and upload it later with wandb sync") from e
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, step: int, values: dict[str, float], walltime: float) -> None:
+        self.run.log({**values, "step": step})
+
+    def close(self) -> None:
+        self.run.finish()  # flushes; a later process resumes the run by its id
+
+
 class Trackers:
     """The switched-on trackers of one run. ``log`` writes one metrics record to each."""
 
@@ -178,6 +224,10 @@ class Trackers:
                     cfg.mlflow_tracking_uri, cfg.mlflow_experiment, run_name=run_name,
                     run_key=run_key, params=params or {},
                     tags={"verl.config_hash": config_hash}))
+            if cfg.wandb_project:
+                self.sinks.append(_Wandb(cfg.wandb_project, cfg.wandb_run_name or run_name,
+                                         run_key=run_key, params=params or {},
+                                         tags={"verl.config_hash": config_hash}))
         except BaseException:
             self.close()
             raise

@@ -1,7 +1,7 @@
 """A real short run, shared by the report and tracker tests: the workflow's phases called in
 process through ``verl_core.phases`` (the functions the Flyte tasks call), on the tiny model, with
-TensorBoard and MLflow switched on and a real guard event (NaN gradients injected into one
-update: VERL_FAULTS ``nan_grad``, which the guard skips)."""
+TensorBoard, MLflow and W&B (offline) switched on and a real guard event (NaN gradients injected
+into one update: VERL_FAULTS ``nan_grad``, which the guard skips)."""
 import json
 from dataclasses import dataclass
 
@@ -23,6 +23,7 @@ class TrackedRun:
     nan_grad_step: int
     tensorboard_dir: str
     mlflow_uri: str
+    wandb_dir: str
     table: object  # pandas DataFrame: runtime.metrics_table after the run
 
 
@@ -37,8 +38,11 @@ def tracked_run(tmp_path_factory) -> TrackedRun:
         "checkpoint.checkpoint_interval": 2, "checkpoint.async_save": False, "num_threads": 1,
         "algorithm.entropy_coeff": 0.001,  # so the entropy is computed (and plotted)
         "tracking.tensorboard_dir": str(tmp / "tb"),
-        "tracking.mlflow_tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}"})
+        "tracking.mlflow_tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
+        "tracking.wandb_project": "verl-tests"})
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")  # no server: the run is written under WANDB_DIR
+        mp.setenv("WANDB_DIR", str(tmp))
         mp.setenv("VERL_ASSET_CACHE", str(tmp / "assets"))
         mp.setenv("VERL_FAULTS_DIR", str(tmp / "faults"))
         mp.setenv("VERL_FAULTS", json.dumps([{"kind": "nan_grad", "phase": "update",
@@ -59,5 +63,5 @@ def tracked_run(tmp_path_factory) -> TrackedRun:
             runtime.release_workers()  # closes the trackers too
     return TrackedRun(spec=spec, steps=TRACKED_STEPS, nan_grad_step=NAN_GRAD_STEP,
                       tensorboard_dir=str(tmp / "tb"),
-                      mlflow_uri=f"sqlite:///{tmp / 'mlflow.db'}",
+                      mlflow_uri=f"sqlite:///{tmp / 'mlflow.db'}", wandb_dir=str(tmp),
                       table=runtime.metrics_table(spec))
