@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from flytekit import task
 
 from tasks import decks
-from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase
+from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase, store_call
 from tasks.images import GPU_IMAGE
 from verl_core import phases, report
+from verl_core.engine import runtime
 from verl_core.engine.runtime import RunSpec
 from verl_core.phases import StepState
 
@@ -39,6 +40,9 @@ def evaluate_attached(spec: RunSpec, state: StepState) -> EvalResult:
 def _evaluate(spec: RunSpec, state: StepState) -> EvalResult:
     m = run_phase(spec, "evaluate", state.step, lambda: phases.evaluate(spec, state))
     print(f"[verl] eval after {state.step} steps: accuracy={m['val/accuracy']:.3f}", flush=True)
+    samples = store_call("held-out samples", lambda: runtime.eval_samples(spec, state.step))
+    if samples:  # the first held-out row, as verl's reward manager prints it (and the Deck shows)
+        print(report.sample_lines(samples[0]), flush=True)
     decks.attach("RL run", report.for_run(spec, title=f"Evaluation after {state.step} steps",
                                           sample_steps=[state.step]))
     return EvalResult(step=state.step, accuracy=m["val/accuracy"],

@@ -66,6 +66,37 @@ def test_samples_table_holds_the_stored_greedy_responses(tracked_run, finalize_h
     assert all(s["score"] in (0.0, 1.0) for s in samples)
 
 
+def test_samples_show_the_tokens_the_model_saw_and_wrote(tracked_run):
+    """Special tokens visible, padding stripped: one BOS at the start of every prompt (the tiny
+    tokenizer adds one; the held-out prompts differ in length, so the batch is left-padded),
+    an EOS only where the response ended."""
+    from verl_core.models.tokenizer import BOS, EOS, PAD
+
+    spec, steps = tracked_run.spec, tracked_run.steps
+    samples = runtime.eval_samples(spec, 0) + runtime.eval_samples(spec, steps)
+    assert len({len(s["prompt"]) for s in samples}) > 1  # padding was there to strip
+    for s in samples:
+        assert s["prompt"].startswith(BOS) and s["prompt"].count(BOS) == 1, s["prompt"]
+        assert PAD not in s["prompt"] + s["response"], s
+        assert EOS not in s["response"][:-len(EOS)], s["response"]
+    assert any(s["response"].endswith(EOS) for s in samples)  # the EOS is shown, not cut
+
+
+def test_the_evaluation_deck_shows_the_sample_it_printed(tracked_run, finalize_html):
+    """The evaluate task prints ``sample_lines`` of the first sample it stored; its Deck (this
+    page, as the task builds it) holds the same text; finalize's shows the newest evaluation's."""
+    spec, steps = tracked_run.spec, tracked_run.steps
+    first = runtime.eval_samples(spec, steps)[0]
+    page = report.for_run(spec, title=f"Evaluation after {steps} steps", sample_steps=[steps])
+    shown = f'<pre class="verl-watch">{html.escape(report.sample_lines(first))}</pre>'
+    assert shown in page and shown in finalize_html
+    lines = report.sample_lines(first).split("\n")
+    assert [ln.split(" ", 1)[0] for ln in lines[-3:]] == ["[response]", "[ground_truth]",
+                                                          "[score]"]
+    assert lines[0].startswith("[prompt] ")
+    assert not FETCHES.findall(page)
+
+
 def test_guard_event_of_the_poisoned_update_is_listed_and_marked(tracked_run, finalize_html):
     events = runtime.guard_events(tracked_run.spec)
     assert events and {(e["step"], e["action"]) for e in events} == {

@@ -1,6 +1,7 @@
 """Flyte Decks and trackers from a real local workflow run (`pyflyte run`, no mocked phases): the
 evaluate and finalize tasks write the run report, every checkpoint a light card, and TensorBoard
 gets the metrics table's scalars from the phase tasks."""
+import html
 import re
 
 import numpy as np
@@ -53,6 +54,12 @@ def test_phase_tasks_write_decks_and_tensorboard(tmp_path):
         start = f.read()
     assert re.findall(r"<h2>([^<]+)</h2>", start) == ["Evaluation after 0 steps"]
     assert "Held-out samples (greedy)" in start
+    # the sample the evaluation printed (verl's four fields, special tokens visible) is the
+    # one its Deck shows
+    [watched] = re.findall(r'<pre class="verl-watch">(.*?)</pre>', start, re.S)
+    watched = html.unescape(watched)
+    assert watched.startswith("[prompt] <bos>") and "\n[score] " in watched
+    assert watched in out.stdout
     with open(decks["checkpoint"][0], encoding="utf-8") as f:
         card = f.read()
     assert re.findall(r"<h2>([^<]+)</h2>", card) == [f"Step {STEPS}"]

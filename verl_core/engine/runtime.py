@@ -419,12 +419,20 @@ def start_local_ray() -> None:
     """For local runs without RAY_ADDRESS: start the local Ray instance ourselves, lean (no
     dashboard or metrics agent, which take CPU from training on a small machine), before the
     Flyte Ray plugin's own ``ray.init`` (which then reuses it). On a cluster (or with
-    RAY_ADDRESS) this does nothing."""
+    RAY_ADDRESS) this does nothing.
+
+    Ray turns token authentication on for a new local instance unless ``RAY_AUTH_MODE`` says
+    otherwise, and warns about it at the top of every run. Token authentication stays on; only
+    its notice is quieted (the logger of Ray's token set-up; its errors still show). Setting
+    ``RAY_AUTH_MODE=token`` here instead would not do: Ray reads it when it is imported, and a
+    driver that reads it later starts a GCS it cannot talk to."""
     if os.environ.get("RAY_ADDRESS") or os.environ.get("FLYTE_INTERNAL_EXECUTION_ID"):
         return
     import ray
 
     if not ray.is_initialized():
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+            logging.ERROR)
         ray.init(include_dashboard=False, configure_logging=False,
                  _system_config={"metrics_report_interval_ms": 60_000})
 
