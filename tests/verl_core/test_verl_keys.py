@@ -211,7 +211,7 @@ def test_workflow_options_take_verl_keys_and_the_yaml(tmp_path):
 # 1024 -> 4, max_prompt_length 512 -> 64, max_response_length 1024 -> 8, ppo_mini_batch_size
 # 256 -> 2, ppo_micro_batch_size_per_gpu 40 -> 10, n_gpus_per_node 8 -> 1); the vLLM-only keys
 # tensor_model_parallel_size 2 -> 1 (refused otherwise) and rollout.name vllm -> hf (a GPU engine);
-# trainer.logger drops wandb (refused); trainer.total_training_steps=2 added (total_epochs=15 is
+# trainer.logger drops wandb (it needs a login); trainer.total_training_steps=2 added (total_epochs=15 is
 # kept: verl lets total_training_steps replace it).
 VERL_EXAMPLE = """
     algorithm.adv_estimator=grpo
