@@ -1,6 +1,8 @@
-"""The LM head only where it is needed (issue 23 item 2): training's log-probs and entropy from
-the response positions' logits in checkpointed chunks, and the rollout prefill's last position,
-equal the old full-logits computation up to float32 rounding, and stay deterministic.
+"""The LM head only where it is needed (issue 23 item 2): training's log-probs, entropy and Σπ²
+from the LM head run in checkpointed chunks of the response positions' hidden states (no
+[rows, T, V] tensor in forward or backward), and the rollout prefill's last position, equal the
+old full-logits computation up to float32 rounding, gradients too, on the Qwen (tied) and Llama
+(untied) stand-ins, under FSDP2 with W = 2 as with W = 1, and stay deterministic.
 
 Tolerance. Old and new compute each logit as the same float32 dot product h . w over H terms,
 possibly summed in another order (a gemm over P + T positions vs over T). Each is within
