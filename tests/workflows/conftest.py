@@ -4,6 +4,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -53,3 +54,30 @@ def run(cmd, env, timeout=600, check=True):
         pytest.fail(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-4000:]}\n"
                     f"{out.stderr[-6000:]}")
     return out
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An undisturbed run: its console output and its run store (``<store>/t``)."""
+    stdout: str
+    run_store: pathlib.Path
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """``reference_run(steps)``: the undisturbed ``ppo_cmd(store, steps=steps)`` run (TINY, no
+    other overrides, no faults), run once per session and shared by every test that compares a
+    disturbed run of the same trajectory against it (a pyflyte launch costs ~15 s before its
+    first step on a 2-core machine). Tests whose disturbed run also sets keys outside the
+    trajectory (``guard.phase_timeout_s``, ``checkpoint.*``: ``RunConfig.trajectory_hash`` leaves
+    them out) compare against it too: they must not change a weight."""
+    runs: dict[int, Reference] = {}
+
+    def get(steps: int) -> Reference:
+        if steps not in runs:
+            tmp = tmp_path_factory.mktemp(f"reference-{steps}")
+            out = run(ppo_cmd(tmp / "store", steps=steps), flyte_env(tmp / "env"), timeout=900)
+            runs[steps] = Reference(out.stdout, tmp / "store" / "t")
+        return runs[steps]
+
+    return get

@@ -21,12 +21,11 @@ def _flip(path, n=64):
     flip_bytes(path, n)
 
 
-def test_flipped_pending_batches_then_plain_rerun_ends_identical(tmp_path):
+def test_flipped_pending_batches_then_plain_rerun_ends_identical(tmp_path, reference_run):
     from verl_core.engine.worker import PENDING_PHASES, pending_doc
     from verl_core.store import RunStore
 
-    ref = run(ppo_cmd(tmp_path / "ref", steps=STEPS), flyte_env(tmp_path / "a"))
-    ref_sha = _final_weights_sha(_summary(ref.stdout))
+    ref_sha = _final_weights_sha(_summary(reference_run(STEPS).stdout))
 
     env = flyte_env(tmp_path / "b")
     kill = json.dumps([{"kind": "kill", "phase": "update", "step": 2}])

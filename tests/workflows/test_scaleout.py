@@ -40,13 +40,14 @@ def _threads(store_run) -> int:
     return json.loads((store_run / "compute.json").read_text())["num_threads"]
 
 
-def test_two_workers_match_one_and_attached_mode_matches_per_task_through_pyflyte(tmp_path):
-    one = run(ppo_cmd(tmp_path / "w1", steps=3), flyte_env(tmp_path / "a"))
+def test_two_workers_match_one_and_attached_mode_matches_per_task_through_pyflyte(
+        tmp_path, reference_run):
+    one = reference_run(3)  # W = 1, per_task: the plain run (shared with test_heal.py)
     two = run(ppo_cmd(tmp_path / "w2", steps=3, overrides={"trainer.n_gpus_per_node": 2}),
               flyte_env(tmp_path / "b"))
     # the same sampled tokens at every step (see tests/verl_core/engine/test_group.py for why
     # only float rounding separates W = 2 from W = 1, and the bound)
-    a, b = _tokens(tmp_path / "w1" / "t"), _tokens(tmp_path / "w2" / "t")
+    a, b = _tokens(one.run_store), _tokens(tmp_path / "w2" / "t")
     assert len(a) == len(b) == 3 and all(torch.equal(x, y) for x, y in zip(a, b))
     wa, wb = _final_weights(one.stdout), _final_weights(two.stdout)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-5
@@ -55,7 +56,7 @@ def test_two_workers_match_one_and_attached_mode_matches_per_task_through_pyflyt
     # detached actor (Ray gives it one thread by default); it computes with the thread count its
     # prepare recorded, as the per_task run above does (the same host: the same count), so the
     # arithmetic, and the weights, are the same bit for bit
-    recorded = _threads(tmp_path / "w1" / "t")
+    recorded = _threads(one.run_store)
     assert recorded == threads.default_num_threads(1)
     nodes = RayNodes(tmp_path / "ray", num_cpus=2)
     try:
