@@ -4,11 +4,20 @@ Conventions (what the trainer saves so export works):
 
 * group ``"policy"`` is ``model.state_dict()`` (flat ``{name: tensor}``);
 * ``meta["hf_config"]`` is ``model.config.to_dict()`` (optionally ``meta["hf_generation_config"]``);
-* the tokenizer is stored once per run with :func:`store_tokenizer` (shared doc
-  ``shared/tokenizer.json`` listing content-addressed files; kept alive by garbage collection).
+* the user's model folder is recorded once per run with :func:`store_tokenizer` (shared doc
+  ``shared/tokenizer.json`` listing content-addressed files, kept alive by garbage collection):
+  its tokenizer files and ``generation_config.json`` as the user gave them, and the dtype its
+  weights are stored in.
+
+Faithful to the user's folder (:func:`write_hf_folder`, which the CLI export, the workflow's
+finalize and the plain loop's ``final_model`` all go through): ``generation_config.json`` (the EOS
+list, sampling defaults) and the tokenizer files are the user's own bytes, never our in-memory
+tokenizer (left padding, a pad token added where the model has none); tied weights stay tied (no
+``lm_head.weight`` when ``config.tie_word_embeddings``); the weights are in the folder's stored
+dtype unless ``dtype`` says otherwise (a bfloat16 model trained in float32 exports in bfloat16).
 
 The folder gets ``config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` +
-``model.safetensors.index.json`` above ``max_shard_bytes``), the tokenizer files and
+``model.safetensors.index.json`` above ``max_shard_bytes``), the carried files and
 ``verl_checkpoint.json`` (provenance: store, checkpoint name, step). It is assembled in a temporary
 sibling folder and renamed into place, so a crash never leaves a half-written export behind.
 
@@ -39,7 +48,8 @@ from verl_core.checkpoint.manager import CheckpointInfo, CheckpointManager
 from verl_core.store import RunStore, check_sha256, sha256_hex
 
 __all__ = ["store_tokenizer", "load_tokenizer_files", "export_hf", "publish_export", "verify_export",
-           "TOKENIZER_DOC", "EXPORT_MARKER"]
+           "write_hf_folder", "export_trained", "model_folder_files", "TOKENIZER_DOC",
+           "EXPORT_MARKER"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,13 @@ EXPORT_MARKER = "verl_export.json"
 """Completion marker of an export folder, written last (:func:`write_export_marker`)."""
 EXPORT_FORMAT = "verl-export/1"
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+# the files of a model folder an export carries over byte for byte: every tokenizer file
+# transformers writes or reads (fast and slow tokenizers, chat templates) and the generation
+# config; never weights, config.json (rewritten from the trained model's) or anything else
+_CARRIED_RE = re.compile(r"^(tokenizer[\w.\-]*|special_tokens_map\.json|added_tokens\.json|"
+                         r"chat_template[\w.\-]*|vocab\.(json|txt)|merges\.txt|[\w.\-]*\.tiktoken|"
+                         r"[\w.\-]*sentencepiece[\w.\-]*\.model|spiece\.model|"
+                         r"generation_config\.json)$")
 
 
 def _check_file_name(name: Any) -> str:
@@ -56,24 +73,44 @@ def _check_file_name(name: Any) -> str:
     return name
 
 
-def store_tokenizer(store: RunStore, tokenizer: Any) -> dict:
-    """Save ``tokenizer`` (anything with ``save_pretrained``) once per run as shared objects.
-    Returns the doc ``{"files": {name: {"sha", "size"}}, "objects": {sha: size}}``."""
-    files, objects, data = {}, {}, {}
-    with tempfile.TemporaryDirectory() as d:
-        tokenizer.save_pretrained(d)
-        for name in sorted(os.listdir(d)):
-            path = os.path.join(d, name)
-            if not os.path.isfile(path):
-                continue
-            _check_file_name(name)
+def model_folder_files(folder: str) -> dict[str, bytes]:
+    """``{name: bytes}`` of the files an export carries over from a model folder as they are: its
+    tokenizer files and ``generation_config.json`` (top level only)."""
+    data = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if _CARRIED_RE.match(name) and os.path.isfile(path):
             with open(path, "rb") as f:
-                data[name] = f.read()
+                data[_check_file_name(name)] = f.read()
+    return data
+
+
+def store_tokenizer(store: RunStore, tokenizer: Any) -> dict:
+    """Record what an export carries over, once per run, as shared objects. ``tokenizer``: the
+    user's model folder (a path: its :func:`model_folder_files` and the dtype its weights are
+    stored in), or a tokenizer object (anything with ``save_pretrained``: its saved files only).
+    Returns the doc ``{"files": {name: {"sha", "size"}}, "objects": {sha: size}[, "dtype"]}``."""
+    files, objects, data, extra = {}, {}, {}, {}
+    if isinstance(tokenizer, (str, os.PathLike)):
+        data = model_folder_files(os.fspath(tokenizer))
+        dtype = folder_export_dtype(os.fspath(tokenizer))
+        if dtype is not None:
+            extra["dtype"] = dtype
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            tokenizer.save_pretrained(d)
+            for name in sorted(os.listdir(d)):
+                path = os.path.join(d, name)
+                if not os.path.isfile(path):
+                    continue
+                _check_file_name(name)
+                with open(path, "rb") as f:
+                    data[name] = f.read()
     for name, b in data.items():
         sha = sha256_hex([b])
         files[name] = {"sha": sha, "size": len(b)}
         objects[sha] = len(b)
-    doc = {"files": files, "objects": objects}
+    doc = {"files": files, "objects": objects, **extra}
     # the doc (a gc root) first, then the objects it names: a concurrent gc never sees them
     # without their root
     store.put_json(TOKENIZER_DOC, doc)
@@ -82,13 +119,28 @@ def store_tokenizer(store: RunStore, tokenizer: Any) -> dict:
     return doc
 
 
-def load_tokenizer_files(store: RunStore) -> dict[str, bytes]:
-    """``{file name: verified bytes}`` of the stored tokenizer ({} if none was stored)."""
+def _tokenizer_doc(store: RunStore) -> Optional[dict]:
     doc = store.get_json(TOKENIZER_DOC, default=None)
+    if doc is not None and (not isinstance(doc, dict) or not isinstance(doc.get("files"), dict)):
+        raise CorruptObjectError(f"{TOKENIZER_DOC}.json in {store.uri} is malformed")
+    return doc
+
+
+def stored_export_dtype(store: RunStore) -> Optional[str]:
+    """The dtype the run's model folder stored its weights in (recorded by
+    :func:`store_tokenizer`), or None when the run recorded none (an older run, a tokenizer
+    object): an export then keeps the checkpoint's dtype."""
+    doc = _tokenizer_doc(store)
+    dtype = doc.get("dtype") if doc else None
+    return dtype if dtype in _EXPORT_DTYPES else None
+
+
+def load_tokenizer_files(store: RunStore) -> dict[str, bytes]:
+    """``{file name: verified bytes}`` of the stored tokenizer files (and generation config) ({} if
+    none was stored)."""
+    doc = _tokenizer_doc(store)
     if doc is None:
         return {}
-    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
-        raise CorruptObjectError(f"{TOKENIZER_DOC}.json in {store.uri} is malformed")
     out = {}
     for name, ent in doc["files"].items():
         _check_file_name(name)
@@ -105,6 +157,79 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, torch.dtype):
         return str(x).removeprefix("torch.")
     return x
+
+
+_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _tied_keys(config: dict, state: dict[str, torch.Tensor]) -> list[str]:
+    """The state's keys that ``from_pretrained`` ties to another (``lm_head.weight`` to the input
+    embedding when ``tie_word_embeddings``): saved once, under the embedding's name, as
+    ``save_pretrained`` does. A key is dropped only if it equals its source tensor."""
+    if not config.get("tie_word_embeddings", False):
+        return []
+    import transformers
+
+    tied: Any = None
+    for arch in config.get("architectures") or []:
+        tied = getattr(getattr(transformers, str(arch), None), "_tied_weights_keys", None)
+        if tied:
+            break
+    if not isinstance(tied, dict):  # transformers 5: {tied name: source name}
+        tied = {"lm_head.weight": "model.embed_tokens.weight"}
+    return [k for k, src in tied.items() if k in state and src in state
+            and state[k].shape == state[src].shape and torch.equal(state[k], state[src])]
+
+
+def write_hf_folder(folder: str, state: dict[str, torch.Tensor], config: dict,
+                    files: dict[str, bytes], *, dtype: Union[str, torch.dtype, None] = None,
+                    max_shard_bytes: int = 5 << 30) -> None:
+    """Write a Hugging Face folder into the existing local ``folder``: ``config.json`` (``config``,
+    the trained model's ``config.to_dict()``, with its dtype set to the one written), the
+    safetensors weights of ``state`` (``model.state_dict()``) cast to ``dtype`` (floating tensors;
+    None keeps them) without the tied copies, and ``files`` (:func:`model_folder_files` of the
+    user's folder, or :func:`load_tokenizer_files`) byte for byte. The one writer behind every
+    export (see the module docstring)."""
+    if isinstance(dtype, str):
+        if dtype not in _EXPORT_DTYPES:
+            raise ValueError(f"export dtype {dtype!r}: known: {', '.join(_EXPORT_DTYPES)}")
+        dtype = _EXPORT_DTYPES[dtype]
+    drop = set(_tied_keys(config, state))
+    state = {k: v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()
+             for k, v in state.items() if k not in drop}
+    floats = [v.dtype for v in state.values() if v.is_floating_point()]
+    if floats:  # the dtype from_pretrained(dtype="auto") loads in
+        name = str(max(set(floats), key=floats.count)).removeprefix("torch.")
+        config = {**config, "dtype": name}
+        if "torch_dtype" in config:
+            config["torch_dtype"] = name
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(_jsonable(config), f, indent=2, sort_keys=True)
+    _write_weights(state, folder, max_shard_bytes)
+    for name, data in files.items():
+        with open(os.path.join(folder, _check_file_name(name)), "wb") as f:
+            f.write(data)
+
+
+def folder_export_dtype(folder: str) -> Optional[str]:
+    """The dtype a model folder stores its weights in, if an export can write it (else None)."""
+    from verl_core.models.loading import stored_dtype
+
+    dtype = stored_dtype(folder)
+    return dtype if dtype in _EXPORT_DTYPES else None
+
+
+def export_trained(model: Any, folder: str, source: str,
+                   state: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """The trained ``model`` as a Hugging Face folder faithful to the user's model folder
+    ``source`` (its tokenizer files and generation config as given, its stored dtype, tied
+    weights once): the plain loop's ``final_model`` and the workflow's finalize. ``state``: the
+    full state dict when ``model`` is sharded (gathered on this rank); default
+    ``model.state_dict()``."""
+    os.makedirs(folder, exist_ok=True)
+    write_hf_folder(folder, model.state_dict() if state is None else state,
+                    model.config.to_dict(), model_folder_files(source),
+                    dtype=folder_export_dtype(source))
 
 
 def _write_weights(state: dict[str, torch.Tensor], folder: str, max_shard_bytes: int) -> list[str]:
@@ -143,7 +268,8 @@ def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_di
 
     Args:
         group: the group holding ``model.state_dict()``.
-        dtype: cast floating-point weights (e.g. ``torch.bfloat16`` for serving); None keeps them.
+        dtype: the weights' dtype (``torch.bfloat16``, ``"float32"``, ...); None: the dtype the
+            run's model folder stored them in (:func:`stored_export_dtype`), else as saved.
         max_shard_bytes: split ``model.safetensors`` above this size (HF's default is 5 GB).
         overwrite: replace an existing non-empty ``out_dir``.
     Returns the exported checkpoint's info. Every object read is verified.
@@ -162,10 +288,8 @@ def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_di
     if not isinstance(config, dict):
         raise CorruptObjectError(f"checkpoint {info.name} has no meta['hf_config']; save with "
                                  "meta={'hf_config': model.config.to_dict(), ...} to export it")
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        config = {**config, "torch_dtype": str(dtype).removeprefix("torch."),
-                  "dtype": str(dtype).removeprefix("torch.")}
+    if dtype is None:
+        dtype = stored_export_dtype(manager.store)
     tokenizer_files = load_tokenizer_files(manager.store)
 
     parent = os.path.dirname(out_dir)
@@ -173,16 +297,12 @@ def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_di
     tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(_jsonable(config), f, indent=2, sort_keys=True)
         gen = meta.get("hf_generation_config")
-        if isinstance(gen, dict):
-            with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-                json.dump(_jsonable(gen), f, indent=2, sort_keys=True)
-        _write_weights(state, tmp, max_shard_bytes)
-        for name, data in tokenizer_files.items():
-            with open(os.path.join(tmp, _check_file_name(name)), "wb") as f:
-                f.write(data)
+        if isinstance(gen, dict) and "generation_config.json" not in tokenizer_files:
+            tokenizer_files = {**tokenizer_files, "generation_config.json":
+                               json.dumps(_jsonable(gen), indent=2, sort_keys=True).encode()}
+        write_hf_folder(tmp, state, config, tokenizer_files, dtype=dtype,
+                        max_shard_bytes=max_shard_bytes)
         with open(os.path.join(tmp, "verl_checkpoint.json"), "w") as f:
             json.dump({"store": manager.store.uri, "checkpoint": info.name, "step": info.step,
                        "config_hash": info.config_hash, "package_version": info.package_version},

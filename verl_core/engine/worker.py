@@ -31,7 +31,7 @@ import torch
 from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectError, PermanentError,
                                         UnsafeManifestError)
 from verl_core.checkpoint.errors import StoreUnavailableError
-from verl_core.checkpoint.hf_export import TOKENIZER_DOC, store_tokenizer
+from verl_core.checkpoint.hf_export import TOKENIZER_DOC, export_trained, store_tokenizer
 from verl_core.checkpoint.local_tier import Replicator, open_local_store
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
 from verl_core.store import NotFoundError, RunStore, is_sha256, sha256_hex
@@ -42,6 +42,7 @@ from verl_core.guard import checks, faults
 from verl_core.guard.faults import maybe_inject
 from verl_core.guard.lease import FencedError
 from verl_core.trainer import RLTrainer, compute_advantages
+from verl_core.training import sharding
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.validation import validate_and_record
 
@@ -162,7 +163,7 @@ class RunWorker:
         self._pending_save = None  # the SaveHandle of a background checkpoint write
         self.trainer = RLTrainer(self.cfg, self.assets, dp)
         if self.leader and not self.store.has_json(TOKENIZER_DOC):  # once per run (export)
-            store_tokenizer(self.store, self.trainer.tokenizer)
+            store_tokenizer(self.store, self.assets.model_path)  # the user's files, as given
         self.step = 0  # updates applied to the in-memory state
         self.base_step = 0  # step of the state the run started from
         self._live_valid = True  # False while (or after a failed attempt at) changing the state
@@ -720,11 +721,11 @@ class RunWorker:
     def export_final(self, step: int, folder: str) -> str:
         """Write the policy after ``step`` updates as a Hugging Face folder (local path)."""
         self.ensure_state(step)
-        self.trainer._sync_rollout_weights()  # W > 1: the full weights, gathered from the shards
-        if self.leader:
-            os.makedirs(folder, exist_ok=True)
-            self.trainer.rollout_model.save_pretrained(folder, safe_serialization=True)
-            self.trainer.tokenizer.save_pretrained(folder)
+        actor = self.trainer.actor  # its float32 master weights (W > 1: gathered, a collective)
+        state = sharding.full_model_state(actor, rank0_only=True) \
+            if self.trainer.dp.distributed else None
+        if self.leader:  # the CLI export's writer: the user's tokenizer files, stored dtype, ties
+            export_trained(actor, folder, self.assets.model_path, state)
         return folder
 
     def set_fence(self, fence) -> None:

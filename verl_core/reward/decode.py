@@ -2,8 +2,8 @@
 
 A response is what the policy generated up to its first EOS (any id of the model's EOS set,
 :func:`stop_token_ids`: ``<|im_end|>`` or ``<|endoftext|>`` for Qwen2.5, as verl/vLLM stop there):
-tokens past the response mask (padding) and from the first EOS on are dropped, and the rest is decoded with special tokens
-KEPT as their text. Stripping them instead (``skip_special_tokens=True``) would let ``1<pad>12``
+tokens past the response mask (padding) and from the first EOS on are dropped, and the rest is
+decoded with special tokens KEPT as their text. Stripping them instead (``skip_special_tokens=True``) would let ``1<pad>12``
 score as ``112``. A special token before the first EOS is flagged: rule scorers count such a
 response as a wrong answer; custom scorers see the token's text (e.g. ``1<pad>12``) and decide.
 
