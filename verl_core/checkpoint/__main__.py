@@ -4,7 +4,10 @@
     verify <store> [ref …] [--repair]      re-hash every object (default: every checkpoint);
                                            exit status 1 on any problem; --repair moves damaged
                                            objects to quarantine/ so the next save rewrites them
-    export <store> <ref> <out_folder>      Hugging Face folder of the checkpoint's policy
+    export <store> <ref> <out_folder>      Hugging Face folder of the checkpoint's policy, with
+                                           the run's model folder's tokenizer files and
+                                           generation_config.json as given, in its stored
+                                           dtype (--dtype float32|bfloat16 to change)
     export <manifest-uri> <out_folder>     same, naming the checkpoint by its manifest path (a
                                            store instead: its newest valid checkpoint)
     gc     <store> [--grace-s S]           delete objects nothing can ask for again (kept
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("args", nargs="+", metavar="ARG",
                     help="<store> <ref> <out> or <manifest> <out>")
     sp.add_argument("--group", default="policy")
-    sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="weights' dtype (default: the dtype the run's model folder stores)")
     sp.add_argument("--overwrite", action="store_true")
     sp = sub.add_parser("gc", help="delete objects no checkpoint, asset, lineage or pending "
                                    "phase output names")
