@@ -687,6 +687,7 @@ def check_run_inputs(cfg: "RunConfig", storage_options: dict | None = None) -> N
     check_faults()
     if cfg.model.path:
         check_model_folder(cfg.model.path, "model.path")
+        check_sequence_fits(cfg)
     if cfg.rollout.engine == "vllm":
         check_vllm_head_size(cfg)
     if cfg.reward_model.enable:
@@ -732,6 +733,27 @@ def batches_per_epoch(cfg: "RunConfig", train: dict[str, tuple] | None = None,
             "batch would be dropped; use a smaller --batch-size (data.train_batch_size) or more "
             "prompts")
     return rows // cfg.data.train_batch_size
+
+
+def check_sequence_fits(cfg: "RunConfig") -> None:
+    """A prompt of ``data.max_prompt_length`` tokens plus ``rollout.max_new_tokens`` must fit the
+    model's ``max_position_embeddings`` (config.json): vLLM refuses a longer ``max_model_len``
+    (as in verl, which sets it to prompt + response length), and the hf engine would run past
+    the positions the model was trained on. Refused at prepare, naming both fields."""
+    import json
+    import types
+
+    from verl_core.reward.model import max_positions
+
+    with open(os.path.join(cfg.model.path, "config.json")) as f:  # parsed by check_model_folder
+        limit = max_positions(types.SimpleNamespace(**json.load(f)))
+    need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if limit is not None and need > limit:
+        raise RunInputError(
+            f"data.max_prompt_length={cfg.data.max_prompt_length} + rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} = {need} tokens do not fit model.path="
+            f"{cfg.model.path!r}: its max_position_embeddings is {limit} (config.json); lower "
+            "one of them (verl's data.max_prompt_length / data.max_response_length)")
 
 
 def check_vllm_head_size(cfg: "RunConfig") -> None:

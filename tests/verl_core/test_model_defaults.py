@@ -11,7 +11,7 @@ from verl_core.config import (USER_MODEL_DEFAULTS, ConfigError, RunConfig, effec
                               preset)
 from verl_core.errors import PermanentError, TransientError
 from verl_core.validation import RunInputError, clipped_responses_warning
-from verl_core.verl_keys import run_config, to_ours, verl_defaults
+from verl_core.verl_keys import parse_cli, run_config, to_ours, verl_defaults
 
 A = "actor_rollout_ref.actor."
 # each model-aware default and the verl key whose default it is (verl_defaults/ppo_trainer.yaml)
@@ -29,6 +29,10 @@ VERL_KEY_OF = {
     "actor.ppo_epochs": A + "ppo_epochs",
     "model.gradient_checkpointing": "actor_rollout_ref.model.enable_gradient_checkpointing",
 }
+
+
+FITS = ["data.max_prompt_length=256", "data.max_response_length=16"]
+"""Lengths that fit the stand-in's 512 positions (verl's 512 + 512 do not)."""
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +116,8 @@ def test_a_batch_larger_than_the_dataset_is_one_line_and_exit_2(user_model, tmp_
 
     model, train, test = user_model
     code = main(["--model", model, "--train-files", train, "--val-files", test,
-                 "--workdir", str(tmp_path / "w"), "data.train_batch_size=256"])
+                 "--workdir", str(tmp_path / "w"), "data.train_batch_size=256",
+                 *FITS])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.splitlines() == [err] and err.endswith(
@@ -126,7 +131,7 @@ def test_the_workflow_refuses_it_as_permanent_before_any_work(user_model, tmp_pa
     from verl_core.engine import runtime
 
     model, train, test = user_model
-    over = json.dumps({"data.train_batch_size": 256})
+    over = json.dumps({"data.train_batch_size": 256, **parse_cli(FITS)})
     cfg = build_config("", model, train, test, 0, 0, 0, over)  # sizes alone: a valid config
     with pytest.raises(RunInputError, match=r"train_batch_size=256 is larger than the 200 rows"
                        ) as e:
@@ -134,6 +139,21 @@ def test_the_workflow_refuses_it_as_permanent_before_any_work(user_model, tmp_pa
     assert isinstance(e.value, PermanentError) and not isinstance(e.value, TransientError)
     assert not (tmp_path / "store" / "r" / "assets").exists()  # refused before any copy
     # with verl's epochs the front door counts the rows itself and refuses at configure
-    epochs = json.dumps({"data.train_batch_size": 256, "trainer.total_epochs": 1})
+    epochs = json.dumps({"data.train_batch_size": 256, "trainer.total_epochs": 1})  # first
     with pytest.raises(RunInputError, match=r"larger than the 200 rows"):
         build_config("", model, train, test, 0, 0, 0, epochs)
+
+
+def test_a_sequence_longer_than_the_models_positions_is_refused_naming_both(user_model,
+                                                                              tmp_path, capsys):
+    from verl_core.train import main
+
+    model, train, test = user_model
+    # the stand-in has 512 positions; verl's defaults ask 512 prompt + 512 response tokens
+    code = main(["--model", model, "--train-files", train, "--val-files", test,
+                 "--workdir", str(tmp_path / "w")])
+    assert code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "data.max_prompt_length=512 + rollout.max_new_tokens=512 = 1024 tokens do not fit "
+        f"model.path={model!r}: its max_position_embeddings is 512 (config.json); lower one of "
+        "them (verl's data.max_prompt_length / data.max_response_length)")
