@@ -276,3 +276,17 @@ def test_verl_logger_wandb_names_the_project_and_run():
     with pytest.raises(ConfigError, match=r"trainer.logger=\['console', 'swanlab'\]: "
                                           r"\['swanlab'\] not offered here"):
         to_ours({"trainer.logger": ["console", "swanlab"]})
+
+
+def test_wandb_without_a_login_says_how_to_log_in_or_go_offline(tmp_path, monkeypatch):
+    for k in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: nobody is logged in
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    import wandb
+
+    wandb.teardown()  # wandb keeps the settings of its first run in a process (offline, above)
+    with pytest.raises(TrackerError, match=r"tracking.wandb_project='p': wandb cannot open a run "
+                                           r"\(UsageError: No API key.*WANDB_MODE=offline"):
+        Trackers(TrackingConfig(wandb_project="p"), run_name="r", config_hash="0" * 64,
+                 run_key="k")
