@@ -14,11 +14,17 @@ every row runs the full 128 tokens). Phases, each in its own fresh subprocess:
   with grad, a loss, backward, an AdamW step);
 - ``update_gc``: the same with ``model.gradient_checkpointing=true`` (verl's
   ``enable_gradient_checkpointing``, on in its quickstart): the decoder layers' activations are
-  recomputed in backward instead of kept.
+  recomputed in backward instead of kept;
+- ``update_micro``: the same 32 rows as 4 accumulated micro-batches of 8
+  (``actor.ppo_micro_batch_size_per_gpu=8``): the activations kept are one micro-batch's.
+
+The update phases also report "saved for backward": the bytes of the distinct tensors autograd
+keeps between a micro-batch's forward and its backward (``saved_tensors_hooks``, weights left
+out), i.e. the activations; with the LM head in chunks no logits are among them.
 
 "peak RSS" is the child's peak resident set size from ``os.wait4`` (the kernel's ru_maxrss).
 "logits" is what one full ``[rows, P + T, V]`` float32 tensor of the pre-fix computation would take,
-for scale.
+for scale (the training forward now forms ~64 MiB chunks of ``[rows, V]`` only).
 
     python bench/memory.py              # both vocabularies, every phase
     python bench/memory.py --vocab 16384
@@ -34,9 +40,10 @@ import sys
 
 import torch
 
-PHASES = ("model", "rollout", "old_logprob", "update", "update_gc")
+PHASES = ("model", "rollout", "old_logprob", "update", "update_gc", "update_micro")
 VOCABS = (16384, 151936)
 B, G, P, T = 8, 4, 31, 128
+MICRO_ROWS = 8  # update_micro's micro-batch (verl's quickstart: ppo_micro_batch_size_per_gpu=4)
 
 
 def build(vocab: int):
@@ -90,11 +97,30 @@ def child(phase: str, vocab: int) -> None:
          or model.gradient_checkpointing_enable)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     model.train()
-    logp, ent = response_logprobs(model, ids, mask, resp, resp_mask, 1.0, with_entropy=True)
-    loss = -(logp * resp_mask).mean() - 1e-3 * (ent * resp_mask).mean()
-    loss.backward()
+    micro = MICRO_ROWS if phase == "update_micro" else n
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}  # storage -> bytes, of what autograd keeps for backward
+    saved_gb = 0.0  # the most one micro-batch kept
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    total = 0.0
+    for s in range(0, n, micro):  # gradient accumulation over micro-batches, as ppo_update
+        sl = slice(s, s + micro)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, ent = response_logprobs(model, ids[sl], mask[sl], resp[sl], resp_mask[sl], 1.0,
+                                          with_entropy=True)
+        loss = (-(logp * resp_mask[sl]).mean() - 1e-3 * (ent * resp_mask[sl]).mean()) * micro / n
+        saved_gb = max(saved_gb, sum(saved.values()) / 1e9)
+        saved.clear()
+        loss.backward()
+        total += float(loss.detach())
     opt.step()
-    print(json.dumps({"loss": float(loss.detach())}))
+    print(json.dumps({"loss": total, "saved_gb": saved_gb}))
 
 
 def measure(phase: str, vocab: int) -> dict:
@@ -126,6 +152,9 @@ def main() -> None:
         logits_gb = B * G * (P + T) * vocab * 4 / 1e9
         print(f"{vocab:>8} {params / 1e6:>7.1f}M {logits_gb:>7.2f}G  " + "  ".join(
             f"{rows[p]['peak_rss_gb']:>10.2f}G" if p in rows else f"{'-':>11}" for p in PHASES),
+            flush=True)
+        print(f"{'':>8} saved for backward: " + ", ".join(
+            f"{p} {rows[p]['saved_gb']:.2f}G" for p in PHASES if "saved_gb" in rows.get(p, {})),
             flush=True)
 
 
