@@ -194,7 +194,9 @@ class ModelConfig:
     warmup_sft_batch_size: int = 64
     """Batch size of the supervised warm start."""
     dtype: str = "float32"
-    """Parameter dtype for training: float32 or bfloat16."""
+    """Compute dtype for training: float32, or bfloat16 (bf16 matmuls over float32 master weights
+    and float32 AdamW state, as verl's FSDP mixed precision; the reference model and the rollout
+    copy are held in bf16). A bf16 checkpoint is still loaded into float32 masters."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (large models)."""
 
