@@ -2,6 +2,7 @@
 table, return the summary; its Deck is the run's report (plots, held-out samples, guard events)."""
 
 from dataclasses import dataclass
+from typing import Optional
 
 from flytekit import task
 
@@ -20,8 +21,8 @@ class Summary:
     """Advantage estimator of the run."""
     steps: int
     """RL steps completed."""
-    start_accuracy: float
-    """Held-out greedy accuracy before RL."""
+    start_accuracy: Optional[float]
+    """Held-out greedy accuracy before RL (None with val_before_train=False: not measured)."""
     end_accuracy: float
     """Held-out greedy accuracy after RL."""
     first_reward: float
@@ -38,30 +39,35 @@ class Summary:
 
 @task(task_config=RAY_CONFIG, cache=cache_for("finalize"), retries=RETRIES, enable_deck=True,
       deck_fields=decks.REPORT_DECK_FIELDS, container_image=GPU_IMAGE)
-def finalize(spec: RunSpec, last: StepState, start: EvalResult, end: EvalResult) -> Summary:
+def finalize(spec: RunSpec, last: StepState, start: Optional[EvalResult],
+             end: EvalResult) -> Summary:
     return _finalize(spec, last, start, end)
 
 
 @task(cache=cache_for("finalize"), retries=RETRIES, enable_deck=True,
       deck_fields=decks.REPORT_DECK_FIELDS)
-def finalize_attached(spec: RunSpec, last: StepState, start: EvalResult,
+def finalize_attached(spec: RunSpec, last: StepState, start: Optional[EvalResult],
                       end: EvalResult) -> Summary:
     """``finalize`` as a plain task on the attached cluster (cluster.mode=attached); it removes
     the run's detached workers from the cluster."""
     return _finalize(spec, last, start, end)
 
 
-def _finalize(spec: RunSpec, last: StepState, start: EvalResult, end: EvalResult) -> Summary:
+def _finalize(spec: RunSpec, last: StepState, start: Optional[EvalResult],
+              end: EvalResult) -> Summary:
     out = run_phase(spec, "finalize", last.step, lambda: phases.finalize(spec, last))
     s = Summary(algorithm=spec.config.algorithm.adv_estimator, steps=last.step,
-                start_accuracy=start.accuracy, end_accuracy=end.accuracy,
+                start_accuracy=None if start is None else start.accuracy, end_accuracy=end.accuracy,
                 first_reward=out["first_reward"], last_reward=out["last_reward"],
                 final_model=out["final_model"], metrics_table=out["metrics_table"],
                 store=spec.store)
-    print(f"[verl] done: accuracy {s.start_accuracy:.3f} -> {s.end_accuracy:.3f}, reward "
-          f"{s.first_reward:.3f} -> {s.last_reward:.3f}; final model: {s.final_model}; "
-          f"metrics: {s.metrics_table}", flush=True)
+    accuracy = (f"{s.end_accuracy:.3f} (no evaluation before training)" if start is None else
+                f"{s.start_accuracy:.3f} -> {s.end_accuracy:.3f}")  # as the plain loop says it
+    evaluated = {end.step} if start is None else {start.step, end.step}
+    print(f"[verl] done: accuracy {accuracy}, reward {s.first_reward:.3f} -> "
+          f"{s.last_reward:.3f}; final model: {s.final_model}; metrics: {s.metrics_table}",
+          flush=True)
     decks.attach("RL run", store_call("the run report", lambda: report.for_run(
         spec, title=f"{s.algorithm}: {s.steps} steps",
-        sample_steps=sorted({start.step, end.step}))))
+        sample_steps=sorted(evaluated))))
     return s

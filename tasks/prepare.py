@@ -59,9 +59,6 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
     # the run header (this task is never cached, so every command prints it)
     print(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}", flush=True)
     print(effective_line(cfg), flush=True)
-    if not cfg.val_before_train:
-        print("[verl] note: val_before_train=False is honoured by the plain loop; the workflow "
-              "still evaluates step 0 (its Summary reports the gain)", flush=True)
     uri = runtime.run_store_uri(store, run_name)
     st = store_call(f"opening the run store {uri}", lambda: runtime._store(uri))
     spec = RunSpec(store=st.uri, incarnation=store_call("the store's incarnation id",

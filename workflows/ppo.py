@@ -2,7 +2,7 @@
 
     ppo  ->  configure -> prepare -> rl_run
     rl_run (dynamic)  ->  evaluate(start) -> train_chunk x ceil(steps / CHUNK) -> evaluate(end)
-                          -> finalize
+                          -> finalize        (no evaluate(start) with val_before_train=False)
     train_chunk (dynamic)  ->  per step: rollout -> reward -> advantage -> update
                                (-> checkpoint where one is due: verl_core.phases.checkpoint_due)
                                (-> evaluate after every ``eval_every``-th step)
@@ -51,7 +51,9 @@ def train_chunk(spec: RunSpec, state: StepState, stop: int) -> StepState:
 def rl_run(spec: RunSpec) -> Summary:
     heavy = heavy_phases(spec)
     start = StepState(step=spec.start_step)
-    start_eval = heavy.evaluate(spec=spec, state=start)
+    # verl's trainer.val_before_train=False: no node at all (not a node that answers "skipped"),
+    # so finalize's cache key holds None for it and a re-run hits the same entries
+    start_eval = heavy.evaluate(spec=spec, state=start) if spec.config.val_before_train else None
     state = start
     for k0 in range(spec.start_step, spec.total_steps, CHUNK):
         state = train_chunk(spec=spec, state=state, stop=min(k0 + CHUNK, spec.total_steps))

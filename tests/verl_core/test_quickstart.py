@@ -113,10 +113,20 @@ def test_quickstart_runs_two_steps_through_pyflyte(quickstart, tmp_path):
 
     from tests.workflows.conftest import PYFLYTE, flyte_env, run
 
-    res = run([PYFLYTE, "run", "workflows/ppo.py", "ppo", "--store", str(tmp_path / "store"),
-               "--run-name", "quickstart", "--overrides", json.dumps(parse_cli(quickstart))],
-              flyte_env(tmp_path))
+    cmd = [PYFLYTE, "run", "workflows/ppo.py", "ppo", "--store", str(tmp_path / "store"),
+           "--run-name", "quickstart", "--overrides", json.dumps(parse_cli(quickstart))]
+    res = run(cmd, flyte_env(tmp_path))
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("Summary(")][-1]
     table = pd.read_parquet(line.split("metrics_table='", 1)[1].split("'", 1)[0])
-    assert table["step"].tolist() == [0, 1, 2]  # the workflow evaluates step 0 regardless
+    # val_before_train=False: no evaluation of step 0 ran (none printed, none recorded), and the
+    # summary says the gain was not measured instead of inventing one
+    assert table["step"].tolist() == [1, 2]
+    assert "[verl] eval after 0 steps" not in res.stdout
+    assert "[verl] eval after 2 steps" in res.stdout
+    assert "start_accuracy=None" in line
+    assert "(no evaluation before training)" in res.stdout
     assert "critic/vf_loss" in table.columns
+    # the same command again: every phase is a cache hit (no phase prints), the same summary
+    again = run(cmd, flyte_env(tmp_path))
+    assert [ln for ln in again.stdout.splitlines() if ln.startswith("Summary(")][-1] == line
+    assert "[verl] eval after" not in again.stdout and "[verl] done:" not in again.stdout
