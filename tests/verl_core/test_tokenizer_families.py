@@ -1,8 +1,8 @@
 """The tokenizer families of issue 23 that the other stand-in runs do not reach, one RL step each
 through the plain loop: a tokenizer without a chat template (Qwen-style, no BOS; Llama-3-style,
 whose post-processor adds the BOS) and one without a pad token (the Llama-3 stand-in: the loader
-pads with its EOS ``<|eot_id|>``, so a padded position looks like a stop token). The templated Llama-3 run with
-no pad token is test_watching's; the templated Qwen run is test_quickstart's."""
+pads with its EOS ``<|eot_id|>``, so a padded position looks like a stop token). The templated
+Llama-3 run with no pad token is test_watching's; the templated Qwen run is test_quickstart's."""
 from __future__ import annotations
 
 import pytest
