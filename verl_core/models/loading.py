@@ -290,6 +290,6 @@ def precision_line(path: str, dtype: str) -> str:
         how = ("trains in bfloat16 compute over float32 master weights and float32 AdamW state; "
                "reference and rollout weights bfloat16")
     else:
-        how = (f"trains in {dtype} throughout (model.dtype=bfloat16: bf16 compute over float32 "
-               "master weights)")
-    return f"[verl] model weights stored in {stored}, {how} (model.dtype={dtype})"
+        how = (f"trains in {dtype} throughout; model.dtype=bfloat16 would compute in bf16 over "
+               "float32 master weights")
+    return f"[verl] model weights stored in {stored}; model.dtype={dtype}: {how}"
