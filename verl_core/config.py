@@ -563,10 +563,36 @@ class ActorConfig:
     """Responses per forward/backward on one worker (gradient accumulation = a worker's rows of
     a mini-batch / this); verl's ``ppo_micro_batch_size_per_gpu``. Memory only: the loss of a
     mini-batch does not depend on it."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches by a token budget instead of ``ppo_micro_batch_size`` rows, for every
+    forward the trainer runs (verl's ``use_dynamic_bsz``, all four of its keys): each worker's
+    rows packed Karmarkar-Karp-balanced to the ``*_max_token_len_per_gpu`` budget below (prompt
+    + response tokens; a longer row gets a micro-batch of its own), each cut to its longest
+    response. Memory and speed only: the loss weights make the update the same."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one micro-batch of the actor's update (verl's key)."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of a no-grad forward of the actor: old log-probs, Σπ² (verl's
+    ``rollout.log_prob_max_token_len_per_gpu``)."""
+    ref_log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of a reference log-prob forward (verl's ``ref.log_prob_max_token_len_per_gpu``)."""
+    critic_ppo_max_token_len_per_gpu: int = 32768
+    """Token budget of one micro-batch of the critic's update (verl's
+    ``critic.ppo_max_token_len_per_gpu``)."""
+    critic_forward_max_token_len_per_gpu: int = 32768
+    """Token budget of a no-grad critic forward, the values (verl's
+    ``critic.forward_max_token_len_per_gpu``)."""
 
     def __post_init__(self):
         _check_types("actor", self)
-        _positive("actor", self, "ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size")
+        _positive("actor", self, "ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size",
+                  "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu",
+                  "ref_log_prob_max_token_len_per_gpu", "critic_ppo_max_token_len_per_gpu",
+                  "critic_forward_max_token_len_per_gpu")
+
+    def token_budget(self, name: str) -> int:
+        """``name``'s token budget when ``use_dynamic_bsz``, else 0 (micro-batches of rows)."""
+        return getattr(self, name) if self.use_dynamic_bsz else 0
 
 
 @dataclass(frozen=True)
@@ -582,6 +608,10 @@ class TrainerConfig:
     worker_timeout_s: float = 1800.0
     """Longest wait on the worker group: one phase call, and every collective between workers.
     Past it the phase fails as transient and its retry rebuilds the group from the store."""
+    balance_batch: bool = True
+    """With W > 1, reorder each forward's rows so that the W workers' blocks hold nearly equal
+    token counts (verl's key; Karmarkar-Karp, equal row counts). The same rows, the same result:
+    only the wall time of the slowest worker changes."""
 
     def __post_init__(self):
         _check_types("trainer", self)

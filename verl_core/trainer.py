@@ -42,6 +42,7 @@ from verl_core.rollout.base import GenerationOutput, concat_outputs
 from verl_core.training.forward import batched_logprobs, batched_sum_pi_squared, batched_values
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.optim import make_optimizer, make_scheduler
+from verl_core.training.packing import in_row_order, row_tokens, worker_order
 from verl_core.training.ppo import ppo_update
 from verl_core.training import sharding
 from verl_core.training.sft import supervised_warm_start
@@ -588,21 +589,32 @@ class RLTrainer:
             data_source=[r.data_source for r in rows], extra_info=[r.extra_info for r in rows],
             pad_id=self.tokenizer.pad_token_id,
             meta={"step": step, "kl_coef": self.kl_ctrl.value}, **extra)
-        micro = self.cfg.actor.ppo_micro_batch_size
-        # with W > 1 each worker runs its block of rows through the sharded model: (N, T)
-        mine = self.dp.block(torch.arange(batch.num_rows))
+        micro, actor_cfg = self.cfg.actor.ppo_micro_batch_size, self.cfg.actor
+        # with W > 1 each worker runs its block of rows through the sharded model (token-
+        # balanced with trainer.balance_batch), then the rows are put back in order: (N, T)
+        order = worker_order(row_tokens(batch), self.dp.size,
+                             self.cfg.trainer.balance_batch and self.dp.distributed)
+        mine = self.dp.block(order)
         part = batch.select(mine) if self.dp.distributed else batch
+
+        def gathered(local):
+            return in_row_order(order, self.dp.gather_rows(local))
+
         if self.ref is not None:
-            batch = batch.replace(ref_logprobs=self.dp.gather_rows(batched_logprobs(
-                self.ref, part, self.cfg.rollout.temperature or 1.0, micro)))
+            batch = batch.replace(ref_logprobs=gathered(batched_logprobs(
+                self.ref, part, self.cfg.rollout.temperature or 1.0, micro, dp=self.dp,
+                max_token_len=actor_cfg.token_budget("ref_log_prob_max_token_len_per_gpu"))))
         if self.critic is not None:
-            batch = batch.replace(values=self.dp.gather_rows(
-                batched_values(self.critic, part, micro)))
+            batch = batch.replace(values=gathered(batched_values(
+                self.critic, part, micro, dp=self.dp,
+                max_token_len=actor_cfg.token_budget("critic_forward_max_token_len_per_gpu"))))
         if traits.needs_sum_pi_squared:
             # the rollout model: the weights (and temperature) that sampled the responses, whose
             # log-probs are the estimator's old_logprobs (with W > 1 a full, unsharded copy)
-            batch = batch.replace(sum_pi_squared=self.dp.gather_rows(batched_sum_pi_squared(
-                self.rollout_model, part, self.cfg.rollout.temperature or 1.0, micro)))
+            batch = batch.replace(sum_pi_squared=gathered(batched_sum_pi_squared(
+                self.rollout_model, part, self.cfg.rollout.temperature or 1.0, micro,
+                max_token_len=actor_cfg.token_budget("log_prob_max_token_len_per_gpu"),
+                dp=self.dp)))
         tokens = float(out.response_mask.sum())
         return batch, {"rollout/time_s": dt, "rollout/tokens_per_s": tokens / max(dt, 1e-9),
                        "response_length/mean": tokens / batch.num_rows,
@@ -708,7 +720,11 @@ class RLTrainer:
             micro_batch_rows=c.actor.ppo_micro_batch_size, epochs=c.actor.ppo_epochs,
             grad_clip=c.optim.grad_clip, seed=derive_seed(c.seed, step, "update"),
             critic=self.critic, critic_optimizer=self.critic_optimizer,
-            critic_scheduler=self.critic_scheduler, dp=self.dp, after_backward=poison)
+            critic_scheduler=self.critic_scheduler, dp=self.dp, after_backward=poison,
+            max_token_len=c.actor.token_budget("ppo_max_token_len_per_gpu"),
+            critic_max_token_len=c.actor.token_budget("critic_ppo_max_token_len_per_gpu"),
+            log_prob_max_token_len=c.actor.token_budget("log_prob_max_token_len_per_gpu"),
+            balance_batch=c.trainer.balance_batch)
 
     @torch.no_grad()
     def evaluate(self) -> dict:

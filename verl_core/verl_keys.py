@@ -270,6 +270,17 @@ VERL_TO_OURS: dict[str, Transform] = {
     A + "ppo_micro_batch_size_per_gpu": _to("actor.ppo_micro_batch_size"),
     A + "ppo_micro_batch_size": _micro_global,
     A + "ppo_epochs": _to("actor.ppo_epochs"),
+    # token-budget micro-batches: one switch for every forward (verl's four keys must agree)
+    **{k: _to("actor.use_dynamic_bsz") for k in (
+        A + "use_dynamic_bsz", R + "log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "critic.use_dynamic_bsz")},
+    A + "ppo_max_token_len_per_gpu": _to("actor.ppo_max_token_len_per_gpu"),
+    R + "log_prob_max_token_len_per_gpu": _to("actor.log_prob_max_token_len_per_gpu"),
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu":
+        _to("actor.ref_log_prob_max_token_len_per_gpu"),
+    "critic.ppo_max_token_len_per_gpu": _to("actor.critic_ppo_max_token_len_per_gpu"),
+    "critic.forward_max_token_len_per_gpu": _to("actor.critic_forward_max_token_len_per_gpu"),
+    "trainer.balance_batch": _to("trainer.balance_batch"),
     A + "optim.lr": _to("optim.lr"),
     A + "optim.weight_decay": _to("optim.weight_decay"),
     A + "optim.betas": _betas,
@@ -439,8 +450,6 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     "trainer.experiment_name": (_any, "a label for verl's loggers; see trainer.project_name"),
     "trainer.critic_warmup": (_is(0), "there is no critic warm-up phase here"),
     "trainer.device": (_is("cuda", "cpu"), "each worker uses CUDA when present, else the CPU"),
-    "trainer.balance_batch": (_is(True, False), "workers take equal blocks of the batch here "
-                              "(sequence-length balancing is not needed)"),
     A + "fsdp_config.param_offload": (_is(True, False), _MEMORY),
     A + "fsdp_config.optimizer_offload": (_is(True, False), _MEMORY),
     "actor_rollout_ref.ref.fsdp_config.param_offload": (_is(True, False), _MEMORY),
@@ -448,7 +457,6 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     "critic.model.fsdp_config.optimizer_offload": (_is(True, False), _MEMORY),
     "actor_rollout_ref.model.use_remove_padding": (_is(True, False),
                                                    "a kernel choice in verl (same results)"),
-    A + "ppo_max_token_len_per_gpu": (_any, "read by verl only with use_dynamic_bsz (refused)"),
     R + "log_prob_micro_batch_size_per_gpu": (_any, "memory only; log-probs are recomputed in "
                                               "micro-batches of actor.ppo_micro_batch_size"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": (
@@ -490,8 +498,6 @@ REFUSED: dict[str, str] = {
                                                  "here (only architectures transformers ships "
                                                  "load; the folder is checked before loading)",
     "data.trust_remote_code": "a model folder's own Python code is never run here",
-    A + "use_dynamic_bsz": "token-budget micro-batches are not offered yet (tracked in issue "
-                           "26); use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     A + "ulysses_sequence_parallel_size": "no sequence parallelism: each worker holds whole "
                                          "sequences",
     "actor_rollout_ref.model.external_lib": "no external model libraries are imported",

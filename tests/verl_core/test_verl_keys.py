@@ -118,7 +118,8 @@ def test_mapped_values_build_a_valid_config():
     ("actor_rollout_ref.model.lora_rank=32", r"lora_rank=32 cannot apply here: LoRA .*issue 28"),
     ("actor_rollout_ref.model.trust_remote_code=True",
      r"trust_remote_code=True cannot apply here: a model folder's own Python code is never run"),
-    (f"{A}use_dynamic_bsz=True", r"use_dynamic_bsz=True cannot apply here"),
+    (f"{A}use_dynamic_bsz=True critic.use_dynamic_bsz=False",
+     r"both set actor.use_dynamic_bsz \(True vs False\)"),
     ("data.truncation=left", r"data.truncation='left' cannot apply here: prompts are never"),
     # a verl key with no table entry: refused unless at verl's default
     ("actor_rollout_ref.rollout.multi_turn.enable=True",

@@ -12,6 +12,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from verl_core.algorithms.utils import entropy_from_logits, logprobs_from_logits
+from verl_core.training.dist import SINGLE, DataParallel
+from verl_core.training.packing import micro_batches, narrow, row_tokens
 
 # Elements of a (rows, V) chunk of response logits per checkpointed call: each chunk's logits,
 # softmax and products (~64 MiB of float32 each) exist one chunk at a time, in forward and again
@@ -157,23 +159,41 @@ def critic_values(critic, prompt_ids, prompt_mask, response_ids, response_mask) 
     return values[:, P - 1:-1].float() * response_mask  # (n, T)
 
 
+def _by_micro_batch(fn, batch, micro_batch_size: int, max_token_len: int,
+                    dp: DataParallel) -> torch.Tensor:
+    """(N, T): ``fn(mb)`` (n, t) of each micro-batch ``mb`` of ``batch`` written at its rows:
+    chunks of ``micro_batch_size`` rows, or with ``max_token_len`` > 0 rows packed to that token
+    budget and cut to their longest response (:mod:`verl_core.training.packing`; ``dp``: the
+    workers agree on the number of forwards)."""
+    N, T = batch.response_ids.shape
+    out = None
+    for rows in micro_batches(torch.arange(N), row_tokens(batch), micro_batch_size,
+                              max_token_len, dp):
+        mb = batch.select(rows)
+        part = fn(narrow(mb) if max_token_len else mb)  # (n, t), t <= T
+        if out is None:
+            out = part.new_zeros(N, T)
+        out[rows.to(part.device), :part.shape[1]] = part
+    return out if out is not None else torch.zeros(N, T)
+
+
 @torch.no_grad()
-def batched_logprobs(model, batch, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """No-grad log-probs of every row of a :class:`~verl_core.data.batch.Batch`: (N, T)."""
+def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, *,
+                     max_token_len: int = 0, dp: DataParallel = SINGLE) -> torch.Tensor:
+    """No-grad log-probs of every row of a :class:`~verl_core.data.batch.Batch`: (N, T); micro-
+    batches of ``micro_batch_size`` rows or of ``max_token_len`` tokens (``_by_micro_batch``)."""
     was_training = model.training
     model.eval()
-    out = []
-    for s in range(0, batch.num_rows, micro_batch_size):
-        sl = slice(s, s + micro_batch_size)
-        lp, _ = response_logprobs(model, batch.prompt_ids[sl], batch.prompt_mask[sl],
-                                  batch.response_ids[sl], batch.response_mask[sl], temperature)
-        out.append(lp)
+    out = _by_micro_batch(lambda mb: response_logprobs(
+        model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+        temperature)[0], batch, micro_batch_size, max_token_len, dp)
     model.train(was_training)
-    return torch.cat(out, 0)
+    return out
 
 
 @torch.no_grad()
-def batched_sum_pi_squared(model, batch, temperature: float, micro_batch_size: int) -> torch.Tensor:
+def batched_sum_pi_squared(model, batch, temperature: float, micro_batch_size: int, *,
+                           max_token_len: int = 0, dp: DataParallel = SINGLE) -> torch.Tensor:
     """No-grad Σ_v π_v² of the (temperature-scaled) policy at every response position: (N, T),
     0 on padding. The optimal-token-baseline estimators read it (verl's ``sum_pi_squared``)."""
     def sum_pi_sq(logits, labels):  # (rows, V), (rows,) -> ((rows,),)
@@ -182,27 +202,26 @@ def batched_sum_pi_squared(model, batch, temperature: float, micro_batch_size: i
         # Σ_v π_v² = exp(logsumexp(2z) - 2 logsumexp(z)), without forming the probabilities
         return (torch.exp(torch.logsumexp(2 * logits, -1) - 2 * torch.logsumexp(logits, -1)),)
 
+    def one(mb):
+        (sq,) = _rows_through_head(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                   mb.response_mask, sum_pi_sq)
+        return sq * mb.response_mask
+
     was_training = model.training
     model.eval()
-    out = []
-    for s in range(0, batch.num_rows, micro_batch_size):
-        sl = slice(s, s + micro_batch_size)
-        (sq,) = _rows_through_head(model, batch.prompt_ids[sl], batch.prompt_mask[sl],
-                                   batch.response_ids[sl], batch.response_mask[sl], sum_pi_sq)
-        out.append(sq * batch.response_mask[sl])
+    out = _by_micro_batch(one, batch, micro_batch_size, max_token_len, dp)
     model.train(was_training)
-    return torch.cat(out, 0)
+    return out
 
 
 @torch.no_grad()
-def batched_values(critic, batch, micro_batch_size: int) -> torch.Tensor:
-    """No-grad critic values of every row: (N, T)."""
+def batched_values(critic, batch, micro_batch_size: int, *, max_token_len: int = 0,
+                   dp: DataParallel = SINGLE) -> torch.Tensor:
+    """No-grad critic values of every row: (N, T) (micro-batches as ``batched_logprobs``)."""
     was_training = critic.training
     critic.eval()
-    out = [critic_values(critic, batch.prompt_ids[s:s + micro_batch_size],
-                         batch.prompt_mask[s:s + micro_batch_size],
-                         batch.response_ids[s:s + micro_batch_size],
-                         batch.response_mask[s:s + micro_batch_size])
-           for s in range(0, batch.num_rows, micro_batch_size)]
+    out = _by_micro_batch(lambda mb: critic_values(critic, mb.prompt_ids, mb.prompt_mask,
+                                                   mb.response_ids, mb.response_mask),
+                          batch, micro_batch_size, max_token_len, dp)
     critic.train(was_training)
-    return torch.cat(out, 0)
+    return out

@@ -27,10 +27,17 @@ from verl_core.config import AlgorithmConfig
 from verl_core.data.batch import Batch
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.forward import batched_logprobs, critic_values, response_logprobs
+from verl_core.training.packing import (balanced_order, in_row_order, micro_batches, narrow,
+                                        row_tokens, worker_order)
 
 
 def _chunks(idx: torch.Tensor, size: int):
     return [idx[s:s + size] for s in range(0, idx.numel(), size)]
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(n, t) -> (n, width), zeros on the right (a narrowed micro-batch's per-token values)."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
 
 
 def _optimizer_step(model, optimizer, scheduler, grad_clip: float) -> tuple[torch.Tensor, bool]:
@@ -86,7 +93,9 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                temperature: float, mini_batch_rows: int, micro_batch_rows: int, epochs: int,
                grad_clip: float, seed: int, critic=None, critic_optimizer=None,
                critic_scheduler=None, dp: DataParallel = SINGLE,
-               after_backward=None, on_policy_shortcut: bool = True) -> dict[str, float]:
+               after_backward=None, on_policy_shortcut: bool = True, max_token_len: int = 0,
+               critic_max_token_len: int = 0, log_prob_max_token_len: int = 0,
+               balance_batch: bool = False) -> dict[str, float]:
     """One RL step's update of the actor (and critic when ``critic`` is given).
 
     batch must carry ``advantages`` (N, T); ``ref_logprobs`` when ``algo.use_kl_loss``; ``values``
@@ -111,6 +120,16 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     however many workers share it. With ``dp`` (W > 1, FSDP2 models whose gradient divide factor
     is 1), worker r takes the r-th block of every mini-batch and the reduce-scatter sums the
     parts: the batch semantics do not depend on W.
+
+    Token budgets (verl's ``use_dynamic_bsz``): ``max_token_len`` > 0 packs each worker's rows of
+    a mini-batch into micro-batches of at most that many tokens for the actor
+    (:func:`~verl_core.training.packing.token_micro_batches`, Karmarkar-Karp balanced; a longer
+    row alone), each cut to its longest response; ``critic_max_token_len`` likewise for the
+    critic and ``log_prob_max_token_len`` for the no-grad old log-probs (0: rows of
+    ``micro_batch_rows``). The weights above make the step's gradient the same, up to float
+    summation order. ``balance_batch`` (verl's ``trainer.balance_batch``, W > 1) reorders each
+    mini-batch's rows so that the W blocks hold nearly equal token counts: the same rows, the
+    same loss.
 
     ``after_backward(actor)``, if given, runs once after the first micro-batch's backward (fault
     drills use it to poison the gradients).
@@ -138,6 +157,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                                                           mini_batch_rows=mini_batch_rows,
                                                           epochs=epochs)
     mismatch = None  # the rollout_probs_diff metrics (0-d tensors), once measured
+    tokens = row_tokens(batch)  # (N,) what the token budgets and the balancing count
     pre_step: list[torch.Tensor] = []  # this worker's update-forward logp (m, T) before any step
     if algo.old_logp_from_rollout:
         old_logp = batch.response_logprobs  # (N, T) bypass: the rollout engine's own log-probs
@@ -147,9 +167,11 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
         # Recompute the behaviour policy's log-probs with the trainer's own forward (as verl
         # does): rollout engines (vLLM, bf16 kernels) can differ from it numerically.
         # each worker computes its block of rows, then every worker gets all of them: (N, T)
-        mine = dp.block(torch.arange(N))
-        old_logp = dp.gather_rows(batched_logprobs(actor, batch.select(mine) if dp.distributed
-                                                   else batch, temperature, micro_batch_rows))
+        order = worker_order(tokens, dp.size, balance_batch and dp.distributed)
+        mine = dp.block(order)
+        old_logp = in_row_order(order, dp.gather_rows(batched_logprobs(
+            actor, batch.select(mine) if dp.distributed else batch, temperature,
+            micro_batch_rows, max_token_len=log_prob_max_token_len, dp=dp)))
         mismatch = rollout_probs_diff(old_logp, batch.response_logprobs.to(old_logp.device),
                                       batch.response_mask.to(old_logp.device))
         if algo.rollout_is:
@@ -163,6 +185,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     policy_loss = get_policy_loss(algo.policy_loss)
     options = loss_options(algo)
     scale = algo.loss_scale_factor or None  # seq-mean-token-sum-norm's C; None: the width T
+    if scale is None and (max_token_len or critic_max_token_len):
+        scale = float(max(batch.response_ids.shape[1], 1))  # narrowed micro-batches: still T
     gen = torch.Generator().manual_seed(seed)
     # clip_cov's random draws: a stream of their own (Mersenne Twister seeded with seed + 1),
     # so the mini-batch order drawn from `gen` is the same whatever the loss
@@ -176,22 +200,27 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     for _ in range(epochs):
         order = torch.randperm(N, generator=gen)
         for mini in _chunks(order, mini_batch_rows):
+            if balance_batch:
+                mini = balanced_order(mini, tokens, dp.size)  # (M,) the same rows, reordered
             mini_mask = batch.response_mask[mini]  # (M, T): the denominators' batch
-            for micro in _chunks(dp.block(mini), micro_batch_rows):
-                mb = batch.select(micro)
+            pre_rows = []  # the rows of pre_step, in its order
+            for micro in micro_batches(dp.block(mini), tokens, micro_batch_rows, max_token_len,
+                                       dp):
+                mb = narrow(batch.select(micro)) if max_token_len else batch.select(micro)
                 mask = mb.response_mask
+                width = mask.shape[1]  # the micro-batch's response columns (narrowed: <= T)
                 weight = micro_batch_weight(mask, mini_mask, algo.loss_agg_mode)
                 need_entropy = algo.entropy_coeff > 0
                 logp, entropy = response_logprobs(actor, mb.prompt_ids, mb.prompt_mask,
                                                   mb.response_ids, mask, temperature,
                                                   with_entropy=need_entropy)
                 pg_loss, pg_metrics = policy_loss(
-                    logp.detach() if old_logp is None else old_logp[micro], logp,
+                    logp.detach() if old_logp is None else old_logp[micro, :width], logp,
                     mb.advantages, mask,
                     clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
                     clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode,
                     loss_scale_factor=scale,
-                    rollout_is_weights=None if is_weights is None else is_weights[micro],
+                    rollout_is_weights=None if is_weights is None else is_weights[micro, :width],
                     options=options, generator=loss_gen)
                 loss = pg_loss
                 if need_entropy:
@@ -204,7 +233,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                     loss = loss + algo.kl_loss_coef * kl
                     sums["actor/kl_loss"].append(kl.detach())
                 if mismatch is None:  # no step yet: logp is the trainer's at the rollout weights
-                    pre_step.append(logp.detach())
+                    pre_step.append(_pad_to(logp.detach(), batch.response_ids.shape[1]))
+                    pre_rows.append(micro)
                 (loss * weight).backward()
                 if after_backward is not None:
                     after_backward(actor)
@@ -214,16 +244,19 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                     sums[f"actor/{k}"].append(v.detach())
             if mismatch is None:  # the first mini-batch's rows, every worker's block: (M, T)
                 train_logp = dp.gather_rows(torch.cat(pre_step, 0))
+                seen = dp.gather_rows(torch.cat(pre_rows))  # (M,) their rows, in that order
                 mismatch = rollout_probs_diff(
-                    train_logp, batch.response_logprobs[mini].to(train_logp.device),
-                    mini_mask.to(train_logp.device))
+                    train_logp, batch.response_logprobs[seen].to(train_logp.device),
+                    batch.response_mask[seen].to(train_logp.device))
                 pre_step.clear()
             grad_norm, ok = _optimizer_step(actor, actor_optimizer, actor_scheduler, grad_clip)
             sums["actor/grad_norm"].append(grad_norm)
             skipped += not ok
             if critic is not None:
-                for micro in _chunks(dp.block(mini), micro_batch_rows):
-                    mb = batch.select(micro)
+                for micro in micro_batches(dp.block(mini), tokens, micro_batch_rows,
+                                           critic_max_token_len, dp):
+                    mb = (narrow(batch.select(micro)) if critic_max_token_len
+                          else batch.select(micro))
                     weight = micro_batch_weight(mb.response_mask, batch.response_mask[mini],
                                                 algo.loss_agg_mode)
                     vpreds = critic_values(critic, mb.prompt_ids, mb.prompt_mask,

@@ -17,13 +17,14 @@ from verl_core.training import ppo as ppo_module
 from verl_core.training.ppo import loss_options, ppo_update
 
 
-def _rollout(seed=0, n_prompts=4, G=4):
+def _rollout(seed=0, n_prompts=4, G=4, max_new_tokens=4):
     model, tok = build_tiny_model(seed=seed)
     enc = tok([f"{i}+{i}=" for i in range(n_prompts)], return_tensors="pt", padding=True)
     ids = enc.input_ids.repeat_interleave(G, 0)
     mask = enc.attention_mask.repeat_interleave(G, 0)
     eng = make_engine("hf", model=model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    out = eng.generate(ids, mask, SamplingParams(temperature=1.0, max_new_tokens=4, seed=seed))
+    out = eng.generate(ids, mask, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens,
+                                                  seed=seed))
     N = ids.shape[0]
     g = torch.Generator().manual_seed(seed)
     adv = torch.randn(N, 1, generator=g).expand(N, out.response_ids.shape[1]) * out.response_mask

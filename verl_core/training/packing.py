@@ -1,0 +1,157 @@
+"""Which rows go through one forward together: token-budget micro-batches (verl's
+``use_dynamic_bsz``) and token-balanced worker blocks (verl's ``trainer.balance_batch``).
+
+What belongs here: pure functions of row lengths (ties broken by row index, so the packing, and
+with it a resumed run, is the same bits every time), the one agreement between workers that
+FSDP2 needs (every worker runs the same number of forwards), and cutting a micro-batch to its
+longest response. The losses' weights are not here: each micro-batch's loss is weighted by its
+share of the mini-batch's denominator (:func:`~verl_core.algorithms.micro_batch_weight`), which
+is what makes the result independent of the packing.
+
+The partitioner is hand-written (as verl's ``seqlen_balancing.py`` is): the libraries that offer
+number partitioning (``numberpartitioning``, ``prtpy``) do not take the equal-count constraint the
+worker blocks need, nor promise a tie order, and the algorithm is 40 lines.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from verl_core.data.batch import _TOKEN_COLS, Batch
+from verl_core.training.dist import SINGLE, DataParallel
+
+
+def row_tokens(batch: Batch) -> torch.Tensor:
+    """(N,) long: real tokens of each row, prompt + response, the count verl's token budget
+    measures (its ``attention_mask.sum``)."""
+    return (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).long()
+
+
+def karmarkar_karp(lengths: list[int], k: int, equal_size: bool = False) -> list[list[int]]:
+    """Positions 0..n-1 of ``lengths`` in ``k`` parts of nearly equal sums (Karmarkar & Karp's
+    largest differencing method, k-way, as verl's ``get_seqlen_balanced_partitions``); each part
+    sorted ascending, parts ordered by their first position.
+
+    ``equal_size``: every part gets n / k positions (n must be a multiple of k): the sorted
+    lengths are dealt in runs of k, one to each part, before the differencing starts.
+
+    A state is k partial parts; the two states of largest spread (max sum - min sum) are merged
+    by joining the heaviest part of one with the lightest of the other, and so on, which cancels
+    the spreads against each other. Ties in the heap are broken by creation order, and the first
+    states are created in (length, position) order: a pure function of ``lengths``."""
+    n = len(lengths)
+    if not 1 <= k <= max(n, 1):
+        raise ValueError(f"cannot cut {n} rows into {k} non-empty parts")
+    if equal_size and n % k:
+        raise ValueError(f"{n} rows cannot be cut into {k} parts of equal size")
+    order = sorted(range(n), key=lambda i: (lengths[i], i))
+    heap: list = []
+    made = 0
+
+    def push(parts):  # parts: list of (sum, positions), heaviest first
+        nonlocal made
+        parts.sort(key=lambda p: (-p[0], p[1][0] if p[1] else n))
+        heapq.heappush(heap, (-(parts[0][0] - parts[-1][0]), made, parts))
+        made += 1
+
+    if equal_size:
+        for s in range(0, n, k):
+            push([(lengths[i], [i]) for i in order[s:s + k]])
+    else:
+        for i in order:
+            push([(lengths[i], [i])] + [(0, []) for _ in range(k - 1)])
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        # a heaviest-first, b reversed lightest-first: the big parts of one meet the small of b
+        push([(sa + sb, pa + pb) for (sa, pa), (sb, pb) in zip(a, reversed(b))])
+    parts = [sorted(p) for _, p in heap[0][2]]
+    return sorted(parts, key=lambda p: p[0] if p else n)
+
+
+def _fits(parts: list[list[int]], lengths: list[int], max_tokens: int) -> bool:
+    """Every part within the budget, except a single row longer than it (alone in its part)."""
+    return all(len(p) == 1 or sum(lengths[i] for i in p) <= max_tokens for p in parts)
+
+
+def _packed(lengths: list[int], max_tokens: int, k: int) -> tuple[int, list[list[int]]]:
+    """The fewest parts, at least ``k``, whose Karmarkar-Karp cut fits ``max_tokens``."""
+    n = len(lengths)
+    if not n:
+        return k, []
+    k = min(max(k, -(-sum(lengths) // max_tokens), 1), n)  # ceil(total / budget): no fewer fit
+    while True:
+        parts = karmarkar_karp(lengths, k)  # k <= n parts, none empty
+        if k == n or _fits(parts, lengths, max_tokens):
+            return k, parts
+        k += 1
+
+
+def token_micro_batches(rows: torch.Tensor, tokens: torch.Tensor, max_tokens: int,
+                        dp: DataParallel = SINGLE) -> list[torch.Tensor]:
+    """``rows`` (n,) cut into micro-batches of at most ``max_tokens`` tokens each (``tokens``
+    (N,): every row's count, :func:`row_tokens`); a row longer than the budget gets a
+    micro-batch of its own. Returns 1-D long index tensors (subsets of ``rows``).
+
+    With W > 1 every worker cuts its own rows into the same number of micro-batches (the
+    largest any worker needs), since under FSDP2 each forward is a collective; each worker's rows
+    are equally many, so that number is always reachable."""
+    lengths = tokens[rows].tolist()
+    k, parts = _packed(lengths, max_tokens, 1)
+    while dp.distributed:
+        counts = dp.gather_objects(k)  # every worker sees the same list and decides alike
+        if len(set(counts)) == 1:
+            break
+        k, parts = _packed(lengths, max_tokens, max(counts))
+    return [rows[torch.tensor(p, dtype=torch.long)] for p in parts]
+
+
+def micro_batches(rows: torch.Tensor, tokens: torch.Tensor, micro_batch_rows: int,
+                  max_tokens: int = 0, dp: DataParallel = SINGLE) -> list[torch.Tensor]:
+    """``rows`` in consecutive chunks of ``micro_batch_rows`` (``max_tokens`` 0), or packed to
+    the token budget ``max_tokens`` (:func:`token_micro_batches`)."""
+    if max_tokens:
+        return token_micro_batches(rows, tokens, max_tokens, dp)
+    return [rows[s:s + micro_batch_rows] for s in range(0, rows.numel(), micro_batch_rows)]
+
+
+def narrow(mb: Batch) -> Batch:
+    """``mb`` with its response columns cut to its longest response (at least one column):
+    rows packed by tokens pay for their own padding only, not the batch's longest response.
+    A right-padded position never enters a real position's causal attention, so nothing else
+    changes (``seq-mean-token-sum-norm`` must then be given the full width as its C)."""
+    width = max(int(mb.response_mask.sum(-1).max()) if mb.num_rows else 0, 1)
+    if width >= mb.response_ids.shape[1]:
+        return mb
+    cut = {name: getattr(mb, name)[:, :width] for name in ("response_ids", "response_mask",
+                                                           *_TOKEN_COLS)
+           if getattr(mb, name) is not None}
+    return mb.replace(**cut)
+
+
+def balanced_order(rows: torch.Tensor, tokens: torch.Tensor, world: int) -> torch.Tensor:
+    """``rows`` (n,) reordered so that its W contiguous blocks (what :meth:`DataParallel.block`
+    hands each worker) hold nearly equal token counts (verl's ``trainer.balance_batch``): the
+    same rows, so a mini-batch's loss, a sum weighted by each row's share, does not change."""
+    if world <= 1:
+        return rows
+    parts = karmarkar_karp(tokens[rows].tolist(), world, equal_size=True)
+    return rows[torch.tensor([i for p in parts for i in p], dtype=torch.long)]
+
+
+def worker_order(tokens: torch.Tensor, world: int, balance: bool) -> torch.Tensor:
+    """(N,) every row, in the order whose W contiguous blocks the workers take for a no-grad
+    forward: token-balanced (:func:`balanced_order`) with ``balance``, else 0..N-1."""
+    rows = torch.arange(tokens.numel())
+    return balanced_order(rows, tokens, world) if balance else rows
+
+
+def in_row_order(order: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """Rows gathered in ``order`` (N, ...) put back at their own places (row i at i)."""
+    if torch.equal(order, torch.arange(order.numel())):
+        return gathered
+    out = torch.empty_like(gathered)
+    out[order.to(gathered.device)] = gathered
+    return out
