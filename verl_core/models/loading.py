@@ -13,6 +13,7 @@ import struct
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from verl_core.errors import PermanentError
 
@@ -221,16 +222,37 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
-    """``AutoModelForCausalLM`` from a local folder, in training mode off (eval)."""
+def _from_pretrained(auto, what: str, path: str, dtype: str, fresh: tuple[str, ...] = (),
+                     **kwargs) -> torch.nn.Module:
+    """``auto.from_pretrained`` of a local folder, every weight accounted for: transformers
+    initialises a weight missing from the safetensors at random and only logs a table about it
+    (a truncated or hand-edited checkpoint would train from noise), so the missing keys are
+    checked here; ``fresh`` names the prefixes that are new by design (a critic's value head),
+    whose LOAD REPORT table is noise and is silenced for the load."""
     _check_folder(path)
+    verbosity = hf_logging.get_verbosity()
+    if fresh:
+        hf_logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=_DTYPES[dtype])
-    except Exception as e:  # noqa: BLE001
-        raise _load_failed("a causal LM", path, e) from None
+        model, info = auto.from_pretrained(path, local_files_only=True, dtype=_DTYPES[dtype],
+                                           output_loading_info=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised with the folder named
+        raise _load_failed(what, path, e) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(fresh or ("\0",)))
+    if missing:
+        raise ModelLoadError(
+            f"cannot load {what} from {path!r}: the weights {missing[:5]} are not in the folder's "
+            f"safetensors ({len(missing)} missing; they would start as random noise): give a "
+            "complete folder (re-export or re-download it)")
     model.eval()
     return model
+
+
+def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
+    """``AutoModelForCausalLM`` from a local folder, in training mode off (eval)."""
+    return _from_pretrained(AutoModelForCausalLM, "a causal LM", path, dtype)
 
 
 def load_critic(path: str, dtype: str = "float32") -> torch.nn.Module:
@@ -242,12 +264,10 @@ def load_critic(path: str, dtype: str = "float32") -> torch.nn.Module:
         # dropout would make the update depend on global RNG)
         config = AutoConfig.from_pretrained(path, num_labels=1, local_files_only=True)
         config.classifier_dropout = 0.0
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, config=config, local_files_only=True, dtype=_DTYPES[dtype])
     except Exception as e:  # noqa: BLE001
         raise _load_failed("a critic", path, e) from None
-    model.eval()
-    return model
+    return _from_pretrained(AutoModelForTokenClassification, "a critic", path, dtype,
+                            fresh=("score.", "classifier."), config=config)
 
 
 _ST_FLOATS = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
