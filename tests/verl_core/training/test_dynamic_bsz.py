@@ -269,3 +269,51 @@ def test_verl_keys_map_to_the_budgets():
     assert preset("grpo").actor.token_budget("ppo_max_token_len_per_gpu") == 0  # off: rows
     with pytest.raises(ConfigError, match=r"actor.ppo_max_token_len_per_gpu.*must be > 0"):
         preset("grpo", **{"actor.ppo_max_token_len_per_gpu": 0})
+
+
+# ------------------------------------------------------------------ the trainer's phases
+def test_trainer_packs_every_forward_to_its_budget(tmp_path):
+    """PPO with a reference (KL loss) and a critic, one RL step with token budgets: the
+    reference's and the critic's no-grad forwards, the old log-probs, and both updates run in
+    micro-batches within their own budgets (a longer row alone), recorded by forward hooks on
+    the real models."""
+    from verl_core.trainer import RLTrainer, prepare_assets
+
+    budgets = {"ppo_max_token_len_per_gpu": 40, "log_prob_max_token_len_per_gpu": 50,
+               "ref_log_prob_max_token_len_per_gpu": 60, "critic_ppo_max_token_len_per_gpu": 70,
+               "critic_forward_max_token_len_per_gpu": 80}
+    cfg = preset("ppo", **{"model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
+                           "data.synthetic_train_size": 64, "data.synthetic_val_size": 8,
+                           "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 4,
+                           "rollout.n": 3, "actor.ppo_micro_batch_size": 12, "num_threads": 1,
+                           "algorithm.use_kl_loss": True, "actor.use_dynamic_bsz": True,
+                           **{f"actor.{k}": v for k, v in budgets.items()}})
+    trainer = RLTrainer(cfg, prepare_assets(cfg, str(tmp_path), log=lambda *_: None))
+    seen = {}
+
+    def record(name):
+        def hook(m, args, kw):
+            if name == "critic" or torch.is_tensor(kw.get("logits_to_keep")):  # not sampling
+                seen.setdefault((name, torch.is_grad_enabled()), []).append(
+                    int(kw["attention_mask"].sum()))
+        return hook
+
+    for name in ("actor", "ref", "critic"):
+        getattr(trainer, name).register_forward_pre_hook(record(name), with_kwargs=True)
+    try:
+        batch, _ = trainer.rollout(step=0)
+        batch, _ = trainer.reward(batch)
+        batch, _ = trainer.advantage(batch)
+        trainer.update(batch, step=0)
+    finally:
+        trainer.close()
+    tokens = row_tokens(batch)
+    assert int(tokens.max()) < 40 // 2  # every budget holds two rows: packing, not one each
+    epochs = cfg.actor.ppo_epochs
+    for key, budget in {("ref", False): 60, ("critic", False): 80, ("actor", False): 50,
+                        ("actor", True): 40, ("critic", True): 70}.items():
+        real = seen[key]
+        passes = epochs if key[1] else 1
+        assert sum(real) == passes * int(tokens.sum()), key  # every row once per pass
+        assert all(r <= budget for r in real), key
+        assert passes * -(-int(tokens.sum()) // budget) <= len(real) < passes * batch.num_rows, key
