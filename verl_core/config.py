@@ -566,9 +566,10 @@ class ActorConfig:
     use_dynamic_bsz: bool = False
     """Micro-batches by a token budget instead of ``ppo_micro_batch_size`` rows, for every
     forward the trainer runs (verl's ``use_dynamic_bsz``, all four of its keys): each worker's
-    rows packed Karmarkar-Karp-balanced to the ``*_max_token_len_per_gpu`` budget below (prompt
-    + response tokens; a longer row gets a micro-batch of its own), each cut to its longest
-    response. Memory and speed only: the loss weights make the update the same."""
+    rows sorted by length and cut into runs that fit the ``*_max_token_len_per_gpu`` budget below
+    (positions run, padding included: rows x (longest prompt + longest response); a longer row
+    gets a micro-batch of its own), each cut to its longest response. Memory and speed only:
+    the loss weights make the update the same."""
     ppo_max_token_len_per_gpu: int = 16384
     """Token budget of one micro-batch of the actor's update (verl's key)."""
     log_prob_max_token_len_per_gpu: int = 16384

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from verl_core.algorithms.utils import entropy_from_logits, logprobs_from_logits
 from verl_core.training.dist import SINGLE, DataParallel
-from verl_core.training.packing import micro_batches, narrow, row_tokens
+from verl_core.training.packing import micro_batches, narrow
 
 # Elements of a (rows, V) chunk of response logits per checkpointed call: each chunk's logits,
 # softmax and products (~64 MiB of float32 each) exist one chunk at a time, in forward and again
@@ -167,7 +167,7 @@ def _by_micro_batch(fn, batch, micro_batch_size: int, max_token_len: int,
     workers agree on the number of forwards)."""
     N, T = batch.response_ids.shape
     out = None
-    for rows in micro_batches(torch.arange(N), row_tokens(batch), micro_batch_size,
+    for rows in micro_batches(torch.arange(N), batch, micro_batch_size,
                               max_token_len, dp):
         mb = batch.select(rows)
         part = fn(narrow(mb) if max_token_len else mb)  # (n, t), t <= T

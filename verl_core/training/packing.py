@@ -8,6 +8,15 @@ longest response. The losses' weights are not here: each micro-batch's loss is w
 share of the mini-batch's denominator (:func:`~verl_core.algorithms.micro_batch_weight`), which
 is what makes the result independent of the packing.
 
+Micro-batches are cut by their *padded* size: a micro-batch runs rows x (its longest prompt + its
+longest response) positions, and that, not the real-token count, is what its activations and its
+compute scale with here (no remove-padding yet). So rows are sorted by length and cut into
+consecutive runs whose padded size fits the budget: each micro-batch holds rows of similar length
+(little padding), and no micro-batch runs more positions than the budget allows. verl balances
+micro-batches with Karmarkar-Karp on real tokens, which is right when padding is removed; on padded
+rows it mixes long and short rows and pays the long row's width for all of them (measured:
+``bench/dynamic_bsz.py``). Worker blocks (``balance_batch``) are balanced with Karmarkar-Karp.
+
 The partitioner is hand-written (as verl's ``seqlen_balancing.py`` is): the libraries that offer
 number partitioning (``numberpartitioning``, ``prtpy``) do not take the equal-count constraint the
 worker blocks need, nor promise a tie order, and the algorithm is 40 lines.
@@ -71,49 +80,62 @@ def karmarkar_karp(lengths: list[int], k: int, equal_size: bool = False) -> list
     return sorted(parts, key=lambda p: p[0] if p else n)
 
 
-def _fits(parts: list[list[int]], lengths: list[int], max_tokens: int) -> bool:
-    """Every part within the budget, except a single row longer than it (alone in its part)."""
-    return all(len(p) == 1 or sum(lengths[i] for i in p) <= max_tokens for p in parts)
+def padded_size(prompt: list[int], response: list[int], part: list[int]) -> int:
+    """Positions a micro-batch of rows ``part`` runs: rows x (longest prompt + longest response)
+    (``prompt``, ``response``: every row's real lengths)."""
+    return len(part) * (max(prompt[i] for i in part) + max(response[i] for i in part))
 
 
-def _packed(lengths: list[int], max_tokens: int, k: int) -> tuple[int, list[list[int]]]:
-    """The fewest parts, at least ``k``, whose Karmarkar-Karp cut fits ``max_tokens``."""
-    n = len(lengths)
-    if not n:
-        return k, []
-    k = min(max(k, -(-sum(lengths) // max_tokens), 1), n)  # ceil(total / budget): no fewer fit
-    while True:
-        parts = karmarkar_karp(lengths, k)  # k <= n parts, none empty
-        if k == n or _fits(parts, lengths, max_tokens):
-            return k, parts
-        k += 1
+def _packed(prompt: list[int], response: list[int], max_tokens: int,
+            k: int) -> list[list[int]]:
+    """Positions 0..n-1 in at least ``k`` (and at most n) runs of the (length, position) order,
+    each of padded size <= ``max_tokens`` unless it is one row: first greedily (a run grows while
+    it fits), then the run of largest padded size (ties: the earlier) halved until there are
+    ``k`` (halving never makes a run larger)."""
+    n = len(prompt)
+    order = sorted(range(n), key=lambda i: (prompt[i] + response[i], i))
+    parts: list[list[int]] = []
+    width = (0, 0)  # the last run's longest prompt and response
+    for i in order:
+        grown = (max(width[0], prompt[i]), max(width[1], response[i]))
+        if parts and (len(parts[-1]) + 1) * sum(grown) <= max_tokens:
+            parts[-1].append(i)
+            width = grown
+        else:
+            parts.append([i])
+            width = (prompt[i], response[i])
+    while len(parts) < min(k, n):
+        j = max(range(len(parts)), key=lambda j: (len(parts[j]) > 1,
+                                                  padded_size(prompt, response, parts[j]), -j))
+        run = parts[j]
+        parts[j:j + 1] = [run[:len(run) // 2], run[len(run) // 2:]]
+    return parts
 
 
-def token_micro_batches(rows: torch.Tensor, tokens: torch.Tensor, max_tokens: int,
+def token_micro_batches(rows: torch.Tensor, batch: Batch, max_tokens: int,
                         dp: DataParallel = SINGLE) -> list[torch.Tensor]:
-    """``rows`` (n,) cut into micro-batches of at most ``max_tokens`` tokens each (``tokens``
-    (N,): every row's count, :func:`row_tokens`); a row longer than the budget gets a
-    micro-batch of its own. Returns 1-D long index tensors (subsets of ``rows``).
+    """``rows`` (n,) of ``batch`` cut into micro-batches that each run at most ``max_tokens``
+    positions, padding included (:func:`padded_size`; their real tokens are fewer); a row longer
+    than the budget gets a micro-batch of its own. Returns 1-D long index tensors (subsets of
+    ``rows``), rows of similar length together.
 
     With W > 1 every worker cuts its own rows into the same number of micro-batches (the
     largest any worker needs), since under FSDP2 each forward is a collective; each worker's rows
     are equally many, so that number is always reachable."""
-    lengths = tokens[rows].tolist()
-    k, parts = _packed(lengths, max_tokens, 1)
-    while dp.distributed:
-        counts = dp.gather_objects(k)  # every worker sees the same list and decides alike
-        if len(set(counts)) == 1:
-            break
-        k, parts = _packed(lengths, max_tokens, max(counts))
+    prompt = batch.prompt_mask[rows].sum(-1).long().tolist()
+    response = batch.response_mask[rows].sum(-1).long().tolist()
+    parts = _packed(prompt, response, max_tokens, 1)
+    if dp.distributed:  # every worker sees the same counts and decides alike
+        parts = _packed(prompt, response, max_tokens, max(dp.gather_objects(len(parts))))
     return [rows[torch.tensor(p, dtype=torch.long)] for p in parts]
 
 
-def micro_batches(rows: torch.Tensor, tokens: torch.Tensor, micro_batch_rows: int,
+def micro_batches(rows: torch.Tensor, batch: Batch, micro_batch_rows: int,
                   max_tokens: int = 0, dp: DataParallel = SINGLE) -> list[torch.Tensor]:
     """``rows`` in consecutive chunks of ``micro_batch_rows`` (``max_tokens`` 0), or packed to
     the token budget ``max_tokens`` (:func:`token_micro_batches`)."""
     if max_tokens:
-        return token_micro_batches(rows, tokens, max_tokens, dp)
+        return token_micro_batches(rows, batch, max_tokens, dp)
     return [rows[s:s + micro_batch_rows] for s in range(0, rows.numel(), micro_batch_rows)]
 
 

@@ -123,8 +123,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
 
     Token budgets (verl's ``use_dynamic_bsz``): ``max_token_len`` > 0 packs each worker's rows of
     a mini-batch into micro-batches of at most that many tokens for the actor
-    (:func:`~verl_core.training.packing.token_micro_batches`, Karmarkar-Karp balanced; a longer
-    row alone), each cut to its longest response; ``critic_max_token_len`` likewise for the
+    (:func:`~verl_core.training.packing.token_micro_batches`: runs of rows of similar length,
+    padding counted; a longer row alone), each cut to its longest response; ``critic_max_token_len`` likewise for the
     critic and ``log_prob_max_token_len`` for the no-grad old log-probs (0: rows of
     ``micro_batch_rows``). The weights above make the step's gradient the same, up to float
     summation order. ``balance_batch`` (verl's ``trainer.balance_batch``, W > 1) reorders each
@@ -204,7 +204,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                 mini = balanced_order(mini, tokens, dp.size)  # (M,) the same rows, reordered
             mini_mask = batch.response_mask[mini]  # (M, T): the denominators' batch
             pre_rows = []  # the rows of pre_step, in its order
-            for micro in micro_batches(dp.block(mini), tokens, micro_batch_rows, max_token_len,
+            for micro in micro_batches(dp.block(mini), batch, micro_batch_rows, max_token_len,
                                        dp):
                 mb = narrow(batch.select(micro)) if max_token_len else batch.select(micro)
                 mask = mb.response_mask
@@ -253,7 +253,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
             sums["actor/grad_norm"].append(grad_norm)
             skipped += not ok
             if critic is not None:
-                for micro in micro_batches(dp.block(mini), tokens, micro_batch_rows,
+                for micro in micro_batches(dp.block(mini), batch, micro_batch_rows,
                                            critic_max_token_len, dp):
                     mb = (narrow(batch.select(micro)) if critic_max_token_len
                           else batch.select(micro))
