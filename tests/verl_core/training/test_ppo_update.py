@@ -119,10 +119,12 @@ def _assert_split_invariant(model, batch, algo):
     N = batch.num_rows
     [one] = _grads_at_each_step(copy.deepcopy(model), batch, mini=N, micro=N, algo=algo)
     rows = _grads_at_each_step(copy.deepcopy(model), batch, mini=1, micro=1, algo=algo)
-    assert len(rows) == N  # one step per row: row i's gradient g_i of its own loss
-    # row i's weight in the mini-batch loss (its share of the tokens, or of the non-empty rows)
+    assert len(rows) == N  # one step per row: step k is row order[k]'s gradient of its own loss
+    # ppo_update visits the rows in the epoch's shuffled order (torch.randperm from seed=0)
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(0)).tolist()
+    # step k's row weight in the mini-batch loss (its share of the tokens, or of the non-empty rows)
     w = [float(micro_batch_weight(batch.response_mask[i:i + 1], batch.response_mask, mode))
-         for i in range(N)]
+         for i in order]
 
     # The tolerance comes from the arithmetic, not from what passed on one CPU. Both runs compute
     # g = Σ_i w_i·g_i, the rows' contributions weighted by their share of the loss's denominator,
