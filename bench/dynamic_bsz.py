@@ -7,7 +7,9 @@ prompts of 31 random ids, ragged responses of 4..256 random tokens (seeded, unif
 - ``fixed``: micro-batches of 8 rows, every one padded to the batch's longest response (256);
 - ``budget``: ``max_token_len`` = 8 x (31 + 256) tokens, the fixed micro-batch's padded size,
   so no micro-batch holds more tokens than a fixed one (peak activations: at most a fixed
-  micro-batch's); rows packed Karmarkar-Karp-balanced and cut to their longest response.
+  micro-batch's); rows of similar length grouped (runs of the rows sorted by length, cut where
+  the next row would pass the budget, counting padded positions) and each micro-batch cut to its
+  longest response.
 
 Reported: wall time of each update, the ratio, micro-batches, and the padded tokens (rows x
 (prompt + response width)) the forwards ran: the compute the budget saves on padding.
