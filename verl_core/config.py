@@ -691,6 +691,17 @@ class CheckpointConfig:
             _fail("checkpoint", "resume_from_checkpoint", self.resume_from_checkpoint,
                   "use 'auto', 'none' or a checkpoint path")
 
+    def due(self, step: int, total_steps: int, since_save_s: float | None = None) -> bool:
+        """Whether the state after ``step`` of ``total_steps`` updates is saved: every
+        ``checkpoint_interval`` steps, at the last step, and with ``checkpoint_interval_s`` when
+        ``since_save_s`` seconds since the last save reach it. ``since_save_s=None`` (not known
+        yet, as when a workflow is planned): every step may be due, the worker decides."""
+        if step % self.checkpoint_interval == 0 or step == total_steps:
+            return True
+        if not self.checkpoint_interval_s:
+            return False
+        return since_save_s is None or since_save_s >= self.checkpoint_interval_s
+
 
 GUARD_POLICIES = ("warn", "skip_batch", "retry_phase", "rollback", "halt")
 """What a detector may do when it fires (README "Training guard")."""
