@@ -1,8 +1,10 @@
 """Run configuration: small frozen dataclasses, validated at construction.
 
-The same dataclasses are the Flyte task inputs (flytekit serialises dataclasses), so there is no
-second config system. Field names follow verl's YAML where a verl user would look for them
-(``ppo_mini_batch_size``, ``clip_ratio_low``, ``norm_adv_by_std_in_grpo``, ``kl_loss_type`` …).
+The same dataclasses are the Flyte task inputs: a :class:`RunConfig` crosses task boundaries
+inside the run spec, as canonical JSON of its non-default fields (the spec's type transformer in
+``tasks/common.py``), so there is no second config system. Field names follow verl's YAML where
+a verl user would look for them (``ppo_mini_batch_size``, ``clip_ratio_low``,
+``norm_adv_by_std_in_grpo``, ``kl_loss_type`` …).
 
 Every field is checked against its annotation first (type; numbers finite), then its range; every
 invalid value raises :class:`ConfigError` naming ``section.field`` and what to do. Derived

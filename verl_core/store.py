@@ -27,7 +27,9 @@ every method here. Both digests are 64 hex characters, so gc's scan for live nam
 
 Why content addressing: writing an object that already exists is skipped, which is what makes
 checkpoints incremental (frozen layers, the reference model and unchanged chunks cost nothing),
-and a re-hash on read detects any flipped byte, truncation or substitution (DESIGN rule 2 and 5).
+and a re-hash on read detects any flipped byte, truncation or substitution
+(docs/design.md#rule-2-immutable-objects-verified-manifests and
+docs/design.md#rule-5-a-cache-hit-never-uses-missing-data).
 
 Atomicity: locally every file is written to a temporary name in the same folder, optionally fsynced,
 then ``os.replace``-d into place, so a reader (or a process restarted after SIGKILL) sees either the
@@ -508,8 +510,9 @@ class RunStore:
 
     @property
     def incarnation_id(self) -> str:
-        """Random id written once when the store root was created (DESIGN rule 5): scope cache keys
-        with it so a deleted-and-recreated store misses the cache instead of hitting dead refs."""
+        """Random id written once when the store root was created
+        (docs/design.md#rule-5-a-cache-hit-never-uses-missing-data): scope cache keys with it so a
+        deleted-and-recreated store misses the cache instead of hitting dead refs."""
         if self._incarnation is None:
             self._ensure_root()
         return self._incarnation  # type: ignore[return-value]

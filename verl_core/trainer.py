@@ -6,7 +6,8 @@ same code. Every phase is deterministic given the trainer state and its inputs: 
 from seeds derived from ``(run seed, step, phase)``, never from global RNG.
 
 What is not here: the algorithms' math (``verl_core.algorithms``), the update loop
-(``training/ppo.py``), persistence (``checkpoint/``).
+(``training/ppo.py``), and where state is kept: the trainer hands out and takes back its state as
+state dicts (:meth:`RLTrainer.state`, :meth:`RLTrainer.load_state`); ``checkpoint/`` stores them.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ hf_logging.disable_progress_bar()  # per-phase "Loading weights" bars would bury
 
 
 def derive_seed(seed: int, step: int, phase: str) -> int:
-    """A 63-bit seed for one phase of one step (DESIGN rule 3)."""
+    """A 63-bit seed for one phase of one step (docs/design.md#rule-3-phases-are-deterministic)."""
     digest = hashlib.blake2b(f"{seed}:{step}:{phase}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 

@@ -5,13 +5,14 @@ What belongs here: the local store of a run (:func:`open_local_store`) and the b
 (manifest, objects, verification) stays ``manager.py``'s: the local tier is a second
 :class:`RunStore` with the same layout, so saving, verifying and loading are the same code.
 
-Durability (DESIGN rule 2, extended to two tiers): a checkpoint is *committed locally* once its
-manifest is verified in the local store, and *replicated* once the run store shows it. Replication
-copies every object first, then the manifest (so the run store never lists a manifest whose
-objects are missing), verifies it there, and only then moves the run store's ``latest``. A store
-outage delays replication (retried with backoff) but never a training step; a lost node loses the
-checkpoints not yet replicated, which any state can do without (an older checkpoint + lineage
-replay rebuilds it), except the final one, which finalize waits for (:meth:`Replicator.flush`).
+Durability (docs/design.md#rule-2-immutable-objects-verified-manifests, extended to two tiers): a
+checkpoint is *committed locally* once its manifest is verified in the local store, and
+*replicated* once the run store shows it. Replication copies every object first, then the manifest
+(so the run store never lists a manifest whose objects are missing), verifies it there, and only
+then moves the run store's ``latest``. A store outage delays replication (retried with backoff) but
+never a training step; a lost node loses the checkpoints not yet replicated, which any state can do
+without (an older checkpoint + lineage replay rebuilds it), except the final one, which finalize
+waits for (:meth:`Replicator.flush`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from collections import deque
 from typing import Optional, Union
 
+from verl_core import layout
 from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectError,
                                         UnsafeManifestError)
 from verl_core.checkpoint.manager import (CheckpointInfo, CheckpointManager, SaveHandle,
@@ -190,7 +192,7 @@ class Replicator:
         skipped, so a retry after an outage copies only what is missing."""
         step, _ = _parse_name(name)
         _, m = self.local._read_manifest(name)
-        raw = self.local.store.get_json_raw(f"checkpoints/{name}")
+        raw = self.local.store.get_json_raw(layout.checkpoint_doc(name))
         algos, default = _object_algos(m), _manifest_algo(m)
         src, dst = self.local.store, self.remote.store
 
@@ -207,7 +209,7 @@ class Replicator:
             try:
                 dst.map(copy, sorted(m["objects"].items()))
                 self.remote.check_fence(f"the manifest of checkpoint {name} (replicated)")
-                dst.put_json_raw(f"checkpoints/{name}", raw)  # manifest last
+                dst.put_json_raw(layout.checkpoint_doc(name), raw)  # manifest last
                 problems = self.remote.verify(name, hashes=False)
                 if problems:
                     err = CorruptObjectError(f"checkpoint {name} failed verification in "
@@ -217,12 +219,13 @@ class Replicator:
                 cur = self.remote._latest_name()
                 if cur is None or _parse_name(cur)[0] <= step:
                     self.remote.check_fence(f"moving latest to checkpoint {name} (replicated)")
-                    dst.put_json("latest", {"name": name, "step": step, "sha": name[13:]})
+                    dst.put_json(layout.LATEST_DOC, {"name": name, "step": step, "sha": name[13:]})
             finally:
                 self.remote._end(marker)
         try:
-            dst.append_log("checkpoints", {"event": "replicated", "name": name, "step": step,
-                                           "time": time.time(), "nbytes": sum(m["objects"].values())})
+            dst.append_log(layout.CHECKPOINT_LOG, {"event": "replicated", "name": name,
+                                                   "step": step, "time": time.time(),
+                                                   "nbytes": sum(m["objects"].values())})
         except Exception as e:  # noqa: BLE001 - the log is informational
             log.warning("could not append to the checkpoints log: %s", e)
         log.info("checkpoint %s replicated to %s", name, dst.uri)

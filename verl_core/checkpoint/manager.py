@@ -1078,7 +1078,8 @@ class CheckpointManager:
             return deleted
 
     def gc(self, *, grace_s: Optional[float] = None) -> dict:
-        """Delete objects that nothing in the run store can still ask for (DESIGN rule 6).
+        """Delete objects that nothing in the run store can still ask for
+        (docs/design.md#rule-6-the-run-store-is-hermetic).
 
         Live (never deleted): every object of a kept manifest, and every object named anywhere in
         a JSON doc under the run store's root folders (:data:`GC_ROOT_FOLDERS`): the assets index

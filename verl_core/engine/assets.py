@@ -7,10 +7,11 @@ store as content-addressed objects and returns a small JSON-able index; ``materi
 rebuilds a local folder from it in a per-user cache, so a worker that already has them pays
 nothing.
 
-The cache is a convenience, never a source of truth (DESIGN rule 6): it is private to the user
-(mode 0700, owned by them), the size of every file is checked on every use, and the first use in
-a process re-hashes every file against the store's hashes. A cached copy that fails either check
-is thrown away and filled again from the store.
+The cache is a convenience, never a source of truth
+(docs/design.md#rule-6-the-run-store-is-hermetic): it is private to the user (mode 0700, owned by
+them), the size of every file is checked on every use, and the first use in a process re-hashes
+every file against the store's hashes. A cached copy that fails either check is thrown away and
+filled again from the store.
 """
 
 from __future__ import annotations

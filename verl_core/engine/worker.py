@@ -402,13 +402,13 @@ class RunWorker:
         """Batch ``ref``, the output of ``phase`` of ``step``, for a phase that consumes it.
 
         A missing or damaged one (moved to ``quarantine/``) is not the end of the run: phases are
-        deterministic given their inputs (DESIGN rule 3), so it is recomputed from that phase's
-        own inputs (:meth:`_recompute`) and written again, but only if the result hashes to
-        ``ref``, the name every cache entry and lineage record downstream of it holds. A cache
-        hit that pointed at it is then true again. When it does not (the phase is not
-        bit-reproducible here) or its inputs are gone too, the error names what is lost and
-        :data:`RECOVER`. With W > 1 rank 0's view decides, and every worker recomputes
-        (rollouts and the reward model are collectives); rank 0 writes."""
+        deterministic given their inputs (docs/design.md#rule-3-phases-are-deterministic), so it is
+        recomputed from that phase's own inputs (:meth:`_recompute`) and written again, but only if
+        the result hashes to ``ref``, the name every cache entry and lineage record downstream of
+        it holds. A cache hit that pointed at it is then true again. When it does not (the phase is
+        not bit-reproducible here) or its inputs are gone too, the error names what is lost and
+        :data:`RECOVER`. With W > 1 rank 0's view decides, and every worker recomputes (rollouts
+        and the reward model are collectives); rank 0 writes."""
         err = None
         try:
             batch = get_batch(self.store, ref, quarantine=self.leader)
@@ -609,7 +609,6 @@ class RunWorker:
             return {"checkpoint/saved": 0.0}
         self.ensure_state(step)
         t0 = time.perf_counter()
-        # W > 1: gathered from the shards onto rank 0 (a collective); rank 0 writes
         # W > 1: every worker writes its own shards (DCP), rank 0 commits the manifest
         groups, meta = self.trainer.state(with_optimizer=self.cfg.checkpoint.save_optimizer_state)
         meta["step"] = step
@@ -676,7 +675,8 @@ class RunWorker:
                    for i in self.ckpt.list_checkpoints())
 
     def commit_final(self, step: int) -> dict:
-        """Make sure the run's last state is a committed checkpoint (DESIGN rule 7).
+        """Make sure the run's last state is a committed checkpoint
+        (docs/design.md#rule-7-done-means-committed).
 
         An async checkpoint phase returns before its write commits, so its cached result does not
         prove a checkpoint exists: the write may have died with the process or failed (a full

@@ -1,6 +1,7 @@
-"""Garbage collection keeps a run store hermetic (DESIGN rule 6): besides kept checkpoints, it
-keeps every object the assets index, the lineage log, a pending phase output, a shared group or
-the tokenizer names, and it stops rather than delete on a partial view of those roots."""
+"""Garbage collection keeps a run store hermetic (docs/design.md#rule-6-the-run-store-is-hermetic):
+besides kept checkpoints, it keeps every object the assets index, the lineage log, a pending phase
+output, a shared group or the tokenizer names, and it stops rather than delete on a partial view of
+those roots."""
 
 import pytest
 import torch
