@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from verl_core import layout
+
 
 @dataclass(frozen=True)
 class Panel:
@@ -292,7 +294,8 @@ def for_run(spec, *, title: str, sample_steps: Sequence[int] = ()) -> str:
     samples = [s for step in sample_steps for s in runtime.eval_samples(spec, step)]
     return run_report(runtime.metrics_table(spec), title=title, samples=samples,
                       events=runtime.guard_events(spec), validations=validation_reports(spec),
-                      subtitle=f"run store {spec.store} · trajectory {spec.config_hash[:12]}")
+                      subtitle=f"run store {spec.store} · trajectory "
+                               f"{layout.short_hash(spec.config_hash, layout.LABEL_CHARS)}")
 
 
 def validation_reports(spec) -> list[dict]:
@@ -301,7 +304,7 @@ def validation_reports(spec) -> list[dict]:
     from verl_core.validation import STAGES, read_reports
 
     st = spec.open_store()
-    names = st.list_json(f"validation/{spec.config_hash[:16]}")
+    names = st.list_json(layout.validation_folder(spec.config_hash))
     steps = sorted({int(n.rsplit("/", 1)[-1].split("-", 1)[0]) for n in names})
     if not steps:
         return []

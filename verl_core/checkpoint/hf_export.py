@@ -45,6 +45,7 @@ import torch
 
 from verl_core.checkpoint.errors import CorruptObjectError, UnsafeManifestError
 from verl_core.checkpoint.manager import CheckpointInfo, CheckpointManager
+from verl_core.layout import TOKENIZER_DOC
 from verl_core.store import RunStore, check_sha256, sha256_hex
 
 __all__ = ["store_tokenizer", "load_tokenizer_files", "export_hf", "publish_export", "verify_export",
@@ -53,7 +54,6 @@ __all__ = ["store_tokenizer", "load_tokenizer_files", "export_hf", "publish_expo
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_DOC = "shared/tokenizer"
 EXPORT_MARKER = "verl_export.json"
 """Completion marker of an export folder, written last (:func:`write_export_marker`)."""
 EXPORT_FORMAT = "verl-export/1"

@@ -75,6 +75,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 import verl_core
+from verl_core import layout
 from verl_core.checkpoint import dcp
 from verl_core.checkpoint.errors import (
     CheckpointDisagreementError,
@@ -129,7 +130,6 @@ DEFAULT_HASH = "blake3"
 """Algorithm that names a new checkpoint's objects (``CheckpointManager(hash_algo=...)``):
 BLAKE3 hashes ~2.5x faster than sha256 with SHA-NI on these CPUs, which took verified loads from
 below to above torch.load's speed (BENCHMARKS.md, issue 10)."""
-_NAME_RE = re.compile(r"^(\d{12})-([0-9a-f]{64})$")
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$")
 _LOAD_ERRORS = (CorruptObjectError, UnsafeManifestError, NotFoundError, CheckpointNotFoundError)
 
@@ -163,7 +163,7 @@ class CheckpointInfo:
 
 
 def _parse_name(name: str) -> tuple[int, str]:
-    m = _NAME_RE.match(name) if isinstance(name, str) else None
+    m = layout.CHECKPOINT_NAME_RE.match(name) if isinstance(name, str) else None
     if not m:
         raise UnsafeManifestError(f"checkpoint name {name!r} is not <12-digit step>-<sha256>")
     return int(m.group(1)), m.group(2)
@@ -194,7 +194,7 @@ def open_checkpoint(uri: str, storage_options: Optional[dict] = None,
     if m:
         root = "." if m.group(1) is None else (m.group(1) or "/")
         store = _existing_store(root, storage_options)
-        if store is not None and store.has_json(f"checkpoints/{m.group(2)}"):
+        if store is not None and store.has_json(layout.checkpoint_doc(m.group(2))):
             return CheckpointManager(store, **manager_kwargs), m.group(2)
     elif u:
         store = _existing_store(u, storage_options)
@@ -508,7 +508,7 @@ class CheckpointManager:
             validate_index(doc["tensors"], what)  # every rank's rows are there, exactly once
             check_state_tree(doc["tree"], index_dtypes(doc["tensors"]), what=what)
             if doc["shared"]:
-                self.store.put_json(f"shared/groups/{g}",
+                self.store.put_json(layout.group_doc(g),
                                     {"group": doc, "objects": index_objects(doc["tensors"])})
         group_docs.update(self._inherit_shared(shared_groups, group_docs))
         return self._commit(job.step, group_docs, job.meta_tree, config_hash, world_size,
@@ -520,18 +520,19 @@ class CheckpointManager:
             if g in have:
                 continue
             _check_group(g)
-            doc = self.store.get_json(f"shared/groups/{g}", default=None)
+            doc = self.store.get_json(layout.group_doc(g), default=None)
             if doc is None:
                 continue
             group = doc.get("group") if isinstance(doc, dict) else None
             if not isinstance(group, dict):
-                raise CorruptObjectError(f"shared/groups/{g}.json in {self.store.uri} is malformed")
+                raise CorruptObjectError(f"{layout.group_doc(g)}.json in {self.store.uri} is "
+                                         "malformed")
             validate_index(group.get("tensors"), f"shared group {g!r}")
             out[g] = {**group, "hash": group.get("hash", "sha256")}  # written by /1: sha256
         return out
 
     def _begin(self, kind: str, step: int) -> str:
-        mid = f"inflight/{uuid.uuid4().hex}"
+        mid = layout.inflight_doc(uuid.uuid4().hex)
         self.store.put_json(mid, {"kind": kind, "step": step, "time": time.time(),
                                   "host": socket.gethostname(), "pid": os.getpid()})
         return mid
@@ -569,21 +570,22 @@ class CheckpointManager:
         }
         raw = canonical_json(manifest)
         sha = sha256_hex([raw])
-        name = f"{step:012d}-{sha}"
+        name = layout.checkpoint_name(step, sha)
         _check(fence, f"the manifest of checkpoint {name}")
-        self.store.put_json_raw(f"checkpoints/{name}", raw)
+        self.store.put_json_raw(layout.checkpoint_doc(name), raw)
         if self.verify_on_save != "none":
             problems = self.verify(name, hashes=self.verify_on_save == "hash")
             if problems:
                 raise CorruptObjectError(f"checkpoint {name} failed verification right after it "
                                          f"was written, not committing it: {'; '.join(problems)}")
         _check(fence, f"moving latest to checkpoint {name}")
-        self.store.put_json("latest", {"name": name, "step": step, "sha": sha})
+        self.store.put_json(layout.LATEST_DOC, {"name": name, "step": step, "sha": sha})
         self._last_name = name
         info = self._info(name, manifest)
         try:
-            self.store.append_log("checkpoints", {"event": "commit", "name": name, "step": step,
-                                                  "time": now, "nbytes": info.nbytes})
+            self.store.append_log(layout.CHECKPOINT_LOG, {"event": "commit", "name": name,
+                                                          "step": step, "time": now,
+                                                          "nbytes": info.nbytes})
         except Exception as e:  # noqa: BLE001 - the log is informational
             log.warning("could not append to the checkpoints log: %s", e)
         log.info("checkpoint %s committed (step %d, %.1f MB referenced)", name, step,
@@ -593,7 +595,7 @@ class CheckpointManager:
     # ====================================================================== reading
     def _latest_name(self) -> Optional[str]:
         try:
-            doc = self.store.get_json("latest", default=None)
+            doc = self.store.get_json(layout.LATEST_DOC, default=None)
         except CorruptObjectError as e:
             log.warning("latest.json is unreadable (%s); ignoring it", e)
             return None
@@ -610,9 +612,9 @@ class CheckpointManager:
     def _names(self) -> list[str]:
         """Every manifest name in the index, oldest step first."""
         out = []
-        for doc in self.store.list_json("checkpoints"):
+        for doc in self.store.list_json(layout.CHECKPOINTS):
             base = doc.rsplit("/", 1)[-1]
-            if _NAME_RE.match(base):
+            if layout.CHECKPOINT_NAME_RE.match(base):
                 out.append(base)
         return sorted(out)
 
@@ -625,7 +627,7 @@ class CheckpointManager:
     def _read_manifest(self, name: str) -> tuple[CheckpointInfo, dict]:
         step, sha = _parse_name(name)
         try:
-            raw = self.store.get_json_raw(f"checkpoints/{name}")
+            raw = self.store.get_json_raw(layout.checkpoint_doc(name))
         except NotFoundError as e:
             raise CheckpointNotFoundError(f"manifest of checkpoint {name} is missing from "
                                      f"{self.store.uri}/checkpoints/") from e
@@ -675,9 +677,9 @@ class CheckpointManager:
                                           "its own store with open_checkpoint()")
             _parse_name(base)
             return base
-        if ref.startswith("checkpoints/"):
-            ref = ref[len("checkpoints/"):]
-        if _NAME_RE.match(ref):
+        if ref.startswith(f"{layout.CHECKPOINTS}/"):
+            ref = ref[len(layout.CHECKPOINTS) + 1:]
+        if layout.CHECKPOINT_NAME_RE.match(ref):
             return ref
         if ref.isdigit() and len(ref) < 12:
             return self._by_step(int(ref))
@@ -700,12 +702,13 @@ class CheckpointManager:
         name = self._latest_name()
         if name is not None:
             return name, None
-        pointer = ("latest.json is missing" if not self.store.has_json("latest")
+        pointer = ("latest.json is missing" if not self.store.has_json(layout.LATEST_DOC)
                    else "latest.json is unreadable or names no checkpoint")
         names = self._names()
         newest_first = sorted(  # several saves of one step: the newest first, as _by_step
             names, key=lambda n: (_parse_name(n)[0],
-                                  self.store.json_mtime(f"checkpoints/{n}") or 0.0), reverse=True)
+                                  self.store.json_mtime(layout.checkpoint_doc(n)) or 0.0),
+            reverse=True)
         for cand in newest_first:
             if not self.verify(cand):
                 return cand, (f"{pointer} in {self.store.uri}; using the newest valid checkpoint "
@@ -720,7 +723,7 @@ class CheckpointManager:
         if not names:
             raise CheckpointNotFoundError(f"no checkpoint for step {step} in {self.store.uri}")
         if len(names) > 1:  # several saves of one step (e.g. after a rollback): newest wins
-            names.sort(key=lambda n: self.store.json_mtime(f"checkpoints/{n}") or 0.0)
+            names.sort(key=lambda n: self.store.json_mtime(layout.checkpoint_doc(n)) or 0.0)
         return names[-1]
 
     def _auto_candidates(self):
@@ -950,7 +953,7 @@ class CheckpointManager:
         def choice(n: Optional[str]) -> str:
             if n is None:
                 return "none (no checkpoint found)"
-            m = _NAME_RE.match(n) if isinstance(n, str) else None
+            m = layout.CHECKPOINT_NAME_RE.match(n) if isinstance(n, str) else None
             return f"step {int(m.group(1))} manifest sha256 {m.group(2)}" if m else repr(n)
 
         if len(set(names)) == 1:
@@ -1071,7 +1074,7 @@ class CheckpointManager:
                 keep.add(latest)
             deleted = [n for n in names if n not in keep]
             for n in deleted:
-                self.store.delete_json(f"checkpoints/{n}")
+                self.store.delete_json(layout.checkpoint_doc(n))
                 log.info("retention: deleted checkpoint %s", n)
             if deleted:
                 self.gc()
@@ -1082,16 +1085,17 @@ class CheckpointManager:
         (docs/design.md#rule-6-the-run-store-is-hermetic).
 
         Live (never deleted): every object of a kept manifest, and every object named anywhere in
-        a JSON doc under the run store's root folders (:data:`GC_ROOT_FOLDERS`): the assets index
-        (model and dataset files a fresh host materialises), the lineage log (the batch of every
-        applied update, which a rebuild or an extension replays), ``pending/`` (phase outputs not
-        yet consumed by an update), shared groups and the tokenizer, staged shard records. Objects
+        a JSON doc under the run store's root folders (:data:`~verl_core.layout.GC_ROOT_FOLDERS`):
+        the assets index (model and dataset files a fresh host materialises), the lineage log (the
+        batch of every applied update, which a rebuild or an extension replays), ``pending/``
+        (phase outputs not yet consumed by an update), shared groups and the tokenizer, staged
+        shard records. Objects
         younger than ``grace_s`` are never deleted either. Skipped while another process has a
         save in flight (younger than ``inflight_timeout_s``). Returns counts."""
         grace = self.gc_grace_s if grace_s is None else grace_s
         now = time.time()
         with self._lock:
-            for mk in self.store.list_json("inflight"):  # ours included: GC runs after our saves end
+            for mk in self.store.list_json(layout.INFLIGHT):  # ours too: gc runs after our saves
                 doc = self.store.get_json(mk, default=None)
                 t = doc.get("time", 0) if isinstance(doc, dict) else 0
                 if now - float(t or 0) < self.inflight_timeout_s:
@@ -1122,22 +1126,16 @@ class CheckpointManager:
         live: set[str] = set()
         for name in self._names():
             try:
-                raw = self.store.get_json_raw(f"checkpoints/{name}")
+                raw = self.store.get_json_raw(layout.checkpoint_doc(name))
                 live.update(k for k in json.loads(raw).get("objects", {}) if is_sha256(k))
             except NotFoundError:
                 continue
             except ValueError:
                 log.warning("gc: manifest %s is unparseable; its objects are not kept", name)
-        docs = [d for folder in GC_ROOT_FOLDERS for d in _docs_under(self.store, folder)]
+        docs = [d for folder in layout.GC_ROOT_FOLDERS for d in _docs_under(self.store, folder)]
         for doc in self.store.map(lambda d: self.store.get_json(d, default=None), docs):
             live.update(_shas_in(doc))
         return live
-
-
-GC_ROOT_FOLDERS = ("assets", "lineage", "pending", "shared", "staging")
-"""Folders of JSON docs whose every sha256-looking string names a live object (see
-:meth:`CheckpointManager.gc`). A new kind of doc that names objects goes under one of them, so gc
-keeps its objects without knowing its format."""
 
 
 def _docs_under(store: RunStore, folder: str) -> list[str]:

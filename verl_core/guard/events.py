@@ -3,7 +3,7 @@
 One JSON doc per (step, phase, detector, signal), named so that a retried or replayed phase
 rewrites its own event instead of adding a second one::
 
-    events/<trajectory hash[:16]>/<step:09d>-<phase>-<detector>-<signal>.json
+    events/<short trajectory hash>/<step:09d>-<phase>-<detector>-<signal>.json
 
     {"step", "phase", "detector", "signal", "value", "threshold", "action", "outcome", "message",
      "time"}
@@ -21,13 +21,10 @@ import math
 import re
 import time
 
+from verl_core.layout import event_folder
 from verl_core.store import RunStore
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
-
-
-def event_folder(config_hash: str) -> str:
-    return f"events/{config_hash[:16]}"
 
 
 def event_name(config_hash: str, step: int, phase: str, detector: str, signal: str = "") -> str:
