@@ -24,6 +24,7 @@ import time
 from collections import deque
 from typing import Optional, Union
 
+from verl_core import layout
 from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectError,
                                         UnsafeManifestError)
 from verl_core.checkpoint.manager import (CheckpointInfo, CheckpointManager, SaveHandle,
@@ -191,7 +192,7 @@ class Replicator:
         skipped, so a retry after an outage copies only what is missing."""
         step, _ = _parse_name(name)
         _, m = self.local._read_manifest(name)
-        raw = self.local.store.get_json_raw(f"checkpoints/{name}")
+        raw = self.local.store.get_json_raw(layout.checkpoint_doc(name))
         algos, default = _object_algos(m), _manifest_algo(m)
         src, dst = self.local.store, self.remote.store
 
@@ -208,7 +209,7 @@ class Replicator:
             try:
                 dst.map(copy, sorted(m["objects"].items()))
                 self.remote.check_fence(f"the manifest of checkpoint {name} (replicated)")
-                dst.put_json_raw(f"checkpoints/{name}", raw)  # manifest last
+                dst.put_json_raw(layout.checkpoint_doc(name), raw)  # manifest last
                 problems = self.remote.verify(name, hashes=False)
                 if problems:
                     err = CorruptObjectError(f"checkpoint {name} failed verification in "
@@ -218,12 +219,13 @@ class Replicator:
                 cur = self.remote._latest_name()
                 if cur is None or _parse_name(cur)[0] <= step:
                     self.remote.check_fence(f"moving latest to checkpoint {name} (replicated)")
-                    dst.put_json("latest", {"name": name, "step": step, "sha": name[13:]})
+                    dst.put_json(layout.LATEST_DOC, {"name": name, "step": step, "sha": name[13:]})
             finally:
                 self.remote._end(marker)
         try:
-            dst.append_log("checkpoints", {"event": "replicated", "name": name, "step": step,
-                                           "time": time.time(), "nbytes": sum(m["objects"].values())})
+            dst.append_log(layout.CHECKPOINT_LOG, {"event": "replicated", "name": name,
+                                                   "step": step, "time": time.time(),
+                                                   "nbytes": sum(m["objects"].values())})
         except Exception as e:  # noqa: BLE001 - the log is informational
             log.warning("could not append to the checkpoints log: %s", e)
         log.info("checkpoint %s replicated to %s", name, dst.uri)
