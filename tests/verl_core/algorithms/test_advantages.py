@@ -6,20 +6,16 @@ floats; the library versions are vectorised. They are compared on valid tokens; 
 must be exactly 0 in the library's output.
 """
 
+import dataclasses
+import inspect
 import math
 from collections import defaultdict
 
 import pytest
 import torch
 
-from verl_core.algorithms import ADVANTAGE_ESTIMATORS, get_advantage_estimator
-
-KW = dict(gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True)
-
-
-def run(name, rewards, mask, index=None, values=None, **kw):
-    index = torch.zeros(rewards.shape[0], dtype=torch.long) if index is None else index
-    return get_advantage_estimator(name)(rewards, mask, index, values, **{**KW, **kw})
+from tests.verl_core.algorithms.inputs import EstimatorInputs
+from verl_core.algorithms import ADVANTAGE_ESTIMATORS
 
 
 def outcome(scores, T=3):
@@ -175,7 +171,7 @@ def assert_on_mask(out, ref, mask, tol=1e-6):
 # ---------------------------------------------------------------- hand-computed cases
 def test_grpo_hand_computed():
     rewards, mask = outcome([1.0, 0.0, 0.0, 1.0])
-    adv, ret = run("grpo", rewards, mask)
+    adv, ret = EstimatorInputs(rewards, mask).call("grpo")
     # mean 0.5; unbiased std sqrt(4 * 0.25 / 3) = 0.57735; (±0.5) / (0.57735 + 1e-6) = ±0.866024
     expected = 0.5 / (math.sqrt(1 / 3) + 1e-6)
     assert adv[:, 0].tolist() == pytest.approx([expected, -expected, -expected, expected], rel=1e-6)
@@ -184,14 +180,14 @@ def test_grpo_hand_computed():
 
 def test_dr_grpo_hand_computed():
     rewards, mask = outcome([1.0, 0.0, 0.0, 1.0])
-    adv, _ = run("grpo", rewards, mask, norm_adv_by_std_in_grpo=False)
+    adv, _ = EstimatorInputs(rewards, mask, norm_adv_by_std_in_grpo=False).call("grpo")
     assert adv[:, 0].tolist() == [0.5, -0.5, -0.5, 0.5]  # s - mean, no std
 
 
 def test_grpo_two_groups_and_singleton():
     rewards, mask = outcome([1.0, 0.0, 3.0, 2.0])
     index = torch.tensor([7, 7, 9, 4])  # {0, 1}, {2}, {3}
-    adv, _ = run("grpo", rewards, mask, index)
+    adv, _ = EstimatorInputs(rewards, mask, index).call("grpo")
     # group 7: mean 0.5, std sqrt(0.5) = 0.70711 -> ±0.5 / 0.70711 = ±0.70711
     # groups of one: mean 0, std 1 -> s / (1 + 1e-6)
     assert adv[:, 0].tolist() == pytest.approx(
@@ -212,20 +208,21 @@ def test_all_equal_group_gives_exactly_zero(name, value, n):
         rewards = torch.cat([rewards, torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])])
         mask = torch.ones(n + 2, 3)
         index = torch.cat([index, torch.tensor([1, 1])])
-    adv, _ = run(name, rewards, mask, index)
+    adv, _ = EstimatorInputs(rewards, mask, index).call(name)
     assert (adv[:n] == 0).all()
 
 
 def test_rloo_hand_computed():
     rewards, mask = outcome([1.0, 0.0, 0.0, 1.0, 5.0])
     index = torch.tensor([0, 0, 0, 0, 1])
-    adv, ret = run("rloo", rewards, mask, index)
+    case = EstimatorInputs(rewards, mask, index)
+    adv, ret = case.call("rloo")
     # n = 4, mean 0.5: s * 4/3 - 0.5 * 4/3 -> 1: 2/3, 0: -2/3 (= s minus the mean of the other 3)
     # the group of one keeps its raw score 5
     assert adv[:, 0].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 5.0], rel=1e-6)
     assert torch.equal(adv, ret)
     # verl's vectorized RLOO: the same group of four, (4 s - 2) / 3; the group of one gets 0
-    adv, ret = run("rloo_vectorized", rewards, mask, index)
+    adv, ret = case.call("rloo_vectorized")
     assert adv[:, 0].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0], rel=1e-6)
     assert torch.equal(adv, ret)
 
@@ -233,7 +230,7 @@ def test_rloo_hand_computed():
 def test_reinforce_plus_plus_hand_computed():
     rewards = torch.tensor([[0.0, 0.0, 1.0]])
     mask = torch.ones(1, 3)
-    adv, ret = run("reinforce_plus_plus", rewards, mask, gamma=0.5)
+    adv, ret = EstimatorInputs(rewards, mask, gamma=0.5).call("reinforce_plus_plus")
     # returns: G_2 = 1, G_1 = 0.5 * 1, G_0 = 0.25
     assert ret[0].tolist() == [0.25, 0.5, 1.0]
     # whiten: mean 7/12; deviations -1/3, -1/12, 5/12; unbiased var (1/9 + 1/144 + 25/144) / 2 = 7/48
@@ -245,13 +242,14 @@ def test_reinforce_plus_plus_carries_the_return_across_a_masked_span():
     # verl issue #7278: two turns with a 2-token observation span between them, reward 1 at the end
     rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
     mask = torch.tensor([[1, 1, 0, 0, 1, 1]])
-    adv, ret = run("reinforce_plus_plus", rewards, mask, gamma=1.0)
+    adv, ret = EstimatorInputs(rewards, mask, gamma=1.0).call("reinforce_plus_plus")
     # t=5: G = 1;  t=4: G = 0 + 1·1 = 1;  t=3, t=2 masked: output 0, running stays 1;
     # t=1: G = 0 + 1·1 = 1;  t=0: G = 1. (Resetting at masked positions would give [0,0,0,0,1,1].)
     assert ret[0].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
     # the valid tokens' returns are those of the same turns without the observation in between
-    _, compact = run("reinforce_plus_plus", torch.tensor([[0.0, 0.0, 0.0, 1.0]]),
-                     torch.ones(1, 4, dtype=torch.long), gamma=1.0)
+    no_span = EstimatorInputs(torch.tensor([[0.0, 0.0, 0.0, 1.0]]),
+                              torch.ones(1, 4, dtype=torch.long), gamma=1.0)
+    _, compact = no_span.call("reinforce_plus_plus")
     assert torch.equal(ret[mask.bool()], compact[0])
     # whitening 4 equal returns: deviations 0, so every advantage is exactly 0
     assert (adv == 0).all()
@@ -261,7 +259,7 @@ def test_reinforce_plus_plus_discounts_per_valid_token_across_holes():
     # a hole, a 2-token span, trailing padding; rewards 7 and 3 sit on masked positions
     rewards = torch.tensor([[0.5, 7.0, 0.0, 3.0, 0.0, 1.0, 0.0]])
     mask = torch.tensor([[1, 0, 1, 0, 0, 1, 0]])
-    adv, ret = run("reinforce_plus_plus", rewards, mask, gamma=0.5)
+    adv, ret = EstimatorInputs(rewards, mask, gamma=0.5).call("reinforce_plus_plus")
     # t=6 padding: output 0, running 0;  t=5: G = 1 + 0.5·0 = 1
     # t=4, t=3 masked: output 0, running stays 1 (no γ per masked token, the 3 is not added)
     # t=2: G = 0 + 0.5·1 = 0.5;  t=1 masked: output 0, running stays 0.5 (the 7 is not added)
@@ -277,7 +275,7 @@ def test_reinforce_plus_plus_discounts_per_valid_token_across_holes():
 def test_reinforce_plus_plus_baseline_hand_computed():
     rewards, mask = outcome([1.0, 0.0, 3.0], T=2)
     index = torch.tensor([0, 0, 1])
-    adv, _ = run("reinforce_plus_plus_baseline", rewards, mask, index)
+    adv, _ = EstimatorInputs(rewards, mask, index).call("reinforce_plus_plus_baseline")
     # group 0: mean 0.5 -> 0.5, -0.5; the group of one keeps 3. Tiled: [.5, .5, -.5, -.5, 3, 3]
     # batch mean 6/6 = 1; deviations -0.5, -1.5, 2 (each twice) -> sum sq = 2 * (0.25 + 2.25 + 4) = 13
     # unbiased var 13 / 5 = 2.6
@@ -290,7 +288,7 @@ def test_gae_hand_computed():
     rewards = torch.tensor([[0.0, 1.0]])
     values = torch.tensor([[0.2, 0.6]])
     mask = torch.ones(1, 2)
-    adv, ret = run("gae", rewards, mask, values=values, gamma=1.0, lam=0.5)
+    adv, ret = EstimatorInputs(rewards, mask, values=values, gamma=1.0, lam=0.5).call("gae")
     # t=1: δ = 1 + 0 - 0.6 = 0.4, A_1 = 0.4
     # t=0: δ = 0 + 0.6 - 0.2 = 0.4, A_0 = 0.4 + 1 * 0.5 * 0.4 = 0.6
     # returns = A + V = [0.8, 1.0]; whitened A: mean 0.5, unbiased std sqrt(0.02) -> ±0.7071
@@ -304,7 +302,7 @@ def test_gae_skips_masked_positions():
     rewards = torch.tensor([[0.0, 5.0, 1.0]])
     values = torch.tensor([[0.2, 9.0, 0.6]])
     mask = torch.tensor([[1, 0, 1]])
-    adv, ret = run("gae", rewards, mask, values=values, gamma=1.0, lam=0.5)
+    adv, ret = EstimatorInputs(rewards, mask, values=values, gamma=1.0, lam=0.5).call("gae")
     assert ret[0].tolist() == pytest.approx([0.8, 0.0, 1.0])
     assert adv[0, 1] == 0 and adv[0, 0] > 0 > adv[0, 2]
 
@@ -314,11 +312,11 @@ def test_gae_gamma_lambda_limits():
     rewards, values = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
     mask = torch.ones(3, 5)
     # λ = 0: A_t = δ_t, the one-step TD error, so returns = r_t + γ V_{t+1}
-    _, ret = run("gae", rewards, mask, values=values, gamma=0.9, lam=0.0)
+    _, ret = EstimatorInputs(rewards, mask, values=values, gamma=0.9, lam=0.0).call("gae")
     next_v = torch.cat([values[:, 1:], torch.zeros(3, 1)], dim=1)
     assert torch.allclose(ret, rewards + 0.9 * next_v, atol=1e-6)
     # γ = λ = 1: returns are the undiscounted reward-to-go (Monte Carlo)
-    _, ret = run("gae", rewards, mask, values=values, gamma=1.0, lam=1.0)
+    _, ret = EstimatorInputs(rewards, mask, values=values, gamma=1.0, lam=1.0).call("gae")
     assert torch.allclose(ret, rewards.flip(-1).cumsum(-1).flip(-1), atol=1e-5)
 
 
@@ -330,7 +328,7 @@ SEEDS = range(12)
 @pytest.mark.parametrize("norm", [True, False])
 def test_grpo_matches_naive(seed, norm):
     rewards, mask, index, _ = random_batch(seed)
-    adv, ret = run("grpo", rewards, mask, index, norm_adv_by_std_in_grpo=norm)
+    adv, ret = EstimatorInputs(rewards, mask, index, norm_adv_by_std_in_grpo=norm).call("grpo")
     assert_on_mask(adv, naive_grpo(rewards, mask, index, norm), mask)
     assert torch.equal(adv, ret)
 
@@ -338,16 +336,17 @@ def test_grpo_matches_naive(seed, norm):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_rloo_matches_naive(seed):
     rewards, mask, index, _ = random_batch(seed)
-    adv, _ = run("rloo", rewards, mask, index)
+    case = EstimatorInputs(rewards, mask, index)
+    adv, _ = case.call("rloo")
     assert_on_mask(adv, naive_rloo(rewards, mask, index), mask)
-    adv, _ = run("rloo_vectorized", rewards, mask, index)
+    adv, _ = case.call("rloo_vectorized")
     assert_on_mask(adv, naive_rloo_vectorized(rewards, mask, index), mask)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_reinforce_plus_plus_baseline_matches_naive(seed):
     rewards, mask, index, _ = random_batch(seed)
-    adv, _ = run("reinforce_plus_plus_baseline", rewards, mask, index)
+    adv, _ = EstimatorInputs(rewards, mask, index).call("reinforce_plus_plus_baseline")
     assert_on_mask(adv, naive_rpp_baseline(rewards, mask, index), mask)
 
 
@@ -355,7 +354,7 @@ def test_reinforce_plus_plus_baseline_matches_naive(seed):
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 def test_reinforce_plus_plus_matches_naive(seed, gamma):
     rewards, mask, index, _ = random_batch(seed)
-    adv, ret = run("reinforce_plus_plus", rewards, mask, index, gamma=gamma)
+    adv, ret = EstimatorInputs(rewards, mask, index, gamma=gamma).call("reinforce_plus_plus")
     ref_adv, ref_ret = naive_rpp(rewards, mask, gamma)
     assert_on_mask(adv, ref_adv, mask)
     assert_on_mask(ret, ref_ret, mask)
@@ -366,7 +365,7 @@ def test_reinforce_plus_plus_matches_naive(seed, gamma):
 @pytest.mark.parametrize("gamma", [1.0, 0.9, 0.0])
 def test_reinforce_plus_plus_with_holes_matches_naive(seed, N, T, gamma):
     rewards, mask = random_holes(seed, N, T)
-    adv, ret = run("reinforce_plus_plus", rewards, mask, gamma=gamma)
+    adv, ret = EstimatorInputs(rewards, mask, gamma=gamma).call("reinforce_plus_plus")
     ref_adv, ref_ret = naive_rpp(rewards, mask, gamma)
     assert_on_mask(adv, ref_adv, mask)
     assert_on_mask(ret, ref_ret, mask)
@@ -376,7 +375,7 @@ def test_reinforce_plus_plus_with_holes_matches_naive(seed, N, T, gamma):
 @pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.95), (0.99, 0.9)])
 def test_gae_matches_naive(seed, gamma, lam):
     rewards, mask, index, values = random_batch(seed)
-    adv, ret = run("gae", rewards, mask, index, values=values, gamma=gamma, lam=lam)
+    adv, ret = EstimatorInputs(rewards, mask, index, values=values, gamma=gamma, lam=lam).call("gae")
     ref_adv, ref_ret = naive_gae(rewards, values, mask, gamma, lam)
     assert_on_mask(adv, ref_adv, mask)
     assert_on_mask(ret, ref_ret, mask)
@@ -390,10 +389,10 @@ GROUP_ESTIMATORS = sorted(n for n in ADVANTAGE_ESTIMATORS.names()
 def test_group_estimators_do_not_depend_on_row_order(name):
     rewards, mask, index, values = random_batch(5, min_group=2)
     extras = random_extras(5, mask)
-    adv, _ = run(name, rewards, mask, index, values=values, **extras)
+    case = EstimatorInputs(rewards, mask, index, values=values, **extras)
+    adv, _ = case.call(name)
     perm = torch.randperm(len(index), generator=torch.Generator().manual_seed(0))
-    adv_p, _ = run(name, rewards[perm], mask[perm], index[perm], values=values[perm],
-                   **{k: v[perm] for k, v in extras.items()})
+    adv_p, _ = case.rows(perm).call(name)
     assert torch.allclose(adv_p, adv[perm], atol=1e-12)
 
 
@@ -401,7 +400,7 @@ def test_group_estimators_do_not_depend_on_row_order(name):
 def test_gae_without_values_raises():
     rewards, mask = outcome([1.0, 0.0])
     with pytest.raises(ValueError, match="needs critic values"):
-        run("gae", rewards, mask)
+        EstimatorInputs(rewards, mask).call("gae")
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS.names()))
@@ -409,10 +408,9 @@ def test_one_signature_no_grad_and_shapes(name):
     rewards, mask, index, values = random_batch(3, dtype=torch.float32, min_group=2)
     values.requires_grad_(True)
     rewards.requires_grad_(True)
-    fn = ADVANTAGE_ESTIMATORS.get(name)
     extras = {k: v.float() for k, v in random_extras(3, mask).items()}  # every estimator takes all
-    adv, ret = fn(rewards, mask.bool(), index, values, gamma=1.0, lam=0.95,
-                  norm_adv_by_std_in_grpo=True, **extras)
+    adv, ret = EstimatorInputs(rewards, mask.bool(), index, values, gamma=1.0, lam=0.95,
+                               norm_adv_by_std_in_grpo=True, **extras).call(name)
     assert adv.shape == ret.shape == rewards.shape
     assert adv.dtype == ret.dtype == torch.float32
     assert not adv.requires_grad and not ret.requires_grad
@@ -421,20 +419,29 @@ def test_one_signature_no_grad_and_shapes(name):
     assert not torch.equal(adv, ret)
 
 
+def test_the_inputs_record_is_the_one_signature():
+    # every entry has the prototype's signature (the registry checks it at registration)
+    params = inspect.signature(ADVANTAGE_ESTIMATORS.get("grpo")).parameters
+    assert [f.name for f in dataclasses.fields(EstimatorInputs)] == list(params)
+    defaults = {f.name: f.default for f in dataclasses.fields(EstimatorInputs)}
+    assert all(defaults[n] == p.default for n, p in params.items() if p.default is not p.empty)
+
+
 def test_shape_errors_are_clear():
     rewards, mask = outcome([1.0, 0.0])
     with pytest.raises(ValueError, match="group_index"):
-        run("grpo", rewards, mask, torch.zeros(3, dtype=torch.long))
+        EstimatorInputs(rewards, mask, torch.zeros(3, dtype=torch.long)).call("grpo")
     with pytest.raises(ValueError, match="response_mask"):
-        run("grpo", rewards, mask[:, :2])
+        EstimatorInputs(rewards, mask[:, :2]).call("grpo")
     with pytest.raises(ValueError, match="values"):
-        run("gae", rewards, mask, values=torch.zeros(2, 2))
+        EstimatorInputs(rewards, mask, values=torch.zeros(2, 2)).call("gae")
 
 
 def test_gae_with_bf16_values_runs_in_float32():
     rewards, mask, index, values = random_batch(2, dtype=torch.float32)
-    adv, ret = run("gae", rewards, mask, index, values=values.to(torch.bfloat16), lam=0.95)
-    ref_adv, _ = run("gae", rewards, mask, index, values=values.to(torch.bfloat16).float(), lam=0.95)
+    case = EstimatorInputs(rewards, mask, index, values=values.to(torch.bfloat16), lam=0.95)
+    adv, ret = case.call("gae")
+    ref_adv, _ = dataclasses.replace(case, values=case.values.float()).call("gae")
     assert adv.dtype == ret.dtype == torch.float32 and torch.equal(adv, ref_adv)
 
 
@@ -625,7 +632,7 @@ def naive_tir_otb(rewards, mask, index, old_logprobs, sum_pi_squared):
 def test_remax_hand_computed():
     rewards = torch.tensor([[0.0, 0.5, 1.0], [0.0, 2.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    adv, ret = run("remax", rewards, mask, baseline_score=torch.tensor([1.0, 3.0]))
+    adv, ret = EstimatorInputs(rewards, mask, baseline_score=torch.tensor([1.0, 3.0])).call("remax")
     # row 0: reward-to-go G = [1.5, 1.5, 1.0]; minus the greedy baseline 1 -> [0.5, 0.5, 0]
     # row 1: G = [2, 2, (masked)]; minus 3 -> [-1, -1, 0]
     assert ret.tolist() == [[1.5, 1.5, 1.0], [2.0, 2.0, 0.0]]
@@ -636,7 +643,7 @@ def test_opo_hand_computed():
     rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [2.0, 0.0]])
     mask = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 0]])
     index = torch.tensor([0, 0, 0, 5])
-    adv, _ = run("opo", rewards, mask, index)
+    adv, _ = EstimatorInputs(rewards, mask, index).call("opo")
     # group 0: scores 1, 0, 1 with lengths 2, 2, 1 -> b = (2·1 + 2·0 + 1·1) / 5 = 0.6
     # (the plain mean would be 2/3); group 5 is a group of one: b = 0
     assert adv[:, 0].tolist() == pytest.approx([0.4, -0.6, 0.4, 2.0], abs=1e-7)
@@ -646,7 +653,7 @@ def test_opo_hand_computed():
 def test_gpg_hand_computed():
     rewards, mask = outcome([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
     index = torch.tensor([0, 0, 0, 0, 1, 1])
-    adv, _ = run("gpg", rewards, mask, index)
+    adv, _ = EstimatorInputs(rewards, mask, index).call("gpg")
     # α = 6 rows / 3 non-zero scores = 2; group 0 mean 0.25 -> 2·0.75, 2·(-0.25);
     # group 1 is all ones: mean 1, advantage 0 (it still counts in α)
     assert adv[:, 0].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 0.0, 0.0])
@@ -655,11 +662,12 @@ def test_gpg_hand_computed():
 def test_grpo_passk_hand_computed():
     rewards, mask = outcome([0.2, 0.9, 0.5, 1.0, 1.0, 0.0])
     index = torch.tensor([0, 0, 0, 1, 1, 1])
-    adv, _ = run("grpo_passk", rewards, mask, index, norm_adv_by_std_in_grpo=False)
+    case = EstimatorInputs(rewards, mask, index)
+    adv, _ = dataclasses.replace(case, norm_adv_by_std_in_grpo=False).call("grpo_passk")
     # group 0: best 0.9, runner-up 0.5 -> only the best gets 0.4
     # group 1: a tie at the top (1.0, 1.0) -> 0 for all
     assert adv[:, 0].tolist() == pytest.approx([0.0, 0.4, 0.0, 0.0, 0.0, 0.0])
-    adv, _ = run("grpo_passk", rewards, mask, index)
+    adv, _ = case.call("grpo_passk")
     # with the std: group 0 mean 8/15, unbiased std sqrt(((1/3)² + (11/30)² + (1/30)²) / 2) ≈ 0.35119
     std = math.sqrt(((0.2 - 1.6 / 3) ** 2 + (0.9 - 1.6 / 3) ** 2 + (0.5 - 1.6 / 3) ** 2) / 2)
     assert adv[1, 0].item() == pytest.approx(0.4 / (std + 1e-6))
@@ -672,7 +680,8 @@ def test_gdpo_decouples_reward_dimensions():
     comps = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
     index = torch.tensor([0, 0, 1, 1, 2, 2])
     rewards, mask = outcome([0.0] * 6, T=2)
-    adv, ret = run("gdpo", rewards, mask, index, reward_components=comps, norm_adv_by_std_in_grpo=False)
+    adv, ret = EstimatorInputs(rewards, mask, index, reward_components=comps,
+                               norm_adv_by_std_in_grpo=False).call("gdpo")
     # Dr. GRPO per dimension: group 0: (0.5, -0.5) and (-0.5, 0.5) -> sums 0, 0;
     # group 1: (0.5, 0.5), (-0.5, -0.5) -> 1, -1; group 2: (0, 0.5), (0, -0.5) -> 0.5, -0.5.
     # Whitened over 12 tokens: mean 0, unbiased var = 2·(0 + 0 + 1 + 1 + 0.25 + 0.25) / 11 = 5/11
@@ -683,8 +692,9 @@ def test_gdpo_decouples_reward_dimensions():
 
 def test_gdpo_without_components_is_whitened_grpo():
     rewards, mask, index, _ = random_batch(4)
-    adv, _ = run("gdpo", rewards, mask, index)
-    grpo_adv, _ = run("grpo", rewards, mask, index)
+    case = EstimatorInputs(rewards, mask, index)
+    adv, _ = case.call("gdpo")
+    grpo_adv, _ = case.call("grpo")
     assert_on_mask(adv, naive_whiten(grpo_adv.tolist(), mask.tolist()), mask)
 
 
@@ -694,7 +704,8 @@ def test_optimal_token_baseline_hand_computed():
     # w = 1 - 2π + Σπ²: row 0 [0.5, 0.5] -> W = [0.5, 1.0]; row 1 [0.5, 1.125] -> W = [0.5, 1.625]
     logp = torch.tensor([[0.5, 0.5], [0.5, 0.25]]).log()
     sq = torch.tensor([[0.5, 0.5], [0.5, 0.625]])
-    adv, ret = run("optimal_token_baseline", rewards, mask, old_logprobs=logp, sum_pi_squared=sq)
+    adv, ret = EstimatorInputs(rewards, mask, old_logprobs=logp,
+                               sum_pi_squared=sq).call("optimal_token_baseline")
     # G = [[1, 1], [0, 0]]; B_0 = (1·0.5 + 0·0.5) / (0.5 + 0.5) = 0.5; B_1 = 1·1 / (1 + 1.625)
     b1 = 1 / 2.625
     assert ret.tolist() == [[1.0, 1.0], [0.0, 0.0]]
@@ -707,7 +718,8 @@ def test_optimal_token_baseline_zero_tail():
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
     logp = torch.full((2, 3), math.log(0.5)) * mask
     sq = torch.full((2, 3), 0.5) * mask  # w = 0.5 on every valid token
-    adv, ret = run("optimal_token_baseline", rewards, mask, old_logprobs=logp, sum_pi_squared=sq)
+    adv, ret = EstimatorInputs(rewards, mask, old_logprobs=logp,
+                               sum_pi_squared=sq).call("optimal_token_baseline")
     # t = 0: G = 1 and 2, W = 0.5 each -> B_0 = 1.5; t >= 1 on row 1: B = 0 -> A = G = 2
     assert adv.flatten().tolist() == pytest.approx([-0.5, 0.0, 0.0, 0.5, 2.0, 2.0], rel=1e-6)
 
@@ -719,10 +731,11 @@ def test_tir_optimal_token_baseline_aligns_valid_tokens():
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 1]])
     logp = torch.tensor([[0.5, 0.5, 1.0, 1.0], [0.5, 1.0, 1.0, 0.25]]).log() * mask
     sq = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.5, 0.0, 0.0, 0.625]]) * mask
-    adv, ret = run("tir_optimal_token_baseline", rewards, mask, old_logprobs=logp, sum_pi_squared=sq)
+    case = EstimatorInputs(rewards, mask, old_logprobs=logp, sum_pi_squared=sq)
+    adv, ret = case.call("tir_optimal_token_baseline")
     b1 = 1 / 2.625  # as in test_optimal_token_baseline_hand_computed
     assert adv.flatten().tolist() == pytest.approx([0.5, 1 - b1, 0, 0, -0.5, 0, 0, -b1], rel=1e-6)
-    otb, _ = run("optimal_token_baseline", rewards, mask, old_logprobs=logp, sum_pi_squared=sq)
+    otb, _ = case.call("optimal_token_baseline")
     assert not torch.allclose(otb, adv)
 
 
@@ -731,7 +744,7 @@ def test_tir_optimal_token_baseline_aligns_valid_tokens():
 def test_remax_matches_naive(seed):
     rewards, mask, index, _ = random_batch(seed)
     b = random_extras(seed, mask)["baseline_score"]
-    adv, ret = run("remax", rewards, mask, index, baseline_score=b)
+    adv, ret = EstimatorInputs(rewards, mask, index, baseline_score=b).call("remax")
     ref_adv, ref_ret = naive_remax(rewards, mask, b)
     assert_on_mask(adv, ref_adv, mask)
     assert_on_mask(ret, ref_ret, mask)
@@ -740,7 +753,7 @@ def test_remax_matches_naive(seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_opo_matches_naive(seed):
     rewards, mask, index, _ = random_batch(seed)
-    adv, ret = run("opo", rewards, mask, index)
+    adv, ret = EstimatorInputs(rewards, mask, index).call("opo")
     assert_on_mask(adv, naive_opo(rewards, mask, index), mask)
     assert torch.equal(adv, ret)
 
@@ -748,7 +761,7 @@ def test_opo_matches_naive(seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_gpg_matches_naive(seed):
     rewards, mask, index, _ = random_batch(seed)
-    adv, _ = run("gpg", rewards, mask, index)
+    adv, _ = EstimatorInputs(rewards, mask, index).call("gpg")
     assert_on_mask(adv, naive_gpg(rewards, mask, index), mask)
 
 
@@ -756,7 +769,7 @@ def test_gpg_matches_naive(seed):
 @pytest.mark.parametrize("norm", [True, False])
 def test_grpo_passk_matches_naive(seed, norm):
     rewards, mask, index, _ = random_batch(seed, min_group=2)
-    adv, _ = run("grpo_passk", rewards, mask, index, norm_adv_by_std_in_grpo=norm)
+    adv, _ = EstimatorInputs(rewards, mask, index, norm_adv_by_std_in_grpo=norm).call("grpo_passk")
     assert_on_mask(adv, naive_passk(rewards, mask, index, norm), mask)
 
 
@@ -765,7 +778,8 @@ def test_grpo_passk_matches_naive(seed, norm):
 def test_gdpo_matches_naive(seed, norm):
     rewards, mask, index, _ = random_batch(seed)
     comps = random_extras(seed, mask)["reward_components"]
-    adv, _ = run("gdpo", rewards, mask, index, reward_components=comps, norm_adv_by_std_in_grpo=norm)
+    adv, _ = EstimatorInputs(rewards, mask, index, reward_components=comps,
+                             norm_adv_by_std_in_grpo=norm).call("gdpo")
     assert_on_mask(adv, naive_gdpo(comps.tolist(), mask, index, norm), mask)
 
 
@@ -775,8 +789,8 @@ def test_gdpo_matches_naive(seed, norm):
 def test_optimal_token_baselines_match_naive(seed, name, naive):
     rewards, mask, index, _ = random_batch(seed)
     x = random_extras(seed, mask)
-    adv, ret = run(name, rewards, mask, index, old_logprobs=x["old_logprobs"],
-                   sum_pi_squared=x["sum_pi_squared"])
+    adv, ret = EstimatorInputs(rewards, mask, index, old_logprobs=x["old_logprobs"],
+                               sum_pi_squared=x["sum_pi_squared"]).call(name)
     ref_adv, ref_ret = naive(rewards, mask, index, x["old_logprobs"], x["sum_pi_squared"])
     assert_on_mask(adv, ref_adv, mask)
     assert_on_mask(ret, ref_ret, mask)
@@ -790,8 +804,8 @@ def test_optimal_token_baselines_with_holes_match_naive(seed, N, T, name, naive)
     rewards, mask = random_holes(seed, N, T)
     index = torch.randint(0, max(1, N // 3), (N,), generator=torch.Generator().manual_seed(seed))
     x = random_extras(seed, mask)
-    adv, ret = run(name, rewards, mask, index, old_logprobs=x["old_logprobs"],
-                   sum_pi_squared=x["sum_pi_squared"])
+    adv, ret = EstimatorInputs(rewards, mask, index, old_logprobs=x["old_logprobs"],
+                               sum_pi_squared=x["sum_pi_squared"]).call(name)
     ref_adv, ref_ret = naive(rewards, mask, index, x["old_logprobs"], x["sum_pi_squared"])
     assert_on_mask(adv, ref_adv, mask)
     assert_on_mask(ret, ref_ret, mask)
@@ -812,8 +826,9 @@ def test_vectorized_names_follow_their_own_verl_function():
     # keeps its raw score, the vectorized one multiplies by [n > 1]; each name follows its own
     rewards, mask = outcome([1.0, 0.0, 5.0])
     index = torch.tensor([0, 0, 1])
-    assert run("rloo", rewards, mask, index)[0][:, 0].tolist() == [1.0, -1.0, 5.0]
-    assert run("rloo_vectorized", rewards, mask, index)[0][:, 0].tolist() == [1.0, -1.0, 0.0]
+    case = EstimatorInputs(rewards, mask, index)
+    assert case.call("rloo")[0][:, 0].tolist() == [1.0, -1.0, 5.0]
+    assert case.call("rloo_vectorized")[0][:, 0].tolist() == [1.0, -1.0, 0.0]
 
 
 def test_traits_live_on_the_registry_entries():
@@ -838,13 +853,13 @@ def test_missing_inputs_raise_naming_them(name, missing):
     rewards, mask = outcome([1.0, 0.0])
     extras = {k: v for k, v in random_extras(0, mask).items() if k != missing}
     with pytest.raises(ValueError, match=f"{name}.*needs {missing}"):
-        run(name, rewards, mask, **extras)
+        EstimatorInputs(rewards, mask, **extras).call(name)
     extras[missing] = torch.zeros(3)  # the wrong shape
     with pytest.raises(ValueError, match=f"{missing} must have shape"):
-        run(name, rewards, mask, **extras)
+        EstimatorInputs(rewards, mask, **extras).call(name)
 
 
 def test_grpo_passk_refuses_a_group_of_one():
     rewards, mask = outcome([1.0, 0.0, 1.0])
     with pytest.raises(ValueError, match="at least 2 responses per group; 1 group"):
-        run("grpo_passk", rewards, mask, torch.tensor([0, 0, 1]))
+        EstimatorInputs(rewards, mask, torch.tensor([0, 0, 1])).call("grpo_passk")

@@ -3,32 +3,26 @@ reference for every loss on random inputs (masks with holes, empty rows, ties), 
 where a loss is defined by its gradient, and the identities that relate the losses."""
 
 import dataclasses
+import inspect
 import math
 
 import pytest
 import torch
 
-from verl_core.algorithms import POLICY_LOSSES, PolicyLossOptions, agg_loss, get_policy_loss
+from tests.verl_core.algorithms.inputs import LOSS_OPTIONS as OPTS
+from tests.verl_core.algorithms.inputs import LossInputs
+from verl_core.algorithms import POLICY_LOSSES, PolicyLossOptions, agg_loss
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
          "token-sum")
-CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
-OPTS = PolicyLossOptions(dro_beta=0.05)  # verl's defaults, plus the β dro needs
-
-
-def loss_of(name, old, new, adv, mask=None, mode="token-mean", *, options=OPTS, weights=None,
-            scale=None, seed=0, **clip):
-    mask = torch.ones_like(new) if mask is None else mask
-    return get_policy_loss(name)(old, new, adv, mask, **{**CLIP, **clip}, loss_agg_mode=mode,
-                                 loss_scale_factor=scale, rollout_is_weights=weights,
-                                 options=options, generator=torch.Generator().manual_seed(seed))
 
 
 def one_token(log_ratio, adv, **clip):
     """A single token with the given log-ratio and advantage; returns loss, metrics, d loss/d logp."""
     new = torch.tensor([[log_ratio]], dtype=torch.float64, requires_grad=True)
     old = torch.zeros(1, 1, dtype=torch.float64)
-    loss, metrics = loss_of("vanilla", old, new, torch.tensor([[adv]], dtype=torch.float64), **clip)
+    adv = torch.tensor([[adv]], dtype=torch.float64)
+    loss, metrics = LossInputs(old, new, adv, **clip).call("vanilla")
     (grad,) = torch.autograd.grad(loss, new)
     return loss.item(), {k: v.item() for k, v in metrics.items()}, grad.item()
 
@@ -88,7 +82,7 @@ def random_inputs(seed, scale=0.4, per_seq_adv=False, holes=False):
 def test_on_policy_is_minus_mean_advantage():
     adv = torch.tensor([[1.0, -2.0, 0.5]])
     logp = torch.tensor([[-1.0, -0.5, -2.0]], requires_grad=True)
-    loss, m = loss_of("vanilla", logp.detach(), logp, adv)
+    loss, m = LossInputs(logp.detach(), logp, adv).call("vanilla")
     # ρ = 1 everywhere: loss = -(1 - 2 + 0.5) / 3 = 0.1667; nothing clipped; KL 0
     assert loss.item() == pytest.approx(0.5 / 3)
     assert m["pg_clipfrac"].item() == 0 and m["pg_clipfrac_lower"].item() == 0 and m["ppo_kl"].item() == 0
@@ -145,8 +139,8 @@ def test_vanilla_rejects_clip_ratio_c_not_above_one():
 def test_vanilla_matches_naive(mode, seed):
     old, new, adv, mask = random_inputs(seed, scale=1.5)  # large enough to hit every branch
     lo, hi, c = 0.2, 0.28, 3.0
-    loss, m = loss_of("vanilla", old, new, adv, mask, mode, clip_ratio_low=lo, clip_ratio_high=hi,
-                      clip_ratio_c=c)
+    loss, m = LossInputs(old, new, adv, mask, mode, clip_ratio_low=lo, clip_ratio_high=hi,
+                         clip_ratio_c=c).call("vanilla")
     L, C, D = naive_vanilla_tokens(old, new, adv, lo, hi, c)
     assert loss.item() == pytest.approx(agg_loss(L, mask, mode).item(), rel=1e-9, abs=1e-12)
     valid = mask.bool()
@@ -160,11 +154,12 @@ def test_padding_does_not_change_the_loss(name):
     old, new, adv, mask = random_inputs(3, holes=True)
     mask[:, -1] = 0
     opts = dataclasses.replace(OPTS, clip_cov_ratio=0.3, clip_cov_lb=-10.0, kl_cov_ratio=0.3)
-    base, _ = loss_of(name, old, new, adv, mask, options=opts)
+    case = LossInputs(old, new, adv, mask, options=opts)
+    base, _ = case.call(name)
     new2, old2, adv2 = new.clone(), old.clone(), adv.clone()
     pad = ~mask.bool()
     new2[pad], old2[pad], adv2[pad] = 50.0, -50.0, 1e6  # garbage where masked
-    other, _ = loss_of(name, old2, new2, adv2, mask, options=opts)
+    other, _ = dataclasses.replace(case, old_logp=old2, logp=new2, advantages=adv2).call(name)
     assert other.item() == pytest.approx(base.item(), rel=1e-12)
 
 
@@ -173,7 +168,7 @@ def test_padding_does_not_change_the_loss(name):
 @pytest.mark.parametrize("seed", range(6))
 def test_gspo_matches_naive(mode, seed):
     old, new, adv, mask = random_inputs(seed, scale=0.3)
-    loss, m = loss_of("gspo", old, new, adv, mask, mode)
+    loss, m = LossInputs(old, new, adv, mask, mode).call("gspo")
     L, C = naive_gspo_tokens(old, new, adv, mask, 0.2, 0.28)
     assert loss.item() == pytest.approx(agg_loss(L, mask, mode).item(), rel=1e-9, abs=1e-12)
     assert m["pg_clipfrac"].item() == pytest.approx(C[mask.bool()].mean().item(), abs=1e-7)
@@ -194,8 +189,9 @@ def test_gspo_equals_vanilla_when_ratio_is_constant_within_each_sequence(mode, s
     new = (old + per_seq).requires_grad_(True)
     adv = torch.randn(N, T, generator=g, dtype=torch.float64)
     mask = (torch.arange(T)[None] < torch.tensor([[5], [3], [1], [4]])).to(torch.float64)
-    lv, mv = loss_of("vanilla", old, new, adv, mask, mode)
-    lg, mg = loss_of("gspo", old, new, adv, mask, mode)
+    case = LossInputs(old, new, adv, mask, mode)
+    lv, mv = case.call("vanilla")
+    lg, mg = case.call("gspo")
     (gv,) = torch.autograd.grad(lv, new)
     (gg,) = torch.autograd.grad(lg, new)
     assert lg.item() == pytest.approx(lv.item(), rel=1e-12)
@@ -208,8 +204,9 @@ def test_gspo_and_vanilla_differ_when_ratios_vary_within_a_sequence():
     old = torch.zeros(1, 2, dtype=torch.float64)
     new = torch.tensor([[0.5, -0.5]], dtype=torch.float64)  # token ratios e^±0.5, sequence ratio 1
     adv = torch.ones(1, 2, dtype=torch.float64)
-    lg, mg = loss_of("gspo", old, new, adv)
-    lv, mv = loss_of("vanilla", old, new, adv)
+    case = LossInputs(old, new, adv)
+    lg, mg = case.call("gspo")
+    lv, mv = case.call("vanilla")
     assert lg.item() == pytest.approx(-1.0)  # s = exp(mean(0.5, -0.5)) = 1: nothing clipped
     # vanilla: token 0 clipped at 1.28, token 1 unclipped e^-0.5 = 0.6065 -> -(1.28 + 0.6065) / 2
     assert lv.item() == pytest.approx(-(1.28 + math.exp(-0.5)) / 2)
@@ -219,12 +216,13 @@ def test_gspo_and_vanilla_differ_when_ratios_vary_within_a_sequence():
 @pytest.mark.parametrize("seed", range(4))
 def test_gspo_loss_depends_only_on_sequence_mean_log_ratio(seed):
     old, new, adv, mask = random_inputs(seed, scale=0.3, per_seq_adv=True)
-    base, _ = loss_of("gspo", old, new, adv, mask, "seq-mean-token-mean")
+    case = LossInputs(old, new, adv, mask, "seq-mean-token-mean")
+    base, _ = case.call("gspo")
     # move log-prob mass between valid tokens of each response, keeping the per-response sum
     g = torch.Generator().manual_seed(100 + seed)
     shift = torch.randn(new.shape, generator=g, dtype=torch.float64) * mask
     shift = shift - mask * (shift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
-    moved, _ = loss_of("gspo", old, new + shift, adv, mask, "seq-mean-token-mean")
+    moved, _ = dataclasses.replace(case, logp=new + shift).call("gspo")
     assert moved.item() == pytest.approx(base.item(), rel=1e-10, abs=1e-12)
 
 
@@ -236,8 +234,8 @@ def test_gspo_token_gradient_equals_sequence_level_gspo_gradient(seed):
     old, new, adv, mask = random_inputs(seed, scale=0.3, per_seq_adv=True)
     new.requires_grad_(True)
     lo, hi = 0.2, 0.28
-    loss, _ = loss_of("gspo", old, new, adv, mask, "seq-mean-token-mean", clip_ratio_low=lo,
-                      clip_ratio_high=hi)
+    loss, _ = LossInputs(old, new, adv, mask, "seq-mean-token-mean", clip_ratio_low=lo,
+                         clip_ratio_high=hi).call("gspo")
     (g_token,) = torch.autograd.grad(loss, new)
     n = mask.sum(-1)
     s = torch.exp(((new - old) * mask).sum(-1) / n.clamp(min=1))  # (N,)
@@ -251,11 +249,13 @@ def test_gspo_token_gradient_equals_sequence_level_gspo_gradient(seed):
 
 def test_gspo_ignores_clip_ratio_c_and_clamps_log_ratio_at_10():
     old, new, adv, mask = random_inputs(1)
-    a, _ = loss_of("gspo", old, new, adv, mask, clip_ratio_c=3.0)
-    b, _ = loss_of("gspo", old, new, adv, mask, clip_ratio_c=1.0)  # would raise for vanilla
+    case = LossInputs(old, new, adv, mask, clip_ratio_c=3.0)
+    a, _ = case.call("gspo")
+    b, _ = dataclasses.replace(case, clip_ratio_c=1.0).call("gspo")  # would raise for vanilla
     assert a.item() == b.item()
     # log s = 15 -> clamped at 10; A = -1 (not clipped from above for A < 0): loss = e^10
-    loss, _ = loss_of("gspo", torch.zeros(1, 1), torch.full((1, 1), 15.0), -torch.ones(1, 1))
+    loss, _ = LossInputs(torch.zeros(1, 1), torch.full((1, 1), 15.0),
+                         -torch.ones(1, 1)).call("gspo")
     assert loss.item() == pytest.approx(math.exp(10.0), rel=1e-6)
 
 
@@ -264,13 +264,23 @@ def test_gspo_ignores_clip_ratio_c_and_clamps_log_ratio_at_10():
 def test_same_outputs_for_every_loss(name):
     old, new, adv, mask = random_inputs(2)
     new.requires_grad_(True)
-    loss, metrics = loss_of(name, old, new, adv, mask)
+    loss, metrics = LossInputs(old, new, adv, mask).call(name)
     assert loss.dim() == 0 and loss.requires_grad
     assert set(metrics) == {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"}
     for v in metrics.values():
         assert isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad
     with pytest.raises(ValueError, match="shape"):
-        loss_of(name, old[:, :1], new, adv, mask)
+        LossInputs(old[:, :1], new, adv, mask).call(name)
+
+
+def test_the_inputs_record_is_the_one_signature():
+    # every entry has the prototype's signature (the registry checks it at registration); the
+    # record holds a seed where the signature takes a generator, and a fresh one is made per call
+    params = inspect.signature(POLICY_LOSSES.get("vanilla")).parameters
+    assert {f.name for f in dataclasses.fields(LossInputs)} == set(params) - {"generator"} | {"seed"}
+    defaults = {f.name: f.default for f in dataclasses.fields(LossInputs)}
+    assert all(defaults[n] == p.default for n, p in params.items()
+               if p.default is not p.empty and n not in ("options", "generator"))
 
 
 # ---------------------------------------------------------------- naive references, new losses
@@ -409,7 +419,7 @@ def _valid_mean(x, mask):
 @pytest.mark.parametrize("seed", range(6))
 def test_cispo_matches_naive(mode, seed):
     old, new, adv, mask = random_inputs(seed, scale=1.0, holes=True)
-    loss, m = loss_of("cispo", old, new, adv, mask, mode, scale=5.0)
+    loss, m = LossInputs(old, new, adv, mask, mode, loss_scale_factor=5.0).call("cispo")
     L, C = naive_cispo_tokens(old, new, adv, 0.2, 0.28)
     assert loss.item() == pytest.approx(agg_loss(L, mask, mode, loss_scale_factor=5.0).item(),
                                         rel=1e-9, abs=1e-12)
@@ -424,7 +434,7 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
     new.requires_grad_(True)
     adv = torch.ones(1, 1, dtype=torch.float64)
     for name, expected in (("vanilla", 0.0), ("cispo", -1.28)):
-        loss, _ = loss_of(name, old, new, adv)
+        loss, _ = LossInputs(old, new, adv).call(name)
         (grad,) = torch.autograd.grad(loss, new)
         assert grad.item() == pytest.approx(expected)
 
@@ -436,8 +446,8 @@ def test_dppo_matches_naive(kind, mode, seed):
     old, new, adv, mask = random_inputs(seed, scale=0.8, holes=True)
     new = new.clamp(max=-1e-3)  # DPPO works on probabilities: log-probs must be < 0
     lo, hi, c = (0.15, 0.15, 1.5) if kind == "tv" else (0.05, 0.05, 1.5)
-    loss, m = loss_of(f"dppo_{kind}", old, new, adv, mask, mode, clip_ratio_low=lo,
-                      clip_ratio_high=hi, clip_ratio_c=c)
+    loss, m = LossInputs(old, new, adv, mask, mode, clip_ratio_low=lo,
+                         clip_ratio_high=hi, clip_ratio_c=c).call(f"dppo_{kind}")
     L, O, D = naive_dppo_tokens(kind, old, new, adv, lo, hi, c)
     assert loss.item() == pytest.approx(agg_loss(L, mask, mode).item(), rel=1e-9, abs=1e-12)
     assert m["pg_clipfrac"].item() == pytest.approx(_valid_mean(O, mask), abs=1e-12)
@@ -451,13 +461,13 @@ def test_dppo_tv_bounds_probability_change_not_ratio():
     old = torch.log(torch.tensor([[0.01, 0.5]], dtype=torch.float64))
     new = torch.log(torch.tensor([[0.03, 0.7]], dtype=torch.float64)).requires_grad_(True)
     adv = torch.ones(1, 2, dtype=torch.float64)
-    loss, m = loss_of("dppo_tv", old, new, adv, clip_ratio_low=0.15, clip_ratio_high=0.15,
-                      clip_ratio_c=10.0)
+    loss, m = LossInputs(old, new, adv, clip_ratio_low=0.15, clip_ratio_high=0.15,
+                         clip_ratio_c=10.0).call("dppo_tv")
     (grad,) = torch.autograd.grad(loss, new)
     assert grad[0, 0].item() == pytest.approx(-3.0 / 2)  # token-mean over 2 tokens
     assert grad[0, 1].item() == 0.0
     assert m["pg_clipfrac"].item() == 0.5
-    _, mv = loss_of("vanilla", old, new.detach(), adv)
+    _, mv = LossInputs(old, new.detach(), adv).call("vanilla")
     assert mv["pg_clipfrac"].item() == 1.0  # PPO clips both (ρ = 3 and 1.4 > 1.28)
 
 
@@ -466,7 +476,7 @@ def test_dppo_tv_bounds_probability_change_not_ratio():
 def test_sapo_matches_naive(mode, seed):
     old, new, adv, mask = random_inputs(seed, scale=0.8, holes=True)
     opts = dataclasses.replace(OPTS, tau_pos=1.3, tau_neg=2.1)
-    loss, m = loss_of("sapo", old, new, adv, mask, mode, options=opts)
+    loss, m = LossInputs(old, new, adv, mask, mode, options=opts).call("sapo")
     L = naive_sapo_tokens(old, new, adv, 1.3, 2.1)
     assert loss.item() == pytest.approx(agg_loss(L, mask, mode).item(), rel=1e-9, abs=1e-12)
     assert m["pg_clipfrac"].item() == 0.0 and m["pg_clipfrac_lower"].item() == 0.0
@@ -479,7 +489,7 @@ def test_sapo_gate_gradient_is_one_on_policy_and_decays():
     slopes = []
     for log_ratio in (0.0, 1.0, 3.0):  # ρ = 1, e, e^3 ≈ 20
         new = torch.full((1, 1), log_ratio, dtype=torch.float64, requires_grad=True)
-        loss, _ = loss_of("sapo", torch.zeros(1, 1, dtype=torch.float64), new, adv)
+        loss, _ = LossInputs(torch.zeros(1, 1, dtype=torch.float64), new, adv).call("sapo")
         (grad,) = torch.autograd.grad(loss, new)
         slopes.append(-grad.item() / math.exp(log_ratio))  # f'(ρ)
         sig = 1.0 / (1.0 + math.exp(-(math.exp(log_ratio) - 1.0)))
@@ -492,11 +502,12 @@ def test_sapo_gate_gradient_is_one_on_policy_and_decays():
 @pytest.mark.parametrize("seed", range(6))
 def test_gpg_and_dro_match_naive(mode, seed):
     old, new, adv, mask = random_inputs(seed, scale=0.8, holes=True)
-    loss, m = loss_of("gpg", old, new, adv, mask, mode)
+    loss, m = LossInputs(old, new, adv, mask, mode).call("gpg")
     assert loss.item() == pytest.approx(agg_loss(-adv * new, mask, mode).item(), rel=1e-12, abs=1e-12)
     assert m["ppo_kl"].item() == pytest.approx(_valid_mean(old - new, mask), rel=1e-9, abs=1e-12)
     beta = 0.3
-    loss, _ = loss_of("dro", old, new, adv, mask, mode, options=dataclasses.replace(OPTS, dro_beta=beta))
+    loss, _ = LossInputs(old, new, adv, mask, mode,
+                         options=dataclasses.replace(OPTS, dro_beta=beta)).call("dro")
     L = _tensor([[-(n * a - 0.5 * beta * (n - o) ** 2) for o, n, a in zip(*row)]
                  for row in _rows(old, new, adv)])
     assert loss.item() == pytest.approx(agg_loss(L, mask, mode).item(), rel=1e-9, abs=1e-12)
@@ -505,13 +516,14 @@ def test_gpg_and_dro_match_naive(mode, seed):
 def test_dro_gradient_and_refuses_unset_beta():
     # ∇L = -(A - β log ρ) ∇logp: A = 1, log ρ = 0.5, β = 0.4 -> -(1 - 0.2) = -0.8
     new = torch.full((1, 1), 0.5, dtype=torch.float64, requires_grad=True)
-    loss, _ = loss_of("dro", torch.zeros(1, 1, dtype=torch.float64), new,
-                      torch.ones(1, 1, dtype=torch.float64),
-                      options=dataclasses.replace(OPTS, dro_beta=0.4))
+    loss, _ = LossInputs(torch.zeros(1, 1, dtype=torch.float64), new,
+                         torch.ones(1, 1, dtype=torch.float64),
+                         options=dataclasses.replace(OPTS, dro_beta=0.4)).call("dro")
     (grad,) = torch.autograd.grad(loss, new)
     assert grad.item() == pytest.approx(-0.8)
     with pytest.raises(ValueError, match="dro_beta"):
-        loss_of("dro", new.detach(), new.detach(), torch.ones(1, 1), options=PolicyLossOptions())
+        LossInputs(new.detach(), new.detach(), torch.ones(1, 1),
+                   options=PolicyLossOptions()).call("dro")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -522,8 +534,8 @@ def test_geo_mean_matches_naive(mode, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.rand(new.shape, generator=g, dtype=torch.float64) * 2
     for weights in (None, w):
-        loss, m = loss_of("geo_mean", old, new, adv, mask, mode, weights=weights,
-                          clip_ratio_low=lo, clip_ratio_high=hi)
+        loss, m = LossInputs(old, new, adv, mask, mode, rollout_is_weights=weights,
+                             clip_ratio_low=lo, clip_ratio_high=hi).call("geo_mean")
         seq, HC, LC = naive_geo_mean(old, new, adv, mask, lo, hi, weights)
         L = _tensor([[s] * new.shape[1] for s in seq])  # L_i on every token of response i
         assert loss.item() == pytest.approx(agg_loss(L, mask, mode).item(), rel=1e-9, abs=1e-12)
@@ -540,8 +552,8 @@ def test_geo_mean_is_robust_to_one_outlier_token_where_the_arithmetic_mean_is_no
     old = torch.zeros(1, 4, dtype=torch.float64)
     new = torch.tensor([[3.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     adv = torch.ones(1, 4, dtype=torch.float64)
-    loss, m = loss_of("geo_mean", old, new, adv, mode="seq-mean-token-mean", clip_ratio_low=0.4,
-                      clip_ratio_high=0.4)
+    loss, m = LossInputs(old, new, adv, loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.4,
+                         clip_ratio_high=0.4).call("geo_mean")
     assert loss.item() == pytest.approx(-math.exp(0.1))
     assert m["pg_clipfrac"].item() == 0.25
 
@@ -556,7 +568,7 @@ COV_OPTS = dataclasses.replace(OPTS, clip_cov_ratio=0.25, clip_cov_lb=-0.5, clip
 def test_clip_cov_matches_naive_values_and_gradients(mode, seed):
     old, new, adv, mask = random_inputs(seed, scale=0.5, holes=True)
     new.requires_grad_(True)
-    loss, m = loss_of("clip_cov", old, new, adv, mask, mode, options=COV_OPTS, seed=seed)
+    loss, m = LossInputs(old, new, adv, mask, mode, options=COV_OPTS, seed=seed).call("clip_cov")
     keys = torch.rand(new.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     L, S, _ = naive_clip_cov(old, new.detach(), adv, mask, 0.2, 0.28, 0.25, -0.5, 0.8, keys)
     assert loss.item() == pytest.approx(agg_loss(L, mask, mode).item(), rel=1e-9, abs=1e-12)
@@ -581,7 +593,7 @@ def test_clip_cov_selects_a_uniform_random_subset_of_the_candidates():
     counts = torch.zeros_like(new)
     draws = 400
     for s in range(draws):
-        loss, m = loss_of("clip_cov", old, new, adv, mask, options=opts, seed=s)
+        loss, m = LossInputs(old, new, adv, mask, options=opts, seed=s).call("clip_cov")
         assert m["pg_clipfrac"].item() * n_valid == pytest.approx(clip_num)  # exactly clip_num
         keys = torch.rand(new.shape, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
         L, S, _ = naive_clip_cov(old, new, adv, mask, 0.2, 0.28, 0.1, -1e9, 1e9, keys)
@@ -601,9 +613,11 @@ def test_clip_cov_never_selects_ppo_clipped_or_out_of_bounds_tokens():
     old[0, 1:] = new[0, 1:]
     adv = torch.tensor([[1.0, 2.0, -1.0, 0.5]], dtype=torch.float64)
     opts = dataclasses.replace(OPTS, clip_cov_ratio=1.0, clip_cov_lb=-1e9, clip_cov_ub=1e9)
-    _, m = loss_of("clip_cov", old, new, adv, options=opts)
+    case = LossInputs(old, new, adv, options=opts)
+    _, m = case.call("clip_cov")
     assert m["pg_clipfrac"].item() == 0.75  # all but the clipped token
-    _, m = loss_of("clip_cov", old, new, adv, options=dataclasses.replace(opts, clip_cov_lb=1e8))
+    opts = dataclasses.replace(opts, clip_cov_lb=1e8)
+    _, m = dataclasses.replace(case, options=opts).call("clip_cov")
     assert m["pg_clipfrac"].item() == 0.0
 
 
@@ -612,7 +626,7 @@ def test_clip_cov_never_selects_ppo_clipped_or_out_of_bounds_tokens():
 def test_kl_cov_matches_naive_values_and_gradients(mode, seed):
     old, new, adv, mask = random_inputs(seed, scale=0.5, holes=True)
     new.requires_grad_(True)
-    loss, m = loss_of("kl_cov", old, new, adv, mask, mode, options=COV_OPTS)
+    loss, m = LossInputs(old, new, adv, mask, mode, options=COV_OPTS).call("kl_cov")
     L, S = naive_kl_cov(old, new.detach(), adv, mask, 0.2, 0.7)
     assert loss.item() == pytest.approx(agg_loss(L, mask, mode).item(), rel=1e-9, abs=1e-12)
     assert m["pg_clipfrac"].item() == 0.0
@@ -633,7 +647,7 @@ def test_kl_cov_breaks_ties_by_position():
     mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
     old = new - 0.5  # log ρ = 0.5 everywhere
     opts = dataclasses.replace(OPTS, kl_cov_ratio=0.4, ppo_kl_coef=1.0)
-    loss, _ = loss_of("kl_cov", old, new, adv, mask, "token-sum", options=opts)
+    loss, _ = LossInputs(old, new, adv, mask, "token-sum", options=opts).call("kl_cov")
     L, S = naive_kl_cov(old, new, adv, mask, 0.4, 1.0)
     assert S.tolist() == [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
     # token-sum: Σ -A ρ over 5 tokens (2 with A = 1, 3 with A = -1) + 2 · 0.5
@@ -648,14 +662,14 @@ def test_cov_losses_select_at_least_one_token_and_none_without_tokens():
                                clip_cov_ub=1e9)
     L, S = naive_kl_cov(old, new, adv, mask, 1e-6, 0.1)
     assert S.sum().item() == 1.0
-    loss, _ = loss_of("kl_cov", old, new, adv, mask, "token-sum",
-                      options=dataclasses.replace(opts, ppo_kl_coef=0.1))
+    loss, _ = LossInputs(old, new, adv, mask, "token-sum",
+                         options=dataclasses.replace(opts, ppo_kl_coef=0.1)).call("kl_cov")
     assert loss.item() == pytest.approx(agg_loss(L, mask, "token-sum").item(), rel=1e-12)
-    _, m = loss_of("clip_cov", old, new, adv, mask, options=opts)
+    _, m = LossInputs(old, new, adv, mask, options=opts).call("clip_cov")
     assert m["pg_clipfrac"].item() * mask.sum().item() == pytest.approx(1.0)
     empty = torch.zeros_like(mask)
     for name in ("clip_cov", "kl_cov"):
-        loss, m = loss_of(name, old, new, adv, empty, options=opts)
+        loss, m = LossInputs(old, new, adv, empty, options=opts).call(name)
         assert loss.item() == 0.0 and m["pg_clipfrac"].item() == 0.0
 
 
@@ -666,8 +680,9 @@ def test_bypass_ppo_clip_is_vanilla_against_the_rollout_logprobs(mode, seed):
     rollout, new, adv, mask = random_inputs(seed, scale=1.0, holes=True)
     new.requires_grad_(True)
     w = torch.rand(new.shape, dtype=torch.float64)  # ignored by bypass_mode
-    lb, mb = loss_of("bypass_mode", rollout, new, adv, mask, mode, weights=w)
-    lv, mv = loss_of("vanilla", rollout, new, adv, mask, mode)
+    case = LossInputs(rollout, new, adv, mask, mode)
+    lb, mb = dataclasses.replace(case, rollout_is_weights=w).call("bypass_mode")
+    lv, mv = case.call("vanilla")
     assert lb.item() == lv.item() and {k: v.item() for k, v in mb.items()} == \
         {k: v.item() for k, v in mv.items()}
     assert torch.equal(torch.autograd.grad(lb, new)[0], torch.autograd.grad(lv, new)[0])
@@ -684,7 +699,7 @@ def test_bypass_reinforce_matches_naive(level, mode, seed):
     new.requires_grad_(True)
     opts = dataclasses.replace(OPTS, bypass_loss_type="reinforce", rollout_is=level,
                                rollout_is_threshold=1.3)
-    loss, m = loss_of("bypass_mode", rollout, new, adv, mask, mode, options=opts)
+    loss, m = LossInputs(rollout, new, adv, mask, mode, options=opts).call("bypass_mode")
     # naive: w = min(exp(log ρ), 1.3) per token, or per response with log ρ summed; detached
     W = []
     for r_row, n_row, m_row in _rows(rollout, new.detach(), mask):
@@ -700,8 +715,8 @@ def test_bypass_reinforce_matches_naive(level, mode, seed):
     assert torch.allclose(grad, expected, rtol=1e-10, atol=1e-14)  # the weights carry no gradient
     assert m["ppo_kl"].item() == pytest.approx(_valid_mean(rollout - new.detach(), mask), rel=1e-9)
     with pytest.raises(ValueError, match="bypass_loss_type"):
-        loss_of("bypass_mode", rollout, new, adv, mask,
-                options=dataclasses.replace(opts, bypass_loss_type="dpo"))
+        LossInputs(rollout, new, adv, mask,
+                   options=dataclasses.replace(opts, bypass_loss_type="dpo")).call("bypass_mode")
 
 
 # ---------------------------------------------------------------- options every loss honours
@@ -717,27 +732,30 @@ def test_rollout_is_weights_multiply_each_token_loss(name, mode):
     opts = COV_OPTS
     N, T = new.shape
     L = torch.zeros(N, T, dtype=torch.float64)
+    case = LossInputs(old, new, adv, mask, mode, options=opts)
+    token_sum = dataclasses.replace(case, loss_agg_mode="token-sum")
     for i in range(N):
         for t in range(T):
             e = torch.zeros(N, T, dtype=torch.float64)
             e[i, t] = 1.0
-            L[i, t] = loss_of(name, old, new, adv, mask, "token-sum", options=opts, weights=e)[0]
+            L[i, t] = dataclasses.replace(token_sum, rollout_is_weights=e).call(name)[0]
     w = torch.rand(N, T, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2
-    loss, _ = loss_of(name, old, new, adv, mask, mode, options=opts, weights=w)
+    loss, _ = dataclasses.replace(case, rollout_is_weights=w).call(name)
     assert loss.item() == pytest.approx(agg_loss(L * w, mask, mode).item(), rel=1e-9, abs=1e-12)
-    unweighted, _ = loss_of(name, old, new, adv, mask, mode, options=opts)
+    unweighted, _ = case.call(name)
     assert unweighted.item() == pytest.approx(agg_loss(L, mask, mode).item(), rel=1e-9, abs=1e-12)
     with pytest.raises(ValueError, match="rollout_is_weights"):
-        loss_of(name, old, new, adv, mask, mode, options=opts, weights=w[:, :1])
+        dataclasses.replace(case, rollout_is_weights=w[:, :1]).call(name)
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES.names()))
 def test_loss_scale_factor_divides_seq_mean_token_sum(name):
     old, new, adv, mask = random_inputs(4, scale=0.5, holes=True)
-    base, _ = loss_of(name, old, new, adv, mask, "seq-mean-token-sum", options=COV_OPTS)
+    case = LossInputs(old, new, adv, mask, "seq-mean-token-sum", options=COV_OPTS)
+    base, _ = case.call(name)
     for scale, divisor in ((None, new.shape[1]), (6.5, 6.5)):
-        normed, _ = loss_of(name, old, new, adv, mask, "seq-mean-token-sum-norm",
-                            options=COV_OPTS, scale=scale)
+        normed, _ = dataclasses.replace(case, loss_agg_mode="seq-mean-token-sum-norm",
+                                        loss_scale_factor=scale).call(name)
         assert normed.item() == pytest.approx(base.item() / divisor, rel=1e-12, abs=1e-15)
 
 
@@ -756,7 +774,7 @@ def test_on_policy_every_loss_has_the_reinforce_gradient(mode, seed):
     for name in sorted(POLICY_LOSSES.names()):
         for bypass in ("ppo_clip", "reinforce"):
             o = dataclasses.replace(opts, bypass_loss_type=bypass, rollout_is="token")
-            loss, m = loss_of(name, old, new, adv, mask, mode, options=o)
+            loss, m = LossInputs(old, new, adv, mask, mode, options=o).call(name)
             (grad,) = torch.autograd.grad(loss, new)
             assert torch.allclose(grad, reinforce, rtol=1e-10, atol=1e-14), (name, bypass)
             assert m["ppo_kl"].item() == 0.0
