@@ -61,9 +61,9 @@ def cache_for(phase: str) -> Cache:
 class _RunSpecTransformer(TypeTransformer[RunSpec]):
     """A :class:`RunSpec` (with its typed :class:`RunConfig`) crosses tasks as one canonical JSON
     string literal. Why not flytekit's dataclass transformer: it builds a JSON schema of the ~180
-    nested config fields for every task interface that names RunSpec (~0.5 s each, ~12 s of
-    start-up) and re-evaluates their annotations on every input conversion (~2.7 ms per task,
-    BENCHMARKS.md "A step against TRL"); this costs microseconds. Tasks still see a typed spec."""
+    nested config fields for every task interface that names RunSpec (seconds of start-up) and
+    re-evaluates their annotations on every input conversion (BENCHMARKS.md "Small costs");
+    this parses one string. Tasks still see a typed spec."""
 
     def __init__(self):
         super().__init__("RunSpec", RunSpec)
@@ -81,7 +81,7 @@ class _RunSpecTransformer(TypeTransformer[RunSpec]):
 @functools.lru_cache(maxsize=8)
 def _spec_from_json(text: str) -> RunSpec:
     """Every task of a run gets the same spec literal: parse and validate its ~180 config fields
-    once per process (~0.25 ms per task otherwise). Safe to share: RunSpec and RunConfig are
+    once per process, not once per task. Safe to share: RunSpec and RunConfig are
     frozen."""
     return RunSpec.from_json(text)
 
@@ -94,8 +94,8 @@ class _PhaseResultTransformer(TypeTransformer[T]):
     dataclass literal: the same literal type (schema and all, so a cluster still type-checks the
     wiring and the console shows the fields) and byte-identical msgpack values (so cache keys
     are unchanged). Why not flytekit's DataclassTransformer itself: on every conversion it walks
-    the value looking for Flyte file types and re-reads the type hints (~0.3 ms per task output,
-    BENCHMARKS.md "A step against TRL"); these two types hold only ints, strings and a float
+    the value looking for Flyte file types and re-reads the type hints (per task output,
+    BENCHMARKS.md "Small costs"); these two types hold only ints, strings and a float
     map, so ``msgpack.dumps(asdict(v))`` is the whole job (tests/workflows/test_spec_literal.py
     checks the bytes against flytekit's). Anything else (FLYTE_USE_OLD_DC_FORMAT, a JSON literal
     from the console or an older run) goes through flytekit's transformer."""
@@ -136,7 +136,7 @@ class _RayTask(RayFunctionTask):
     """The Ray plugin's task (type ``ray``, same serialization) minus one local cost: the
     plugin's ``pre_execute`` calls ``ray.init`` before every Ray task, and with no address Ray
     first looks for a running cluster by reading every process's command line on the host
-    (psutil), 4-10 ms on a busy machine, three times per RL step, only to return at once
+    (psutil; BENCHMARKS.md "Small costs"), three times per RL step, only to return at once
     because this process is connected already. Locally, when Ray is initialised, that call is
     a no-op and is skipped; the first Ray task of a local run and every task on a cluster run
     the plugin's own ``pre_execute``."""

@@ -1,4 +1,4 @@
-"""The heavy phases' tasks for the run's ``cluster.mode`` (README "Cluster modes").
+"""The heavy phases' tasks for the run's ``cluster.mode`` (docs/cluster.md).
 
 ``per_task``: Flyte Ray tasks (each its own Ray cluster on a Flyte cluster; locally they share one).
 ``attached``: plain tasks that join the long-lived Ray cluster where the run's workers stay warm.

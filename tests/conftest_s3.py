@@ -9,7 +9,7 @@ Fixtures:
                         pause (SIGSTOP) or resume; every server it started is killed at teardown.
     moto_s3_serial   -> like ``moto_s3``, on a server that handles one request at a time, for
                         compare-and-swap races (see ``_SERIAL_SERVER``).
-    moto_s3_readme   -> ``(endpoint_url, bucket)`` configured the README's way: VERL_S3_ENDPOINT
+    moto_s3_readme   -> ``(endpoint_url, bucket)`` configured per docs/cluster.md: VERL_S3_ENDPOINT
                         set in the environment, keys in AWS_* variables, no storage_options.
 
 The other fixtures unset VERL_S3_ENDPOINT, so their tests pass explicit storage_options.
@@ -160,7 +160,7 @@ def moto_s3(_moto_session_server, monkeypatch):
 @pytest.fixture
 def moto_s3_readme(_moto_session_server, monkeypatch):
     """``(endpoint_url, bucket)``: a fresh bucket, reachable only through VERL_S3_ENDPOINT (the
-    README's "S3 and an existing Ray cluster" recipe); subprocesses inherit the environment."""
+    docs/cluster.md's S3 recipe); subprocesses inherit the environment."""
     _set_dummy_env(monkeypatch)
     monkeypatch.setenv("VERL_S3_ENDPOINT", _moto_session_server.endpoint)
     yield _moto_session_server.endpoint, _moto_session_server.create_bucket()

@@ -125,7 +125,7 @@ class DataConfig:
     train_batch_size: int = 64
     """B: prompts per RL step (each is sampled ``rollout.n`` times). The demo's 64 (not 32)
     halves the variance of each policy-gradient step; with 32, held-out accuracy wandered by
-    +-0.05 between evaluations and seed 2 ended 0.02 below its start (README "Results")."""
+    +-0.05 between evaluations and seed 2 ended 0.02 below its start (BENCHMARKS.md "Accuracy")."""
     val_batch_size: int = 256
     """Prompts per greedy-evaluation forward pass (memory only; does not change results)."""
     max_prompt_length: int = 64
@@ -318,7 +318,7 @@ class RewardModelConfig:
     sequence-classification model (one label) scores prompt + response on the run's workers
     (``verl_core/reward/model.py``). What does not carry over from verl 0.9 (a serving engine and
     resource pool for the RM, a custom reward function that queries it, truncation) and why:
-    README "A reward model"."""
+    docs/rewards.md."""
 
     enable: bool = False
     """Score responses with the reward model (verl's ``reward_model.enable``)."""
@@ -631,7 +631,7 @@ CLUSTER_MODES = ("per_task", "attached")
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Where the worker group lives on a Flyte cluster (README "Cluster modes"). Never changes
+    """Where the worker group lives on a Flyte cluster (docs/cluster.md). Never changes
     the trajectory: both modes end with the same weights."""
 
     mode: str = "per_task"
@@ -679,7 +679,7 @@ class CheckpointConfig:
     lineage or a pending phase output names, whatever its age."""
     local_dir: str = ""
     """Local-disk tier (off when empty): commit checkpoints to ``<local_dir>/<store id>`` first
-    and replicate them to the run store in the background (README "Checkpoints"; W = 1 only)."""
+    and replicate them to the run store in the background (docs/checkpoints.md; W = 1 only)."""
 
     def __post_init__(self):
         _check_types("checkpoint", self)
@@ -706,7 +706,7 @@ class CheckpointConfig:
 
 
 GUARD_POLICIES = ("warn", "skip_batch", "retry_phase", "rollback", "halt")
-"""What a detector may do when it fires (README "Training guard")."""
+"""What a detector may do when it fires (docs/guard.md)."""
 
 TIMING_DETECTORS = ("latency_spike", "throughput_drop", "gpu_util_drop")
 """Detectors on wall-clock signals: not reproducible, so they may only ``warn``, ``retry_phase``
@@ -743,7 +743,7 @@ class GuardConfig:
     """Rollout tokens/s fell far below its recent median (wall clock)."""
     gpu_util_drop_policy: str = "warn"
     """Accelerator utilisation (NVML) fell far below its recent median; unavailable on CPU."""
-    # Detector thresholds (verl_core/guard/detectors.py; README "Detectors"). A windowed detector
+    # Detector thresholds (verl_core/guard/detectors.py; docs/guard.md). A windowed detector
     # fires when the robust z-score (x - median) / (1.4826 MAD) passes its ``_z`` AND the change
     # passes its floor, so a flat series (MAD 0) never fires on noise.
     window: int = 32
@@ -808,7 +808,7 @@ class GuardConfig:
     the worker is replaced and the phase is retried."""
     lease_ttl_s: float = 60.0
     """Single-writer run lease: a dead run's lease frees after this many seconds without renewal
-    (renewed every third of it); 0 = take no lease (README "Single-writer lease")."""
+    (renewed every third of it); 0 = take no lease (docs/checkpoints.md)."""
 
     def __post_init__(self):
         _check_types("guard", self)
@@ -878,7 +878,7 @@ VALIDATION_MODES = ("fail", "warn", "off")
 @dataclass(frozen=True)
 class ValidationConfig:
     """Great Expectations suites over the input dataset and every stored batch (rollout, reward,
-    advantage); see README "Data validation". Never changes training, only whether a run stops."""
+    advantage); see docs/guard.md. Never changes training, only whether a run stops."""
 
     mode: str = "fail"
     """``fail`` (stop the phase naming column, expectation and rows), ``warn`` (log it), ``off``."""
@@ -887,9 +887,9 @@ class ValidationConfig:
     score_range: str = "auto"
     """``auto`` (a rule scorer's declared range; custom: finite only), ``any``, or ``"lo,hi"``."""
     every_steps: int = 25
-    """Validate the batches of every k-th step (0, k, 2k …; 1: every step). GX costs ~2.5 ms per
-    expectation whatever the row count (~45 ms per step), so this, not sampling rows, bounds its
-    share of a step: 25 keeps it under 2% of the tiny default's 0.1 s CPU step (BENCHMARKS.md);
+    """Validate the batches of every k-th step (0, k, 2k …; 1: every step). GX's cost is per
+    expectation whatever the row count, so this, not sampling rows, bounds its share of a step:
+    25 keeps it under 2% of the tiny default's CPU step (BENCHMARKS.md "Data validation");
     the guard checks every batch for non-finite values on every step anyway."""
 
     def __post_init__(self):
@@ -1171,7 +1171,7 @@ DEMO_TEMPERATURE = 0.6
 """Rollout temperature of the built-in demo (the tiny warm-started model, no ``model.path``).
 0.6 samples near the greedy answer, so a reward moves the greedy decision that the held-out
 evaluation scores; at 1.0 the tiny model's RL mostly sharpened its samples toward its greedy
-accuracy and left that accuracy flat on seed 2 (README "Results"). A model you bring keeps
+accuracy and left that accuracy flat on seed 2 (BENCHMARKS.md "Accuracy"). A model you bring keeps
 verl's 1.0, so a verl config that leaves the temperature at verl's default samples as in verl."""
 
 

@@ -160,8 +160,8 @@ def _cell(v) -> str:
 
 
 def _table(rows: Sequence[Mapping], columns: Sequence[str], css_class: str) -> str:
-    """``rows`` as an HTML table (the layout of pandas' ``to_html``, built directly: pandas took
-    ~1 ms of every checkpoint phase for the step card)."""
+    """``rows`` as an HTML table (the layout of pandas' ``to_html``, built directly: pandas' cost
+    showed in every checkpoint phase for the step card: BENCHMARKS.md "Small costs")."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
     body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in columns) + "</tr>"
                    for r in rows)

@@ -1,5 +1,5 @@
 """The plain-Python RL loop: ``python -m verl_core.train [--algorithm grpo] [--steps N] …
-[key=value …]`` (verl's overrides, or ours; README "verl keys").
+[key=value …]`` (verl's overrides, or ours; docs/verl-keys.md).
 
 rollout -> reward -> advantage -> update for N steps, with greedy held-out evaluation at the start
 and the end (and every ``eval_every`` steps). It is the library's own entry point and the baseline
@@ -240,10 +240,10 @@ def main(argv=None) -> int:
                    help="dotted config override, e.g. --set optim.lr=1e-4 (repeatable)")
     p.add_argument("--summary-json", default="", help="write the summary (with history) here")
     p.add_argument("--config", default="", metavar="VERL_YAML",
-                   help="a verl YAML config file (README 'verl keys'); the overrides win over it")
+                   help="a verl YAML config file (docs/verl-keys.md); the overrides win over it")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="verl-style overrides, ours or verl's, e.g. trainer.test_freq=5 "
-                        "actor_rollout_ref.actor.optim.lr=1e-6 (README 'verl keys')")
+                        "actor_rollout_ref.actor.optim.lr=1e-6 (docs/verl-keys.md)")
     args = p.parse_intermixed_args(argv)
     given = {}
     for item in args.set:

@@ -22,8 +22,8 @@ A list column (one value per token) is checked through a per-row column derived 
 expectations are per row. Each check runs in two passes, both Great Expectations: an aggregate
 expectation per column (``expect_column_max_to_be_between``: one metric) decides; only a column
 that fails it is checked row by row (``expect_column_values_to_be_between``, which names the
-offending rows, about twice the cost): a passing batch pays only for the aggregates. GX costs
-~2.5 ms per check whatever the row count (its own per-expectation bookkeeping), so
+offending rows, about twice the cost): a passing batch pays only for the aggregates. GX's cost is
+per check whatever the row count (its own per-expectation bookkeeping), so
 ``validation.sample_rows`` helps only large batches (BENCHMARKS.md "Data validation").
 
 GX is imported on first use only (the import takes seconds) and its ephemeral context, pandas

@@ -1,4 +1,4 @@
-"""verl's command line and YAML configs, translated to our dotted keys (README "verl keys").
+"""verl's command line and YAML configs, translated to our dotted keys (docs/verl-keys.md).
 
 A verl user's overrides (``actor_rollout_ref.actor.optim.lr=1e-6``, ``trainer.test_freq=5`` …)
 and a verl YAML config file are accepted as they are: each verl key either lands on our field
@@ -126,7 +126,7 @@ def verl_defaults() -> dict[str, object]:
 def _to(target: str, fn=lambda v: v, skip_none: bool = True) -> Transform:
     def t(value, ctx):
         return [] if value is None and skip_none else [(target, fn(value))]
-    t.target = target  # for the README table and tests
+    t.target = target  # for the docs/verl-keys.md table and tests
     return t
 
 
@@ -589,7 +589,7 @@ def _one_key(key: str, value, values: dict, defaults: dict, where: str, from_fil
     if key in defaults:
         raise ConfigError(
             f"verl key {key}={value!r}{where} has no equivalent here (only verl's default "
-            f"{defaults[key]!r} is accepted); README 'verl keys' lists what maps")
+            f"{defaults[key]!r} is accepted); docs/verl-keys.md lists what maps")
     raise ConfigError(f"unknown config key {key!r}{where}: neither ours "
                       "(verl_core/config.py) nor verl's (verl_core/verl_defaults/"
                       "ppo_trainer.yaml)")

@@ -76,7 +76,7 @@ def ppo(algorithm: str = "", model: str = "", train_files: str = "", val_files: 
     steps, batch_size (prompts per step), rollout_n (samples per prompt): 0 = preset default
     run_name: the same name continues the same run; store: local folder or s3://bucket/prefix
     overrides: JSON object of dotted config keys, ours or verl's, e.g. '{"optim.lr": 1e-4}' or
-        '{"actor_rollout_ref.actor.optim.lr": 1e-6, "trainer.test_freq": 5}' (README "verl keys")
+        '{"actor_rollout_ref.actor.optim.lr": 1e-6, "trainer.test_freq": 5}' (docs/verl-keys.md)
     verl_config: a local verl YAML config file (read by configure; overrides win over it)
     """
     spec = configure(algorithm=algorithm, model=model, train_files=train_files,

@@ -11,8 +11,8 @@
 Both launch plans run at most one execution at a time (a launch that would overlap is skipped by
 Flyte admin) and notify ALERT_EMAILS when an execution fails or times out. Schedules fire only
 on a Flyte cluster, once the launch plans are activated (``pyflyte register
---activate-launchplans``); locally, run the workflows with the same inputs (README, "Running on a
-Flyte cluster").
+--activate-launchplans``); locally, run the workflows with the same inputs (docs/cluster.md,
+"Running on a Flyte cluster").
 """
 
 import os

@@ -91,8 +91,8 @@ def _pyflyte(args, env):
 
 @pytest.mark.slow
 def test_continued_training_then_evaluation_of_the_newest_checkpoint(tmp_path):
-    """The README's local commands. A night trains 2 steps past the newest checkpoint (none yet);
-    the evaluation finds that checkpoint (step 2) and scores exactly what the night's final
+    """docs/cluster.md's local commands. A night trains 2 steps past the newest checkpoint (none
+    yet); the evaluation finds that checkpoint (step 2) and scores exactly what the night's final
     evaluation scored; the next night would train from step 2 to 4."""
     import pandas as pd
 

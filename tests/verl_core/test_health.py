@@ -124,7 +124,7 @@ def test_probe_commands_exit_codes_and_a_hung_phase(tmp_path):
 
 
 def test_store_check_uses_the_endpoint_of_VERL_S3_ENDPOINT(moto_s3, monkeypatch):
-    """The README's S3 recipe sets only VERL_S3_ENDPOINT: the probe must round-trip to that
+    """The S3 recipe (docs/cluster.md) sets only VERL_S3_ENDPOINT: the probe must round-trip to that
     server (the same options the run's store resolves), not to AWS's default endpoint."""
     endpoint, bucket, _ = moto_s3
     monkeypatch.setenv("VERL_S3_ENDPOINT", endpoint)

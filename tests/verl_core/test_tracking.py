@@ -251,7 +251,7 @@ def test_trackers_never_change_the_trajectory():
 
 def test_tensorboard_on_s3_must_use_the_runs_endpoint(monkeypatch):
     """TensorBoard's own S3 client reads S3_ENDPOINT, not VERL_S3_ENDPOINT: with only the
-    README's variable set its events would go to AWS, so the tracker refuses to open."""
+    variable of docs/cluster.md set its events would go to AWS, so the tracker refuses to open."""
     monkeypatch.setenv("VERL_S3_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.delenv("S3_ENDPOINT", raising=False)

@@ -106,7 +106,7 @@ def test_default_grpo_run_gains_held_out_accuracy(tmp_path):
     share their prompts). RL worked when the gain's 3-SE lower confidence bound is above zero
     (one-sided p < 0.0014). The reward is compared over the first and the last 20 steps; each is
     a mean over 20 x B prompts whose G samples share the prompt, so the prompt (its group mean,
-    variance <= p (1 - p)) is the independent unit. README "Results" gives the measured gains."""
+    variance <= p (1 - p)) is the independent unit. BENCHMARKS.md has the measured gains."""
     cfg = preset("grpo")
     summary = train(cfg, str(tmp_path / "run"), log=lambda *_: None)
     p0, p1 = summary["start_accuracy"], summary["end_accuracy"]

@@ -208,7 +208,7 @@ def test_workflow_options_take_verl_keys_and_the_yaml(tmp_path):
 
 # --------------------------------------------------------------- done when: a verl example runs
 # The overrides of verl's examples/grpo_trainer/run_qwen2-7b.sh, in its order. Changed beyond
-# paths, for a 2-core CPU and this project (README "verl keys"): sizes shrunk (train_batch_size
+# paths, for a 2-core CPU and this project (docs/verl-keys.md): sizes shrunk (train_batch_size
 # 1024 -> 4, max_prompt_length 512 -> 64, max_response_length 1024 -> 8, ppo_mini_batch_size
 # 256 -> 2, ppo_micro_batch_size_per_gpu 40 -> 10, n_gpus_per_node 8 -> 1); the vLLM-only keys
 # tensor_model_parallel_size 2 -> 1 (refused otherwise) and rollout.name vllm -> hf (a GPU engine);

@@ -1,4 +1,4 @@
-"""One set of store options everywhere (issue 21 item 6): the README's S3 recipe sets only
+"""One set of store options everywhere (issue 21 item 6): the S3 recipe of docs/cluster.md sets only
 ``VERL_S3_ENDPOINT`` (keys in AWS_* variables), and every fsspec call of a run must reach that
 server: the phases, finalize's export and metrics table, data files, the CLI and the probe.
 

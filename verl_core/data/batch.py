@@ -246,7 +246,8 @@ batch and made it larger)."""
 
 def batch_to_parquet_bytes(batch: Batch) -> bytes:
     # snappy (Parquet's default codec): token ids and log-probs barely compress, and zstd cost
-    # ~0.3 ms more per write of a small batch for a 7% smaller object
+    # more per write of a small batch than a 7% smaller object is worth
+    # (BENCHMARKS.md "Small costs")
     buf = io.BytesIO()
     pq.write_table(batch_to_table(batch), buf, compression="snappy", use_dictionary=_DICT_COLS)
     return buf.getvalue()
@@ -254,9 +255,9 @@ def batch_to_parquet_bytes(batch: Batch) -> bytes:
 
 def batch_from_parquet_bytes(data: bytes) -> Batch:
     # one in-memory file: ParquetFile reads it directly (pq.read_table's dataset layer costs
-    # ~0.5 ms more per batch); the same table either way. No reader threads: a batch is a few
+    # more per batch); the same table either way. No reader threads: a batch is a few
     # small column chunks, and handing them to arrow's pool cost more than decoding them here
-    # (0.26 vs 0.38 ms per 256-row batch on an idle 2-core VM)
+    # (BENCHMARKS.md "Small costs")
     return table_to_batch(pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False))
 
 

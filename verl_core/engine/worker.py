@@ -478,7 +478,7 @@ class RunWorker:
         return ref
 
     def update(self, step: int, batch_ref: str) -> dict:
-        """Apply update ``step`` under the guard (README "Training guard").
+        """Apply update ``step`` under the guard (docs/guard.md).
 
         The deterministic detectors look at the batch first (non-finite rewards, advantages or
         log-probs; reward collapse; response length), then at the update's own metrics

@@ -1,4 +1,4 @@
-"""Training stability (README "Training guard").
+"""Training stability (docs/guard.md).
 
 - ``detectors``: anomaly detectors on robust statistics over recent steps;
 - ``checks``: which detectors judge what, and where (the update's deterministic decision vs the

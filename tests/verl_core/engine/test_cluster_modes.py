@@ -1,5 +1,5 @@
 """``cluster.mode``: the config, the refusal without a cluster, and the bytes-per-phase formula
-the README's table comes from. (The attached mode itself runs on a real two-node Ray cluster in
+docs/cluster.md's table comes from. (The attached mode itself runs on a real two-node Ray cluster in
 test_attached.py, and through ``pyflyte run`` in tests/workflows/test_scaleout.py.)"""
 import pytest
 

@@ -110,7 +110,7 @@ def test_every_registered_detector_is_crafted_and_has_a_policy():
 
 # ------------------------------------------------------------------ normal noisy series
 def normal_run(seed: int, steps: int = 240) -> list[dict]:
-    """Per-step metrics shaped like the default demo's (measured, see README "Detectors"):
+    """Per-step metrics shaped like the default demo's (measured: BENCHMARKS.md):
     binomial batch rewards drifting up, lognormal gradient norms, a small policy loss, ~2.9
     tokens per response, 20-ms rollouts on a busy machine with an occasional 1-second stall."""
     rng = np.random.default_rng(seed)
@@ -326,7 +326,7 @@ them: ``grpo`` (no options: the default demo), ``ppo`` (``--algorithm ppo``) and
 keeping ``step``, ``rollout/time_s`` and the signals the detectors read. A real run of the
 default demo takes minutes on that machine: too long for a test, so its record is replayed.
 Those three are the runs the thresholds were first set on. The ``_s<seed>`` runs are of the
-demo defaults of issue 21 (batch 64, temperature 0.6, warm start to 0.25; README "Results") on
+demo defaults of issue 21 (batch 64, temperature 0.6, warm start to 0.25; BENCHMARKS.md) on
 seeds they were not tuned on: ``grpo_s1..3``, ``ppo_s1`` (``--algorithm ppo``) and
 ``grpo_kl_entropy_s4`` (KL loss + entropy bonus, as above), ``ppo_s2`` and ``grpo_kl_s5``
 (``--set algorithm.use_kl_loss=True``), on an Intel Xeon shared with other jobs

@@ -1,0 +1,95 @@
+"""Every relative link in README.md, BENCHMARKS.md and docs/*.md resolves: the file exists and an
+``#anchor`` names a heading of it by GitHub's slug. Links the code cites (``docs/x.md#anchor`` in a
+comment or docstring) are held to the same rule, so a renamed heading cannot orphan them."""
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# [text](target) outside code; a target has no spaces (titles are not used here)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# docs/x.md#anchor as the code cites it
+CODE_LINK = re.compile(r"\bdocs/[\w.-]+\.md(?:#[\w-]+)?")
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped (word characters,
+    spaces and hyphens kept), each space a hyphen. ``## The vLLM engine (`rollout.engine`)`` ->
+    ``the-vllm-engine-rolloutengine``."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text only
+    text = text.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def unfenced(text: str) -> str:
+    """The text outside fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def prose(text: str) -> str:
+    """The text outside fenced code blocks and inline code."""
+    return re.sub(r"`[^`\n]*`", "", unfenced(text))
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading's slug, a repeated one suffixed -1, -2 … as GitHub does."""
+    seen: Counter = Counter()
+    out = set()
+    for line in unfenced(path.read_text()).splitlines():
+        m = re.match(r"#{1,6} (.+)", line)
+        if m:
+            slug = github_slug(m.group(1))
+            out.add(slug if not seen[slug] else f"{slug}-{seen[slug]}")
+            seen[slug] += 1
+    return out
+
+
+def broken(source: Path, target: str) -> str | None:
+    """Why ``target`` (relative to ``source``) does not resolve, or None."""
+    file, _, anchor = target.partition("#")
+    path = (source.parent / file).resolve() if file else source
+    if not path.exists():
+        return f"{source.name}: {target}: no file {path}"
+    if anchor and path.suffix == ".md" and anchor not in anchors(path):
+        return f"{source.name}: {target}: no heading with slug #{anchor} in {path.name}"
+    return None
+
+
+def test_github_slug():
+    assert github_slug("Rule 3: phases are deterministic") == "rule-3-phases-are-deterministic"
+    assert github_slug("Cluster modes (`cluster.mode`)") == "cluster-modes-clustermode"
+    assert github_slug("Training guard: cost per step, guard on vs off (issue 12)") == \
+        "training-guard-cost-per-step-guard-on-vs-off-issue-12"
+    assert github_slug("W = 1 vs W = 2") == "w--1-vs-w--2"
+
+
+def test_anchors_count_repeated_headings(tmp_path):
+    doc = tmp_path / "a.md"
+    doc.write_text("# Top\n## Notes\n```\n# not a heading\n```\n## Notes\n")
+    assert anchors(doc) == {"top", "notes", "notes-1"}
+    assert broken(doc, "#notes-1") is None
+    assert "no heading" in broken(doc, "#not-a-heading")
+    assert "no file" in broken(doc, "b.md")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc):
+    targets = [t for t in LINK.findall(prose(doc.read_text()))
+               if not re.match(r"[a-z][a-z0-9+.-]*:", t)]  # http:, https:, mailto: are not ours
+    problems = [p for t in targets if (p := broken(doc, t))]
+    assert not problems, "\n".join(problems)
+
+
+def test_docs_links_in_the_code_resolve():
+    sources = [p for d in ("verl_core", "tasks", "workflows", "tests", "bench")
+               for p in sorted((ROOT / d).rglob("*.py")) if p != Path(__file__).resolve()]
+    problems = [f"{src.relative_to(ROOT)}: " + p for src in sources
+                for t in CODE_LINK.findall(src.read_text())
+                if (p := broken(ROOT / "README.md", t))]
+    assert not problems, "\n".join(problems)
