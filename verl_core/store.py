@@ -50,7 +50,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
@@ -198,17 +198,26 @@ def _credential_types() -> tuple[type, ...]:
 _CREDENTIALS = _credential_types()
 
 
+_BEFORE_IO: list[Callable[[str], None]] = []
+"""Checks every run-store call makes first, each called with what the call is about to do; one
+may raise (a store outage drill: :mod:`verl_core.guard.faults` adds it). The store does not know
+what they are, so it imports nothing above it."""
+
+
+def before_io(check: Callable[[str], None]) -> None:
+    """Add ``check`` to what every run-store call runs first (once, however often it is added)."""
+    if check not in _BEFORE_IO:
+        _BEFORE_IO.append(check)
+
+
 @contextlib.contextmanager
 def _io(what: str, *, missing_ok: bool = False):
     """Map an I/O failure during ``what`` to the project's error families.
 
     FileNotFoundError passes through (callers decide whether "missing" is corruption or normal);
     permission problems are permanent; everything else network/OS-like is transient."""
-    if "store_outage" in os.environ.get("VERL_FAULTS", ""):  # a drill (verl_core.guard.faults)
-        from verl_core.guard.faults import store_outage_active
-
-        if store_outage_active():
-            raise StoreUnavailableError(f"{what}: store unavailable (injected store_outage)")
+    for check in _BEFORE_IO:
+        check(what)
     try:
         yield
     except VerlError:

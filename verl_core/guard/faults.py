@@ -40,7 +40,8 @@ import os
 import signal
 import time
 
-from verl_core.errors import PermanentError, TransientError
+from verl_core.errors import PermanentError, StoreUnavailableError, TransientError
+from verl_core.store import before_io
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +212,16 @@ def store_outage_active() -> bool:
         return time.time() < float(open(path).read())
     except (OSError, ValueError):
         return False
+
+
+def _store_outage(what: str) -> None:
+    """Run before every run-store call of a process that imported this module (every phase
+    process and worker does): fails it while a declared ``store_outage`` lasts."""
+    if "store_outage" in os.environ.get("VERL_FAULTS", "") and store_outage_active():
+        raise StoreUnavailableError(f"{what}: store unavailable (injected store_outage)")
+
+
+before_io(_store_outage)
 
 
 _SECOND_WRITER_HOOK = None

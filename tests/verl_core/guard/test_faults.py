@@ -1,0 +1,26 @@
+"""guard/faults.py's store outage reaches the run store through the store's own check list
+(``store.before_io``): the store imports nothing above it, and the drill still fails every call."""
+import time
+
+import pytest
+
+from verl_core.errors import StoreUnavailableError
+from verl_core.guard import faults  # noqa: F401 - importing it adds the outage check
+from verl_core.store import RunStore
+
+
+def test_store_outage_fails_every_store_call_while_it_lasts(tmp_path, monkeypatch):
+    st = RunStore(str(tmp_path / "run"))
+    st.put_json("doc", {"a": 1})
+    monkeypatch.setenv("VERL_FAULTS_DIR", str(tmp_path / "faults"))
+    (tmp_path / "faults").mkdir()
+    (tmp_path / "faults" / "store-outage-until").write_text(repr(time.time() + 60))
+    # an outage state file alone does nothing: only a declared store_outage fault switches it on
+    assert st.get_json("doc") == {"a": 1}
+    monkeypatch.setenv("VERL_FAULTS", '[{"kind": "store_outage", "phase": "rollout", "step": 9}]')
+    with pytest.raises(StoreUnavailableError, match="injected store_outage"):
+        st.get_json("doc")
+    with pytest.raises(StoreUnavailableError, match="injected store_outage"):
+        st.put_bytes(b"x")
+    (tmp_path / "faults" / "store-outage-until").write_text(repr(time.time() - 1))  # over
+    assert st.get_json("doc") == {"a": 1}
