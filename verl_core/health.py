@@ -215,7 +215,7 @@ def health_report(store: str | None = None, *, storage_options: dict | None = No
     without raising, within ``timeout_s`` (each check's deadline). ``None`` takes a value from
     the environment (``VERL_STORE``, ``VERL_HEARTBEAT_FILE``, ``VERL_HEARTBEAT_MAX_AGE_S``,
     ``VERL_HEALTH_TIMEOUT_S``); ``""`` skips that check."""
-    from verl_core import __version__
+    from verl_core._version import __version__
 
     if store is None:
         store = os.environ.get(STORE_ENV, "")

@@ -21,9 +21,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 import time
 
+from verl_core.engine.group import Detached, IdleReaper, WorkerGroup, run_placement_groups
 from verl_core.engine.worker import RunWorker
 from verl_core.errors import PermanentError
 from verl_core.threads import intra_op_threads
@@ -109,51 +109,6 @@ def forwarded_env() -> dict:
     return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
 
 
-class IdleReaper:
-    """Mixed into a detached actor: after ``idle_s`` without a call (and none running), the actor
-    removes its placement group and exits, freeing the cluster of a run that never reached its
-    finalize task. A call that is running holds the reaper off, however long it takes."""
-
-    def _start_reaper(self, idle_s: float) -> None:
-        self._calls = 0
-        self._last_call = time.monotonic()
-        self._idle_s = float(idle_s)
-        if self._idle_s > 0:
-            threading.Thread(target=self._reap, name="verl-idle-reaper", daemon=True).start()
-
-    def _reap(self) -> None:
-        while True:
-            time.sleep(min(self._idle_s / 4, 30.0))
-            if self._calls == 0 and time.monotonic() - self._last_call > self._idle_s:
-                break
-        log.warning("no call for %.0fs (cluster.idle_timeout_s): removing this worker",
-                    self._idle_s)
-        from ray.util.placement_group import (get_current_placement_group,
-                                              remove_placement_group)
-
-        try:
-            self.close()  # pending checkpoint writes finish first
-        finally:
-            pg = get_current_placement_group()
-            if pg is not None:
-                try:
-                    remove_placement_group(pg)  # kills the group's other workers too
-                except Exception as e:  # noqa: BLE001 - exiting anyway
-                    log.debug("remove placement group: %s", e)
-            os._exit(0)
-
-    def call(self, method: str, *args):
-        if getattr(self, "_init_error", None) is not None:  # see RayRunWorker
-            raise self._init_error
-        self._calls += 1
-        self._last_call = time.monotonic()
-        try:
-            return getattr(self, method)(*args)
-        finally:
-            self._calls -= 1
-            self._last_call = time.monotonic()
-
-
 class RayRunWorker(RunWorker):
     """The single worker as a Ray actor: Ray pins actors to one thread unless told otherwise."""
 
@@ -167,7 +122,7 @@ class RayRunWorker(RunWorker):
         try:
             super().__init__(store_uri, config_json, assets_index)
         except Exception as e:  # noqa: BLE001 - raised again by call()
-            e.worker_init_failed = True  # runtime.call_worker replaces this actor
+            e.worker_init_failed = True  # engine.workers.RunWorkers replaces this actor
             self._init_error = e
 
     def call(self, method: str, *args):
@@ -205,8 +160,6 @@ def single_worker(spec, index: dict):
 def group_workers(spec, index: dict):
     """The run's detached worker group (W = nnodes x n_gpus_per_node), adopted when all W
     workers answer, else rebuilt."""
-    from verl_core.engine.group import Detached, WorkerGroup
-
     cfg = spec.config
     connect(cfg.cluster)
     tc = cfg.trainer
@@ -225,16 +178,6 @@ def run_actors(ns: str, prefix: str = "") -> list[str]:
 
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["namespace"] == ns and a["name"].startswith(prefix))
-
-
-def run_placement_groups(prefix: str) -> list:
-    """The placement groups (not removed) whose name starts with ``prefix``."""
-    from ray.util.placement_group import PlacementGroup, placement_group_table
-    from ray._raylet import PlacementGroupID
-
-    return [PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id)))
-            for pg_id, info in placement_group_table().items()
-            if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED"]
 
 
 def teardown(incarnation: str) -> list[str]:

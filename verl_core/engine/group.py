@@ -3,8 +3,10 @@ run in lock-step with FSDP2, rolling out on the same workers (verl's colocated h
 
 What belongs here: placing the actors (one placement group per node), the rendezvous of their
 process group, fanning a phase call out to every worker with a deadline, and tearing the group
-down when any worker fails. What a worker does per phase is :class:`RunWorker`'s (rank-aware: only
-rank 0 writes to the store); the data-parallel math is ``training/dist.py`` and ``sharding.py``.
+down when any worker fails; for ``cluster.mode=attached`` (``cluster.py``, which builds on this
+module) detached actors that reap themselves when idle, and finding their placement groups.
+What a worker does per phase is :class:`RunWorker`'s (rank-aware: only rank 0 writes to the
+store); the data-parallel math is ``training/dist.py`` and ``sharding.py``.
 
 Failure semantics: a worker that dies, or a phase call that outlives ``trainer.worker_timeout_s``,
 kills the whole group (the others may be blocked in a collective with the dead one) and raises
@@ -18,12 +20,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from verl_core.checkpoint.errors import TransientError
-from verl_core.engine.cluster import IdleReaper
 from verl_core.engine.worker import RunWorker
 from verl_core.threads import default_num_threads
 
@@ -87,6 +89,51 @@ class GroupWorker(RunWorker):
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+class IdleReaper:
+    """Mixed into a detached actor: after ``idle_s`` without a call (and none running), the actor
+    removes its placement group and exits, freeing the cluster of a run that never reached its
+    finalize task. A call that is running holds the reaper off, however long it takes."""
+
+    def _start_reaper(self, idle_s: float) -> None:
+        self._calls = 0
+        self._last_call = time.monotonic()
+        self._idle_s = float(idle_s)
+        if self._idle_s > 0:
+            threading.Thread(target=self._reap, name="verl-idle-reaper", daemon=True).start()
+
+    def _reap(self) -> None:
+        while True:
+            time.sleep(min(self._idle_s / 4, 30.0))
+            if self._calls == 0 and time.monotonic() - self._last_call > self._idle_s:
+                break
+        log.warning("no call for %.0fs (cluster.idle_timeout_s): removing this worker",
+                    self._idle_s)
+        from ray.util.placement_group import (get_current_placement_group,
+                                              remove_placement_group)
+
+        try:
+            self.close()  # pending checkpoint writes finish first
+        finally:
+            pg = get_current_placement_group()
+            if pg is not None:
+                try:
+                    remove_placement_group(pg)  # kills the group's other workers too
+                except Exception as e:  # noqa: BLE001 - exiting anyway
+                    log.debug("remove placement group: %s", e)
+            os._exit(0)
+
+    def call(self, method: str, *args):
+        if getattr(self, "_init_error", None) is not None:  # see RayRunWorker
+            raise self._init_error
+        self._calls += 1
+        self._last_call = time.monotonic()
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            self._calls -= 1
+            self._last_call = time.monotonic()
 
 
 class DetachedGroupWorker(IdleReaper, GroupWorker):
@@ -270,8 +317,6 @@ class WorkerGroup:
         self.actors = []
         pgs = self._pgs
         if self.detached is not None:  # an adopted group's are known by name only
-            from verl_core.engine.cluster import run_placement_groups
-
             pgs = run_placement_groups(f"{self.detached.namespace}/{self.detached.prefix}-")
         for pg in pgs:
             try:
@@ -279,3 +324,13 @@ class WorkerGroup:
             except Exception as e:  # noqa: BLE001
                 log.debug("remove placement group: %s", e)
         self._pgs = []
+
+
+def run_placement_groups(prefix: str) -> list:
+    """The placement groups (not removed) whose name starts with ``prefix``."""
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+    from ray._raylet import PlacementGroupID
+
+    return [PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id)))
+            for pg_id, info in placement_group_table().items()
+            if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED"]
