@@ -114,34 +114,72 @@ def _one_of(section: str, name: str, value, allowed) -> None:
         _fail(section, name, value, f"unknown value; known: {', '.join(sorted(allowed))}")
 
 
+TRAJECTORY = "trajectory"
+"""Field metadata: whether the field decides the training trajectory (the state after step k for
+every k; :meth:`RunConfig.trajectory_hash`): True, False, or a predicate of the
+:class:`RunConfig`. Every field declares it through :func:`in_trajectory` or
+:func:`not_in_trajectory` (a test walks them all), so no new field joins the trajectory, or
+leaves it, silently."""
+
+
+def in_trajectory(default=dataclasses.MISSING, *, factory=dataclasses.MISSING, when=None):
+    """A field that decides the trajectory; with ``when``, only in the configs where
+    ``when(run)`` holds."""
+    return field(default=default, default_factory=factory, metadata={TRAJECTORY: when or True})
+
+
+def not_in_trajectory(default=dataclasses.MISSING, *, factory=dataclasses.MISSING):
+    """A field that never changes the trajectory (evaluation, checkpointing, reports, wall-clock
+    limits, memory-only sizes, where the workers run): a run that changes it continues from the
+    same checkpoints and lineage."""
+    return field(default=default, default_factory=factory, metadata={TRAJECTORY: False})
+
+
+def _lr_depends_on_run_length(run: RunConfig) -> bool:
+    """``total_steps``: a cosine schedule's LR at step k depends on the run length; with a
+    constant one ``--steps 300`` after 200 extends the same trajectory."""
+    return run.optim.lr_schedule != "constant"
+
+
+def _assets_set(run: RunConfig) -> bool:
+    """``data.assets_id`` unset: the run hashes as before the field existed."""
+    return bool(run.data.assets_id)
+
+
+def _reward_model_on(run: RunConfig) -> bool:
+    """``reward_model`` off: its other fields do nothing, and the run hashes as before the section
+    existed."""
+    return run.reward_model.enable
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where prompts come from and how they are batched."""
 
-    train_files: str = ""
+    train_files: str = in_trajectory("")
     """Comma-separated parquet files/URIs in verl's row layout. Empty: generate the synthetic task."""
-    val_files: str = ""
+    val_files: str = in_trajectory("")
     """Comma-separated held-out parquet files/URIs. Empty: the synthetic task's held-out split."""
-    train_batch_size: int = 64
+    train_batch_size: int = in_trajectory(64)
     """B: prompts per RL step (each is sampled ``rollout.n`` times). The demo's 64 (not 32)
     halves the variance of each policy-gradient step; with 32, held-out accuracy wandered by
     +-0.05 between evaluations and seed 2 ended 0.02 below its start (BENCHMARKS.md "Accuracy")."""
-    val_batch_size: int = 256
+    val_batch_size: int = not_in_trajectory(256)
     """Prompts per greedy-evaluation forward pass (memory only; does not change results)."""
-    max_prompt_length: int = 64
+    max_prompt_length: int = in_trajectory(64)
     """Prompts longer than this many tokens fail validation (they are not silently truncated)."""
-    shuffle: bool = True
+    shuffle: bool = in_trajectory(True)
     """Shuffle the training prompts each epoch (seeded by ``run.seed``)."""
-    synthetic_task: str = "arithmetic"
+    synthetic_task: str = in_trajectory("arithmetic")
     """Synthetic verifiable task generated when ``train_files`` is empty."""
-    synthetic_train_size: int = 3000
+    synthetic_train_size: int = in_trajectory(3000)
     """Rows in the generated training split."""
-    synthetic_val_size: int = 500
+    synthetic_val_size: int = in_trajectory(500)
     """Rows in the generated held-out split (disjoint from training). 500 makes the standard
     error of one accuracy <= 0.022 (sqrt(0.25 / 500)), of a gain <= 0.032."""
-    synthetic_max_operand: int = 50
+    synthetic_max_operand: int = in_trajectory(50)
     """Largest operand of the generated arithmetic problems."""
-    assets_id: str = ""
+    assets_id: str = in_trajectory("", when=_assets_set)
     """Empty: a run trains on the files it recorded when it first ran (a dataset or model file
     changed since is refused at resume, naming it). An asset index id (the refusal prints it):
     train on the files as they are now, as a new trajectory of the run (from step 0)."""
@@ -174,32 +212,32 @@ class DataConfig:
 class ModelConfig:
     """The policy (and reference/critic initialisation)."""
 
-    path: str = ""
+    path: str = in_trajectory("")
     """A local Hugging Face folder (config.json, safetensors, tokenizer.json). Empty: build the
     tiny model and warm-start it on the synthetic task."""
-    tiny_hidden_size: int = 64
+    tiny_hidden_size: int = in_trajectory(64)
     """Hidden size of the tiny Llama-style model built when ``path`` is empty."""
-    tiny_layers: int = 2
+    tiny_layers: int = in_trajectory(2)
     """Decoder layers of the tiny model."""
-    tiny_heads: int = 2
+    tiny_heads: int = in_trajectory(2)
     """Attention heads of the tiny model: 2 gives a head size of 32 at the default hidden size,
     the smallest vLLM's CPU attention kernel runs (it takes 32, 64, 80 and up)."""
-    warmup_sft_steps: int = 2000
+    warmup_sft_steps: int = in_trajectory(2000)
     """Most supervised warm-start steps on the synthetic task (only when ``path`` is empty)."""
-    warmup_target_accuracy: float = 0.25
+    warmup_target_accuracy: float = in_trajectory(0.25)
     """The warm start stops once greedy accuracy on a slice of the *training* split reaches this,
     so RL starts from partial accuracy: not zero (no reward signal), not full (nothing to learn).
     1.0 disables the early stop. The held-out split is never looked at. The demo's 0.25 (held-out
     0.16-0.26) leaves RL room to add what the warm start did not."""
-    warmup_sft_lr: float = 3e-3
+    warmup_sft_lr: float = in_trajectory(3e-3)
     """Learning rate of the supervised warm start."""
-    warmup_sft_batch_size: int = 64
+    warmup_sft_batch_size: int = in_trajectory(64)
     """Batch size of the supervised warm start."""
-    dtype: str = "float32"
+    dtype: str = in_trajectory("float32")
     """Compute dtype for training: float32, or bfloat16 (bf16 matmuls over float32 master weights
     and float32 AdamW state, as verl's FSDP mixed precision; the reference model and the rollout
     copy are held in bf16). A bf16 checkpoint is still loaded into float32 masters."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = in_trajectory(False)
     """Recompute activations in backward to save memory (large models)."""
 
     def __post_init__(self):
@@ -221,36 +259,36 @@ class ModelConfig:
 class RolloutConfig:
     """Sampling of responses."""
 
-    engine: str = "hf"
+    engine: str = in_trajectory("hf")
     """Rollout engine: ``hf`` (torch, CPU and GPU) or ``vllm`` (vLLM in the worker: on a CUDA GPU
     with ``pip install -e '.[vllm]'``, or on CPU with vLLM's CPU backend, ``bash .ci/install
     vllm``; checked when the run is prepared and when the engine is built)."""
-    n: int = 8
+    n: int = in_trajectory(8)
     """G: responses sampled per prompt (GRPO/RLOO need G > 1)."""
-    temperature: float = 1.0
+    temperature: float = in_trajectory(1.0)
     """Sampling temperature; 0 means greedy. Log-probs and the loss use the same temperature.
     1.0 is verl's default and ours for a model you bring; the built-in demo (no ``model.path``)
     samples at :data:`DEMO_TEMPERATURE` unless this is set (see :func:`grpo_preset`)."""
-    top_p: float = 1.0
+    top_p: float = in_trajectory(1.0)
     """Nucleus sampling mass in (0, 1]; 1 disables it."""
-    top_k: int = -1
+    top_k: int = in_trajectory(-1)
     """Keep the k most likely tokens; -1 disables it (verl's convention)."""
-    max_new_tokens: int = 8
+    max_new_tokens: int = in_trajectory(8)
     """T: most response tokens; generation stops earlier at EOS."""
-    micro_batch_size: int = 512
+    micro_batch_size: int = not_in_trajectory(512)
     """Sequences per generation forward pass (memory only; results do not depend on it)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = in_trajectory(0.5)
     """vLLM on a GPU only: fraction of GPU memory for weights + KV cache. (vLLM's CPU backend
     would take this fraction of the machine's RAM; there ``cpu_kv_cache_gib`` sizes it.)"""
-    cpu_kv_cache_gib: float = 0.5
+    cpu_kv_cache_gib: float = in_trajectory(0.5)
     """vLLM on CPU only: GiB of RAM for the KV cache (vLLM's ``kv_cache_memory_bytes``), set
     here so it never follows the machine's RAM. A token of cache takes 2 x layers x KV heads x
     head size x dtype bytes (1 KiB for the tiny model in float32: 0.5 GiB holds 512k tokens;
     56 KiB for Qwen2.5-7B in bfloat16: ~9k); vLLM refuses to start when one
     ``data.max_prompt_length + rollout.max_new_tokens`` sequence does not fit."""
-    enforce_eager: bool = True
+    enforce_eager: bool = in_trajectory(True)
     """vLLM only: run without CUDA graphs (faster start, less memory, slower decoding)."""
-    free_cache_engine: bool = True
+    free_cache_engine: bool = in_trajectory(True)
     """vLLM only: sleep after each generation (KV cache freed, weights offloaded to CPU) so
     training gets the GPU memory back; False keeps vLLM resident."""
 
@@ -276,24 +314,25 @@ class RolloutConfig:
 class RewardConfig:
     """How responses are scored."""
 
-    scorer: str = "auto"
+    scorer: str = in_trajectory("auto")
     """``auto`` (pick a rule scorer by each row's data_source), ``arithmetic``, ``gsm8k``, or a
     custom ``path/to/file.py:function`` / ``module:function`` with verl's signature
     ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``."""
-    timeout_s: float = 10.0
+    timeout_s: float = in_trajectory(10.0)
     """Per-call timeout of a custom scorer (run in a worker process); a timeout scores
     ``timeout_score`` and is counted in the metrics."""
-    timeout_score: float = 0.0
+    timeout_score: float = in_trajectory(0.0)
     """Score given to a response whose custom scorer timed out."""
-    num_workers: int = 2
+    # a run that completes scores the same whatever the next four are
+    num_workers: int = not_in_trajectory(2)
     """Worker processes for custom scorers."""
-    import_timeout_s: float = 60.0
+    import_timeout_s: float = not_in_trajectory(60.0)
     """Deadline for loading a custom scorer in a worker, its import included; one that hangs or
     kills its process while loading fails the run with an error naming it."""
-    max_timeout_fraction: float = 0.5
+    max_timeout_fraction: float = not_in_trajectory(0.5)
     """A batch in which more than this fraction of custom-scorer calls time out triggers
     ``on_timeouts`` (every timeout is logged and counted in ``reward/timeouts`` anyway)."""
-    on_timeouts: str = "fail"
+    on_timeouts: str = not_in_trajectory("fail")
     """``fail`` (an error naming the scorer) or ``warn`` (log it, keep the ``timeout_score``
     rewards) when a batch has more than ``max_timeout_fraction`` timed-out calls."""
 
@@ -320,21 +359,21 @@ class RewardModelConfig:
     resource pool for the RM, a custom reward function that queries it, truncation) and why:
     docs/rewards.md."""
 
-    enable: bool = False
+    enable: bool = in_trajectory(False)
     """Score responses with the reward model (verl's ``reward_model.enable``)."""
-    path: str = ""
+    path: str = in_trajectory("")
     """Local Hugging Face folder of an ``AutoModelForSequenceClassification`` with
     ``num_labels=1`` and its tokenizer (verl's ``reward_model.model.path``)."""
-    combine: str = "replace"
+    combine: str = in_trajectory("replace")
     """``replace``: the model's score is the reward, as in verl 0.9 (``reward.scorer`` then only
     scores evaluation); ``add``: reward = ``reward.scorer``'s score + the model's score."""
-    micro_batch_size: int = 64
+    micro_batch_size: int = not_in_trajectory(64)
     """Sequences per reward-model forward pass on each worker (verl's
     ``micro_batch_size_per_gpu``; memory only: scores do not depend on it)."""
-    max_length: int = 0
+    max_length: int = not_in_trajectory(0)
     """Most tokens of one reward-model input; a longer one is an error naming the row (verl
     truncates it instead). 0: the model's ``max_position_embeddings``."""
-    dtype: str = "float32"
+    dtype: str = in_trajectory("float32")
     """Parameter dtype of the reward model: float32 or bfloat16."""
 
     def __post_init__(self):
@@ -364,87 +403,87 @@ class AlgorithmConfig:
     """Advantage estimation, policy loss and KL regularisation (verl's ``algorithm`` +
     ``actor`` loss fields)."""
 
-    adv_estimator: str = "grpo"
+    adv_estimator: str = in_trajectory("grpo")
     """Advantage estimator: a name (or alias) of ``ADVANTAGE_ESTIMATORS``
     (``verl_core/algorithms/advantages.py``), whose entry's traits say what it needs: ``gae``
     trains a critic, the group estimators need ``rollout.n >= 2``, ``remax`` a greedy rollout."""
-    gamma: float = 1.0
+    gamma: float = in_trajectory(1.0)
     """Discount factor (gae, reinforce_plus_plus)."""
-    lam: float = 1.0
+    lam: float = in_trajectory(1.0)
     """GAE lambda."""
-    norm_adv_by_std_in_grpo: bool = True
+    norm_adv_by_std_in_grpo: bool = in_trajectory(True)
     """GRPO: divide by the group std (False gives Dr.GRPO's mean-only baseline)."""
-    policy_loss: str = "vanilla"
+    policy_loss: str = in_trajectory("vanilla")
     """``vanilla`` (PPO clip with clip-higher and dual-clip), ``gspo``, ``cispo``, ``dppo_tv``,
     ``dppo_kl``, ``sapo``, ``geo_mean``, ``gpg``, ``dro``, ``clip_cov``, ``kl_cov``,
     ``bypass_mode`` (see ``verl_core/algorithms/policy_losses.py``)."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float = in_trajectory(0.2)
     """Lower clip: ratio >= 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.28
+    clip_ratio_high: float = in_trajectory(0.28)
     """Upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher when > clip_ratio_low)."""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = in_trajectory(3.0)
     """Dual-clip bound for negative advantages (must be > 1)."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = in_trajectory("token-mean")
     """How the token loss matrix is reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean,
     seq-mean-token-sum-norm, token-sum."""
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = in_trajectory(0.0)
     """Entropy bonus coefficient (loss -= entropy_coeff * entropy)."""
-    use_kl_loss: bool = False
+    use_kl_loss: bool = in_trajectory(False)
     """Add ``kl_loss_coef * KL(policy || reference)`` to the actor loss (GRPO style)."""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = in_trajectory(0.001)
     """Coefficient of the KL loss term."""
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = in_trajectory("low_var_kl")
     """KL estimator for the loss: k1, k2, k3 (= low_var_kl), abs; a ``+`` form (``k3+`` …) keeps
     the value and takes k2's gradient, an unbiased KL gradient (straight-through)."""
-    use_kl_in_reward: bool = False
+    use_kl_in_reward: bool = in_trajectory(False)
     """Subtract ``beta * KL`` from token rewards (PPO/InstructGPT style)."""
-    kl_penalty: str = "kl"
+    kl_penalty: str = in_trajectory("kl")
     """KL estimator for the reward penalty."""
-    kl_ctrl_type: str = "fixed"
+    kl_ctrl_type: str = in_trajectory("fixed")
     """Reward-KL coefficient controller: fixed or adaptive (Ziegler et al. 2019)."""
-    kl_coef: float = 0.001
+    kl_coef: float = in_trajectory(0.001)
     """Initial reward-KL coefficient beta."""
-    kl_target: float = 0.1
+    kl_target: float = in_trajectory(0.1)
     """Adaptive controller: target KL."""
-    kl_horizon: int = 10000
+    kl_horizon: int = in_trajectory(10000)
     """Adaptive controller: horizon (in samples)."""
-    cliprange_value: float = 0.5
+    cliprange_value: float = in_trajectory(0.5)
     """Critic value clipping range."""
-    vf_coef: float = 1.0
+    vf_coef: float = in_trajectory(1.0)
     """Weight of the value loss (critic has its own optimizer; kept for verl parity)."""
 
     # -- policy-loss options (verl actor.loss_scale_factor, actor.policy_loss.*, actor.tau_*,
     #    algorithm.rollout_correction.*); defaults are verl's
-    loss_scale_factor: float = 0.0
+    loss_scale_factor: float = in_trajectory(0.0)
     """The constant C of ``seq-mean-token-sum-norm`` (Dr. GRPO: the generation budget); 0 divides
     by the batch's padded response width, as verl's null."""
-    clip_cov_ratio: float = 0.0002
+    clip_cov_ratio: float = in_trajectory(0.0002)
     """clip_cov: fraction of the valid tokens whose gradient is detached, in (0, 1]."""
-    clip_cov_lb: float = 1.0
+    clip_cov_lb: float = in_trajectory(1.0)
     """clip_cov: lower bound of the advantage-logp covariance of a candidate token."""
-    clip_cov_ub: float = 5.0
+    clip_cov_ub: float = in_trajectory(5.0)
     """clip_cov: upper bound of the covariance of a candidate token (> clip_cov_lb)."""
-    kl_cov_ratio: float = 0.0002
+    kl_cov_ratio: float = in_trajectory(0.0002)
     """kl_cov: fraction of the valid tokens (largest covariance) given the |log ratio| penalty."""
-    ppo_kl_coef: float = 0.1
+    ppo_kl_coef: float = in_trajectory(0.1)
     """kl_cov: coefficient of the |log ratio| penalty."""
-    tau_pos: float = 1.0
+    tau_pos: float = in_trajectory(1.0)
     """sapo: gate temperature for positive-advantage tokens (> 0)."""
-    tau_neg: float = 1.05
+    tau_neg: float = in_trajectory(1.05)
     """sapo: gate temperature for the other tokens (> 0)."""
-    dro_beta: float = 0.0
+    dro_beta: float = in_trajectory(0.0)
     """dro: coefficient of the quadratic log-ratio penalty; must be set > 0 for ``dro``."""
-    rollout_is: str = ""
+    rollout_is: str = in_trajectory("")
     """Rollout correction: importance weights pi_train / pi_rollout per ``token`` or per
     ``sequence``, multiplying every policy loss (``bypass_mode``: its reinforce form); empty: off."""
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: float = in_trajectory(2.0)
     """Rollout correction: upper bound of the weights (truncated IS)."""
-    rollout_is_threshold_lower: float = 0.0
+    rollout_is_threshold_lower: float = in_trajectory(0.0)
     """Rollout correction: > 0 zeroes weights outside [lower, threshold] (IcePop) instead of
     truncating; must be <= rollout_is_threshold."""
-    rollout_is_batch_normalize: bool = False
+    rollout_is_batch_normalize: bool = in_trajectory(False)
     """Rollout correction: rescale the weights to mean 1 over the batch (not with bypass_mode)."""
-    bypass_loss_type: str = "ppo_clip"
+    bypass_loss_type: str = in_trajectory("ppo_clip")
     """bypass_mode: ``ppo_clip`` (PPO against the rollout log-probs) or ``reinforce`` (importance-
     weighted REINFORCE); verl's ``rollout_correction.loss_type``."""
 
@@ -518,25 +557,25 @@ class AlgorithmConfig:
 class OptimConfig:
     """AdamW + LR schedule for actor and critic."""
 
-    lr: float = 5e-4
+    lr: float = in_trajectory(5e-4)
     """Actor peak learning rate."""
-    critic_lr: float = 1e-3
+    critic_lr: float = in_trajectory(1e-3)
     """Critic peak learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = in_trajectory(0.0)
     """AdamW weight decay."""
-    beta1: float = 0.9
+    beta1: float = in_trajectory(0.9)
     """AdamW beta1."""
-    beta2: float = 0.99
+    beta2: float = in_trajectory(0.99)
     """AdamW beta2."""
-    eps: float = 1e-8
+    eps: float = in_trajectory(1e-8)
     """AdamW epsilon."""
-    warmup_steps: int = 10
+    warmup_steps: int = in_trajectory(10)
     """Linear LR warmup, in optimizer steps (Adam's second moments settle before full steps)."""
-    lr_schedule: str = "constant"
+    lr_schedule: str = in_trajectory("constant")
     """After warmup: constant or cosine (to ``min_lr_ratio * lr`` at the last step)."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = in_trajectory(0.1)
     """Cosine floor as a fraction of the peak LR."""
-    grad_clip: float = 1.0
+    grad_clip: float = in_trajectory(1.0)
     """Clip the global gradient norm to this value."""
 
     def __post_init__(self):
@@ -556,33 +595,33 @@ class ActorConfig:
     """The PPO update: epochs, mini-batches, micro-batches (verl's ``actor_rollout_ref.actor``
     sizes; named ``actor`` because verl's ``trainer`` section is the run loop)."""
 
-    ppo_epochs: int = 1
+    ppo_epochs: int = in_trajectory(1)
     """Passes over each rollout batch (verl's ``actor_rollout_ref.actor.ppo_epochs``)."""
-    ppo_mini_batch_size: int = 32
+    ppo_mini_batch_size: int = in_trajectory(32)
     """Prompts per optimizer step (x ``rollout.n`` responses), as in verl: half of
     ``data.train_batch_size``, two optimizer steps per RL step."""
-    ppo_micro_batch_size: int = 128
+    ppo_micro_batch_size: int = in_trajectory(128)
     """Responses per forward/backward on one worker (gradient accumulation = a worker's rows of
     a mini-batch / this); verl's ``ppo_micro_batch_size_per_gpu``. Memory only: the loss of a
     mini-batch does not depend on it."""
-    use_dynamic_bsz: bool = False
+    use_dynamic_bsz: bool = in_trajectory(False)
     """Micro-batches by a token budget instead of ``ppo_micro_batch_size`` rows, for every
     forward the trainer runs (verl's ``use_dynamic_bsz``, all four of its keys): each worker's
     rows sorted by length and cut into runs that fit the ``*_max_token_len_per_gpu`` budget below
     (positions run, padding included: rows x (longest prompt + longest response); a longer row
     gets a micro-batch of its own), each cut to its longest response. Memory and speed only:
     the loss weights make the update the same."""
-    ppo_max_token_len_per_gpu: int = 16384
+    ppo_max_token_len_per_gpu: int = in_trajectory(16384)
     """Token budget of one micro-batch of the actor's update (verl's key)."""
-    log_prob_max_token_len_per_gpu: int = 16384
+    log_prob_max_token_len_per_gpu: int = in_trajectory(16384)
     """Token budget of a no-grad forward of the actor: old log-probs, Σπ² (verl's
     ``rollout.log_prob_max_token_len_per_gpu``)."""
-    ref_log_prob_max_token_len_per_gpu: int = 16384
+    ref_log_prob_max_token_len_per_gpu: int = in_trajectory(16384)
     """Token budget of a reference log-prob forward (verl's ``ref.log_prob_max_token_len_per_gpu``)."""
-    critic_ppo_max_token_len_per_gpu: int = 32768
+    critic_ppo_max_token_len_per_gpu: int = in_trajectory(32768)
     """Token budget of one micro-batch of the critic's update (verl's
     ``critic.ppo_max_token_len_per_gpu``)."""
-    critic_forward_max_token_len_per_gpu: int = 32768
+    critic_forward_max_token_len_per_gpu: int = in_trajectory(32768)
     """Token budget of a no-grad critic forward, the values (verl's
     ``critic.forward_max_token_len_per_gpu``)."""
 
@@ -602,16 +641,17 @@ class ActorConfig:
 class TrainerConfig:
     """The worker group (verl's ``trainer.nnodes`` / ``trainer.n_gpus_per_node``)."""
 
-    nnodes: int = 1
+    # the same trajectory on any number of workers (up to rounding)
+    nnodes: int = not_in_trajectory(1)
     """Nodes of the worker group (verl's key). Workers = nnodes x n_gpus_per_node."""
-    n_gpus_per_node: int = 1
+    n_gpus_per_node: int = not_in_trajectory(1)
     """Workers per node (verl's key): one per GPU; on a CPU machine, worker processes. With more
     than one worker, training is FSDP2 (gloo on CPU, NCCL on CUDA) and rollout runs on the same
     workers, each on its block of the batch; the batch semantics do not change."""
-    worker_timeout_s: float = 1800.0
+    worker_timeout_s: float = not_in_trajectory(1800.0)
     """Longest wait on the worker group: one phase call, and every collective between workers.
     Past it the phase fails as transient and its retry rebuilds the group from the store."""
-    balance_batch: bool = True
+    balance_batch: bool = in_trajectory(True)
     """With W > 1, reorder each forward's rows so that the W workers' blocks hold nearly equal
     token counts (verl's key; Karmarkar-Karp, equal row counts). The same rows, the same result:
     only the wall time of the slowest worker changes."""
@@ -634,15 +674,15 @@ class ClusterConfig:
     """Where the worker group lives on a Flyte cluster (docs/cluster.md). Never changes
     the trajectory: both modes end with the same weights."""
 
-    mode: str = "per_task"
+    mode: str = not_in_trajectory("per_task")
     """``per_task``: every heavy phase is a Flyte Ray task with its own Ray cluster (a KubeRay
     RayJob) and rebuilds the workers from the store. ``attached``: phases are plain tasks that
     join one long-lived Ray cluster (``address``), where the workers stay warm between phases as
     detached actors in a per-run namespace."""
-    address: str = ""
+    address: str = not_in_trajectory("")
     """``attached``: the Ray cluster to join (``ray://<head>:10001``, ``<head-ip>:6379`` or
     ``auto``); empty: the ``RAY_ADDRESS`` environment variable."""
-    idle_timeout_s: float = 1800.0
+    idle_timeout_s: float = not_in_trajectory(1800.0)
     """``attached``: detached workers that get no call for this long remove themselves and their
     placement groups (a run that died without reaching finalize frees the cluster); 0: never."""
 
@@ -656,28 +696,28 @@ class ClusterConfig:
 class CheckpointConfig:
     """When and how the durable state is saved (the names users of verl-style trainers know)."""
 
-    checkpoint_interval: int = 10
+    checkpoint_interval: int = not_in_trajectory(10)
     """Save a verified checkpoint every k steps (the last step is always saved). Between
     checkpoints a crashed run recovers by replaying the stored batches of the finished updates."""
-    checkpoint_interval_s: float = 0.0
+    checkpoint_interval_s: float = not_in_trajectory(0.0)
     """Also save when this many seconds passed since the last save (0: off)."""
-    save_optimizer_state: bool = True
+    save_optimizer_state: bool = not_in_trajectory(True)
     """Include optimizer + scheduler state (needed for exact resume; off = weights only)."""
-    resume_from_checkpoint: str = "auto"
+    resume_from_checkpoint: str = not_in_trajectory("auto")
     """``auto`` (newest valid checkpoint of this run store, if any), ``none``, a checkpoint
     manifest path/URI (``<store>/checkpoints/<name>.json``), or another run store's folder (its
     newest valid checkpoint). Anything else is a permanent error at prepare."""
-    keep_last: int = 3
+    keep_last: int = not_in_trajectory(3)
     """Keep the newest N checkpoints (0: keep all)."""
-    keep_every: int = 0
+    keep_every: int = not_in_trajectory(0)
     """Also keep every checkpoint whose step is a multiple of this (0: off)."""
-    async_save: bool = True
+    async_save: bool = not_in_trajectory(True)
     """Snapshot to CPU memory and write in the background while the next phases run."""
-    gc_grace_s: float = 600.0
+    gc_grace_s: float = not_in_trajectory(600.0)
     """Garbage collection (after retention deletes a checkpoint) never deletes an object younger
     than this. Safety margin only: gc never deletes what a kept checkpoint, the assets, the
     lineage or a pending phase output names, whatever its age."""
-    local_dir: str = ""
+    local_dir: str = not_in_trajectory("")
     """Local-disk tier (off when empty): commit checkpoints to ``<local_dir>/<store id>`` first
     and replicate them to the run store in the background (docs/checkpoints.md; W = 1 only)."""
 
@@ -721,92 +761,93 @@ class GuardConfig:
     newest verified checkpoint before the anomaly), ``halt`` (stop with a report). Repeated skips
     escalate to a rollback, repeated rollbacks to a halt."""
 
-    enabled: bool = True
+    enabled: bool = in_trajectory(True)
     """Run the detectors (off: only non-finite gradients are refused, as the optimizer must)."""
-    nonfinite_policy: str = "skip_batch"
+    nonfinite_policy: str = in_trajectory("skip_batch")
     """NaN/Inf in rewards, advantages, log-probs, the loss or the gradients."""
-    grad_explosion_policy: str = "skip_batch"
+    grad_explosion_policy: str = in_trajectory("skip_batch")
     """Gradient norm far above its recent median."""
-    loss_spike_policy: str = "warn"
+    loss_spike_policy: str = in_trajectory("warn")
     """Policy loss far from its recent median."""
-    kl_spike_policy: str = "warn"
+    kl_spike_policy: str = in_trajectory("warn")
     """KL to the reference (or rollout) policy far above its recent median."""
-    reward_collapse_policy: str = "rollback"
+    reward_collapse_policy: str = in_trajectory("rollback")
     """Mean reward fallen far below its recent median."""
-    entropy_collapse_policy: str = "warn"
+    entropy_collapse_policy: str = in_trajectory("warn")
     """Policy entropy fallen far below its recent median."""
-    length_anomaly_policy: str = "warn"
+    length_anomaly_policy: str = in_trajectory("warn")
     """Mean response length collapsed or run away from its recent median."""
-    latency_spike_policy: str = "warn"
+    # wall-clock detectors (TIMING_DETECTORS) never change the trajectory
+    latency_spike_policy: str = not_in_trajectory("warn")
     """A phase took far longer than its recent median (wall clock)."""
-    throughput_drop_policy: str = "warn"
+    throughput_drop_policy: str = not_in_trajectory("warn")
     """Rollout tokens/s fell far below its recent median (wall clock)."""
-    gpu_util_drop_policy: str = "warn"
+    gpu_util_drop_policy: str = not_in_trajectory("warn")
     """Accelerator utilisation (NVML) fell far below its recent median; unavailable on CPU."""
     # Detector thresholds (verl_core/guard/detectors.py; docs/guard.md). A windowed detector
     # fires when the robust z-score (x - median) / (1.4826 MAD) passes its ``_z`` AND the change
     # passes its floor, so a flat series (MAD 0) never fires on noise.
-    window: int = 32
+    window: int = in_trajectory(32)
     """Detectors compare a signal with the median and MAD of its last this many finite values."""
-    warmup_steps: int = 10
+    warmup_steps: int = in_trajectory(10)
     """A windowed detector fires only once its signal has this many finite values in history."""
-    grad_explosion_z: float = 6.0
+    grad_explosion_z: float = in_trajectory(6.0)
     """Gradient norm: robust z above the median past which it counts as exploding."""
-    grad_explosion_min_ratio: float = 10.0
+    grad_explosion_min_ratio: float = in_trajectory(10.0)
     """Gradient norm: ... and at least this many times its median."""
-    loss_spike_z: float = 6.0
+    loss_spike_z: float = in_trajectory(6.0)
     """Policy/value loss: robust z (either way for the policy loss, up for the value loss)."""
-    loss_spike_min_change: float = 0.5
+    loss_spike_min_change: float = in_trajectory(0.5)
     """Policy/value loss: ... and at least this far from its median (loss units)."""
-    kl_spike_z: float = 6.0
+    kl_spike_z: float = in_trajectory(6.0)
     """KL loss / reward KL: robust z above the median."""
-    kl_spike_min_change: float = 0.25
+    kl_spike_min_change: float = in_trajectory(0.25)
     """KL loss / reward KL: ... and at least this many nats above its median. 0.25 is about
     log(1 + clip_ratio_high) = log 1.28: the most one clipped PPO step moves a token's log-prob,
     so a healthy step raises the KL by less; a jump past it is more than one step's worth."""
-    kl_spike_min_ratio: float = 2.0
+    kl_spike_min_ratio: float = in_trajectory(2.0)
     """KL loss / reward KL: ... and above this many times its median. The batch KL is a mean of
     a positive, right-skewed per-token estimate, so its upper spread is wider than the MAD says;
     a spike is a jump in the KL's own scale (like the gradient norm's ratio)."""
-    reward_collapse_z: float = 5.0
+    reward_collapse_z: float = in_trajectory(5.0)
     """Mean reward: robust z below the median."""
-    reward_collapse_min_drop: float = 0.25
+    reward_collapse_min_drop: float = in_trajectory(0.25)
     """Mean reward: ... and at least this far below its median (reward units; rule scorers give
     0..1)."""
-    entropy_collapse_z: float = 6.0
+    entropy_collapse_z: float = in_trajectory(6.0)
     """Policy entropy: robust z below the median."""
-    entropy_collapse_min_drop: float = 0.5
+    entropy_collapse_min_drop: float = in_trajectory(0.5)
     """Policy entropy: ... and below (1 - this) times its median."""
-    length_anomaly_z: float = 6.0
+    length_anomaly_z: float = in_trajectory(6.0)
     """Mean response length: robust z either way."""
-    length_anomaly_min_ratio: float = 2.0
+    length_anomaly_min_ratio: float = in_trajectory(2.0)
     """Mean response length: ... and below median / this (collapse) or above median x this."""
-    latency_spike_z: float = 6.0
+    latency_spike_z: float = not_in_trajectory(6.0)
     """Phase wall time: robust z above the median."""
-    latency_spike_min_ratio: float = 3.0
+    latency_spike_min_ratio: float = not_in_trajectory(3.0)
     """Phase wall time: ... and at least this many times its median."""
-    latency_spike_min_s: float = 60.0
+    latency_spike_min_s: float = not_in_trajectory(60.0)
     """Phase wall time: ... and at least this many seconds above its median."""
-    throughput_drop_z: float = 6.0
+    throughput_drop_z: float = not_in_trajectory(6.0)
     """Rollout tokens/s: robust z below the median."""
-    throughput_drop_min_drop: float = 0.5
+    throughput_drop_min_drop: float = not_in_trajectory(0.5)
     """Rollout tokens/s: ... and below (1 - this) times its median."""
-    throughput_drop_min_lost_s: float = 60.0
+    throughput_drop_min_lost_s: float = not_in_trajectory(60.0)
     """Rollout tokens/s: ... and the drop cost at least this many seconds of the rollout."""
-    gpu_util_drop_z: float = 6.0
+    gpu_util_drop_z: float = not_in_trajectory(6.0)
     """Accelerator utilisation: robust z below the median."""
-    gpu_util_drop_min_drop: float = 30.0
+    gpu_util_drop_min_drop: float = not_in_trajectory(30.0)
     """Accelerator utilisation: ... and at least this many percentage points below its median."""
-    max_consecutive_skips: int = 3
+    max_consecutive_skips: int = in_trajectory(3)
     """A skip this many steps in a row escalates to a rollback."""
-    max_rollbacks: int = 2
+    max_rollbacks: int = in_trajectory(2)
     """A rollback past this many in one run escalates to a halt."""
-    rollback_lr_scale: float = 1.0
+    rollback_lr_scale: float = in_trajectory(1.0)
     """Multiply the learning rate by this at each rollback (e.g. 0.5)."""
-    phase_timeout_s: float = 3600.0
+    phase_timeout_s: float = not_in_trajectory(3600.0)
     """Deadline of every phase call on a worker; past it the call fails as transient (a hang),
     the worker is replaced and the phase is retried."""
-    lease_ttl_s: float = 60.0
+    lease_ttl_s: float = not_in_trajectory(60.0)
     """Single-writer run lease: a dead run's lease frees after this many seconds without renewal
     (renewed every third of it); 0 = take no lease (docs/checkpoints.md)."""
 
@@ -853,15 +894,15 @@ class TrackingConfig:
     """Experiment trackers fed with the metrics table's scalars as each step's record is written
     (``verl_core.tracking``). Each is off while its field is empty; none changes training."""
 
-    tensorboard_dir: str = ""
+    tensorboard_dir: str = not_in_trajectory("")
     """TensorBoard log folder (each run writes to ``<run name>-<trajectory hash>`` inside it)."""
-    mlflow_tracking_uri: str = ""
+    mlflow_tracking_uri: str = not_in_trajectory("")
     """MLflow tracking URI without a server, e.g. ``sqlite:///runs/mlflow.db`` or a folder."""
-    mlflow_experiment: str = "verl-flyte"
+    mlflow_experiment: str = not_in_trajectory("verl-flyte")
     """MLflow experiment the run is logged under (created if missing)."""
-    wandb_project: str = ""
+    wandb_project: str = not_in_trajectory("")
     """Weights & Biases project (verl's ``trainer.project_name`` with ``trainer.logger`` wandb)."""
-    wandb_run_name: str = ""
+    wandb_run_name: str = not_in_trajectory("")
     """The run's name in W&B (verl's ``trainer.experiment_name``); empty: the run's name."""
 
     def __post_init__(self):
@@ -880,13 +921,13 @@ class ValidationConfig:
     """Great Expectations suites over the input dataset and every stored batch (rollout, reward,
     advantage); see docs/guard.md. Never changes training, only whether a run stops."""
 
-    mode: str = "fail"
+    mode: str = not_in_trajectory("fail")
     """``fail`` (stop the phase naming column, expectation and rows), ``warn`` (log it), ``off``."""
-    sample_rows: int = 256
+    sample_rows: int = not_in_trajectory(256)
     """Validate this many batch rows, drawn per (seed, step, stage); 0: all (BENCHMARKS.md)."""
-    score_range: str = "auto"
+    score_range: str = not_in_trajectory("auto")
     """``auto`` (a rule scorer's declared range; custom: finite only), ``any``, or ``"lo,hi"``."""
-    every_steps: int = 25
+    every_steps: int = not_in_trajectory(25)
     """Validate the batches of every k-th step (0, k, 2k …; 1: every step). GX's cost is per
     expectation whatever the row count, so this, not sampling rows, bounds its share of a step:
     25 keeps it under 2% of the tiny default's CPU step (BENCHMARKS.md "Data validation");
@@ -917,44 +958,45 @@ class ValidationConfig:
 class RunConfig:
     """A whole RL run: all sections plus the loop settings."""
 
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = in_trajectory(factory=DataConfig)
     """Prompts and batching."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = in_trajectory(factory=ModelConfig)
     """Policy model."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutConfig = in_trajectory(factory=RolloutConfig)
     """Sampling."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward: RewardConfig = in_trajectory(factory=RewardConfig)
     """Scoring."""
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reward_model: RewardModelConfig = in_trajectory(factory=RewardModelConfig,
+                                                    when=_reward_model_on)
     """Model-based reward (off by default)."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    algorithm: AlgorithmConfig = in_trajectory(factory=AlgorithmConfig)
     """Advantage, loss, KL."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = in_trajectory(factory=OptimConfig)
     """Optimizer and schedule."""
-    actor: ActorConfig = field(default_factory=ActorConfig)
+    actor: ActorConfig = in_trajectory(factory=ActorConfig)
     """Update sizes: epochs, mini- and micro-batches."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: TrainerConfig = in_trajectory(factory=TrainerConfig)
     """Worker group: nodes, workers per node, timeout."""
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    cluster: ClusterConfig = not_in_trajectory(factory=ClusterConfig)
     """Where the workers live on a Flyte cluster (never part of the trajectory)."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = not_in_trajectory(factory=CheckpointConfig)
     """Durable state."""
-    guard: GuardConfig = field(default_factory=GuardConfig)
+    guard: GuardConfig = in_trajectory(factory=GuardConfig)
     """Anomaly detectors and recovery policies."""
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    tracking: TrackingConfig = not_in_trajectory(factory=TrackingConfig)
     """TensorBoard and MLflow (never part of the trajectory)."""
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    validation: ValidationConfig = not_in_trajectory(factory=ValidationConfig)
     """Data expectations on the dataset and every batch (never part of the trajectory)."""
-    total_steps: int = 240
+    total_steps: int = in_trajectory(240, when=_lr_depends_on_run_length)
     """RL steps (one rollout batch each)."""
-    seed: int = 1
+    seed: int = in_trajectory(1)
     """Run seed; every phase derives its own seed from (seed, step, phase)."""
-    eval_every: int = 0
+    eval_every: int = not_in_trajectory(0)
     """Greedy held-out evaluation every k steps (0: only at start and end)."""
-    val_before_train: bool = True
+    val_before_train: bool = not_in_trajectory(True)
     """Evaluate before the first step (verl's ``trainer.val_before_train``); False skips it, and
     the run's gain is then not measured. Never changes the trajectory."""
-    num_threads: int = 0
+    num_threads: int = not_in_trajectory(0)
     """torch intra-op threads per worker (0: this host's CPUs / the worker count). Resolved at the
     run's first prepare and recorded in its store (``compute.json``): every mode, worker, retry
     and rebuild, on any host, computes with that count; a different count on a later launch of
@@ -1033,34 +1075,11 @@ class RunConfig:
 
     def trajectory_hash(self) -> str:
         """sha256 of the fields that decide the training trajectory (the state after step k for
-        every k). Run length (with a constant LR schedule), evaluation, checkpointing, threads
-        and memory-only sizes are left out, so extending a run (``--steps 300`` after 200) or
-        changing the checkpoint interval continues the same trajectory: its checkpoints and
-        lineage stay usable. Names checkpoints, lineage and metrics in the run store."""
-        d = self.to_dict()
-        for k in ("eval_every", "val_before_train", "num_threads", "checkpoint", "tracking",
-                  "validation", "cluster"):
-            d.pop(k)
-        if self.optim.lr_schedule == "constant":
-            d.pop("total_steps")  # a cosine schedule's LR at step k depends on the run length
-        # every field of a wall-clock detector (policy, thresholds) starts with its name
-        for k in ("phase_timeout_s", "lease_ttl_s",
-                  *(k for k in d["guard"] if k.startswith(TIMING_DETECTORS))):
-            d["guard"].pop(k)  # wall-clock detectors and the lease never change the trajectory
-        d["data"].pop("val_batch_size")
-        if not self.data.assets_id:  # unset: hashes as before the field existed
-            d["data"].pop("assets_id")
-        d["rollout"].pop("micro_batch_size")
-        for k in ("nnodes", "n_gpus_per_node", "worker_timeout_s"):
-            d["trainer"].pop(k)  # the same trajectory on any number of workers (up to rounding)
-        for k in ("num_workers", "import_timeout_s", "max_timeout_fraction", "on_timeouts"):
-            d["reward"].pop(k)  # a run that completes scores the same whatever these are
-        if self.reward_model.enable:  # memory knob; max_length only ever fails a run
-            for k in ("micro_batch_size", "max_length"):
-                d["reward_model"].pop(k)
-        else:  # off: its other fields do nothing, and a run hashes as before the section existed
-            d.pop("reward_model")
-        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        every k), as each field declares (:data:`TRAJECTORY`). Extending a run (``--steps 300``
+        after 200, constant LR) or changing the checkpoint interval continues the same
+        trajectory: its checkpoints and lineage stay usable. Names checkpoints, lineage and
+        metrics in the run store."""
+        blob = json.dumps(_trajectory_fields(self, self), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @classmethod
@@ -1099,6 +1118,18 @@ def effective_line(cfg: RunConfig) -> str:
         else:
             items.append(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}")
     return "[verl] config: " + (" ".join(items) or "the defaults")
+
+
+def _trajectory_fields(run: RunConfig, obj) -> dict:
+    """The fields of ``obj`` (``run`` or one of its sections) that are in ``run``'s trajectory,
+    by name, sections as dicts of theirs (the values as in :meth:`RunConfig.to_dict`)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        inside = f.metadata[TRAJECTORY]
+        if inside is True or inside is not False and inside(run):
+            v = getattr(obj, f.name)
+            out[f.name] = _trajectory_fields(run, v) if dataclasses.is_dataclass(v) else v
+    return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,13 +1,14 @@
 import dataclasses
 import subprocess
 import sys
+import typing
 
 import numpy as np
 import pytest
 
-from verl_core.config import (SECTIONS, AlgorithmConfig, CheckpointConfig, ConfigError, DataConfig,
-                              OptimConfig, ActorConfig, RunConfig, preset, typed_overrides,
-                              with_overrides)
+from verl_core.config import (SECTIONS, TRAJECTORY, AlgorithmConfig, CheckpointConfig, ConfigError,
+                              DataConfig, OptimConfig, ActorConfig, RunConfig, preset,
+                              typed_overrides, with_overrides)
 
 
 def test_defaults_are_valid_and_derived_values():
@@ -263,3 +264,51 @@ def test_checkpoint_due_on_the_step_schedule_the_last_step_and_the_clock():
     assert not clock.due(5, 10, since_save_s=59.9)
     assert clock.due(5, 10, since_save_s=60.0)
     assert clock.due(8, 10, since_save_s=0.0)  # the schedule saves whatever the clock says
+
+
+# trajectory_hash of these configs before each field declared its membership (at 79f3ce0): the
+# checkpoints, lineage and metrics of existing run stores are named by it
+_PINNED_TRAJECTORY_HASHES = {
+    "RunConfig()": (RunConfig, "ed67d0c373a7d8617271401a6daf8fb4dc7be6e26fbe4a884148973fb821c5b6"),
+    "grpo": (lambda: preset("grpo"),
+             "e625266297b92f80c33ce9cfc43151deb9cb02f9e2701de6632033f7dc7db133"),
+    "ppo": (lambda: preset("ppo"),
+            "a21c0685c1165ef445a647b038d69576b19c74b755de0e825f07f9ec91743e61"),
+    "cosine": (lambda: preset("grpo", **{"optim.lr_schedule": "cosine", "total_steps": 30}),
+               "b6f09e08509ea5aa8e7ca019c5561a13109cc8d8714cea30428204b6ec004838"),
+    "reward_model": (lambda: preset("grpo", **{"reward_model.enable": True,
+                                               "reward_model.path": "/m",
+                                               "reward_model.micro_batch_size": 8}),
+                     "b6c29ec892e3d5175d89498fc7c46972a2916dd9797779d5cbde165ad5aa0fdb"),
+    "outside": (lambda: preset("grpo", **{"data.assets_id": "abc", "checkpoint.keep_last": 1,
+                                          "guard.latency_spike_policy": "halt",
+                                          "guard.phase_timeout_s": 5.0, "trainer.nnodes": 2,
+                                          "reward.num_workers": 3, "eval_every": 2,
+                                          "data.val_batch_size": 16}),
+                "db66f8aeb0f825670cec330a12e16d2ce3d29b6351e35601c497d3b8f38c711f"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_PINNED_TRAJECTORY_HASHES))
+def test_trajectory_hash_is_unchanged(case):
+    make, expected = _PINNED_TRAJECTORY_HASHES[case]
+    assert make().trajectory_hash() == expected
+
+
+def test_every_config_field_declares_whether_it_is_in_the_trajectory():
+    """A field without ``in_trajectory``/``not_in_trajectory`` is refused here, so a new field
+    never joins (or leaves) the trajectory unnoticed; a section kept out takes all its fields."""
+    def walk(cls, path, outside):
+        for f in dataclasses.fields(cls):
+            name = f"{path}{f.name}"
+            assert TRAJECTORY in f.metadata, f"{name} does not declare its trajectory membership"
+            inside = f.metadata[TRAJECTORY]
+            assert inside in (True, False) or callable(inside), name
+            assert not (outside and inside), f"{name} is in the trajectory, its section is not"
+            kind = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(kind):
+                yield from walk(kind, f"{name}.", outside or inside is False)
+            yield name
+
+    names = list(walk(RunConfig, "", False))
+    assert len(names) == len(set(names)) > len(SECTIONS) * 5
