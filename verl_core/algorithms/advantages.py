@@ -8,8 +8,11 @@ Every estimator has exactly one signature (enforced at registration)::
        sum_pi_squared (N, T) | None = None, reward_components (N, K) | None = None)
     -> (advantages (N, T), returns (N, T))
 
-so the trainer calls ``get_advantage_estimator(cfg.adv_estimator)(...)`` whatever the name.
-Arguments an estimator does not use are accepted and ignored. ``group_index[i]`` says which prompt
+so the trainer calls ``get_advantage_estimator(cfg.adv_estimator)(...)`` whatever the name, and
+the estimators' docstrings give only their formula. Arguments an estimator does not use are
+accepted and ignored. ``returns`` is the estimator's return where it has one (GAE: A + V; the
+reward-to-go estimators: G) and a copy of ``advantages`` for the outcome estimators (verl returns
+one tensor twice); both are 0 where ``response_mask`` is 0. ``group_index[i]`` says which prompt
 row ``i`` answers; only equality matters (any long values, groups need not be contiguous).
 Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline, opo, gpg, grpo_passk, gdpo) read one
 score per response, ``token_level_rewards.sum(-1)``, as verl does; rewards outside the mask are
@@ -138,15 +141,9 @@ def _reward_to_go(token_level_rewards: Tensor, mask: Tensor) -> Tensor:
 
 
 def _group_stats(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row statistics of the row's group, in float64.
-
-    Args:
-        scores: (N,) one score per response.
-        group_index: (N,) long, rows with equal values form a group.
-    Returns:
-        (count, mean, std), each (N,) float64: the size n of the row's group, the group mean and
-        the unbiased group std sqrt(sum (s - mean)^2 / (n - 1)) (as ``torch.std``); std is 0 for
-        groups of size one (callers decide what a singleton means).
+    """(count, mean, std) of each row's group, each (N,) float64, for scores (N,): the group's
+    size n, mean and unbiased std sqrt(Σ (s - mean)² / (n - 1)) (as ``torch.std``; 0 for a group
+    of one, whose meaning the caller decides).
 
     float64 because a group whose responses all score the same must get advantage 0: in float32
     eight scores of 0.7 have a mean that is off by one ulp, and (s - mean) / (std + 1e-6) turns
@@ -180,15 +177,6 @@ def gae(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
     (padding, or observation tokens inside a multi-turn response) are skipped rather than treated
     as zero-valued states. Returns are the un-whitened advantages plus the values; advantages
     are then whitened over all valid tokens of the batch.
-
-    Args:
-        token_level_rewards: (N, T) r_t.
-        response_mask: (N, T).
-        group_index: (N,) unused.
-        values: (N, T) critic values V_t; required.
-        gamma: discount; lam: GAE lambda. norm_adv_by_std_in_grpo: unused.
-    Returns:
-        advantages (N, T) whitened, returns (N, T) = A_t + V_t (before whitening); 0 where masked.
     """
     if values is None:
         raise ValueError("the 'gae' advantage estimator needs critic values (N, T); got values=None "
@@ -233,15 +221,7 @@ def grpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
     broadcast over the response's tokens. A group of one response uses mean 0 and std 1, so its
     advantage is s / (1 + 1e-6) (or s): verl's convention, not a zero.
 
-    ``grpo_vectorized`` is an alias: verl's ``compute_grpo_vectorized_outcome_advantage`` gives
-    the same numbers (singletons included), it only differs in how verl computes them.
-
-    Args:
-        token_level_rewards: (N, T); the score is its row sum.
-        response_mask: (N, T). group_index: (N,) long.
-        values, gamma, lam, baseline_score, old_logprobs, sum_pi_squared, reward_components: unused.
-    Returns:
-        advantages (N, T) and returns (N, T), equal (verl returns the same tensor twice).
+    ``grpo_vectorized`` is an alias: verl's vectorized function gives the same numbers.
     """
     _check(token_level_rewards, response_mask, group_index, values)
     scores = token_level_rewards.sum(dim=-1)  # (N,) s_i
@@ -286,13 +266,6 @@ def rloo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
         A_i = s_i * n/(n-1) - μ * n/(n-1)  =  s_i - mean_{j != i} s_j
     broadcast over the response's tokens; a group of one keeps its raw score, A_i = s_i.
     :func:`rloo_vectorized` differs from it on groups of one only, as verl's two functions do.
-
-    Args:
-        token_level_rewards: (N, T); the score is its row sum.
-        response_mask: (N, T). group_index: (N,) long.
-        values, gamma, lam, norm_adv_by_std_in_grpo: unused.
-    Returns:
-        advantages (N, T) and returns (N, T), equal.
     """
     _check(token_level_rewards, response_mask, group_index, values)
     scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,)
@@ -311,18 +284,8 @@ def rloo_vectorized(token_level_rewards: Tensor, response_mask: Tensor, group_in
                     reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """RLOO as verl ``compute_rloo_vectorized_outcome_advantage`` computes it:
         A_i = (n s_i - Σ_j s_j) / max(n - 1, 1) * [n > 1]
-    the same numbers as :func:`rloo` on groups of n > 1, but a group of one gets advantage 0
-    (no other response to compare with, so no learning signal) where verl's loop version, and
-    :func:`rloo`, keep its raw score. Each name follows its own verl function, so a verl config
-    naming either gives verl's numbers. Groups of one need ``rollout.n = 1``, which the config
-    refuses for both (``needs_groups``), or rows missing from a group.
-
-    Args:
-        token_level_rewards: (N, T); the score is its row sum.
-        response_mask: (N, T). group_index: (N,) long.
-        values, gamma, lam, norm_adv_by_std_in_grpo: unused.
-    Returns:
-        advantages (N, T) and returns (N, T), equal.
+    :func:`rloo`'s numbers, except that a group of one gets 0 (nothing to compare with) where
+    :func:`rloo` keeps its score: each name gives its own verl function's numbers.
     """
     _check(token_level_rewards, response_mask, group_index, values)
     scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,)
@@ -350,23 +313,13 @@ def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, grou
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted returns, whitened over the batch.
 
     Follows verl ``compute_reinforce_plus_plus_outcome_advantage`` as fixed for verl issue #7278
-    (PR #7300): the backward scan moves only on valid tokens, like GAE's. A masked span inside a
-    response (observation tokens of a multi-turn rollout) neither resets nor discounts the running
-    return, so the tokens before it still receive the reward that comes after it:
-        G_t = r_t + γ G_{t'}     where m_t = 1, with t' the next valid position after t
-                                 (G_{t'} = 0 past the last valid token, so padding stays 0)
-        G_t = 0                  where m_t = 0 (the running return passes through unchanged; a
-                                 reward on a masked position is not added, as in verl)
+    (PR #7300): the scan moves only on valid tokens, so a masked span inside a response (a
+    multi-turn observation) neither resets nor discounts the return of the tokens before it:
+        G_t = r_t + γ G_{t'}     where m_t = 1, t' the next valid position (G = 0 past the last)
+        G_t = 0                  where m_t = 0 (carried through; a masked reward is not added)
         A = masked_whiten(G)     over all valid tokens of the batch
-    With mask [1,1,0,0,1,1], γ = 1 and reward 1 on the last token, G = [1,1,0,0,1,1]: the first
-    turn gets the outcome reward too (before the fix it got [0,0,0,0,1,1]). No critic, no group
-    baseline.
-
-    Args:
-        token_level_rewards: (N, T) r_t. response_mask: (N, T).
-        gamma: discount. group_index, values, lam, norm_adv_by_std_in_grpo: unused.
-    Returns:
-        advantages (N, T) whitened, returns (N, T) = G; 0 where masked.
+    Mask [1,1,0,0,1,1], γ = 1, reward 1 at the end: G = [1,1,0,0,1,1] (before the fix
+    [0,0,0,0,1,1]).
     """
     _check(token_level_rewards, response_mask, group_index, values)
     mask = response_mask.to(token_level_rewards.dtype)  # (N, T)
@@ -398,13 +351,6 @@ def reinforce_plus_plus_baseline(token_level_rewards: Tensor, response_mask: Ten
         A = masked_whiten(a tiled over the response's tokens)   over all valid tokens of the batch
     i.e. the group mean removes the prompt's difficulty and the batch-wide (token-weighted) std
     sets the scale, instead of GRPO's per-group std.
-
-    Args:
-        token_level_rewards: (N, T); the score is its row sum.
-        response_mask: (N, T). group_index: (N,) long.
-        values, gamma, lam, norm_adv_by_std_in_grpo: unused.
-    Returns:
-        advantages (N, T) and returns (N, T), equal; 0 where masked.
     """
     _check(token_level_rewards, response_mask, group_index, values)
     mask = response_mask.to(token_level_rewards.dtype)  # (N, T)
@@ -436,15 +382,6 @@ def remax(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tenso
         A_t = G_t - b
     The baseline costs one greedy decode per prompt instead of a critic or a group, so ReMax
     works with ``rollout.n = 1``.
-
-    Args:
-        token_level_rewards: (N, T) r_t. response_mask: (N, T).
-        baseline_score: (N,) b, the greedy response's score (the same for a prompt's G rows);
-            required.
-        group_index, values, gamma, lam, norm_adv_by_std_in_grpo, old_logprobs, sum_pi_squared,
-        reward_components: unused.
-    Returns:
-        advantages (N, T), returns (N, T) = G; 0 where masked.
     """
     _check(token_level_rewards, response_mask, group_index, values)
     N = token_level_rewards.shape[0]
@@ -477,13 +414,6 @@ def opo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
         A_i = s_i - b                   broadcast over the response's tokens
     A group of one has b = 0 (keeps its raw score), as in verl. A group whose responses are all
     empty has b = 0 too (verl divides by zero there; its advantages are masked out either way).
-
-    Args:
-        token_level_rewards: (N, T); the score is its row sum.
-        response_mask: (N, T); l_i is its row sum. group_index: (N,) long.
-        the other arguments: unused.
-    Returns:
-        advantages (N, T) and returns (N, T), equal.
     """
     _check(token_level_rewards, response_mask, group_index, values)
     scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
@@ -512,22 +442,12 @@ def gpg(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
     Learning Baseline for Model Reasoning", arXiv:2504.02546).
 
     Follows verl ``compute_gpg_outcome_advantage``: the group mean as baseline, no std, rescaled
-    by α, the paper's "accurate gradient estimation" factor that undoes the dilution of the
-    batch-mean gradient by rows that carry no signal:
+    by α, which undoes the dilution of the batch-mean gradient by rows with no signal:
         α = N / max(1, #{i : s_i != 0})      over the whole batch
         A_i = α (s_i - mean_group(s)) / F_norm,   F_norm = 1
-    (the paper counts the rows of groups whose rewards are all equal; verl counts zero scores,
-    which is what we do, to give verl's numbers).
-    A group of one uses mean 0, as in verl. GPG's paper pairs this with a plain policy-gradient
-    loss (verl's ``policy_loss="gpg"``); here it is an advantage like any other, usable with any
-    policy loss. ``norm_adv_by_std_in_grpo`` is not read (verl's GPG never divides by the std).
-
-    Args:
-        token_level_rewards: (N, T); the score is its row sum.
-        response_mask: (N, T). group_index: (N,) long.
-        the other arguments: unused.
-    Returns:
-        advantages (N, T) and returns (N, T), equal.
+    The paper counts the rows of groups whose rewards are all equal; verl, and we, count zero
+    scores. A group of one uses mean 0, as in verl. Usable with any policy loss (the paper pairs
+    it with ``policy_loss="gpg"``).
     """
     _check(token_level_rewards, response_mask, group_index, values)
     scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
@@ -564,13 +484,6 @@ def grpo_passk(token_level_rewards: Tensor, response_mask: Tensor, group_index: 
 
     Raises ``ValueError`` on a group of one response, as verl does (pass@k needs k >= 2 samples);
     the config refuses ``rollout.n < 2`` for it.
-
-    Args:
-        token_level_rewards: (N, T); the score is its row sum.
-        response_mask: (N, T). group_index: (N,) long.
-        norm_adv_by_std_in_grpo: divide by the group's unbiased std. The rest: unused.
-    Returns:
-        advantages (N, T) and returns (N, T), equal.
     """
     _check(token_level_rewards, response_mask, group_index, values)
     scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
@@ -614,21 +527,10 @@ def gdpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
         a_i = Σ_k A_k,i              equal weights
         A = masked_whiten(a tiled over the response's tokens)   over all valid tokens of the batch
 
-    Where this cannot follow verl: verl reads the K dimensions from the keys its reward manager
-    stores (``algorithm.gdpo_reward_keys``, weights ``gdpo_reward_weights``). The batches here carry
-    one score per response (a dict-returning scorer's other keys are not stored), and the config
-    has no such keys, so the trainer passes no ``reward_components``: GDPO then uses the one
-    score, which is verl's own fallback (GRPO, then batch whitening). Called with
-    ``reward_components`` it computes the multi-reward form, with equal weights (verl's default).
-
-    Args:
-        token_level_rewards: (N, T); with no components its row sum is the one dimension.
-        response_mask: (N, T). group_index: (N,) long.
-        norm_adv_by_std_in_grpo: as in GRPO, per dimension.
-        reward_components: (N, K) optional, the K scores of each response.
-        The rest: unused.
-    Returns:
-        advantages (N, T) and returns (N, T), equal; 0 where masked.
+    Where this cannot follow verl: verl reads the K dimensions from its reward manager's keys
+    (``algorithm.gdpo_reward_keys``); batches here carry one score, so the trainer passes no
+    ``reward_components`` and GDPO uses that score, verl's own fallback (GRPO, then whitening).
+    Given ``reward_components`` (N, K) it computes the multi-reward form, equal weights.
     """
     _check(token_level_rewards, response_mask, group_index, values)
     N = token_level_rewards.shape[0]
@@ -716,18 +618,9 @@ def optimal_token_baseline(token_level_rewards: Tensor, response_mask: Tensor,
     A = G. Positions are columns, as in verl: for responses with masked spans inside
     (multi-turn), ``tir_optimal_token_baseline`` aligns valid tokens instead.
 
-    Where this cannot follow verl: verl optionally scales w_j by ρ̄_j² (truncated rollout
-    importance weights, ``rollout_is_weights``). Rollout and training share weights and engine
-    here, so ρ = 1 and there are none. π_j is the rollout's log-prob of the sampled token (it
-    stands in for verl's recomputed ``old_log_probs``, as in the reward KL).
-
-    Args:
-        token_level_rewards: (N, T) r_t. response_mask: (N, T). group_index: (N,) long.
-        old_logprobs: (N, T) log π_j of the sampled tokens; required.
-        sum_pi_squared: (N, T) Σ_v π_v² of the policy at each position; required.
-        The rest: unused.
-    Returns:
-        advantages (N, T), returns (N, T) = G; 0 where masked.
+    Where this cannot follow verl: verl may scale w_j by ρ̄_j² (truncated rollout importance
+    weights); rollout and training share weights here, so ρ = 1. π_j is the rollout's log-prob
+    of the sampled token (``old_logprobs``), with Σ_v π_v² from ``sum_pi_squared``.
     """
     _check(token_level_rewards, response_mask, group_index, values)
     N, T = token_level_rewards.shape
@@ -766,14 +659,6 @@ def tir_optimal_token_baseline(token_level_rewards: Tensor, response_mask: Tenso
     Responses with no valid token take no part in their group (a group left with one member
     keeps A = G); zero tail as in ``optimal_token_baseline``, on valid-token indices. The same
     note on rollout importance weights applies.
-
-    Args:
-        token_level_rewards: (N, T) r_t. response_mask: (N, T). group_index: (N,) long.
-        old_logprobs: (N, T) log π_j of the sampled tokens; required.
-        sum_pi_squared: (N, T) Σ_v π_v² at each position; required.
-        The rest: unused.
-    Returns:
-        advantages (N, T), returns (N, T) = G; 0 where masked.
     """
     _check(token_level_rewards, response_mask, group_index, values)
     N, T = token_level_rewards.shape
