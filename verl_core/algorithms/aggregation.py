@@ -128,11 +128,8 @@ def micro_batch_weight(micro_mask: Tensor, mini_mask: Tensor, mode: str) -> Tens
     verl's denominators differ in one respect: its ``global_batch_size`` is the mini-batch's row
     count, fully masked rows included, where here (and in verl's single-batch ``agg_loss``) they
     are left out. verl multiplies ``token-sum`` by the data-parallel size to undo DDP's gradient
-    mean; here the workers' gradients are summed, so the weight is 1.
-
-    Args:
-        micro_mask: (n, T) response mask of the micro-batch.
-        mini_mask: (M, T) response mask of its whole mini-batch.
+    mean; here the workers' gradients are summed, so the weight is 1. ``micro_mask`` (n, T) and
+    ``mini_mask`` (M, T) are the response masks of the micro-batch and of its mini-batch.
     """
     LOSS_AGG_MODES.get(mode)  # an unknown mode raises listing the known ones
     count = _DENOMINATOR[mode]

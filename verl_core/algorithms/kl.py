@@ -182,16 +182,8 @@ def apply_kl_penalty(token_level_scores: Tensor, logp: Tensor, ref_logp: Tensor,
     Follows verl ``apply_kl_penalty`` (``verl/trainer/ppo/ray_trainer.py``), minus the controller
     update, which the caller does with the returned metric (so this stays pure):
     ``ctrl.update(float(metrics["kl"]), n_steps=N)`` as verl does with ``n_steps`` = batch size.
-
-    Args:
-        token_level_scores: (N, T) rewards before the penalty (e.g. ``outcome_to_token_rewards``).
-        logp: (N, T) the rollout policy's log-probs (verl's ``old_log_probs``).
-        ref_logp: (N, T) the reference policy's log-probs.
-        response_mask: (N, T).
-        kl_coef: β (``controller.value``). kl_penalty: a ``KL_ESTIMATORS`` name.
-    Returns:
-        token_level_rewards (N, T) and ``{"kl": 0-d}``: the batch mean of each response's masked
-        token-mean KL (a response with no valid token counts as 0, as in verl).
+    All tensors (N, T); ``logp`` is the rollout policy's (verl's ``old_log_probs``). ``kl`` is the
+    batch mean of each response's token-mean KL (an empty response counts 0, as in verl).
     """
     mask = response_mask.to(token_level_scores.dtype)
     kld = KL_ESTIMATORS.get(kl_penalty)(logp, ref_logp) * mask  # (N, T) KL_t on valid tokens
@@ -205,12 +197,8 @@ def kl_loss(logp: Tensor, ref_logp: Tensor, response_mask: Tensor, *, kl_loss_ty
     """KL(π || π_ref) estimated per token and aggregated into a scalar loss term.
 
     Follows verl's actor (``dp_actor.update_policy``: ``kl_penalty`` then ``agg_loss``); the
-    caller multiplies by ``kl_loss_coef``. GRPO (Shao et al. 2024, arXiv:2402.03300 eq. 4) uses k3.
-
-    Args:
-        logp: (N, T) current policy (carries the gradient). ref_logp: (N, T). response_mask: (N, T).
-        kl_loss_type: a ``KL_ESTIMATORS`` name (a ``+`` form for an unbiased gradient).
-        loss_agg_mode: a ``LOSS_AGG_MODES`` name; loss_scale_factor: its C (see ``agg_loss``).
+    caller multiplies by ``kl_loss_coef``. GRPO (Shao et al. 2024, arXiv:2402.03300 eq. 4) uses k3;
+    a ``+`` form gives an unbiased gradient. All tensors (N, T), ``logp`` with the gradient.
     """
     return agg_loss(KL_ESTIMATORS.get(kl_loss_type)(logp, ref_logp), response_mask, loss_agg_mode,
                     loss_scale_factor=loss_scale_factor)

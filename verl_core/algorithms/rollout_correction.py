@@ -116,14 +116,7 @@ def rollout_probs_diff(train_logp: Tensor, rollout_logp: Tensor,
     bf16 kernels or stale weights. Computed in float64 so the statistics of differences near
     float32's rounding are not themselves rounding. Masked, not selected: no host sync; an empty
     mask gives 0 for all three, a single token a std of 0 (verl's ``torch.std`` gives NaN).
-
-    Args:
-        train_logp: (N, T) the trainer's log-probs of the sampled tokens, before any step.
-        rollout_logp: (N, T) the rollout engine's log-probs of the same tokens.
-        response_mask: (N, T).
-    Returns:
-        0-d detached float64 tensors ``rollout_probs_diff_max``, ``rollout_probs_diff_mean``,
-        ``rollout_probs_diff_std``.
+    ``train_logp`` (N, T) is the trainer's, before any step, ``rollout_logp`` (N, T) the engine's.
     """
     if train_logp.shape != rollout_logp.shape or train_logp.shape != response_mask.shape:
         raise ValueError(f"train_logp, rollout_logp and response_mask must share one (N, T) shape, "

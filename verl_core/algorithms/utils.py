@@ -23,14 +23,8 @@ _LOGIT_CHUNK_ELEMENTS = 1 << 26
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
-    """Sum of ``x`` where ``mask`` is set.
-
-    Args:
-        x: any shape, e.g. (N, T).
-        mask: same shape as ``x``; bool or 0/1 numbers.
-        dim: reduce this dimension only; ``None`` reduces everything to a scalar.
-
-    Positions outside the mask are replaced by 0 before multiplying, so a NaN/inf there does not
+    """Sum of ``x`` (any shape, e.g. (N, T)) where ``mask`` (the same shape; bool or 0/1) is
+    set, over ``dim`` or everything. Positions outside the mask are replaced by 0 before multiplying, so a NaN/inf there does not
     leak into the sum (as in verl's current ``masked_sum``).
     """
     valid = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))

@@ -26,17 +26,9 @@ def value_loss(vpreds: Tensor, values: Tensor, returns: Tensor, response_mask: T
         L_t    = max((V - R)^2, (V^clip - R)^2)
         loss   = ½ · agg(L, mask, loss_agg_mode)
 
-    Args:
-        vpreds: (N, T) current critic predictions V (carry the gradient).
-        values: (N, T) critic values at rollout time V_old.
-        returns: (N, T) targets R (e.g. GAE returns).
-        response_mask: (N, T).
-        cliprange_value: ε_v. loss_agg_mode: a ``LOSS_AGG_MODES`` name; loss_scale_factor: its C
-        (see ``agg_loss``).
-    Note the argument order (vpreds, values, returns); verl's is (vpreds, returns, values).
-    Returns:
-        loss (scalar) and ``{"vf_clipfrac": 0-d}``: masked token fraction where the clipped term
-        was the larger (detached).
+    vpreds V (N, T) with the gradient, values V_old (N, T) from the rollout, returns R (N, T),
+    response_mask (N, T): note the order, verl's is (vpreds, returns, values). ``vf_clipfrac`` is
+    the token fraction where the clipped term was the larger.
     """
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)  # V^clip
     vf_losses1 = (vpreds - returns) ** 2  # (V - R)^2
