@@ -105,16 +105,12 @@ def register_engine(name: str):
 
 
 def make_engine(name: str, **kwargs) -> RolloutEngine:
-    """``hf`` needs ``model``, ``eos_token_ids``, ``pad_token_id``; ``vllm`` needs ``model_path``
-    (the Hugging Face folder), ``eos_token_ids``, ``pad_token_id`` and takes ``model`` (the torch
-    policy), ``gpu_memory_utilization``, ``enforce_eager``, ``free_cache_engine``, ``dtype``,
-    ``seed``. Each factory ignores the keywords it does not use. ``vllm`` without CUDA or the
-    vllm package raises ``VLLMUnavailableError`` naming rollout.engine and the fix.
-
-    ``eos_token_ids``: every id that ends a response (the model's EOS set: tokenizer,
-    ``generation_config.json`` and ``config.json``, :func:`verl_core.reward.decode.stop_token_ids`
-    of a loaded tokenizer); a response stops after the first of them, which it keeps (mask 1).
-    ``eos_token_id=`` (one id) is still accepted."""
+    """The engine ``name`` built from the keywords its factory reads (each ignores the rest):
+    ``hf`` needs ``model``; ``vllm`` needs ``model_path`` (the Hugging Face folder) and takes the
+    vLLM settings; both need ``pad_token_id`` and ``eos_token_ids`` (or one ``eos_token_id``), the
+    model's whole EOS set (:func:`verl_core.reward.decode.stop_token_ids`): a response stops after,
+    and keeps, the first of them. ``vllm`` without CUDA or the package raises
+    ``VLLMUnavailableError``."""
     if name not in _ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; known: {', '.join(sorted(_ENGINES))}")
     return _ENGINES[name](**kwargs)

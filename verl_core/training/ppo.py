@@ -75,16 +75,11 @@ def _dropout_active(model) -> bool:
 
 def exactly_on_policy(actor, algo: AlgorithmConfig, *, num_rows: int, mini_batch_rows: int,
                       epochs: int) -> bool:
-    """True when every loss of the update is computed before any optimizer step, with the
-    rollout's weights and a deterministic forward, and nothing reads the old log-probs before
-    the update's own forward: then the behaviour policy's log-probs are the update forward's.
-
-    One epoch and one mini-batch covering all ``num_rows`` rows (a second mini-batch or epoch
-    runs after a step has moved the policy); not ``old_logp_from_rollout`` (it takes the
-    engine's values instead); no ``rollout_is`` (its weights compare the recomputed log-probs to
-    the engine's for the whole batch before the loop); no dropout (a training-mode forward
-    would be noisy where the recomputation, in eval mode, is not).
-    """
+    """True when the update's own forward may stand in for the old log-probs: every loss is
+    computed before any optimizer step (one epoch, one mini-batch of all rows), nothing reads
+    old log-probs before that forward (no ``old_logp_from_rollout``, no ``rollout_is``), and the
+    forward is deterministic (no dropout: a training-mode forward is noisy, the eval-mode
+    recomputation is not)."""
     return (epochs == 1 and mini_batch_rows >= num_rows and not algo.old_logp_from_rollout
             and not algo.rollout_is and not _dropout_active(actor))
 

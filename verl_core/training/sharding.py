@@ -75,19 +75,16 @@ def train_in(model: torch.nn.Module, compute_dtype: Optional[torch.dtype], *,
 
 
 def compute_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """One process's equivalent of FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype)``, in place:
-    the parameters stay what they are (float32 masters: the optimizer and checkpoints hold only
-    them), and a module's floating parameters are replaced by ``dtype`` copies (``p.to(dtype)``;
-    autograd casts their gradients back to float32 into ``p.grad``) from its first forward in a
-    root forward until that forward's backward has finished, as FSDP2 keeps a unit's unsharded
-    bf16 parameters registered through its backward (a recomputed checkpoint, or the chunked LM
-    head's recompute in ``training/forward.py``, then sees the copies). Without grad they are
-    put back when the root's forward returns; ``state_dict`` and the next root forward always
-    put them back first. Buffers (rotary frequencies) are left as they are, as FSDP2 leaves them.
+    """One process's equivalent of FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype)``, in place.
 
-    Each parameter is cast once per root forward and its copy shared by every module that holds
-    it, so a tied embedding/LM head accumulates its two gradients in ``dtype`` first, as FSDP2's
-    one unsharded copy does.
+    The float32 parameters stay the masters (the optimizer and checkpoints hold only them); each
+    module's floating parameters are swapped for ``dtype`` copies (``p.to(dtype)``, gradients
+    cast back into ``p.grad``) from its first forward until the root's backward ends, as FSDP2
+    keeps a unit's unsharded parameters through its backward, so recomputed checkpoints and the
+    chunked LM head see the copies. ``state_dict`` and the next root forward restore them first;
+    buffers are left alone, as FSDP2 does. One copy per parameter and root forward, shared by
+    every module holding it, so a tied embedding/LM head sums its two gradients in ``dtype``
+    first, like FSDP2's one unsharded copy.
 
     Why not ``torch.autocast``: it casts only matmul inputs, so norms, embeddings and the
     residual stream would stay float32 on one worker and be bf16 under FSDP2 on W (the numbers
