@@ -87,7 +87,7 @@ class RunSpec:
         """Canonical JSON of the whole spec (what crosses Flyte task boundaries), the config as
         the fields that differ from the defaults (:meth:`RunConfig.non_default`): what the user
         set is what the console shows, and the literal is ~3x shorter (flytekit formats every
-        task input into two log lines in a local run, ~0.07 ms per 1,000 characters each). The
+        task input into two log lines in a local run: BENCHMARKS.md "Small costs"). The
         literal still changes whenever the config does; ``config_hash`` covers every field
         of the trajectory, defaults included."""
         return self._json
@@ -95,7 +95,7 @@ class RunSpec:
     @functools.cached_property
     def _json(self) -> str:
         # computed once per spec (frozen, so it cannot go stale): every task input of a run
-        # converts the same spec, and walking the ~180 config fields cost ~0.2 ms each time
+        # converts the same spec, and walking the ~180 config fields each time showed in the step
         return json.dumps({**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
                            "config": self.config.non_default()},
                           sort_keys=True, separators=(",", ":"))
