@@ -24,7 +24,7 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 import verl_core
-from verl_core.checkpoint.errors import TransientError
+from verl_core.errors import TransientError
 from verl_core.engine import runtime
 from verl_core.engine.runtime import RunSpec
 from verl_core.guard.events import event_line

@@ -27,7 +27,7 @@ Every rank of an FSDP2 group (``dp`` from ``verl_core.training.dist``)::
 """
 
 from verl_core.checkpoint.async_save import AsyncCheckpointer, snapshot_state
-from verl_core.checkpoint.errors import (
+from verl_core.errors import (
     CheckpointDisagreementError,
     CheckpointNotFoundError,
     CheckpointSaveError,

@@ -29,7 +29,7 @@ import logging
 import sys
 from datetime import datetime, timezone
 
-from verl_core.checkpoint.errors import VerlError
+from verl_core.errors import VerlError
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
 from verl_core.store import RunStore
 

@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from verl_core.checkpoint.errors import CheckpointSaveError, CorruptObjectError
+from verl_core.errors import CheckpointSaveError, CorruptObjectError
 from verl_core.store import RunStore
 from verl_core.checkpoint.tensors import (
     DEFAULT_CHUNK_BYTES,

@@ -25,10 +25,9 @@ from collections import deque
 from typing import Optional, Union
 
 from verl_core import layout
-from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectError,
-                                        UnsafeManifestError)
 from verl_core.checkpoint.manager import (CheckpointInfo, CheckpointManager, SaveHandle,
                                           _manifest_algo, _object_algos, _parse_name)
+from verl_core.errors import CheckpointNotFoundError, CorruptObjectError, UnsafeManifestError
 from verl_core.store import NotFoundError, RunStore
 
 log = logging.getLogger(__name__)

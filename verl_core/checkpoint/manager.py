@@ -77,7 +77,7 @@ import torch
 import verl_core
 from verl_core import layout
 from verl_core.checkpoint import dcp
-from verl_core.checkpoint.errors import (
+from verl_core.errors import (
     CheckpointDisagreementError,
     CheckpointNotFoundError,
     CheckpointSaveError,
@@ -88,6 +88,7 @@ from verl_core.checkpoint.errors import (
     StoreUnavailableError,
     TransientError,
     UnsafeManifestError,
+    VerlError,
 )
 from verl_core.checkpoint.state import (
     check_state_tree,
@@ -115,7 +116,6 @@ from verl_core.checkpoint.tensors import (
     torch_dtype,
     validate_index,
 )
-from verl_core.errors import VerlError
 from verl_core.training.dist import SINGLE, DataParallel
 
 log = logging.getLogger(__name__)

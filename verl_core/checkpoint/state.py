@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from verl_core.checkpoint.errors import CheckpointSaveError, CorruptObjectError
+from verl_core.errors import CheckpointSaveError, CorruptObjectError
 
 __all__ = ["flatten_state", "unflatten_state", "check_state_tree", "to_json", "from_json",
            "capture_rng_state", "restore_rng_state"]

@@ -48,7 +48,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_core.checkpoint.errors import CheckpointSaveError, CorruptObjectError, UnsafeManifestError
+from verl_core.errors import CheckpointSaveError, CorruptObjectError, UnsafeManifestError
 from verl_core.store import RunStore, check_sha256, new_hasher
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "save_tensors", "load_tensors", "read_chunks", "ChunkRead",

@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from verl_core.checkpoint.errors import TransientError
+from verl_core.errors import TransientError
 from verl_core.engine.worker import RunWorker
 from verl_core.threads import default_num_threads
 

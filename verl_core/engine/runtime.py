@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from verl_core.alarm import alarm
-from verl_core.checkpoint.errors import CorruptObjectError, TransientError
 from verl_core.checkpoint.hf_export import publish_export
 from verl_core.checkpoint.manager import CheckpointManager
-from verl_core.errors import PermanentError, UnsafeManifestError
+from verl_core.errors import (CorruptObjectError, PermanentError, TransientError,
+                              UnsafeManifestError)
 from verl_core.store import RunStore, check_doc_name
 from verl_core.threads import intra_op_threads, pin_num_threads
 from verl_core.config import ConfigError, RunConfig

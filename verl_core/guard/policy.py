@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from verl_core.checkpoint.errors import PermanentError, TransientError
+from verl_core.errors import PermanentError, TransientError
 from verl_core.config import GuardConfig
 
 SEVERITY = {"warn": 0, "retry_phase": 1, "skip_batch": 2, "rollback": 3, "halt": 4}

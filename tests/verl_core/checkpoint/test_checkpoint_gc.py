@@ -8,7 +8,7 @@ import torch
 
 from verl_core.checkpoint import CheckpointManager
 from verl_core.checkpoint.__main__ import main as checkpoint_cli
-from verl_core.checkpoint.errors import CorruptObjectError
+from verl_core.errors import CorruptObjectError
 
 
 def _objects(store) -> set[str]:

@@ -69,7 +69,7 @@ def test_damaged_cache_is_refilled_from_the_store(published, damage, monkeypatch
 
 
 def test_store_objects_are_verified_when_filling(published):
-    from verl_core.checkpoint.errors import CorruptObjectError
+    from verl_core.errors import CorruptObjectError
 
     store, index, _ = published
     sha = index["model"]["model.safetensors"]
