@@ -4,7 +4,7 @@ model, real rollout/reward/advantage phases, no mocks."""
 import pytest
 import torch
 
-from verl_core.config import preset
+from tests.presets import tiny_run
 from verl_core.data.batch import batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.reward.decode import decode_responses
 from verl_core.rollout import SamplingParams
@@ -18,11 +18,8 @@ def assets(tmp_path_factory):
 
 
 def _cfg(name):
-    return preset(name, **{"model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
-                           "data.synthetic_train_size": 64, "data.synthetic_val_size": 8,
-                           "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 4,
-                           "rollout.n": 3, "actor.ppo_micro_batch_size": 12,
-                           "num_threads": 1})
+    return tiny_run(name, **{"data.train_batch_size": 4, "rollout.n": 3,
+                             "actor.ppo_micro_batch_size": 12})
 
 
 def _phases(name, assets):

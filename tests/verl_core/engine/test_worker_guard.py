@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from tests.presets import tiny_run
 from verl_core.store import RunStore
-from verl_core.config import preset
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, get_batch, put_batch
 from verl_core.guard.events import read_events
@@ -19,13 +19,11 @@ from test_worker_resume import _weights_sha
 
 
 def _cfg(**over):
-    base = {"total_steps": 6, "model.warmup_sft_steps": 20, "model.warmup_target_accuracy": 1.0,
-            "data.synthetic_train_size": 128, "data.synthetic_val_size": 16,
-            "data.train_batch_size": 8, "actor.ppo_mini_batch_size": 4, "rollout.n": 4,
-            "actor.ppo_micro_batch_size": 8, "checkpoint.checkpoint_interval": 2,
-            "checkpoint.async_save": False, "num_threads": 1,
-            "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl_type": "adaptive"}
-    return preset("ppo", **{**base, **over})
+    return tiny_run("ppo", **{
+        "total_steps": 6, "model.warmup_sft_steps": 20, "data.synthetic_train_size": 128,
+        "data.synthetic_val_size": 16, "checkpoint.checkpoint_interval": 2,
+        "checkpoint.async_save": False, "algorithm.use_kl_in_reward": True,
+        "algorithm.kl_ctrl_type": "adaptive", **over})
 
 
 @pytest.fixture(scope="module")

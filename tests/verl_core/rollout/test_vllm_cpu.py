@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from tests.presets import tiny_run
 from verl_core.config import ConfigError, RolloutConfig, preset
 from verl_core.models import build_tiny_model
 from verl_core.rollout import SamplingParams, make_engine
@@ -102,13 +103,12 @@ class _OwnCopyEngine(HFEngine):
 def test_trainer_refreshes_an_engine_that_owns_its_weights_after_an_update(tmp_path):
     from verl_core.trainer import RLTrainer, prepare_assets
 
-    cfg = preset("grpo", **{"model.warmup_sft_steps": 2, "model.warmup_target_accuracy": 1.0,
-                            "data.synthetic_train_size": 32, "data.synthetic_val_size": 4,
-                            "data.train_batch_size": 2, "rollout.n": 2,
-                            "actor.ppo_mini_batch_size": 2, "actor.ppo_micro_batch_size": 4,
-                            "optim.lr": 1e-2, "num_threads": 1,
-                            # a gradient even when every reward ties (GRPO advantages all 0)
-                            "algorithm.entropy_coeff": 0.01})
+    cfg = tiny_run(**{"model.warmup_sft_steps": 2, "data.synthetic_train_size": 32,
+                      "data.synthetic_val_size": 4, "data.train_batch_size": 2, "rollout.n": 2,
+                      "actor.ppo_mini_batch_size": 2, "actor.ppo_micro_batch_size": 4,
+                      "optim.lr": 1e-2,
+                      # a gradient even when every reward ties (GRPO advantages all 0)
+                      "algorithm.entropy_coeff": 0.01})
     assets = prepare_assets(cfg, str(tmp_path), log=lambda *_: None)
     trainer = RLTrainer(cfg, assets)
     try:

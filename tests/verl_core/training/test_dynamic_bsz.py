@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.presets import tiny_run
 from tests.verl_core.training.test_ppo_update import _ragged, _rollout
 from verl_core.algorithms import micro_batch_weight
 from verl_core.config import AlgorithmConfig, ConfigError, preset
@@ -294,12 +295,10 @@ def test_trainer_packs_every_forward_to_its_budget(tmp_path):
     budgets = {"ppo_max_token_len_per_gpu": 40, "log_prob_max_token_len_per_gpu": 50,
                "ref_log_prob_max_token_len_per_gpu": 60, "critic_ppo_max_token_len_per_gpu": 70,
                "critic_forward_max_token_len_per_gpu": 80}
-    cfg = preset("ppo", **{"model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
-                           "data.synthetic_train_size": 64, "data.synthetic_val_size": 8,
-                           "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 4,
-                           "rollout.n": 3, "actor.ppo_micro_batch_size": 12, "num_threads": 1,
-                           "algorithm.use_kl_loss": True, "actor.use_dynamic_bsz": True,
-                           **{f"actor.{k}": v for k, v in budgets.items()}})
+    cfg = tiny_run("ppo", **{"data.train_batch_size": 4, "rollout.n": 3,
+                             "actor.ppo_micro_batch_size": 12, "algorithm.use_kl_loss": True,
+                             "actor.use_dynamic_bsz": True,
+                             **{f"actor.{k}": v for k, v in budgets.items()}})
     trainer = RLTrainer(cfg, prepare_assets(cfg, str(tmp_path), log=lambda *_: None))
     seen = {}
 
