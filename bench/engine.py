@@ -33,7 +33,11 @@ sys.path.insert(0, REPO)
 
 from tests.ray_nodes import RayNodes  # noqa: E402  (the tests' real `ray start` cluster)
 from verl_core.config import preset, with_overrides  # noqa: E402
-from verl_core.engine import cluster, runtime  # noqa: E402
+from verl_core import phases  # noqa: E402
+from verl_core.engine import cluster  # noqa: E402
+from verl_core.engine.workers import WORKERS, RunWorkers  # noqa: E402
+from verl_core.prepare import prepare_run  # noqa: E402
+from verl_core.types import PhaseOut  # noqa: E402
 
 # A fresh task process: connect the way the mode does, get the worker, make it hold the state.
 PROBE = r"""
@@ -41,19 +45,21 @@ import json, sys, time
 t0 = time.perf_counter()
 import ray
 from verl_core.config import RunConfig
-from verl_core.engine import runtime
+from verl_core.engine import workers
+from verl_core.engine.workers import WORKERS, RunWorkers
+from verl_core.types import RunSpec
 d = json.loads(sys.argv[1])
-spec = runtime.RunSpec(**{**d, "config": RunConfig.from_dict(d["config"])})
+spec = RunSpec(**{**d, "config": RunConfig.from_dict(d["config"])})
 mode = spec.config.cluster.mode
 if mode == "per_task":
-    runtime.start_local_ray()          # the RayJob's own cluster (locally: a new Ray instance)
+    workers.start_local_ray()          # the RayJob's own cluster (locally: a new Ray instance)
 else:
     from verl_core.engine import cluster
     cluster.connect(spec.config.cluster)
-runtime.call_worker(spec, "ensure_state", spec.total_steps)
+RunWorkers(spec).ensure_state(spec.total_steps)
 print(json.dumps({"seconds": time.perf_counter() - t0}))
 if mode == "per_task":
-    runtime.release_workers()
+    WORKERS.release_all()
 """
 
 
@@ -99,20 +105,20 @@ def main() -> None:
         cfg = preset("grpo", **{"total_steps": args.steps, "cluster.mode": "attached",
                                 "cluster.address": nodes.address,
                                 "checkpoint.checkpoint_interval": args.steps})
-        spec = runtime.prepare_run(cfg, os.path.join(work, "store"), "bench",
+        spec = prepare_run(cfg, os.path.join(work, "store"), "bench",
                                    log_fn=lambda *_: None)
         for s in range(args.steps):
-            ref, _ = runtime.call_worker(spec, "rollout", s)
-            ref, _ = runtime.reward_phase(spec, s, ref)
-            ref, _ = runtime.advantage_phase(spec, s, ref)
-            runtime.call_worker(spec, "update", s, ref)
-            runtime.call_worker(spec, "checkpoint", s + 1)
-        runtime.call_worker(spec, "wait_checkpoints")
+            ref, _ = RunWorkers(spec).rollout(s)
+            ref = phases.reward(spec, PhaseOut(s, ref)).batch
+            ref = phases.advantage(spec, PhaseOut(s, ref)).batch
+            RunWorkers(spec).update(s, ref)
+            RunWorkers(spec).checkpoint(s + 1)
+        RunWorkers(spec).wait_checkpoints()
         step = args.steps
 
         def start_phase():
-            runtime._WORKERS.clear()  # a new task process has no handle on the workers
-            runtime.call_worker(spec, "ensure_state", step)
+            WORKERS.reset()  # a new task process has no handle on the workers
+            RunWorkers(spec).ensure_state(step)
 
         warm = [_timed(start_phase) for _ in range(args.repeats)]
         cold = []
@@ -127,7 +133,7 @@ def main() -> None:
             spec.config, {"cluster.mode": "per_task"}))
         p_attached = [_probe(spec, env) for _ in range(max(2, args.repeats // 2))]
         p_per_task = [_probe(per_task, env) for _ in range(max(2, args.repeats // 2))]
-        runtime.release_run_workers(spec)
+        WORKERS.release(spec)
     finally:
         ray.shutdown()
         nodes.stop()

@@ -4,7 +4,7 @@ Two run workers on the default config (256 responses per step, the tiny CPU mode
 briefly: the guard's cost does not depend on the model's skill), each in its own run store,
 execute the same steps in alternation, so drift of the machine hits both alike: rollout, reward,
 advantage and the update through the phase functions the workflow calls, with the per-phase
-wall-clock watch (``runtime.watch_phase``) and the step's event listing (what the console line
+wall-clock watch (``runlog.watch_phase``) and the step's event listing (what the console line
 reads). Two numbers per step:
 
 - the guard's own time, every guard call timed directly (batch and update detectors, the
@@ -28,7 +28,8 @@ import time
 
 from verl_core.store import RunStore
 from verl_core.config import preset
-from verl_core.engine import runtime
+from verl_core import runlog
+from verl_core.types import RunSpec
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, get_batch, put_batch
 from verl_core.guard import checks
@@ -50,15 +51,15 @@ def _timed(fn):
     return wrapper
 
 
-# time every guard entry point directly (the worker and runtime look them up at call time)
+# time every guard entry point directly (the worker and the task layer look them up at call time)
 checks.batch_anomalies = _timed(checks.batch_anomalies)
 checks.update_anomalies = _timed(checks.update_anomalies)
-runtime.watch_phase = _timed(runtime.watch_phase)
-runtime.step_events = _timed(runtime.step_events)
+runlog.watch_phase = _timed(runlog.watch_phase)
+runlog.step_events = _timed(runlog.step_events)
 
 
-def _spec(uri: str, cfg, index: dict) -> runtime.RunSpec:
-    return runtime.RunSpec(store=uri, incarnation=RunStore(uri).incarnation_id,
+def _spec(uri: str, cfg, index: dict) -> RunSpec:
+    return RunSpec(store=uri, incarnation=RunStore(uri).incarnation_id,
                            config=cfg,
                            config_hash=cfg.trajectory_hash(), assets_json=json.dumps(index),
                            start_step=0, total_steps=cfg.total_steps)
@@ -78,9 +79,9 @@ def _step(w: RunWorker, spec, step: int) -> float:
             ref = put_batch(w.store, batch)
         else:
             m = w.update(step, ref)
-        runtime.watch_phase(spec, phase, step, time.perf_counter() - t, m)
+        runlog.watch_phase(spec, phase, step, time.perf_counter() - t, m)
     w.checkpoint(step + 1)
-    runtime.step_events(spec, step)
+    runlog.step_events(spec, step)
     return time.perf_counter() - t0
 
 

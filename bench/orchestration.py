@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from verl_core.config import with_overrides, grpo_preset  # noqa: E402
-from verl_core.engine.runtime import read_phase_log  # noqa: E402
+from verl_core.runlog import read_phase_log  # noqa: E402
 from verl_core.train import train  # noqa: E402
 from verl_core.trainer import prepare_assets  # noqa: E402
 

@@ -4,7 +4,7 @@ from flytekit import task
 
 from tasks.common import RETRIES, cache_for, run_phase
 from verl_core import phases
-from verl_core.engine.runtime import RunSpec
+from verl_core.types import RunSpec
 from verl_core.phases import PhaseOut
 
 

@@ -8,9 +8,8 @@ from tasks import decks
 from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase, store_call
 from tasks.images import GPU_IMAGE
 from verl_core import phases, report
-from verl_core.engine import runtime
-from verl_core.engine.runtime import RunSpec
-from verl_core.phases import StepState
+from verl_core import runlog
+from verl_core.types import RunSpec, StepState
 
 
 @task(task_config=RAY_CONFIG, cache=cache_for("checkpoint"), retries=RETRIES, enable_deck=True,
@@ -28,6 +27,6 @@ def checkpoint_attached(spec: RunSpec, state: StepState) -> StepState:
 def _checkpoint(spec: RunSpec, state: StepState) -> StepState:
     done = run_phase(spec, "checkpoint", state.step, lambda: phases.checkpoint(spec, state))
     events = store_call(f"guard events of step {done.step}",
-                        lambda: runtime.step_events(spec, done.step - 1))
+                        lambda: runlog.step_events(spec, done.step - 1))
     decks.attach("Step", report.step_card(done.step, done.metrics, events=events), only=True)
     return done

@@ -24,12 +24,15 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 import verl_core
-from verl_core.errors import TransientError
-from verl_core.engine import runtime
-from verl_core.engine.runtime import RunSpec
+from verl_core.checkpoint.errors import TransientError
+from verl_core import runlog
+from verl_core.engine import workers
+from verl_core.engine.workers import WORKERS
+from verl_core.guard import writer
+from verl_core.phases import with_retries
+from verl_core.types import PhaseOut, RunSpec, StepState
 from verl_core.guard.events import event_line
 from verl_core.guard.faults import maybe_inject
-from verl_core.phases import PhaseOut, StepState
 from verl_core.train import eta_s
 from verl_core.validation import clipped_responses_warning
 
@@ -168,7 +171,7 @@ def store_call(what: str, fn: Callable[[], T]) -> T:
     fail the run). For every store call a task makes around its body: the phase log, a progress
     line's guard events, a Deck's reads, prepare. Permanent faults propagate unchanged."""
     try:
-        return runtime.with_retries(fn, what=what, attempts=RETRIES)
+        return with_retries(fn, what=what, attempts=RETRIES)
     except TransientError as e:
         raise FlyteRecoverableException(f"{what}: {e}") from e
 
@@ -189,22 +192,22 @@ def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T],
     def attempt():
         t = time.perf_counter()
         try:
-            with runtime.deadline(timeout, f"{phase} of step {step}"):
-                runtime.hold_lease(spec)  # one writer per run: renewed (or taken) per phase
+            with workers.deadline(timeout, f"{phase} of step {step}"):
+                writer.hold_lease(spec)  # one writer per run: renewed (or taken) per phase
                 # VERL_FAULTS (tests, chaos drills); a no-op otherwise
                 maybe_inject(phase, step, deadline_s=timeout)
                 out = fn()
-        except runtime.PhaseTimeoutError:
-            runtime.forget_workers(spec)  # hung: its state and queue are unknown
+        except workers.PhaseTimeoutError:
+            WORKERS.forget(spec)  # hung: its state and queue are unknown
             raise
         metrics = getattr(out, "metrics", out)  # PhaseOut, StepState or a metrics dict
-        runtime.watch_phase(spec, phase, step, time.perf_counter() - t,
+        runlog.watch_phase(spec, phase, step, time.perf_counter() - t,
                             metrics if isinstance(metrics, dict) else {})
         return out if then is None else then(out)
 
     out = store_call(f"{phase} of step {step}", attempt)
     store_call(f"phase log of {phase} step {step}",
-               lambda: runtime.log_phase(spec, phase, step, started=t0))
+               lambda: runlog.log_phase(spec, phase, step, started=t0))
     verl_core.beat()  # the liveness probe's heartbeat (VERL_HEARTBEAT_FILE), at the end too
     return out
 
@@ -234,7 +237,7 @@ def progress(spec: RunSpec, step: int, metrics: dict) -> None:
     parts.append(f"ETA {eta:.0f}s")
     # the step's guard events (one store listing)
     events = store_call(f"guard events of step {step}",
-                        lambda: runtime.step_events(spec, step - 1))
+                        lambda: runlog.step_events(spec, step - 1))
     if events:
         parts.append(event_line(events))
     print("[verl] " + " ".join(parts), flush=True)

@@ -9,9 +9,8 @@ from tasks import decks
 from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase, store_call
 from tasks.images import GPU_IMAGE
 from verl_core import phases, report
-from verl_core.engine import runtime
-from verl_core.engine.runtime import RunSpec
-from verl_core.phases import StepState
+from verl_core import runlog
+from verl_core.types import RunSpec, StepState
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ def evaluate_attached(spec: RunSpec, state: StepState) -> EvalResult:
 def _evaluate(spec: RunSpec, state: StepState) -> EvalResult:
     m = run_phase(spec, "evaluate", state.step, lambda: phases.evaluate(spec, state))
     print(f"[verl] eval after {state.step} steps: accuracy={m['val/accuracy']:.3f}", flush=True)
-    samples = store_call("held-out samples", lambda: runtime.eval_samples(spec, state.step))
+    samples = store_call("held-out samples", lambda: runlog.eval_samples(spec, state.step))
     if samples:  # the first held-out row, as verl's reward manager prints it (and the Deck shows)
         print(report.sample_lines(samples[0]), flush=True)
     decks.attach("RL run", report.for_run(spec, title=f"Evaluation after {state.step} steps",

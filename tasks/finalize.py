@@ -11,8 +11,7 @@ from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase, store_call
 from tasks.evaluate import EvalResult
 from tasks.images import GPU_IMAGE
 from verl_core import phases, report
-from verl_core.engine.runtime import RunSpec
-from verl_core.phases import StepState
+from verl_core.types import RunSpec, StepState
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from tasks.evaluate import evaluate, evaluate_attached
 from tasks.finalize import finalize, finalize_attached
 from tasks.rollout import rollout, rollout_attached
 from tasks.update import update, update_attached
-from verl_core.engine.runtime import RunSpec
+from verl_core.types import RunSpec
 
 
 @dataclass(frozen=True)

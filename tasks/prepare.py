@@ -9,8 +9,10 @@ from flytekit import task
 from tasks.common import RETRIES, cache_for, store_call
 from verl_core import verl_keys
 from verl_core.config import ConfigError, effective_line
-from verl_core.engine import runtime
-from verl_core.engine.runtime import RunSpec
+from verl_core.engine import workers
+from verl_core.guard import writer
+from verl_core.prepare import prepare_run, run_store_uri
+from verl_core.types import STORES, RunSpec
 from verl_core.training.optim import optimizer_steps_line
 
 
@@ -59,8 +61,8 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
     # the run header (this task is never cached, so every command prints it)
     print(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}", flush=True)
     print(effective_line(cfg), flush=True)
-    uri = runtime.run_store_uri(store, run_name)
-    st = store_call(f"opening the run store {uri}", lambda: runtime._store(uri))
+    uri = run_store_uri(store, run_name)
+    st = store_call(f"opening the run store {uri}", lambda: STORES.open(uri))
     spec = RunSpec(store=st.uri, incarnation=store_call("the store's incarnation id",
                                                         lambda: st.incarnation_id),
                    config=cfg,
@@ -68,7 +70,7 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
                    total_steps=cfg.total_steps)
     # one writer per run: a second launch of a live run fails here, naming the holder, even
     # when every later task would be a cache hit
-    store_call("taking the run's lease", lambda: runtime.hold_lease(spec))
+    store_call("taking the run's lease", lambda: writer.hold_lease(spec))
     return spec
 
 
@@ -76,8 +78,8 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
 def prepare(spec: RunSpec) -> RunSpec:
     """Synthetic dataset + tiny warm-started model (or the given ones), validated and copied
     into the run store; the start step (auto-resume). Cached per store incarnation."""
-    runtime.start_local_ray()  # lean local Ray (no-op on a cluster or with RAY_ADDRESS)
-    full = store_call("prepare", lambda: runtime.prepare_run(
+    workers.start_local_ray()  # lean local Ray (no-op on a cluster or with RAY_ADDRESS)
+    full = store_call("prepare", lambda: prepare_run(
         spec.config, spec.store.rsplit("/", 1)[0], spec.store.rsplit("/", 1)[1]))
     print(f"[verl] run store: {full.store} (start step {full.start_step})", flush=True)
     return full

@@ -5,8 +5,7 @@ from flytekit import task
 from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase
 from tasks.images import GPU_IMAGE
 from verl_core import phases
-from verl_core.engine.runtime import RunSpec
-from verl_core.phases import PhaseOut, StepState
+from verl_core.types import PhaseOut, RunSpec, StepState
 
 
 @task(task_config=RAY_CONFIG, cache=cache_for("rollout"), retries=RETRIES,

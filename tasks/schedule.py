@@ -8,9 +8,9 @@ from datetime import datetime
 from flytekit import task
 
 from tasks.prepare import build_config
-from verl_core.engine import runtime, schedule
-from verl_core.engine.runtime import RunSpec
-from verl_core.phases import StepState
+from verl_core.prepare import run_store_uri
+from verl_core.engine import schedule
+from verl_core.types import RunSpec, StepState
 
 
 @task
@@ -20,7 +20,7 @@ def continuation_steps(algorithm: str, model: str, train_files: str, val_files: 
     """Run length that trains ``extra_steps`` past the run's newest verified checkpoint."""
     cfg = build_config(algorithm, model, train_files, val_files, 0, batch_size, rollout_n,
                        overrides)
-    uri = runtime.run_store_uri(store, run_name)
+    uri = run_store_uri(store, run_name)
     start, total = schedule.continuation_total(cfg, uri, extra_steps)
     print(f"[verl] continuing {uri} (scheduled {kickoff_time.isoformat()}): step {start} -> "
           f"{total}", flush=True)

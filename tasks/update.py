@@ -6,8 +6,7 @@ from flytekit import task
 from tasks.common import RAY_CONFIG, RETRIES, cache_for, progress, run_phase
 from tasks.images import GPU_IMAGE
 from verl_core import phases
-from verl_core.engine.runtime import RunSpec
-from verl_core.phases import PhaseOut, StepState
+from verl_core.types import PhaseOut, RunSpec, StepState
 
 
 def _update(spec: RunSpec, advantaged: PhaseOut) -> StepState:

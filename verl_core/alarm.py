@@ -1,4 +1,4 @@
-"""One SIGALRM deadline for a block of code, shared by the phase deadlines (``engine.runtime``)
+"""One SIGALRM deadline for a block of code, shared by the phase deadlines (``engine.workers``)
 and the custom-scorer calls (``reward.manager``): the block is interrupted at its next bytecode
 by the exception ``expired()`` returns. Signals reach only the main thread, and only where
 ``setitimer`` exists; elsewhere the block runs without this deadline."""

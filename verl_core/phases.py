@@ -12,21 +12,39 @@ caching, retries, the phase log and Decks), and what tests and benchmarks call d
     evaluate(spec, state)       -> Metrics    greedy held-out accuracy of a state
     finalize(spec, state)       -> dict       final checkpoint committed, export, metrics table
 
-Everything crossing a phase boundary is typed (``RunSpec`` with its ``RunConfig``, ``PhaseOut``,
-``StepState``, metrics as ``dict[str, float]``) and points only at content-addressed objects in the
-run store, so a Flyte cache hit, a retry on another host or a re-run reads exactly what the phase
-wrote. Where the work runs (in this process, a Ray actor, a worker group, an attached cluster) is
-:mod:`verl_core.engine.runtime`'s business.
+Everything crossing a phase boundary is typed (:mod:`verl_core.types`). The heavy phases call
+the run's worker(s) through :class:`~verl_core.engine.workers.RunWorkers` (where the work runs:
+this process, a Ray actor, a worker group, an attached cluster); reward and advantage run here,
+on the stored batch. Also :func:`with_retries`, the local retry policy of a phase.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import logging
+import random
+import tempfile
+import time
+from typing import Callable, TypeVar
 
-from verl_core.engine import runtime
-from verl_core.engine.runtime import RunSpec
+from verl_core.checkpoint.errors import CorruptObjectError, TransientError
+from verl_core.checkpoint.hf_export import publish_export
+from verl_core.engine.assets import materialize_assets
+from verl_core.engine.worker import checkpoint_due as _due
+from verl_core.engine.worker import get_batch, pending_doc, put_batch
+from verl_core.engine.workers import WORKERS, RunWorkers
+from verl_core.guard import faults
+from verl_core.guard.writer import commit_fence, release_lease
+from verl_core.models import load_tokenizer
+from verl_core.reward.manager import RewardScorer
+from verl_core.runlog import metrics_table, record_step_metrics
+from verl_core.threads import intra_op_threads
+from verl_core.trainer import compute_advantages, score_batch
+from verl_core.types import Metrics, PhaseOut, RunSpec, StepState
+from verl_core.validation import validate_and_record
 
-Metrics = dict[str, float]
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def merged(before: Metrics, new: dict) -> Metrics:
@@ -36,47 +54,89 @@ def merged(before: Metrics, new: dict) -> Metrics:
     return dict(sorted(out.items()))
 
 
-@dataclass(frozen=True)
-class PhaseOut:
-    """A phase's result: the batch it wrote and the step's metrics so far."""
-
-    step: int
-    """RL step this batch belongs to."""
-    batch: str
-    """Object name (sha256) of the batch parquet in the run store."""
-    metrics: Metrics = field(default_factory=dict)
-    """Metrics of this and the earlier phases of the step."""
-
-
-@dataclass(frozen=True)
-class StepState:
-    """The training state after ``step`` updates (it lives in the workers; rebuilt from the
-    store when they do not hold it)."""
-
-    step: int
-    """Number of updates applied."""
-    metrics: Metrics = field(default_factory=dict)
-    """Metrics of the step that produced this state."""
-
-
 def rollout(spec: RunSpec, state: StepState) -> PhaseOut:
     """Sample ``rollout.n`` responses per prompt of the step's batch from the state after
     ``state.step`` updates (with reference log-probs and critic values when the algorithm needs
     them); the batch is validated and stored."""
-    ref, metrics = runtime.call_worker(spec, "rollout", state.step)
+    ref, metrics = RunWorkers(spec).rollout(state.step)
     return PhaseOut(step=state.step, batch=ref, metrics=merged({}, metrics))
 
 
+class LightParts:
+    """What the light phases (reward, advantage) of a run need in this process, built once per
+    run (:attr:`RunSpec.key`): the tokenizer and the reward scorer."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple, tuple] = {}
+
+    def of(self, spec: RunSpec) -> tuple:
+        if spec.key not in self._built:
+            # the reward and advantage math of this process (batch-wide sums) with the run's count
+            import torch
+
+            torch.set_num_threads(intra_op_threads(spec.config))
+            assets = materialize_assets(spec.open_store(), json.loads(spec.assets_json))
+            self._built[spec.key] = (load_tokenizer(assets.model_path),
+                                     RewardScorer.from_config(spec.config.reward))
+        return self._built[spec.key]
+
+    def reset(self) -> None:
+        self._built.clear()
+
+
+LIGHT = LightParts()
+
+
+def _input_batch(spec: RunSpec, step: int, phase: str, ref: str):
+    """The batch ``ref`` that ``phase`` of ``step`` wrote, read by a light phase; a damaged or
+    missing one is recomputed by the run's worker (``RunWorker.batch``: bit-identical or a
+    clear error), since a cache hit upstream may point at it."""
+    st = spec.open_store()
+    try:
+        return get_batch(st, ref)
+    except CorruptObjectError as e:
+        log.warning("%s; asking the run's worker to recompute it", e)
+        RunWorkers(spec).restore_batch(step, phase, ref)
+        return get_batch(st, ref)
+
+
 def reward(spec: RunSpec, sampled: PhaseOut) -> PhaseOut:
-    """Score the sampled batch (``reward`` scorers; ``reward_model`` on the workers)."""
-    ref, metrics = runtime.reward_phase(spec, sampled.step, sampled.batch)
-    return PhaseOut(step=sampled.step, batch=ref, metrics=merged(sampled.metrics, metrics))
+    """Score the sampled batch. Rule and custom scorers run here (light); with
+    ``reward_model.enable`` the run's worker(s) score it (``RunWorker.score_with_model``), where
+    the reward model lives next to the policy, and write the batch."""
+    t0 = time.perf_counter()
+    st, step = spec.open_store(), sampled.step
+    batch = ref = None
+    if spec.config.reward_model.enable:
+        ref, metrics = RunWorkers(spec).score_with_model(step, sampled.batch)
+    else:
+        tok, scorer = LIGHT.of(spec)
+        batch, metrics = score_batch(_input_batch(spec, step, "rollout", sampled.batch), scorer,
+                                     tok)
+    if faults.take("nan_reward", "reward", step):  # a VERL_FAULTS drill; None otherwise
+        batch = get_batch(st, ref) if batch is None else batch
+        score = batch.score.clone()
+        score[0] = float("nan")
+        batch, ref = batch.replace(score=score), None
+    validate_and_record(st, spec.config_hash, step, "reward", batch or get_batch(st, ref),
+                        spec.config)
+    if ref is None:
+        ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "reward"))
+    metrics["timing/reward_s"] = time.perf_counter() - t0
+    return PhaseOut(step=step, batch=ref, metrics=merged(sampled.metrics, metrics))
 
 
 def advantage(spec: RunSpec, scored: PhaseOut) -> PhaseOut:
     """Token rewards (KL penalty when configured) and the advantage estimator."""
-    ref, metrics = runtime.advantage_phase(spec, scored.step, scored.batch)
-    return PhaseOut(step=scored.step, batch=ref, metrics=merged(scored.metrics, metrics))
+    t0 = time.perf_counter()
+    LIGHT.of(spec)  # the run's thread count for the math
+    st, step = spec.open_store(), scored.step
+    batch, metrics = compute_advantages(_input_batch(spec, step, "reward", scored.batch),
+                                        spec.config.algorithm)
+    validate_and_record(st, spec.config_hash, step, "advantage", batch, spec.config)
+    ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "advantage"))
+    metrics["timing/advantage_s"] = time.perf_counter() - t0
+    return PhaseOut(step=step, batch=ref, metrics=merged(scored.metrics, metrics))
 
 
 def checkpoint_due(spec: RunSpec, step: int) -> bool:
@@ -86,21 +146,24 @@ def checkpoint_due(spec: RunSpec, step: int) -> bool:
     decides). On the other steps it could only answer "not now", so the workflow leaves it out
     (on a Flyte cluster every node is a pod) and the update task ends the step
     (:func:`end_step`)."""
-    return runtime.checkpoint_due(spec.config, step)
+    return _due(spec.config, step)
 
 
 def update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
     """Apply the update of step ``advantaged.step`` under the guard; the state after it is
     recorded in the lineage before anyone is told it exists."""
-    metrics = runtime.call_worker(spec, "update", advantaged.step, advantaged.batch)
+    metrics = RunWorkers(spec).update(advantaged.step, advantaged.batch)
     return StepState(step=advantaged.step + 1, metrics=merged(advantaged.metrics, metrics))
 
 
 def checkpoint(spec: RunSpec, state: StepState) -> StepState:
     """Save the state on the checkpoint schedule (committed, or its write queued and awaited
-    later), then end the step (:func:`end_step`). The workflow calls it only where
-    :func:`checkpoint_due`."""
-    return end_step(spec, state, runtime.checkpoint_phase(spec, state.step))
+    later; ``RunWorker.checkpoint``), then end the step (:func:`end_step`). The workflow calls it
+    only where :func:`checkpoint_due`; elsewhere the answer is the worker's own no-save answer,
+    given without a call on the worker."""
+    saved = (RunWorkers(spec).checkpoint(state.step) if checkpoint_due(spec, state.step)
+             else {"checkpoint/saved": 0.0})
+    return end_step(spec, state, saved)
 
 
 def end_step(spec: RunSpec, state: StepState, checkpoint_metrics: dict | None = None
@@ -111,19 +174,64 @@ def end_step(spec: RunSpec, state: StepState, checkpoint_metrics: dict | None = 
     with the ``checkpoint/saved=0`` the checkpoint phase would have added."""
     extra = {"checkpoint/saved": 0.0} if checkpoint_metrics is None else checkpoint_metrics
     done = StepState(step=state.step, metrics=merged(state.metrics, extra))
-    runtime.record_step_metrics(spec, done.step, done.metrics)
+    record_step_metrics(spec, done.step, done.metrics)
     return done
 
 
 def evaluate(spec: RunSpec, state: StepState) -> Metrics:
     """Greedy held-out accuracy of the state after ``state.step`` updates (recorded)."""
-    metrics = merged({}, runtime.call_worker(spec, "evaluate", state.step))
-    runtime.record_step_metrics(spec, state.step, metrics)
+    metrics = merged({}, RunWorkers(spec).evaluate(state.step))
+    record_step_metrics(spec, state.step, metrics)
     return metrics
 
 
 def finalize(spec: RunSpec, state: StepState) -> dict:
     """The final checkpoint committed, every checkpoint verified (damaged ones rebuilt), the
-    final policy exported as a Hugging Face folder, the metrics table written; the run's lease
-    (and, attached, its workers) released."""
-    return runtime.finalize_run(spec, state.step)
+    final policy exported as a Hugging Face folder into the store, the metrics table written
+    next to it; the run's lease (and, attached, its workers) released."""
+    import fsspec
+
+    step, workers = state.step, RunWorkers(spec)
+    workers.commit_final(step)  # the final checkpoint is committed, or we fail here
+    # every checkpoint of the run verified (re-hashed); a damaged one is rebuilt and saved again
+    scrubbed = workers.scrub(step)
+    st = spec.open_store()
+    tag = f"{spec.config_hash[:12]}-step{step:06d}"
+    with tempfile.TemporaryDirectory(prefix="verl-export-") as tmp:
+        workers.export_final(step, tmp)
+        final_uri = f"{st.uri}/exports/{tag}"
+        fs, path = fsspec.core.url_to_fs(final_uri, **st.storage_options)
+        # renamed into place (local) or config.json + marker last (S3), under the run's lease
+        publish_export(tmp, fs, path, fence=commit_fence(spec))
+    df = metrics_table(spec)
+    table_uri = f"{st.uri}/metrics/{spec.config_hash[:12]}.parquet"
+    fs, path = fsspec.core.url_to_fs(table_uri, **st.storage_options)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "wb") as f:
+        df.to_parquet(f, index=False)
+    rewards = df["reward/mean"].dropna().tolist() if "reward/mean" in df else []
+    rewards = rewards or [float("nan")]
+    if spec.config.cluster.mode == "attached":
+        WORKERS.release(spec)  # the run's detached actors and placement groups go now
+    release_lease(spec)  # the run is complete: a relaunch (or another run) may write now
+    return {"final_model": final_uri, "metrics_table": table_uri,
+            "first_reward": float(rewards[0]), "last_reward": float(rewards[-1]), **scrubbed}
+
+
+def with_retries(fn: Callable[[], T], *, what: str, attempts: int = 3, backoff_s: float = 1.0,
+                 sleep=time.sleep) -> T:
+    """Run ``fn``; retry :class:`TransientError` (storage I/O, a dead worker) up to ``attempts``
+    times with exponential backoff and jitter, then re-raise. Anything else fails at once.
+
+    Flyte applies ``retries=`` only on a cluster; this is the same policy for local runs."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except TransientError as e:
+            if attempt == attempts:
+                raise
+            delay = backoff_s * 2 ** (attempt - 1) * (1 + 0.25 * random.random())
+            log.warning("%s: transient failure (%s), attempt %d/%d, retrying in %.1fs",
+                        what, e, attempt, attempts, delay)
+            sleep(delay)
+    raise AssertionError("unreachable")

@@ -286,14 +286,14 @@ def step_card(step: int, metrics: Mapping[str, float], *, events: Sequence[Mappi
 
 
 def for_run(spec, *, title: str, sample_steps: Sequence[int] = ()) -> str:
-    """:func:`run_report` of a prepared run (``engine.runtime.RunSpec``) from its store: the
-    metrics table so far, the samples stored by the evaluations of ``sample_steps`` and every
-    guard event of the trajectory."""
-    from verl_core.engine import runtime
+    """:func:`run_report` of a prepared run (a :class:`~verl_core.types.RunSpec`) from its store:
+    the metrics table so far, the samples stored by the evaluations of ``sample_steps`` and
+    every guard event of the trajectory."""
+    from verl_core import runlog
 
-    samples = [s for step in sample_steps for s in runtime.eval_samples(spec, step)]
-    return run_report(runtime.metrics_table(spec), title=title, samples=samples,
-                      events=runtime.guard_events(spec), validations=validation_reports(spec),
+    samples = [s for step in sample_steps for s in runlog.eval_samples(spec, step)]
+    return run_report(runlog.metrics_table(spec), title=title, samples=samples,
+                      events=runlog.guard_events(spec), validations=validation_reports(spec),
                       subtitle=f"run store {spec.store} · trajectory "
                                f"{layout.short_hash(spec.config_hash, layout.LABEL_CHARS)}")
 

@@ -2,7 +2,7 @@
 
 Each is switched on by its field in ``tracking`` (:class:`~verl_core.config.TrackingConfig`) and is
 fed the same scalars as the run's metrics table, at the same moment: when a step's record is
-written (``engine.runtime.record_step_metrics`` in the workflow, ``train.train`` in the plain
+written (``runlog.record_step_metrics`` in the workflow, ``train.train`` in the plain
 loop). The packages are optional (``pip install 'verl-flyte[tracking]'``) and imported only when
 a tracker is switched on.
 

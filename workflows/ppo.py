@@ -21,8 +21,8 @@ from tasks.finalize import Summary
 from tasks.phases import heavy_phases
 from tasks.prepare import configure, prepare
 from tasks.reward import reward
-from verl_core.engine.runtime import RunSpec
-from verl_core.phases import StepState, checkpoint_due
+from verl_core.phases import checkpoint_due
+from verl_core.types import RunSpec, StepState
 
 add_dashed_aliases()
 one_line_errors()

@@ -30,8 +30,7 @@ from tasks.finalize import Summary
 from tasks.phases import heavy_phases
 from tasks.prepare import configure, prepare
 from tasks.schedule import continuation_steps, newest_state
-from verl_core.engine.runtime import RunSpec
-from verl_core.phases import StepState
+from verl_core.types import RunSpec, StepState
 
 add_dashed_aliases()
 

@@ -97,7 +97,7 @@ def test_continued_training_then_evaluation_of_the_newest_checkpoint(tmp_path):
     import pandas as pd
 
     from tasks.prepare import build_config
-    from verl_core.engine.runtime import run_store_uri
+    from verl_core.prepare import run_store_uri
 
     env = flyte_env(tmp_path)
     store, overrides = tmp_path / "store", json.dumps(TINY)

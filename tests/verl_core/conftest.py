@@ -7,9 +7,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.presets import tiny_run
 from verl_core import phases
-from verl_core.engine import runtime
+from verl_core.config import preset
+from verl_core import runlog
+from verl_core.engine.workers import WORKERS
+from verl_core.prepare import prepare_run
+from verl_core.types import RunSpec
 
 TRACKED_STEPS = 3
 NAN_GRAD_STEP = 1
@@ -18,22 +21,24 @@ NAN_GRAD_STEP = 1
 
 @dataclass
 class TrackedRun:
-    spec: runtime.RunSpec
+    spec: RunSpec
     steps: int
     nan_grad_step: int
     tensorboard_dir: str
     mlflow_uri: str
     wandb_dir: str
-    table: object  # pandas DataFrame: runtime.metrics_table after the run
+    table: object  # pandas DataFrame: runlog.metrics_table after the run
 
 
 @pytest.fixture(scope="session")
 def tracked_run(tmp_path_factory) -> TrackedRun:
     tmp = tmp_path_factory.mktemp("tracked-run")
-    cfg = tiny_run(**{
-        "total_steps": TRACKED_STEPS, "data.synthetic_val_size": 12,
-        "actor.ppo_micro_batch_size": 16, "checkpoint.checkpoint_interval": 2,
-        "checkpoint.async_save": False,
+    cfg = preset("grpo", **{
+        "total_steps": TRACKED_STEPS, "model.warmup_sft_steps": 5,
+        "model.warmup_target_accuracy": 1.0, "data.synthetic_train_size": 64,
+        "data.synthetic_val_size": 12, "data.train_batch_size": 8, "rollout.n": 4,
+        "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size": 16,
+        "checkpoint.checkpoint_interval": 2, "checkpoint.async_save": False, "num_threads": 1,
         "algorithm.entropy_coeff": 0.001,  # so the entropy is computed (and plotted)
         "tracking.tensorboard_dir": str(tmp / "tb"),
         "tracking.mlflow_tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
@@ -45,7 +50,7 @@ def tracked_run(tmp_path_factory) -> TrackedRun:
         mp.setenv("VERL_FAULTS_DIR", str(tmp / "faults"))
         mp.setenv("VERL_FAULTS", json.dumps([{"kind": "nan_grad", "phase": "update",
                                               "step": NAN_GRAD_STEP}]))
-        spec = runtime.prepare_run(cfg, str(tmp / "store"), "tracked", log_fn=lambda *_: None)
+        spec = prepare_run(cfg, str(tmp / "store"), "tracked", log_fn=lambda *_: None)
         try:
             # what workflows/ppo.py's rl_run and train_chunk do, phase by phase
             state = phases.StepState(step=0)
@@ -58,8 +63,9 @@ def tracked_run(tmp_path_factory) -> TrackedRun:
             phases.evaluate(spec, state)
             phases.finalize(spec, state)
         finally:
-            runtime.release_workers()  # closes the trackers too
+            WORKERS.release_all()
+            runlog.TRACKERS.reset()  # the trackers flush and close
     return TrackedRun(spec=spec, steps=TRACKED_STEPS, nan_grad_step=NAN_GRAD_STEP,
                       tensorboard_dir=str(tmp / "tb"),
                       mlflow_uri=f"sqlite:///{tmp / 'mlflow.db'}", wandb_dir=str(tmp),
-                      table=runtime.metrics_table(spec))
+                      table=runlog.metrics_table(spec))

@@ -1,5 +1,5 @@
 """Assets pinned to the run (issue 21 item 4, 7): prepare (the workflow's prepare task body,
-``runtime.prepare_run``) refuses a dataset or model file that changed since the trajectory
+``prepare_run``) refuses a dataset or model file that changed since the trajectory
 recorded its assets, naming the file and both hashes; ``data.assets_id`` trains on the new files
 as a new trajectory; a failed prepare keeps nothing alive for gc."""
 
@@ -14,7 +14,8 @@ import pytest
 from verl_core.checkpoint.manager import CheckpointManager
 from verl_core.config import RunConfig, with_overrides
 from verl_core.data.synthetic import write_arithmetic_dataset
-from verl_core.engine import runtime
+from verl_core.prepare import prepare_run
+from verl_core.types import STORES
 from verl_core.engine.assets import AssetsChangedError
 from verl_core.models import ModelLoadError, build_tiny_model
 
@@ -43,8 +44,8 @@ def run(tmp_path):
 
 def test_changed_dataset_is_refused_then_taken_as_a_new_trajectory(run, tmp_path):
     cfg, store, train = run
-    first = runtime.prepare_run(cfg, store, "r", log_fn=lambda *_: None)
-    again = runtime.prepare_run(cfg, store, "r", log_fn=lambda *_: None)
+    first = prepare_run(cfg, store, "r", log_fn=lambda *_: None)
+    again = prepare_run(cfg, store, "r", log_fn=lambda *_: None)
     assert again.assets_json == first.assets_json  # unchanged files: the same assets
     old = _sha(train)
     write_arithmetic_dataset(str(tmp_path / "data"), train_size=40, val_size=10,
@@ -52,22 +53,22 @@ def test_changed_dataset_is_refused_then_taken_as_a_new_trajectory(run, tmp_path
     new = _sha(train)
     assert new != old
     with pytest.raises(AssetsChangedError) as e:
-        runtime.prepare_run(cfg, store, "r", log_fn=lambda *_: None)
+        prepare_run(cfg, store, "r", log_fn=lambda *_: None)
     msg = str(e.value)
     assert f"{train} (sha256 {old} -> {new})" in msg and "--run-name" in msg
     new_id = msg.split('"data.assets_id": "')[1][:64]
-    other = runtime.prepare_run(with_overrides(cfg, {"data.assets_id": new_id}), store, "r",
+    other = prepare_run(with_overrides(cfg, {"data.assets_id": new_id}), store, "r",
                                 log_fn=lambda *_: None)
     assert other.config_hash != first.config_hash  # a new trajectory, on the new files
     assert json_id(other) == new_id != json_id(first)
     with pytest.raises(AssetsChangedError, match="changed since this run recorded"):
-        runtime.prepare_run(cfg, store, "r", log_fn=lambda *_: None)  # the old one stays pinned
+        prepare_run(cfg, store, "r", log_fn=lambda *_: None)  # the old one stays pinned
     pd.read_parquet(train).head(20).to_parquet(train, index=False)  # and changed again:
     with pytest.raises(AssetsChangedError, match="changed since this run recorded"):
-        runtime.prepare_run(with_overrides(cfg, {"data.assets_id": new_id}), store, "r",
+        prepare_run(with_overrides(cfg, {"data.assets_id": new_id}), store, "r",
                             log_fn=lambda *_: None)  # the new trajectory is pinned too
     with pytest.raises(AssetsChangedError, match=f"data.assets_id={'0' * 64} names other files"):
-        runtime.prepare_run(with_overrides(cfg, {"data.assets_id": "0" * 64}), store, "r",
+        prepare_run(with_overrides(cfg, {"data.assets_id": "0" * 64}), store, "r",
                             log_fn=lambda *_: None)
 
 
@@ -79,12 +80,12 @@ def json_id(spec):
 
 def test_changed_model_folder_is_refused(run, tmp_path):
     cfg, store, _ = run
-    runtime.prepare_run(cfg, store, "r", log_fn=lambda *_: None)
+    prepare_run(cfg, store, "r", log_fn=lambda *_: None)
     weights = os.path.join(cfg.model.path, "model.safetensors")
     old = _sha(weights)
     _model(tmp_path / "model", 1)  # other weights in the same folder: the reference model too
     with pytest.raises(AssetsChangedError, match=f"{weights} \\(sha256 {old} -> {_sha(weights)}"):
-        runtime.prepare_run(cfg, store, "r", log_fn=lambda *_: None)
+        prepare_run(cfg, store, "r", log_fn=lambda *_: None)
 
 
 def test_failed_prepare_keeps_nothing_alive(run, tmp_path):
@@ -92,8 +93,8 @@ def test_failed_prepare_keeps_nothing_alive(run, tmp_path):
     # fails after the assets were copied: the explicit checkpoint does not exist
     bad = with_overrides(cfg, {"checkpoint.resume_from_checkpoint": str(tmp_path / "none.json")})
     with pytest.raises(Exception):
-        runtime.prepare_run(bad, store, "r", log_fn=lambda *_: None)
-    st = runtime._store(f"{store}/r")
+        prepare_run(bad, store, "r", log_fn=lambda *_: None)
+    st = STORES.open(f"{store}/r")
     assert not st.list_json("assets")
     objects = list(st.iter_objects())
     assert objects  # it had copied them
@@ -108,5 +109,5 @@ def test_garbage_reward_model_is_refused_before_any_copy(run, tmp_path):
     (rm / "model.safetensors").write_bytes(os.urandom(1 << 16))
     bad = with_overrides(cfg, {"reward_model.enable": True, "reward_model.path": str(rm)})
     with pytest.raises(ModelLoadError, match="not a valid safetensors"):
-        runtime.prepare_run(bad, store, "r", log_fn=lambda *_: None)
-    assert not list(runtime._store(f"{store}/r").iter_objects())
+        prepare_run(bad, store, "r", log_fn=lambda *_: None)
+    assert not list(STORES.open(f"{store}/r").iter_objects())

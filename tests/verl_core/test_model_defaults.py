@@ -128,14 +128,14 @@ def test_a_batch_larger_than_the_dataset_is_one_line_and_exit_2(user_model, tmp_
 
 def test_the_workflow_refuses_it_as_permanent_before_any_work(user_model, tmp_path):
     from tasks.prepare import build_config
-    from verl_core.engine import runtime
+    from verl_core.prepare import prepare_run
 
     model, train, test = user_model
     over = json.dumps({"data.train_batch_size": 256, **parse_cli(FITS)})
     cfg = build_config("", model, train, test, 0, 0, 0, over)  # sizes alone: a valid config
     with pytest.raises(RunInputError, match=r"train_batch_size=256 is larger than the 200 rows"
                        ) as e:
-        runtime.prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
+        prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
     assert isinstance(e.value, PermanentError) and not isinstance(e.value, TransientError)
     assert not (tmp_path / "store" / "r" / "assets").exists()  # refused before any copy
     # with verl's epochs the front door counts the rows itself and refuses at configure

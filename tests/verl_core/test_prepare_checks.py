@@ -11,6 +11,7 @@ import struct
 import pandas as pd
 import pytest
 
+from verl_core.engine import workers
 from verl_core.config import RunConfig, with_overrides
 from verl_core.data.synthetic import write_arithmetic_dataset
 from verl_core.guard.faults import FaultSpecError, check_faults
@@ -160,14 +161,14 @@ def test_worker_errors_keep_their_class(ray_local, tmp_path):
     """An actor whose construction fails permanently (here: an asset index with a name that is
     not a sha256) raises that error's class from its calls, not ActorDiedError (which the
     runtime maps to a lost worker, retried as transient)."""
-    from verl_core.engine import cluster, runtime
+    from verl_core.engine import cluster
     from verl_core.errors import PermanentError
 
     actor = ray_local.remote(num_cpus=1)(cluster.RayRunWorker).remote(
         str(tmp_path / "store"), json.dumps(RunConfig().to_dict()),
         {"model": {"config.json": "not-a-sha"}, "train": [], "val": [], "id": "0" * 64}, 1)
     with pytest.raises(PermanentError) as e:
-        runtime.call(actor, "rollout", 0, timeout_s=120)
+        workers.call(actor, "rollout", 0, timeout_s=120)
     assert getattr(e.value, "worker_init_failed", False)
 
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from verl_core import report
-from verl_core.engine import runtime
+from verl_core import runlog
 from verl_core.engine.worker import EVAL_SAMPLES
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def test_nothing_is_fetched_from_the_network(finalize_html, tracked_run):
 
 def test_samples_table_holds_the_stored_greedy_responses(tracked_run, finalize_html):
     spec, steps = tracked_run.spec, tracked_run.steps
-    samples = runtime.eval_samples(spec, 0) + runtime.eval_samples(spec, steps)
+    samples = runlog.eval_samples(spec, 0) + runlog.eval_samples(spec, steps)
     assert len(samples) == 2 * EVAL_SAMPLES
     assert {s["step"] for s in samples} == {0, steps}
     table = finalize_html.split("<h3>Held-out samples (greedy)</h3>")[1].split("<h3>")[0]
@@ -73,7 +73,7 @@ def test_samples_show_the_tokens_the_model_saw_and_wrote(tracked_run):
     from verl_core.models.tokenizer import BOS, EOS, PAD
 
     spec, steps = tracked_run.spec, tracked_run.steps
-    samples = runtime.eval_samples(spec, 0) + runtime.eval_samples(spec, steps)
+    samples = runlog.eval_samples(spec, 0) + runlog.eval_samples(spec, steps)
     assert len({len(s["prompt"]) for s in samples}) > 1  # padding was there to strip
     for s in samples:
         assert s["prompt"].startswith(BOS) and s["prompt"].count(BOS) == 1, s["prompt"]
@@ -86,7 +86,7 @@ def test_the_evaluation_deck_shows_the_sample_it_printed(tracked_run, finalize_h
     """The evaluate task prints ``sample_lines`` of the first sample it stored; its Deck (this
     page, as the task builds it) holds the same text; finalize's shows the newest evaluation's."""
     spec, steps = tracked_run.spec, tracked_run.steps
-    first = runtime.eval_samples(spec, steps)[0]
+    first = runlog.eval_samples(spec, steps)[0]
     page = report.for_run(spec, title=f"Evaluation after {steps} steps", sample_steps=[steps])
     shown = f'<pre class="verl-watch">{html.escape(report.sample_lines(first))}</pre>'
     assert shown in page and shown in finalize_html
@@ -98,7 +98,7 @@ def test_the_evaluation_deck_shows_the_sample_it_printed(tracked_run, finalize_h
 
 
 def test_guard_event_of_the_poisoned_update_is_listed_and_marked(tracked_run, finalize_html):
-    events = runtime.guard_events(tracked_run.spec)
+    events = runlog.guard_events(tracked_run.spec)
     assert events and {(e["step"], e["action"]) for e in events} == {
         (tracked_run.nan_grad_step, "skip_batch")}  # one event per non-finite signal
     section = finalize_html.split("<h3>Guard events</h3>")[1]
@@ -126,7 +126,7 @@ def test_missing_columns_give_a_note_not_an_empty_plot(tracked_run):
 def test_checkpoint_card_is_one_small_table(tracked_run):
     s = tracked_run.nan_grad_step  # RL step s (0-based) makes the state and the row s + 1
     row = tracked_run.table[tracked_run.table["step"] == s + 1].iloc[0].dropna().to_dict()
-    card = report.step_card(s + 1, row, events=runtime.step_events(tracked_run.spec, s))
+    card = report.step_card(s + 1, row, events=runlog.step_events(tracked_run.spec, s))
     assert "<svg" not in card and card.count("<table") == 2  # metrics + the step's guard events
     first = card.split("<h3>Guard events</h3>")[0]
     metrics = dict(re.findall(r"<tr>\s*<td>([^<]+)</td>\s*<td>([^<]+)</td>", first))

@@ -6,7 +6,7 @@ import pytest
 
 from verl_core import threads
 from verl_core.config import ConfigError, RunConfig, with_overrides
-from verl_core.engine import runtime
+from verl_core.prepare import prepare_run
 from verl_core.errors import CorruptObjectError
 from verl_core.store import RunStore
 
@@ -53,7 +53,7 @@ def test_prepare_refuses_another_count_before_any_work(tmp_path):
     st = RunStore(str(tmp_path / "store" / "r"))
     st.put_json("compute", {"num_threads": 3})
     with pytest.raises(ConfigError, match="run.num_threads=1: this run computes with 3"):
-        runtime.prepare_run(_cfg(num_threads=1), str(tmp_path / "store"), "r",
+        prepare_run(_cfg(num_threads=1), str(tmp_path / "store"), "r",
                             log_fn=lambda *_: None)
     assert not (tmp_path / "store" / "r" / "assets").exists()  # nothing copied
 

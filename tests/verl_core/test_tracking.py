@@ -12,9 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.presets import tiny_run
-from verl_core.config import ConfigError, RunConfig, TrackingConfig, with_overrides
-from verl_core.engine import runtime
+from verl_core.config import ConfigError, RunConfig, TrackingConfig, preset, with_overrides
+from verl_core import runlog
 from verl_core.tracking import NOT_SCALARS, Trackers, TrackerError
 from verl_core.verl_keys import to_ours
 
@@ -163,15 +162,15 @@ def test_a_new_phase_process_appends_to_the_same_tracker_runs(tracked_run, monke
     monkeypatch.setenv("WANDB_DIR", tracked_run.wandb_dir)
     run = _only_run(tracked_run.mlflow_uri)
     [first] = {r.run_id for r in _wandb(tracked_run.wandb_dir)[0]}
-    runtime.release_workers()  # forget this process's open trackers, as a new process would
+    runlog.TRACKERS.reset()  # forget this process's open trackers, as a new process would
     try:
-        fresh = runtime.trackers_for(tracked_run.spec)
+        fresh = runlog.TRACKERS.of(tracked_run.spec)
         [mlflow_sink] = [s for s in fresh.sinks if hasattr(s, "run_id")]
         assert mlflow_sink.run_id == run.info.run_id
         [wandb_sink] = [s for s in fresh.sinks if type(s).__name__ == "_Wandb"]
         assert wandb_sink.run.id == first
     finally:
-        runtime.release_workers()
+        runlog.TRACKERS.reset()
     assert _only_run(tracked_run.mlflow_uri).info.run_id == run.info.run_id
     assert {r.run_id for r in _wandb(tracked_run.wandb_dir)[0]} == {first}
 
@@ -184,8 +183,11 @@ def test_plain_loop_writes_its_history_to_every_tracker(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = tiny_run("rloo", **{
-        "total_steps": 2, "actor.ppo_mini_batch_size": 8, "actor.ppo_micro_batch_size": 32,
+    cfg = preset("rloo", **{
+        "total_steps": 2, "model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
+        "data.synthetic_train_size": 64, "data.synthetic_val_size": 8,
+        "data.train_batch_size": 8, "rollout.n": 4, "actor.ppo_mini_batch_size": 8,
+        "actor.ppo_micro_batch_size": 32, "num_threads": 1,
         "tracking.tensorboard_dir": str(tmp_path / "tb"), "tracking.mlflow_tracking_uri": uri,
         **to_ours({"trainer.logger": ["console", "wandb"], "trainer.project_name": "p",
                    "trainer.experiment_name": "e"})})

@@ -8,7 +8,7 @@ import pytest
 from verl_core.config import preset
 from verl_core.data.batch import PromptTooLongError
 from verl_core.data.dataset import DatasetError, load_prompt_rows
-from verl_core.engine import runtime
+from verl_core.prepare import prepare_run
 from verl_core.models.tokenizer import build_char_tokenizer
 from verl_core.train import main
 from verl_core.trainer import load_checked_rows, prepare_assets
@@ -66,7 +66,7 @@ def test_prepare_run_refuses_a_bad_val_file_before_publishing(tmp_path):
     logs = []
     with pytest.raises(PromptTooLongError, match=rf"{bad}: row 2 \(0-based\), column 'prompt' "
                                                  r"has 201 tokens > data.max_prompt_length=64"):
-        runtime.prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=logs.append)
+        prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=logs.append)
     assert not logs
 
 

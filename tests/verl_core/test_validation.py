@@ -1,5 +1,5 @@
 """Great Expectations suites (verl_core/validation.py) on real data: a real step 0 of a short PPO
-run through the phase functions the Flyte tasks call (``engine.runtime``) gives the rollout,
+run through the phase functions the Flyte tasks call (``verl_core.phases``) gives the rollout,
 reward and advantage batches; every expectation is then broken in a copy of them (or of the real
 synthetic dataset) and must fail naming the column, the expectation and the offending rows."""
 import dataclasses
@@ -9,13 +9,15 @@ import warnings
 import pyarrow.parquet as pq
 import pytest
 
-from tests.presets import TINY, tiny_run
+from verl_core import phases
 from verl_core.store import canonical_json
-from verl_core.config import ConfigError, with_overrides
-from verl_core.engine import runtime
+from verl_core.config import ConfigError, preset, with_overrides
+from verl_core.engine.workers import WORKERS, RunWorkers
+from verl_core.prepare import prepare_run
 from verl_core.engine.worker import get_batch, pending_doc, put_batch
 from verl_core.models import load_tokenizer
 from verl_core.train import main
+from verl_core.types import PhaseOut
 from verl_core.validation import (DataValidationError, DataValidationWarning, ValidationReport,
                                   declared_score_range, read_reports, report_doc, report_html,
                                   sample_rows, validate_batch, validate_dataset)
@@ -24,10 +26,12 @@ ROLLOUT_ROW = 5  # the row a crafted fault goes into
 
 
 def _cfg(**over):
-    return tiny_run("ppo", **{
-        "total_steps": 2, "model.warmup_sft_steps": 20, "data.synthetic_val_size": 12,
-        "actor.ppo_micro_batch_size": 16, "checkpoint.async_save": False,
-        "algorithm.use_kl_loss": True, "validation.every_steps": 1, **over})
+    base = {"total_steps": 2, "model.warmup_sft_steps": 20, "model.warmup_target_accuracy": 1.0,
+            "data.synthetic_train_size": 64, "data.synthetic_val_size": 12,
+            "data.train_batch_size": 8, "rollout.n": 4, "actor.ppo_mini_batch_size": 4,
+            "actor.ppo_micro_batch_size": 16, "checkpoint.async_save": False,
+            "algorithm.use_kl_loss": True, "num_threads": 1, "validation.every_steps": 1}
+    return preset("ppo", **{**base, **over})
 
 
 class Step0:
@@ -45,15 +49,15 @@ def step0(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("validation")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VERL_ASSET_CACHE", str(tmp / "assets"))
-        spec = runtime.prepare_run(_cfg(), str(tmp / "store"), "v", log_fn=lambda *_: None)
+        spec = prepare_run(_cfg(), str(tmp / "store"), "v", log_fn=lambda *_: None)
         try:
-            ref, _ = runtime.call_worker(spec, "rollout", 0)
+            ref, _ = RunWorkers(spec).rollout(0)
             refs = {"rollout": ref}
-            refs["reward"], _ = runtime.reward_phase(spec, 0, ref)
-            refs["advantage"], _ = runtime.advantage_phase(spec, 0, refs["reward"])
+            refs["reward"] = phases.reward(spec, PhaseOut(0, ref)).batch
+            refs["advantage"] = phases.advantage(spec, PhaseOut(0, refs["reward"])).batch
             yield Step0(spec, refs)
         finally:
-            runtime.release_workers()
+            WORKERS.release_all()
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +288,7 @@ def test_a_nan_log_prob_in_a_stored_batch_stops_the_reward_phase(step0):
     step = 1  # a step this run has not scored yet
     with pytest.raises(DataValidationError, match=rf"(?s)reward batch of step {step}: .*"
                                                   rf"'response_logprobs'.*row {ROLLOUT_ROW} "):
-        runtime.reward_phase(spec, step, bad_ref)
+        phases.reward(spec, PhaseOut(step, bad_ref))
     assert not st.has_json(pending_doc(spec.config_hash, step, "reward"))  # nothing was stored
     doc = st.get_json(report_doc(spec.config_hash, step, "reward"))  # but the report was
     assert not doc["success"] and doc["results"]
@@ -296,9 +300,11 @@ def test_the_plain_loop_stops_at_the_reward_stage_naming_the_scorer_range(tmp_pa
     scorer = tmp_path / "long.py"
     scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
                       "    return 1.0 + len(solution_str)\n")
-    sets = {**TINY, "reward.scorer": f"'{scorer}:compute_score'",
-            "validation.score_range": "'0,0.5'", "model.warmup_sft_steps": 20,
-            "data.synthetic_val_size": 12, "actor.ppo_micro_batch_size": 16}
+    sets = {"reward.scorer": f"'{scorer}:compute_score'", "validation.score_range": "'0,0.5'",
+            "model.warmup_sft_steps": 20, "model.warmup_target_accuracy": 1.0,
+            "data.synthetic_train_size": 64, "data.synthetic_val_size": 12,
+            "data.train_batch_size": 8, "rollout.n": 4, "actor.ppo_mini_batch_size": 4,
+            "actor.ppo_micro_batch_size": 16, "num_threads": 1}
     argv = ["--steps", "2", "--workdir", str(tmp_path / "w")]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]

@@ -93,7 +93,7 @@ def test_one_of_our_errors_is_one_line_under_pyflyte():
 def test_local_ray_starts_without_the_token_auth_banner(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
     env["HOME"] = str(tmp_path)  # Ray's token goes to ~/.ray/auth_token
-    code = ("import os, ray\nfrom verl_core.engine import runtime\nruntime.start_local_ray()\n"
+    code = ("import os, ray\nfrom verl_core.engine import workers\nworkers.start_local_ray()\n"
             "print('auth mode', os.environ.get('RAY_AUTH_MODE'))\nray.shutdown()\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=180, cwd=os.path.dirname(os.path.dirname(os.path.dirname(

@@ -6,9 +6,9 @@ import pytest
 from conftest import PYFLYTE, flyte_env, run
 
 from tasks.prepare import build_config, configure
-from verl_core.errors import TransientError
+from verl_core.checkpoint.errors import TransientError
 from verl_core.config import ConfigError
-from verl_core.engine import runtime
+from verl_core.phases import with_retries
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -44,7 +44,7 @@ def test_pyflyte_shows_the_config_error_and_does_not_retry(tmp_path):
         raise ConfigError("x")
 
     with pytest.raises(ConfigError):
-        runtime.with_retries(bad, what="t", sleep=lambda _: None)
+        with_retries(bad, what="t", sleep=lambda _: None)
     assert len(attempts) == 1
 
     store = tmp_path / "store"

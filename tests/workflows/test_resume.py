@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def _phase_log(store_run):
-    from verl_core.engine.runtime import read_phase_log
+    from verl_core.runlog import read_phase_log
 
     return [(r["phase"], r["step"]) for r in read_phase_log(str(store_run))]
 

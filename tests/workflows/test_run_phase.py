@@ -8,7 +8,9 @@ import pytest
 from tasks.common import run_phase
 from verl_core import phases
 from verl_core.config import RunConfig, with_overrides
-from verl_core.engine import runtime
+from verl_core import runlog
+from verl_core.guard import writer
+from verl_core.types import RunSpec
 from verl_core.guard.events import read_events
 from verl_core.store import RunStore
 
@@ -18,11 +20,11 @@ def test_a_slow_update_counts_in_the_metrics_of_the_step_it_ends(tmp_path):
                                        "guard.latency_spike_min_s": 0.5,
                                        "checkpoint.checkpoint_interval": 10})
     st = RunStore(str(tmp_path / "run"))
-    spec = runtime.RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
+    spec = RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
                            config_hash=cfg.trajectory_hash(), assets_json="{}", start_step=0,
                            total_steps=cfg.total_steps)
     for step in range(12):  # a steady history of fast updates, past the detector's warm-up
-        runtime.watch_phase(spec, "update", step, 0.02, {})
+        runlog.watch_phase(spec, "update", step, 0.02, {})
     assert not phases.checkpoint_due(spec, 13)
 
     def slow_update():
@@ -33,9 +35,9 @@ def test_a_slow_update_counts_in_the_metrics_of_the_step_it_ends(tmp_path):
     (event,) = read_events(st, spec.config_hash)
     assert (event["step"], event["phase"], event["detector"]) == (12, "update", "latency_spike")
     assert done.metrics == {"actor/pg_loss": 0.5, "checkpoint/saved": 0.0}
-    row = runtime.metrics_table(spec).set_index("step").loc[13]
+    row = runlog.metrics_table(spec).set_index("step").loc[13]
     assert row["guard/anomalies"] == 1 and row["checkpoint/saved"] == 0.0
-    runtime.release_lease(spec)
+    writer.release_lease(spec)
 
 
 def _outage_after(seconds: float, faults_dir) -> None:
@@ -53,7 +55,7 @@ def _outage_spec(tmp_path, monkeypatch):
     (tmp_path / "faults").mkdir()
     cfg = RunConfig()
     st = RunStore(str(tmp_path / "run"))
-    return st, runtime.RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
+    return st, RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
                                config_hash=cfg.trajectory_hash(), assets_json="{}",
                                start_step=0, total_steps=cfg.total_steps)
 
@@ -72,8 +74,8 @@ def test_the_phase_log_rides_out_a_store_outage_without_redoing_the_body(tmp_pat
 
     assert run_phase(spec, "reward", 5, body) == {"x": 1.0}
     assert len(runs) == 1
-    assert [(r["phase"], r["step"]) for r in runtime.read_phase_log(st.uri)] == [("reward", 5)]
-    runtime.release_lease(spec)
+    assert [(r["phase"], r["step"]) for r in runlog.read_phase_log(st.uri)] == [("reward", 5)]
+    writer.release_lease(spec)
 
 
 def test_an_outage_longer_than_the_retries_is_recoverable_for_flyte(tmp_path, monkeypatch):
@@ -98,5 +100,5 @@ def test_an_outage_longer_than_the_retries_is_recoverable_for_flyte(tmp_path, mo
         assert isinstance(e.value.__cause__, StoreUnavailableError) and len(runs) == 1
     finally:
         (tmp_path / "faults" / "store-outage-until").unlink()
-    assert runtime.read_phase_log(st.uri) == []
-    runtime.release_lease(spec)
+    assert runlog.read_phase_log(st.uri) == []
+    writer.release_lease(spec)

@@ -12,8 +12,7 @@ from flytekit.core.type_engine import DataclassTransformer, TypeEngine
 
 import tasks.common  # noqa: F401 - registers the transformer
 from verl_core.config import ADVANTAGE_ESTIMATORS, RunConfig, preset, with_overrides
-from verl_core.engine.runtime import RunSpec
-from verl_core.phases import PhaseOut, StepState
+from verl_core.types import PhaseOut, RunSpec, StepState
 
 
 def _spec(cfg: RunConfig) -> RunSpec:

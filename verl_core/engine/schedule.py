@@ -9,14 +9,15 @@ answer changes between executions), and use the checks a resume uses, so they na
 from __future__ import annotations
 
 from verl_core.config import ConfigError, RunConfig, with_overrides
-from verl_core.engine import runtime
+from verl_core.prepare import resume_step
+from verl_core.types import STORES
 
 
 def newest_step(cfg: RunConfig, store_uri: str) -> int:
     """Step of the newest checkpoint of ``cfg``'s trajectory in ``store_uri`` that verifies (every
     object re-hashed); 0 when there is none. Ignores ``checkpoint.resume_from_checkpoint``."""
     auto = with_overrides(cfg, {"checkpoint.resume_from_checkpoint": "auto"})
-    return runtime.resume_step(runtime._store(store_uri), auto)
+    return resume_step(STORES.open(store_uri), auto)
 
 
 def continuation_total(cfg: RunConfig, store_uri: str, extra_steps: int) -> tuple[int, int]:
@@ -31,5 +32,5 @@ def continuation_total(cfg: RunConfig, store_uri: str, extra_steps: int) -> tupl
                           "needs a constant LR schedule (a cosine schedule's LR depends on the "
                           "run length, so every continuation would start a new run); set "
                           '"optim.lr_schedule": "constant" in the overrides')
-    start = runtime.resume_step(runtime._store(store_uri), cfg)
+    start = resume_step(STORES.open(store_uri), cfg)
     return start, start + extra_steps

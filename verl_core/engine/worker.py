@@ -12,8 +12,8 @@ bit-identical to the original. That is what makes ``checkpoint_interval`` a spee
 correctness one, and lets an async checkpoint write die without losing anything.
 
 Heavy work (generation, reference log-probs, critic values, the update) happens here; the reward
-and advantage phases are light functions of the stored batch (``runtime.reward_phase`` and
-``runtime.advantage_phase``).
+and advantage phases are light functions of the stored batch (``phases.reward`` and
+``phases.advantage``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ import time
 
 import torch
 
+from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectError, PermanentError,
+                                        UnsafeManifestError)
+from verl_core.checkpoint.errors import StoreUnavailableError
 from verl_core.checkpoint.hf_export import TOKENIZER_DOC, export_trained, store_tokenizer
 from verl_core.checkpoint.local_tier import Replicator, open_local_store
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
@@ -35,8 +38,6 @@ from verl_core.store import NotFoundError, RunStore, is_sha256, sha256_hex
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.engine.assets import materialize_assets
-from verl_core.errors import (CheckpointNotFoundError, CorruptObjectError, PermanentError,
-                              StoreUnavailableError, UnsafeManifestError)
 from verl_core.guard import checks, faults
 from verl_core.guard.faults import maybe_inject
 from verl_core.guard.lease import FencedError
@@ -731,7 +732,7 @@ class RunWorker:
         """Commit only under ``fence`` from now on: the launcher's hold on the run's lease (a
         :class:`~verl_core.guard.lease.Fence`; None: no lease). Every checkpoint commit checks it
         (``CheckpointManager.fence``), so a worker that outlived its launcher, or whose launch
-        another launch took over, commits nothing. Handed over by ``runtime.call_worker``."""
+        another launch took over, commits nothing. Handed over by ``engine.workers.RunWorkers``."""
         if self._pending_save is not None and fence != getattr(self, "_fence", None):
             # a new launch adopted this worker (cluster.mode=attached): a background save the
             # previous one started can no longer commit; its refusal is not this launch's error

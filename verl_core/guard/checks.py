@@ -5,7 +5,7 @@
   the update's own metrics, each against the history of the steps before. Their decisions change
   the trajectory (skip, rollback), so they read only numbers that a re-run reproduces.
 - The wall-clock detectors (:data:`TIMING`) are judged where the time is measured
-  (``runtime.watch_phase``), never in the update's decision.
+  (``runlog.watch_phase``), never in the update's decision.
 """
 
 from __future__ import annotations

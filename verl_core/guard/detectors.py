@@ -24,7 +24,7 @@ Which phase checks which metric: every metric key belongs to the phase that prod
 that phase's metrics or everything the step has produced so far (what the plain loop keeps)
 and no anomaly is reported twice. The exception is ``gpu/utilization``, judged after both phases
 that use the accelerator: give it once per phase, each against that phase's own history (as
-``runtime.watch_phase`` does), or use :func:`replay` for a table with one value per step.
+``runlog.watch_phase`` does), or use :func:`replay` for a table with one value per step.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def gpu_util_drop(signal: str, w: Window, current: dict, cfg: GuardConfig) -> tu
     machine without NVML, and then this detector never runs) below ``median -
     max(gpu_util_drop_z * MAD, gpu_util_drop_min_drop)`` (percentage points). Checked after the
     two phases that use the accelerator, each against a history of that phase's own samples
-    (``runtime.watch_phase`` keeps one per phase: reward and advantage leave it idle)."""
+    (``runlog.watch_phase`` keeps one per phase: reward and advantage leave it idle)."""
     return w.bounds(cfg.gpu_util_drop_z, down=cfg.gpu_util_drop_min_drop)
 
 

@@ -3,7 +3,7 @@
 What belongs here: the lease doc, who holds it, taking it over, renewing it in the background and
 the error that names the holder. What does not: the atomic compare-and-swap itself
 (:meth:`RunStore.put_if`: generation files created with link(2) locally and on NFS, conditional
-PUTs on S3) and when a run takes the lease (``verl_core.engine.runtime.hold_lease``).
+PUTs on S3) and when a run takes the lease (``verl_core.guard.writer.hold_lease``).
 
 The lease is the doc ``lease`` of the run store (``lease.json`` on S3, ``lease.cas/`` locally):
 
@@ -45,8 +45,9 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Optional
 
+from verl_core.checkpoint.errors import StoreUnavailableError
 from verl_core.store import RunStore, canonical_json
-from verl_core.errors import PermanentError, StoreUnavailableError, VerlError
+from verl_core.errors import PermanentError, VerlError
 
 log = logging.getLogger(__name__)
 

@@ -236,7 +236,7 @@ def test_prepare_takes_run_folders_and_refuses_what_load_refuses(manager, store,
     """``resume_step`` (prepare) accepts an explicit reference exactly when the worker's
     ``open_checkpoint`` + ``load`` would succeed with it."""
     from verl_core.config import preset
-    from verl_core.engine.runtime import resume_step
+    from verl_core.prepare import resume_step
 
     good = _save_good(manager, step=1)
     bad_tree = _forge(manager, _tree({"$np": "perm", "dtype": "object"}), step=2)

@@ -197,14 +197,20 @@ def test_a_worker_whose_launch_lost_the_run_writes_no_lineage_and_no_checkpoint(
     lease check): the worker still runs the update it was asked for, but its commits check the
     lease doc itself and refuse."""
     from verl_core import phases
-    from tests.presets import tiny_run
-    from verl_core.engine import runtime
+    from verl_core.config import preset
+    from verl_core.engine.workers import RunWorkers
+    from verl_core.engine.workers import WORKERS
+    from verl_core.guard import writer
+    from verl_core.prepare import prepare_run
 
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))
-    cfg = tiny_run(**{
-        "total_steps": 1, "model.warmup_sft_steps": 2, "data.synthetic_train_size": 32,
-        "data.train_batch_size": 4, "rollout.n": 2, "checkpoint.async_save": False})
-    spec = runtime.prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
+    cfg = preset("grpo", **{
+        "total_steps": 1, "model.warmup_sft_steps": 2, "model.warmup_target_accuracy": 1.0,
+        "data.synthetic_train_size": 32, "data.synthetic_val_size": 8,
+        "data.train_batch_size": 4, "rollout.n": 2, "actor.ppo_mini_batch_size": 4,
+        "actor.ppo_micro_batch_size": 8,
+        "checkpoint.async_save": False, "num_threads": 1})
+    spec = prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
     st = spec.open_store()
     other = RunLease(RunStore(st.uri), 30, owner="b")
     try:
@@ -217,9 +223,9 @@ def test_a_worker_whose_launch_lost_the_run_writes_no_lineage_and_no_checkpoint(
             phases.update(spec, advantaged)
         assert st.list_json(f"lineage/{spec.config_hash[:16]}") == []
         with pytest.raises(FencedError, match="^the checkpoint of step 0 refused"):
-            runtime.call_worker(spec, "checkpoint", 0, True, True)  # forced, synchronous
+            RunWorkers(spec).checkpoint(0, True, True)  # forced, synchronous
         assert st.list_json("checkpoints") == [] and not st.has_json("latest")
     finally:
         other.release()
-        runtime.release_workers()
-        runtime.release_lease(spec)
+        WORKERS.release_all()
+        writer.release_lease(spec)

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from tests.ray_nodes import RayNodes, alive_nodes
-from verl_core.engine import cluster, runtime
+from verl_core import phases
+from verl_core.engine.workers import WORKERS, RunWorkers
+from verl_core.phases import with_retries
+from verl_core.prepare import prepare_run
+from verl_core.types import PhaseOut, StepState
+from verl_core.engine import cluster
 
 pytestmark = pytest.mark.slow
 
@@ -46,25 +51,26 @@ def two_nodes(tmp_path_factory):
                 time.sleep(0.5)
             yield ray, nodes, faults
         finally:
-            runtime.release_workers()
+            WORKERS.release_all()
             ray.shutdown()
             nodes.stop()
 
 
 def _cfg(**extra):
-    from tests.presets import tiny_run
+    from verl_core.config import preset
 
-    return tiny_run("grpo", **{
+    return preset("grpo", **{
         "total_steps": STEPS, "model.warmup_sft_steps": 150, "model.warmup_target_accuracy": 0.3,
         "data.synthetic_train_size": 120, "data.synthetic_val_size": 12,
-        "data.train_batch_size": 6, "actor.ppo_mini_batch_size": 6,
-        "checkpoint.checkpoint_interval": 2, "trainer.nnodes": 2, "trainer.n_gpus_per_node": 1,
-        "trainer.worker_timeout_s": 120.0, "cluster.mode": "attached", **extra})
+        "data.train_batch_size": 6, "rollout.n": 4, "actor.ppo_mini_batch_size": 6,
+        "actor.ppo_micro_batch_size": 8, "checkpoint.checkpoint_interval": 2,
+        "trainer.nnodes": 2, "trainer.n_gpus_per_node": 1, "trainer.worker_timeout_s": 120.0,
+        "num_threads": 1, "cluster.mode": "attached", **extra})
 
 
 def _new_task_process():
     """What a new phase task (another pod) starts with: no handle on the run's workers."""
-    runtime._WORKERS.clear()
+    WORKERS.reset()
 
 
 def _phases(spec, between=lambda phase, step: None) -> None:
@@ -72,23 +78,23 @@ def _phases(spec, between=lambda phase, step: None) -> None:
     for s in range(spec.start_step, spec.total_steps):
         def step(s=s):
             _new_task_process()
-            ref, _ = runtime.call_worker(spec, "rollout", s)
+            ref, _ = RunWorkers(spec).rollout(s)
             between("rollout", s)
-            ref, _ = runtime.reward_phase(spec, s, ref)
-            ref, _ = runtime.advantage_phase(spec, s, ref)
+            ref = phases.reward(spec, PhaseOut(s, ref)).batch
+            ref = phases.advantage(spec, PhaseOut(s, ref)).batch
             _new_task_process()
-            runtime.call_worker(spec, "update", s, ref)
+            RunWorkers(spec).update(s, ref)
             between("update", s)
             _new_task_process()
-            runtime.call_worker(spec, "checkpoint", s + 1)
-        runtime.with_retries(step, what=f"step {s}", backoff_s=0.5)
+            RunWorkers(spec).checkpoint(s + 1)
+        with_retries(step, what=f"step {s}", backoff_s=0.5)
 
 
 def _final(spec) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     _new_task_process()
-    out = runtime.finalize_run(spec, spec.total_steps)
+    out = phases.finalize(spec, StepState(spec.total_steps))
     return load_file(os.path.join(out["final_model"], "model.safetensors"))
 
 
@@ -113,7 +119,7 @@ def _prepare(tmp_path, name):
     import ray
 
     addr = ray.get_runtime_context().gcs_address  # the cluster this test process joined
-    return runtime.prepare_run(_cfg(**{"cluster.address": addr}), str(tmp_path / name), "r",
+    return prepare_run(_cfg(**{"cluster.address": addr}), str(tmp_path / name), "r",
                                log_fn=lambda *_: None)
 
 
@@ -218,10 +224,10 @@ def test_idle_detached_workers_remove_themselves_and_their_placement_groups(two_
     import ray
 
     addr = ray.get_runtime_context().gcs_address
-    spec = runtime.prepare_run(_cfg(**{"cluster.address": addr, "cluster.idle_timeout_s": 2.0}),
+    spec = prepare_run(_cfg(**{"cluster.address": addr, "cluster.idle_timeout_s": 2.0}),
                                str(tmp_path), "r", log_fn=lambda *_: None)
     _new_task_process()
-    assert runtime.call_worker(spec, "version")["step"] == 0
+    assert RunWorkers(spec).version()["step"] == 0
     ns = cluster.namespace(spec.incarnation)
     assert len(cluster.run_actors(ns)) == 2 and len(cluster.run_placement_groups(ns + "/")) == 2
     deadline = time.time() + 60

@@ -1,10 +1,10 @@
-"""The checkpoint phase (``runtime.checkpoint_phase``): the worker saves the steps of the
+"""The checkpoint phase (``phases.checkpoint``): the worker saves the steps of the
 schedule; the other steps get the worker's own no-save answer without a call on it (and the
 workflow leaves the phase out there: ``phases.checkpoint_due``)."""
 
 from verl_core import phases
 from verl_core.checkpoint import CheckpointManager
-from verl_core.engine import runtime
+from verl_core.engine.workers import WORKERS, RunWorkers
 
 
 def test_off_schedule_steps_are_answered_as_the_worker_would(tracked_run):
@@ -18,7 +18,6 @@ def test_off_schedule_steps_are_answered_as_the_worker_would(tracked_run):
                          if i.error is None)
     assert store_steps == [2, 3]
     try:
-        assert runtime.call_worker(spec, "checkpoint", 1) == runtime.checkpoint_phase(spec, 1) \
-            == {"checkpoint/saved": 0.0}
+        assert RunWorkers(spec).checkpoint(1) == {"checkpoint/saved": 0.0}
     finally:
-        runtime.release_workers()
+        WORKERS.release_all()

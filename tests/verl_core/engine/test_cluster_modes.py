@@ -3,8 +3,9 @@ docs/cluster.md's table comes from. (The attached mode itself runs on a real two
 test_attached.py, and through ``pyflyte run`` in tests/workflows/test_scaleout.py.)"""
 import pytest
 
+from verl_core.prepare import prepare_run
 from verl_core.config import ConfigError, RunConfig, with_overrides
-from verl_core.engine import cluster, runtime
+from verl_core.engine import cluster
 
 
 def test_the_mode_is_validated_and_never_part_of_the_trajectory():
@@ -24,7 +25,7 @@ def test_attached_without_a_cluster_is_refused_before_any_work(tmp_path, monkeyp
         pytest.skip("this process is connected to a Ray cluster")
     cfg = with_overrides(RunConfig(), {"cluster.mode": "attached"})
     with pytest.raises(cluster.AttachError, match="cluster.address .* or RAY_ADDRESS"):
-        runtime.prepare_run(cfg, str(tmp_path), "r", log_fn=lambda *_: None)
+        prepare_run(cfg, str(tmp_path), "r", log_fn=lambda *_: None)
     assert list(tmp_path.iterdir()) == []  # no store was created
 
 

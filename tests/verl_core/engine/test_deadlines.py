@@ -6,22 +6,24 @@ import time
 
 import pytest
 
-from verl_core.errors import PermanentError, TransientError
+from verl_core.checkpoint.errors import PermanentError, TransientError
 from verl_core.store import RunStore
 from verl_core.config import RunConfig, with_overrides
-from verl_core.engine import runtime
+from verl_core import runlog
+from verl_core.engine import workers
+from verl_core.types import RunSpec
 from verl_core.guard.events import read_events
 from verl_core.guard.policy import GuardHaltError, GuardRetryError
 
 
 def test_deadline_cuts_a_blocked_block_as_transient():
     t0 = time.monotonic()
-    with pytest.raises(runtime.PhaseTimeoutError, match="reward of step 3 passed its deadline"):
-        with runtime.deadline(0.5, "reward of step 3"):
+    with pytest.raises(workers.PhaseTimeoutError, match="reward of step 3 passed its deadline"):
+        with workers.deadline(0.5, "reward of step 3"):
             threading.Event().wait(30)  # a hang: a wait that never ends
     assert time.monotonic() - t0 < 5
-    assert issubclass(runtime.PhaseTimeoutError, TransientError)
-    with runtime.deadline(0.3, "fast"):  # a block within its deadline is untouched
+    assert issubclass(workers.PhaseTimeoutError, TransientError)
+    with workers.deadline(0.3, "fast"):  # a block within its deadline is untouched
         time.sleep(0.01)
     time.sleep(0.5)  # and the timer is gone afterwards (no stray alarm)
 
@@ -29,7 +31,7 @@ def test_deadline_cuts_a_blocked_block_as_transient():
 def _spec(tmp_path, **guard):
     cfg = with_overrides(RunConfig(), {f"guard.{k}": v for k, v in guard.items()})
     st = RunStore(str(tmp_path / "run"))
-    return runtime.RunSpec(store=st.uri, incarnation=st.incarnation_id,
+    return RunSpec(store=st.uri, incarnation=st.incarnation_id,
                            config=cfg,
                            config_hash=cfg.trajectory_hash(), assets_json="{}", start_step=0,
                            total_steps=cfg.total_steps)
@@ -41,13 +43,13 @@ def _spec(tmp_path, **guard):
 def test_a_latency_spike_is_logged_and_acted_on_by_its_policy(tmp_path, policy, error, outcome):
     spec = _spec(tmp_path, latency_spike_policy=policy, latency_spike_min_s=1.0)
     for step in range(12):  # a steady history: ~0.2 s per rollout, well past the warm-up
-        runtime.watch_phase(spec, "rollout", step, 0.2 + 0.01 * (step % 3), {})
+        runlog.watch_phase(spec, "rollout", step, 0.2 + 0.01 * (step % 3), {})
     assert read_events(spec.open_store(), spec.config_hash) == []
     if error is None:
-        runtime.watch_phase(spec, "rollout", 12, 30.0, {})
+        runlog.watch_phase(spec, "rollout", 12, 30.0, {})
     else:
         with pytest.raises(error, match="latency_spike|rollout") as e:
-            runtime.watch_phase(spec, "rollout", 12, 30.0, {})
+            runlog.watch_phase(spec, "rollout", 12, 30.0, {})
         assert isinstance(e.value, TransientError if policy == "retry_phase" else PermanentError)
     (ev,) = read_events(spec.open_store(), spec.config_hash)
     assert (ev["step"], ev["phase"], ev["detector"], ev["action"], ev["outcome"]) == (
@@ -58,6 +60,6 @@ def test_a_latency_spike_is_logged_and_acted_on_by_its_policy(tmp_path, policy, 
 def test_the_guard_off_watches_nothing(tmp_path):
     spec = _spec(tmp_path, enabled=False)
     for step in range(12):
-        runtime.watch_phase(spec, "rollout", step, 0.2, {})
-    runtime.watch_phase(spec, "rollout", 12, 1e4, {})
+        runlog.watch_phase(spec, "rollout", step, 0.2, {})
+    runlog.watch_phase(spec, "rollout", 12, 1e4, {})
     assert read_events(spec.open_store(), spec.config_hash) == []

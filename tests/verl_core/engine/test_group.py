@@ -11,8 +11,13 @@ import time
 import pytest
 import torch
 
-from tests.presets import tiny_run
-from verl_core.engine import runtime
+from verl_core.config import preset
+from verl_core import phases
+from verl_core.engine import workers
+from verl_core.engine.workers import WORKERS, RunWorkers
+from verl_core.phases import with_retries
+from verl_core.prepare import prepare_run
+from verl_core.types import PhaseOut, StepState
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +26,13 @@ STEPS = 4
 
 def _cfg(W: int, total_steps: int = STEPS, algorithm: str = "grpo", **extra):
     # 6 prompts x 4 samples = 24 rows: W = 1, 2 and 3 all get equal blocks
-    return tiny_run(algorithm, **extra, **{
+    return preset(algorithm, **extra, **{
         "total_steps": total_steps, "model.warmup_sft_steps": 150,
         "model.warmup_target_accuracy": 0.3, "data.synthetic_train_size": 120,
-        "data.synthetic_val_size": 12, "data.train_batch_size": 6,
-        "actor.ppo_mini_batch_size": 6, "checkpoint.checkpoint_interval": 2,
-        "trainer.n_gpus_per_node": W, "trainer.worker_timeout_s": 120.0})
+        "data.synthetic_val_size": 12, "data.train_batch_size": 6, "rollout.n": 4,
+        "actor.ppo_mini_batch_size": 6, "actor.ppo_micro_batch_size": 8,
+        "checkpoint.checkpoint_interval": 2, "trainer.n_gpus_per_node": W,
+        "trainer.worker_timeout_s": 120.0, "num_threads": 1})
 
 
 @pytest.fixture(scope="module")
@@ -45,30 +51,30 @@ def local_ray(tmp_path_factory):
         try:
             yield ray, faults
         finally:
-            runtime.release_workers()
+            WORKERS.release_all()
             ray.shutdown()
 
 
 def _phases(spec, start: int, stop: int) -> None:
     for s in range(start, stop):
         def step(s=s):
-            ref, _ = runtime.call_worker(spec, "rollout", s)
-            ref, _ = runtime.reward_phase(spec, s, ref)
-            ref, _ = runtime.advantage_phase(spec, s, ref)
-            runtime.call_worker(spec, "update", s, ref)
-            runtime.call_worker(spec, "checkpoint", s + 1)
-        runtime.with_retries(step, what=f"step {s}", backoff_s=0.1)
+            ref, _ = RunWorkers(spec).rollout(s)
+            ref = phases.reward(spec, PhaseOut(s, ref)).batch
+            ref = phases.advantage(spec, PhaseOut(s, ref)).batch
+            RunWorkers(spec).update(s, ref)
+            RunWorkers(spec).checkpoint(s + 1)
+        with_retries(step, what=f"step {s}", backoff_s=0.1)
 
 
 def _final(spec, step: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    out = runtime.finalize_run(spec, step)
+    out = phases.finalize(spec, StepState(step))
     return load_file(os.path.join(out["final_model"], "model.safetensors"))
 
 
 def _run(store, name, W, start=None, stop=STEPS, **cfg):
-    spec = runtime.prepare_run(_cfg(W, **cfg), str(store), name, log_fn=lambda *_: None)
+    spec = prepare_run(_cfg(W, **cfg), str(store), name, log_fn=lambda *_: None)
     _phases(spec, spec.start_step if start is None else start, stop)
     return spec
 
@@ -108,18 +114,18 @@ def test_two_workers_train_like_one_and_resume_on_one_and_three(tmp_path, local_
     (local_ray[1] / "update-rank1-1.attempts").write_text("1")  # the kill test's fault: spent
     ref = _run(tmp_path / "w1", "r", 1)
     ref_w = _final(ref, STEPS)
-    runtime.release_workers()
+    WORKERS.release_all()
 
     w2 = _run(tmp_path / "w2", "r", 2, stop=2)  # "killed" after step 2 (checkpoint 2 committed)
-    runtime.release_workers()
+    WORKERS.release_all()
     shutil.copytree(tmp_path / "w2", tmp_path / "w2-copy")
     for store, W in ((tmp_path / "w2", 1), (tmp_path / "w2-copy", 3)):
-        spec = runtime.prepare_run(_cfg(W), str(store), "r", log_fn=lambda *_: None)
+        spec = prepare_run(_cfg(W), str(store), "r", log_fn=lambda *_: None)
         assert spec.start_step == 2  # resumes from the W = 2 checkpoint
         _phases(spec, 2, STEPS)
         assert _same_tokens(_sampled_tokens(store / "r"), _sampled_tokens(tmp_path / "w1" / "r")), W
         assert _max_diff(_final(spec, STEPS), ref_w) <= ATOL, W
-        runtime.release_workers()
+        WORKERS.release_all()
     assert w2.config_hash == ref.config_hash  # one trajectory, whatever the worker count
 
 
@@ -130,11 +136,11 @@ def test_ppo_with_critic_and_reference_on_two_workers_trains_like_one(tmp_path, 
     over = {"algorithm": "ppo", "algorithm.use_kl_loss": True, "stop": 2}
     one = _run(tmp_path / "w1", "r", 1, **over)
     w1 = _final(one, 2)
-    runtime.release_workers()
+    WORKERS.release_all()
     two = _run(tmp_path / "w2", "r", 2, **over)
     assert _same_tokens(_sampled_tokens(tmp_path / "w2" / "r"), _sampled_tokens(tmp_path / "w1" / "r"))
     assert _max_diff(_final(two, 2), w1) <= ATOL
-    runtime.release_workers()
+    WORKERS.release_all()
 
 
 @pytest.mark.vllm
@@ -147,22 +153,22 @@ def test_vllm_on_two_workers_samples_the_tokens_of_one_and_trains_like_one(tmp_p
     over = {"rollout.engine": "vllm", "stop": 2}
     one = _run(tmp_path / "w1", "r", 1, **over)
     w1 = _final(one, 2)
-    runtime.release_workers()
+    WORKERS.release_all()
     two = _run(tmp_path / "w2", "r", 2, **over)
     tokens = _sampled_tokens(tmp_path / "w2" / "r")
     assert len(tokens) == 2 and _same_tokens(tokens, _sampled_tokens(tmp_path / "w1" / "r"))
     assert _max_diff(_final(two, 2), w1) <= ATOL
-    runtime.release_workers()
+    WORKERS.release_all()
 
 
 def test_worker_killed_mid_update_fails_transient_and_the_group_is_rebuilt(tmp_path, local_ray):
     ray, faults = local_ray
     (faults / "update-rank1-1.attempts").write_text("1")  # spent: no hang in this run
     undisturbed = _final(_run(tmp_path / "a", "r", 2), STEPS)
-    runtime.release_workers()
+    WORKERS.release_all()
     (faults / "update-rank1-1.attempts").unlink()  # armed: the next run hangs once
 
-    spec = runtime.prepare_run(_cfg(2), str(tmp_path / "b"), "r", log_fn=lambda *_: None)
+    spec = prepare_run(_cfg(2), str(tmp_path / "b"), "r", log_fn=lambda *_: None)
     errors: list = []
     t = threading.Thread(target=lambda: _guard(errors, lambda: _phases(spec, 0, STEPS)))
     t.start()
@@ -199,10 +205,10 @@ def test_a_hung_actor_call_passes_its_deadline_and_the_actor_is_killed(local_ray
             return "done"
 
     actor = ray.remote(num_cpus=0)(Sleeper).remote()
-    assert runtime.call(actor, "sleep", 0.0, timeout_s=60.0) == "done"
+    assert workers.call(actor, "sleep", 0.0, timeout_s=60.0) == "done"
     t0 = time.monotonic()
-    with pytest.raises(runtime.PhaseTimeoutError, match="did not answer within 1s"):
-        runtime.call(actor, "sleep", 120.0, timeout_s=1.0)
+    with pytest.raises(workers.PhaseTimeoutError, match="did not answer within 1s"):
+        workers.call(actor, "sleep", 120.0, timeout_s=1.0)
     assert time.monotonic() - t0 < 30
     # killed, not left running the hung call (a retry would queue behind it)
     with pytest.raises(ray.exceptions.RayActorError):

@@ -7,10 +7,13 @@ import os
 
 import pytest
 
-from verl_core.engine import runtime
+from verl_core.config import preset
+from verl_core import phases
+from verl_core.engine.workers import WORKERS, RunWorkers
+from verl_core.prepare import prepare_run
+from verl_core.types import PhaseOut
 from verl_core.engine.worker import PENDING_PHASES, pending_doc
 from tests.damage import flip_bytes
-from tests.presets import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +28,7 @@ def local_ray(tmp_path, monkeypatch):
     try:
         yield
     finally:
-        runtime.release_workers()
+        WORKERS.release_all()
         ray.shutdown()
 
 
@@ -34,21 +37,23 @@ def _flip(path, n=64):
 
 
 def test_two_workers_recompute_damaged_pending_batches_together(tmp_path, local_ray):
-    cfg = tiny_run(**{
-        "total_steps": 1, "data.synthetic_train_size": 48, "data.train_batch_size": 6,
-        "actor.ppo_mini_batch_size": 6, "checkpoint.async_save": False,
-        "trainer.n_gpus_per_node": 2, "trainer.worker_timeout_s": 120.0})
-    spec = runtime.prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
-    ref, _ = runtime.call_worker(spec, "rollout", 0)
-    ref, _ = runtime.reward_phase(spec, 0, ref)
-    ref, _ = runtime.advantage_phase(spec, 0, ref)
-    runtime.release_workers()  # a fresh group, as after a lost pod
+    cfg = preset("grpo", **{
+        "total_steps": 1, "model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
+        "data.synthetic_train_size": 48, "data.synthetic_val_size": 8,
+        "data.train_batch_size": 6, "rollout.n": 4, "actor.ppo_mini_batch_size": 6,
+        "actor.ppo_micro_batch_size": 8, "checkpoint.async_save": False,
+        "trainer.n_gpus_per_node": 2, "trainer.worker_timeout_s": 120.0, "num_threads": 1})
+    spec = prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
+    ref, _ = RunWorkers(spec).rollout(0)
+    ref = phases.reward(spec, PhaseOut(0, ref)).batch
+    ref = phases.advantage(spec, PhaseOut(0, ref)).batch
+    WORKERS.release_all()  # a fresh group, as after a lost pod
 
     st = spec.open_store()
     refs = [st.get_json(pending_doc(spec.config_hash, 0, p))["batch"] for p in PENDING_PHASES]
     for sha in refs:
         _flip(st.object_path(sha))
-    runtime.call_worker(spec, "update", 0, ref)  # recomputed by both workers, then applied
+    RunWorkers(spec).update(0, ref)  # recomputed by both workers, then applied
     for sha in refs:
         assert hashlib.sha256(open(st.object_path(sha), "rb").read()).hexdigest() == sha
     assert len(os.listdir(os.path.join(st.root, "quarantine"))) == 3

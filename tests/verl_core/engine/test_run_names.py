@@ -2,14 +2,14 @@
 import pytest
 
 from verl_core.config import ConfigError, RunConfig
-from verl_core.engine import runtime
+from verl_core.prepare import prepare_run, run_store_uri
 
 RULE = r"use a plain name \(letters, digits, - _ \.\)"
 
 
 @pytest.mark.parametrize("name", ["exp1", "a.b-c_d", "_x", "Run.2026-12-01", "x" * 200])
 def test_plain_names_are_accepted(name, tmp_path):
-    assert runtime.run_store_uri(str(tmp_path), name) == f"{tmp_path}/{name}"
+    assert run_store_uri(str(tmp_path), name) == f"{tmp_path}/{name}"
 
 
 @pytest.mark.parametrize("name", [
@@ -18,10 +18,10 @@ def test_plain_names_are_accepted(name, tmp_path):
 ])
 def test_other_names_are_refused_with_the_rule(name, tmp_path):
     with pytest.raises(ConfigError, match=RULE):
-        runtime.run_store_uri(str(tmp_path), name)
+        run_store_uri(str(tmp_path), name)
 
 
 def test_prepare_refuses_a_bad_name_before_creating_anything(tmp_path):
     with pytest.raises(ConfigError, match=RULE):
-        runtime.prepare_run(RunConfig(), str(tmp_path / "store"), "my run")
+        prepare_run(RunConfig(), str(tmp_path / "store"), "my run")
     assert not (tmp_path / "store").exists()

@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from verl_core import phases
-from verl_core.engine import runtime
+from verl_core.engine.workers import WORKERS
 from verl_core.engine.worker import StateUnavailableError, pending_doc
 from verl_core.errors import CorruptObjectError
 from verl_core.store import RunStore
@@ -36,7 +36,7 @@ def copy_run(tracked_run, tmp_path, monkeypatch):
         return dataclasses.replace(spec, store=str(tmp_path / name))
 
     yield make
-    runtime.release_workers()
+    WORKERS.release_all()
 
 
 def _flip(store: RunStore, sha: str, n: int = 64) -> None:
@@ -59,7 +59,7 @@ def _quarantined(store: RunStore) -> list[str]:
 
 
 def _weights(spec) -> str:
-    w = runtime.worker_for(spec)
+    w = WORKERS.handle(spec)
     h = hashlib.sha256()
     for k, v in sorted(w.trainer.actor.state_dict().items()):
         h.update(k.encode())
@@ -74,10 +74,10 @@ def test_damaged_pending_batches_are_recomputed_and_the_update_ends_identical(co
     state = phases.StepState(step=3)
     ref_spec = copy_run("ref")
     adv = phases.advantage(ref_spec, phases.reward(ref_spec, phases.rollout(ref_spec, state)))
-    runtime.release_workers()
+    WORKERS.release_all()
     phases.update(ref_spec, adv)
     expected = _weights(ref_spec)
-    runtime.release_workers()
+    WORKERS.release_all()
 
     spec = copy_run("damaged")
     st = spec.open_store()
@@ -85,7 +85,7 @@ def test_damaged_pending_batches_are_recomputed_and_the_update_ends_identical(co
     scored = phases.reward(spec, sampled)
     advantaged = phases.advantage(spec, scored)
     assert advantaged.batch == adv.batch  # the two copies are the same trajectory
-    runtime.release_workers()  # what a killed run leaves: the store and the cache entries
+    WORKERS.release_all()  # what a killed run leaves: the store and the cache entries
     for out in (sampled, scored, advantaged):
         _flip(st, out.batch)
         assert not _intact(st, out.batch)
@@ -99,7 +99,7 @@ def test_damaged_pending_batches_are_recomputed_and_the_update_ends_identical(co
 
     # the update's own input damaged again, read by a fresh worker: recomputed from the reward
     # batch its pending doc names, and the update ends bit-identical to the undisturbed one
-    runtime.release_workers()
+    WORKERS.release_all()
     _flip(st, advantaged.batch)
     phases.update(spec, advantaged)
     assert _intact(st, advantaged.batch) and len(_quarantined(st)) == 4
@@ -111,7 +111,7 @@ def test_damaged_lineage_batch_is_recomputed_from_the_replayed_state(copy_run):
     while the state of step 3 must be rebuilt by replay (checkpoint 3 removed): recomputed
     from the state of step 2, and the rebuilt state is the one checkpoint 3 holds."""
     ref_spec = copy_run("ref")
-    runtime.worker_for(ref_spec).ensure_state(3)  # loads checkpoint 3
+    WORKERS.handle(ref_spec).ensure_state(3)  # loads checkpoint 3
     expected = _weights(ref_spec)
     spec = copy_run("damaged")
     st = spec.open_store()
@@ -123,7 +123,7 @@ def test_damaged_lineage_batch_is_recomputed_from_the_replayed_state(copy_run):
             st.delete_json(name)
     _flip(st, ref)
 
-    w = runtime.worker_for(spec)
+    w = WORKERS.handle(spec)
     w.ensure_state(3)
     assert w.replayed == 1 and _intact(st, ref) and len(_quarantined(st)) == 1
     assert _weights(spec) == expected
@@ -138,7 +138,7 @@ def test_truncated_lineage_record_is_quarantined_and_named_with_the_fix(copy_run
     with open(path, "wb") as f:
         f.write(raw[:len(raw) // 2])
 
-    w = runtime.worker_for(spec)
+    w = WORKERS.handle(spec)
     with pytest.raises(StateUnavailableError) as e:
         w.ensure_state(1)  # no checkpoint at or before step 1: update 0 must be replayed
     msg = str(e.value)
@@ -162,7 +162,7 @@ def test_batch_that_recomputes_to_other_bytes_is_not_written_and_names_the_fix(c
     st.put_json(pending_doc(h, 2, "reward"), {"batch": other})
     _flip(st, ref)
 
-    w = runtime.worker_for(spec)
+    w = WORKERS.handle(spec)
     w.ensure_state(2)
     with pytest.raises(CorruptObjectError) as e:
         w.batch(2, "advantage", ref)

@@ -2,8 +2,11 @@
 the state from the run store and produces the same (content-addressed) result."""
 import pytest
 
-from tests.presets import tiny_run
-from verl_core.engine import runtime
+from verl_core.config import preset
+from verl_core.engine.worker import RunWorker
+from verl_core.engine.workers import WORKERS, RunWorkers
+from verl_core.phases import with_retries
+from verl_core.prepare import prepare_run
 
 pytestmark = pytest.mark.slow
 
@@ -14,23 +17,26 @@ def local_ray(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     yield ray
-    runtime.release_workers()
+    WORKERS.release_all()
     ray.shutdown()
 
 
 def test_dead_actor_is_retried_with_a_fresh_one(tmp_path, local_ray, monkeypatch):
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))
-    cfg = tiny_run(**{"total_steps": 2, "model.warmup_sft_steps": 10,
-                      "actor.ppo_micro_batch_size": 16})
-    spec = runtime.prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
-    first, _ = runtime.call_worker(spec, "rollout", 0)
-    actor = runtime._WORKERS[runtime._worker_key(spec)]
-    assert not isinstance(actor, runtime.RunWorker)  # a real Ray actor
+    cfg = preset("grpo", **{"total_steps": 2, "model.warmup_sft_steps": 10,
+                            "model.warmup_target_accuracy": 1.0, "data.synthetic_train_size": 64,
+                            "data.synthetic_val_size": 8, "data.train_batch_size": 8,
+                            "actor.ppo_mini_batch_size": 4, "rollout.n": 4,
+                            "actor.ppo_micro_batch_size": 16, "num_threads": 1})
+    spec = prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
+    first, _ = RunWorkers(spec).rollout(0)
+    actor = WORKERS.held(spec)
+    assert not isinstance(actor, RunWorker)  # a real Ray actor
     local_ray.kill(actor)
 
     sleeps = []
-    ref, _ = runtime.with_retries(lambda: runtime.call_worker(spec, "rollout", 0),
+    ref, _ = with_retries(lambda: RunWorkers(spec).rollout(0),
                                   what="rollout", sleep=sleeps.append)
     assert len(sleeps) == 1  # one failed attempt (the dead actor), then success
     assert ref == first  # same content: the new actor rebuilt the same state
-    assert runtime._WORKERS[runtime._worker_key(spec)] is not actor
+    assert WORKERS.held(spec) is not actor

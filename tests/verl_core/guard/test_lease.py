@@ -298,7 +298,7 @@ def test_cli_shows_and_breaks_the_lease(tmp_path, capsys):
 # ---------------------------------------------------------------------- the run's integration
 def _spec(store: RunStore, ttl_s: float):
     from verl_core.config import preset, with_overrides
-    from verl_core.engine.runtime import RunSpec
+    from verl_core.types import RunSpec
 
     cfg = with_overrides(preset("grpo"), {"guard.lease_ttl_s": ttl_s})
     return RunSpec(store=store.uri, incarnation=store.incarnation_id,
@@ -308,45 +308,47 @@ def _spec(store: RunStore, ttl_s: float):
 
 def test_prepare_run_refuses_a_second_launch_before_any_work(tmp_path):
     from verl_core.config import preset
-    from verl_core.engine import runtime
+    from verl_core.guard import writer
+    from verl_core.prepare import prepare_run
 
     store = RunStore(str(tmp_path / "runs" / "r"))
     store.put_if(LEASE_DOC, _foreign("node-9", 99, 600).to_json(), None)
     t0 = time.monotonic()
     with pytest.raises(LeaseHeldError, match="node-9"):
-        runtime.prepare_run(preset("grpo"), str(tmp_path / "runs"), "r", log_fn=lambda *_: None)
+        prepare_run(preset("grpo"), str(tmp_path / "runs"), "r", log_fn=lambda *_: None)
     assert time.monotonic() - t0 < 5  # no dataset, no warm start
     assert sorted(os.listdir(store.root)) == ["lease.cas", "store.json"]  # nothing published
 
 
 def test_hold_lease_renews_refuses_others_releases_and_runs_the_second_writer_drill(tmp_path):
-    from verl_core.engine import runtime
+    from verl_core.guard import writer
+    from verl_core.prepare import prepare_run
     from verl_core.guard import faults
 
     store = RunStore(str(tmp_path / "r"))
     spec = _spec(store, 30.0)
-    runtime.hold_lease(spec)  # the first phase (or a new pod) takes it ...
+    writer.hold_lease(spec)  # the first phase (or a new pod) takes it ...
     first = read_lease(store)
-    runtime.hold_lease(spec)  # ... a later phase within ttl/3 of the last renewal checks it ...
+    writer.hold_lease(spec)  # ... a later phase within ttl/3 of the last renewal checks it ...
     assert read_lease(store) == first
-    lease = runtime._LEASES[(store.uri, 30.0)]
+    lease = writer.LEASES.get(store.uri, 30.0)
     lease._held = replace(lease._held, renewed=lease._held.renewed - 10.0)  # 10 s > ttl/3 ago
-    runtime.hold_lease(spec)  # ... and renews it when the last renewal is older
+    writer.hold_lease(spec)  # ... and renews it when the last renewal is older
     again = read_lease(store)
     assert again.owner == first.owner and again.since == first.since
     assert again.renewed >= first.renewed and again.token != first.token
     faults._second_writer({})  # the VERL_FAULTS drill: an intruder is refused, no raise
     with pytest.raises(LeaseHeldError):
         RunLease(store, 30, owner="another-launch").acquire()
-    runtime._release_leases_at_exit()  # what atexit does when this process ends, even failed
+    writer.LEASES.release_mine()  # what atexit does when this process ends, even failed
     assert read_lease(store).released
-    runtime.hold_lease(spec)
+    writer.hold_lease(spec)
     assert not read_lease(store).released
-    runtime.release_lease(spec)  # what finalize does
+    writer.release_lease(spec)  # what finalize does
     assert read_lease(store).released
     # guard.lease_ttl_s=0: no lease at all
     bare = RunStore(str(tmp_path / "bare"))
-    runtime.hold_lease(_spec(bare, 0.0))
+    writer.hold_lease(_spec(bare, 0.0))
     assert read_lease(bare) is None
 
 

@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from tests.presets import tiny_run
 from verl_core.config import ConfigError, RunConfig, preset, with_overrides
 from verl_core.data.batch import Batch
 from verl_core.data.dataset import load_prompt_rows, render_prompt
@@ -254,17 +253,19 @@ def test_a_folder_that_is_no_one_label_classifier_fails_before_any_work(tmp_path
 
 
 # ---------------------------------------------------------------- real short runs
-SMALL = {"total_steps": 2, "model.warmup_sft_steps": 10, "actor.ppo_micro_batch_size": 16}
-"""Where these runs differ from :data:`tests.presets.TINY`."""
+SMALL = {"total_steps": 2, "model.warmup_sft_steps": 10, "model.warmup_target_accuracy": 1.0,
+         "data.synthetic_train_size": 64, "data.synthetic_val_size": 8,
+         "data.train_batch_size": 8, "actor.ppo_mini_batch_size": 4, "rollout.n": 4,
+         "actor.ppo_micro_batch_size": 16, "num_threads": 1}
 
 
 @pytest.mark.slow
 def test_plain_loop_trains_on_the_model_score_added_to_the_rule_score(tmp_path, rm_dir):
     from verl_core.train import train
 
-    cfg = tiny_run("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": rm_dir,
-                                       "reward_model.combine": "add",
-                                       "reward_model.micro_batch_size": 5})
+    cfg = preset("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": rm_dir,
+                                     "reward_model.combine": "add",
+                                     "reward_model.micro_batch_size": 5})
     summary = train(cfg, str(tmp_path / "run"), log=lambda *_: None)
     assert [h["step"] for h in summary["history"]] == [1, 2]
     for h in summary["history"]:
@@ -277,14 +278,19 @@ def test_plain_loop_trains_on_the_model_score_added_to_the_rule_score(tmp_path, 
 @pytest.mark.slow
 def test_phase_functions_score_on_the_worker_with_the_stored_reward_model(tmp_path, rm_dir,
                                                                          monkeypatch):
-    from verl_core.engine import runtime
+    from verl_core.engine.assets import materialize_assets
+    from verl_core.engine.group import WorkerGroup
+    from verl_core import phases
     from verl_core.engine.worker import get_batch
+    from verl_core.engine.workers import WORKERS, RunWorkers
+    from verl_core.prepare import prepare_run
+    from verl_core.types import PhaseOut
 
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))
     copy = shutil.copytree(rm_dir, tmp_path / "rm-copy")
-    cfg = tiny_run("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": str(copy),
-                                       "reward_model.micro_batch_size": 3})
-    spec = runtime.prepare_run(cfg, str(tmp_path / "store"), "rm", log_fn=lambda *_: None)
+    cfg = preset("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": str(copy),
+                                     "reward_model.micro_batch_size": 3})
+    spec = prepare_run(cfg, str(tmp_path / "store"), "rm", log_fn=lambda *_: None)
     index = json.loads(spec.assets_json)
     assert sorted(index["reward_model"]) == sorted(os.listdir(copy))
     shutil.rmtree(copy)  # the run needs only its store from here on (hermetic)
@@ -292,18 +298,19 @@ def test_phase_functions_score_on_the_worker_with_the_stored_reward_model(tmp_pa
     scored = []
     try:
         for s in range(2):
-            ref, _ = runtime.call_worker(spec, "rollout", s)
-            ref, metrics = runtime.reward_phase(spec, s, ref)
+            ref, _ = RunWorkers(spec).rollout(s)
+            out = phases.reward(spec, PhaseOut(s, ref))
+            ref, metrics = out.batch, out.metrics
             scored.append(get_batch(st, ref))
             assert metrics["reward/mean"] == metrics["reward/model_mean"]  # replace
             assert "reward/rule_mean" not in metrics
-            ref, _ = runtime.advantage_phase(spec, s, ref)
-            runtime.call_worker(spec, "update", s, ref)
-        worker = runtime._WORKERS[runtime._worker_key(spec)]
+            ref = phases.advantage(spec, PhaseOut(s, ref)).batch
+            RunWorkers(spec).update(s, ref)
+        worker = WORKERS.held(spec)
         assert worker.trainer.reward_model.path.startswith(str(tmp_path / "assets"))
         assets = worker.assets
     finally:
-        runtime.release_workers()
+        WORKERS.release_all()
     # every stored score is the reward model's score of that prompt + response, recomputed here
     # from the original folder, outside the run
     tok = load_tokenizer(assets.model_path)
@@ -319,26 +326,31 @@ def test_phase_functions_score_on_the_worker_with_the_stored_reward_model(tmp_pa
 @pytest.mark.slow
 def test_two_workers_each_score_their_share_and_rank0_gathers(tmp_path, rm_dir, monkeypatch):
     ray = pytest.importorskip("ray")
-    from verl_core.engine import runtime
+    from verl_core.engine.assets import materialize_assets
+    from verl_core.engine.group import WorkerGroup
+    from verl_core import phases
     from verl_core.engine.worker import get_batch
+    from verl_core.engine.workers import WORKERS, RunWorkers
+    from verl_core.prepare import prepare_run
+    from verl_core.types import PhaseOut
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))  # the actors inherit it
-    cfg = tiny_run("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": rm_dir,
-                                       "reward_model.combine": "add",
-                                       "trainer.n_gpus_per_node": 2,
-                                       "trainer.worker_timeout_s": 120.0})
-    spec = runtime.prepare_run(cfg, str(tmp_path / "store"), "w2", log_fn=lambda *_: None)
+    cfg = preset("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": rm_dir,
+                                     "reward_model.combine": "add",
+                                     "trainer.n_gpus_per_node": 2, "trainer.worker_timeout_s": 120.0})
+    spec = prepare_run(cfg, str(tmp_path / "store"), "w2", log_fn=lambda *_: None)
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
-        ref, _ = runtime.call_worker(spec, "rollout", 0)
-        assert isinstance(runtime._WORKERS[runtime._worker_key(spec)], runtime.WorkerGroup)
-        ref, metrics = runtime.reward_phase(spec, 0, ref)
+        ref, _ = RunWorkers(spec).rollout(0)
+        assert isinstance(WORKERS.held(spec), WorkerGroup)
+        out = phases.reward(spec, PhaseOut(0, ref))
+        ref, metrics = out.batch, out.metrics
         batch = get_batch(spec.open_store(), ref)
     finally:
-        runtime.release_workers()
+        WORKERS.release_all()
         ray.shutdown()
-    assets = runtime.materialize_assets(spec.open_store(), json.loads(spec.assets_json))
+    assets = materialize_assets(spec.open_store(), json.loads(spec.assets_json))
     tok = load_tokenizer(assets.model_path)
     rows = load_prompt_rows(assets.train_files)
     dec = decode_responses(tok, batch.response_ids, batch.response_mask)

@@ -1,0 +1,110 @@
+"""Run preparation: the run's store URI (:func:`run_store_uri`), its checks, assets and start
+step (:func:`prepare_run`, what the ``prepare`` phase and the tests call), and the step a resume
+starts at (:func:`resume_step`, also what the scheduled launch plans ask).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+
+from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
+from verl_core.config import ConfigError, RunConfig
+from verl_core.engine import cluster
+from verl_core.engine.assets import (GIVEN_KINDS, check_pinned, index_assets, publish_assets,
+                                     record_assets, unpublish_assets)
+from verl_core.errors import UnsafeManifestError
+from verl_core.guard.writer import LEASES
+from verl_core.store import RunStore, check_doc_name
+from verl_core.threads import pin_num_threads
+from verl_core.trainer import prepare_assets
+from verl_core.types import STORES, RunSpec
+from verl_core.validation import check_run_inputs
+
+log = logging.getLogger(__name__)
+
+
+def run_store_uri(store: str, run_name: str) -> str:
+    """``<store>/<run_name>``. The name becomes a path segment on every store and in Ray actor
+    names, so it is held to the rule its error states (the store's doc-segment rule): a space,
+    ``\\``, a newline, non-ASCII or ``..`` would each mean something else to some filesystem."""
+    try:
+        ok = isinstance(run_name, str) and "/" not in run_name and bool(check_doc_name(run_name))
+    except UnsafeManifestError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"--run-name {run_name!r}: use a plain name (letters, digits, - _ .): "
+                          "ASCII only, at most 200 characters, starting with a letter, a digit "
+                          "or _, no '..'")
+    base = store or os.environ.get("VERL_STORE") or os.path.join(os.getcwd(), "runs")
+    return f"{base.rstrip('/')}/{run_name}"
+
+
+def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunSpec:
+    """Validate data and model, publish the assets into the run store, pick the start step.
+
+    Every permanent check runs first, before the warm start and before anything is copied
+    (:func:`~verl_core.validation.check_run_inputs`). A trajectory that ran before trains on the
+    assets it recorded then: a file the user gave that changed since is refused
+    (:func:`~verl_core.engine.assets.check_pinned`), and generated assets come from the record,
+    so the reference model is always the one the run started from."""
+    uri = run_store_uri(store, run_name)
+    if cfg.cluster.mode == "attached":
+        cluster.address(cfg.cluster)  # no cluster to attach to: refused before any work
+    st = STORES.open(uri)
+    LEASES.hold(st, cfg.guard.lease_ttl_s)  # a second launch of this run fails here, first
+    check_run_inputs(cfg)
+    # the thread count every worker of the run computes with, recorded at its first prepare
+    cfg = pin_num_threads(st, cfg)
+    h = cfg.trajectory_hash()
+    with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
+        # checks every dataset file (rows, columns, prompt lengths) before the warm start
+        assets = prepare_assets(cfg, work, log=log_fn)
+        indexed = index_assets(assets)
+        index, _, sources = indexed
+        given = tuple(k for k, on in zip(GIVEN_KINDS, (
+            cfg.model.path, cfg.data.train_files, cfg.data.train_files, cfg.reward_model.enable))
+            if on)
+        pinned = check_pinned(st, h, given, sources, index, cfg.data.assets_id)
+        # only an index this prepare created is undone on failure (another trajectory of the
+        # run may share it)
+        published = pinned is None and not st.has_json(f"assets/{index['id']}")
+        index = pinned or publish_assets(st, assets, indexed=indexed)
+    try:
+        start = resume_step(st, cfg)
+        if pinned is None:
+            record_assets(st, h, index, sources)
+    except BaseException:
+        if published:
+            unpublish_assets(st, index)  # a failed prepare keeps nothing alive
+        raise
+    if start:
+        log_fn(f"resuming from the checkpoint of step {start} in {uri}")
+    return RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
+                   config_hash=h,
+                   assets_json=json.dumps(index, sort_keys=True),
+                   start_step=min(start, cfg.total_steps), total_steps=cfg.total_steps)
+
+
+def resume_step(st: RunStore, cfg: RunConfig) -> int:
+    """``resume_from_checkpoint=auto``: the step of the newest checkpoint of this config that
+    verifies (hash check); 0 when there is none or resume is ``none``."""
+    spec = cfg.checkpoint.resume_from_checkpoint
+    if spec in ("none", ""):
+        return 0
+    if spec != "auto":  # an explicit checkpoint: it must exist and verify, or we fail now
+        mgr, ref = open_checkpoint(spec, st.storage_options)
+        problems = mgr.verify(ref)
+        if problems:
+            raise ValueError(f"checkpoint.resume_from_checkpoint={spec!r} does not verify: "
+                             + "; ".join(problems[:5]))
+        return mgr.read_manifest(ref)[0].step
+    mgr = CheckpointManager(st)
+    h = cfg.trajectory_hash()
+    for info in sorted(mgr.list_checkpoints(), key=lambda i: i.step, reverse=True):
+        if info.error is None and info.config_hash == h and not mgr.verify(info.name):
+            return info.step
+        log.warning("checkpoint %s not usable for resume", info.name)
+    return 0
