@@ -24,7 +24,7 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 import verl_core
-from verl_core.checkpoint.errors import TransientError
+from verl_core.errors import TransientError
 from verl_core import runlog
 from verl_core.engine import workers
 from verl_core.engine.workers import WORKERS

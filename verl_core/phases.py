@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Callable, TypeVar
 
-from verl_core.checkpoint.errors import CorruptObjectError, TransientError
+from verl_core.errors import CorruptObjectError, TransientError
 from verl_core.checkpoint.hf_export import publish_export
 from verl_core.engine.assets import materialize_assets
 from verl_core.engine.worker import checkpoint_due as _due

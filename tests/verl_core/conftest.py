@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.presets import tiny_run
 from verl_core import phases
-from verl_core.config import preset
 from verl_core import runlog
 from verl_core.engine.workers import WORKERS
 from verl_core.prepare import prepare_run
@@ -33,12 +33,10 @@ class TrackedRun:
 @pytest.fixture(scope="session")
 def tracked_run(tmp_path_factory) -> TrackedRun:
     tmp = tmp_path_factory.mktemp("tracked-run")
-    cfg = preset("grpo", **{
-        "total_steps": TRACKED_STEPS, "model.warmup_sft_steps": 5,
-        "model.warmup_target_accuracy": 1.0, "data.synthetic_train_size": 64,
-        "data.synthetic_val_size": 12, "data.train_batch_size": 8, "rollout.n": 4,
-        "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size": 16,
-        "checkpoint.checkpoint_interval": 2, "checkpoint.async_save": False, "num_threads": 1,
+    cfg = tiny_run(**{
+        "total_steps": TRACKED_STEPS, "data.synthetic_val_size": 12,
+        "actor.ppo_micro_batch_size": 16, "checkpoint.checkpoint_interval": 2,
+        "checkpoint.async_save": False,
         "algorithm.entropy_coeff": 0.001,  # so the entropy is computed (and plotted)
         "tracking.tensorboard_dir": str(tmp / "tb"),
         "tracking.mlflow_tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",

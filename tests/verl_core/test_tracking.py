@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from verl_core.config import ConfigError, RunConfig, TrackingConfig, preset, with_overrides
+from tests.presets import tiny_run
+from verl_core.config import ConfigError, RunConfig, TrackingConfig, with_overrides
 from verl_core import runlog
 from verl_core.tracking import NOT_SCALARS, Trackers, TrackerError
 from verl_core.verl_keys import to_ours
@@ -183,11 +184,8 @@ def test_plain_loop_writes_its_history_to_every_tracker(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = preset("rloo", **{
-        "total_steps": 2, "model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
-        "data.synthetic_train_size": 64, "data.synthetic_val_size": 8,
-        "data.train_batch_size": 8, "rollout.n": 4, "actor.ppo_mini_batch_size": 8,
-        "actor.ppo_micro_batch_size": 32, "num_threads": 1,
+    cfg = tiny_run("rloo", **{
+        "total_steps": 2, "actor.ppo_mini_batch_size": 8, "actor.ppo_micro_batch_size": 32,
         "tracking.tensorboard_dir": str(tmp_path / "tb"), "tracking.mlflow_tracking_uri": uri,
         **to_ours({"trainer.logger": ["console", "wandb"], "trainer.project_name": "p",
                    "trainer.experiment_name": "e"})})

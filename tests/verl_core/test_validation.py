@@ -9,9 +9,10 @@ import warnings
 import pyarrow.parquet as pq
 import pytest
 
+from tests.presets import TINY, tiny_run
 from verl_core import phases
 from verl_core.store import canonical_json
-from verl_core.config import ConfigError, preset, with_overrides
+from verl_core.config import ConfigError, with_overrides
 from verl_core.engine.workers import WORKERS, RunWorkers
 from verl_core.prepare import prepare_run
 from verl_core.engine.worker import get_batch, pending_doc, put_batch
@@ -26,12 +27,10 @@ ROLLOUT_ROW = 5  # the row a crafted fault goes into
 
 
 def _cfg(**over):
-    base = {"total_steps": 2, "model.warmup_sft_steps": 20, "model.warmup_target_accuracy": 1.0,
-            "data.synthetic_train_size": 64, "data.synthetic_val_size": 12,
-            "data.train_batch_size": 8, "rollout.n": 4, "actor.ppo_mini_batch_size": 4,
-            "actor.ppo_micro_batch_size": 16, "checkpoint.async_save": False,
-            "algorithm.use_kl_loss": True, "num_threads": 1, "validation.every_steps": 1}
-    return preset("ppo", **{**base, **over})
+    return tiny_run("ppo", **{
+        "total_steps": 2, "model.warmup_sft_steps": 20, "data.synthetic_val_size": 12,
+        "actor.ppo_micro_batch_size": 16, "checkpoint.async_save": False,
+        "algorithm.use_kl_loss": True, "validation.every_steps": 1, **over})
 
 
 class Step0:
@@ -300,11 +299,9 @@ def test_the_plain_loop_stops_at_the_reward_stage_naming_the_scorer_range(tmp_pa
     scorer = tmp_path / "long.py"
     scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
                       "    return 1.0 + len(solution_str)\n")
-    sets = {"reward.scorer": f"'{scorer}:compute_score'", "validation.score_range": "'0,0.5'",
-            "model.warmup_sft_steps": 20, "model.warmup_target_accuracy": 1.0,
-            "data.synthetic_train_size": 64, "data.synthetic_val_size": 12,
-            "data.train_batch_size": 8, "rollout.n": 4, "actor.ppo_mini_batch_size": 4,
-            "actor.ppo_micro_batch_size": 16, "num_threads": 1}
+    sets = {**TINY, "reward.scorer": f"'{scorer}:compute_score'",
+            "validation.score_range": "'0,0.5'", "model.warmup_sft_steps": 20,
+            "data.synthetic_val_size": 12, "actor.ppo_micro_batch_size": 16}
     argv = ["--steps", "2", "--workdir", str(tmp_path / "w")]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]

@@ -6,7 +6,7 @@ import pytest
 from conftest import PYFLYTE, flyte_env, run
 
 from tasks.prepare import build_config, configure
-from verl_core.checkpoint.errors import TransientError
+from verl_core.errors import TransientError
 from verl_core.config import ConfigError
 from verl_core.phases import with_retries
 

@@ -28,9 +28,6 @@ import time
 
 import torch
 
-from verl_core.checkpoint.errors import (CheckpointNotFoundError, CorruptObjectError, PermanentError,
-                                        UnsafeManifestError)
-from verl_core.checkpoint.errors import StoreUnavailableError
 from verl_core.checkpoint.hf_export import TOKENIZER_DOC, export_trained, store_tokenizer
 from verl_core.checkpoint.local_tier import Replicator, open_local_store
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
@@ -38,6 +35,8 @@ from verl_core.store import NotFoundError, RunStore, is_sha256, sha256_hex
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.engine.assets import materialize_assets
+from verl_core.errors import (CheckpointNotFoundError, CorruptObjectError, PermanentError,
+                              StoreUnavailableError, UnsafeManifestError)
 from verl_core.guard import checks, faults
 from verl_core.guard.faults import maybe_inject
 from verl_core.guard.lease import FencedError

@@ -45,9 +45,8 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Optional
 
-from verl_core.checkpoint.errors import StoreUnavailableError
 from verl_core.store import RunStore, canonical_json
-from verl_core.errors import PermanentError, VerlError
+from verl_core.errors import PermanentError, StoreUnavailableError, VerlError
 
 log = logging.getLogger(__name__)
 

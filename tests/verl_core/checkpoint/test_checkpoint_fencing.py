@@ -197,19 +197,16 @@ def test_a_worker_whose_launch_lost_the_run_writes_no_lineage_and_no_checkpoint(
     lease check): the worker still runs the update it was asked for, but its commits check the
     lease doc itself and refuse."""
     from verl_core import phases
-    from verl_core.config import preset
+    from tests.presets import tiny_run
     from verl_core.engine.workers import RunWorkers
     from verl_core.engine.workers import WORKERS
     from verl_core.guard import writer
     from verl_core.prepare import prepare_run
 
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))
-    cfg = preset("grpo", **{
-        "total_steps": 1, "model.warmup_sft_steps": 2, "model.warmup_target_accuracy": 1.0,
-        "data.synthetic_train_size": 32, "data.synthetic_val_size": 8,
-        "data.train_batch_size": 4, "rollout.n": 2, "actor.ppo_mini_batch_size": 4,
-        "actor.ppo_micro_batch_size": 8,
-        "checkpoint.async_save": False, "num_threads": 1})
+    cfg = tiny_run(**{
+        "total_steps": 1, "model.warmup_sft_steps": 2, "data.synthetic_train_size": 32,
+        "data.train_batch_size": 4, "rollout.n": 2, "checkpoint.async_save": False})
     spec = prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
     st = spec.open_store()
     other = RunLease(RunStore(st.uri), 30, owner="b")

@@ -57,15 +57,14 @@ def two_nodes(tmp_path_factory):
 
 
 def _cfg(**extra):
-    from verl_core.config import preset
+    from tests.presets import tiny_run
 
-    return preset("grpo", **{
+    return tiny_run("grpo", **{
         "total_steps": STEPS, "model.warmup_sft_steps": 150, "model.warmup_target_accuracy": 0.3,
         "data.synthetic_train_size": 120, "data.synthetic_val_size": 12,
-        "data.train_batch_size": 6, "rollout.n": 4, "actor.ppo_mini_batch_size": 6,
-        "actor.ppo_micro_batch_size": 8, "checkpoint.checkpoint_interval": 2,
-        "trainer.nnodes": 2, "trainer.n_gpus_per_node": 1, "trainer.worker_timeout_s": 120.0,
-        "num_threads": 1, "cluster.mode": "attached", **extra})
+        "data.train_batch_size": 6, "actor.ppo_mini_batch_size": 6,
+        "checkpoint.checkpoint_interval": 2, "trainer.nnodes": 2, "trainer.n_gpus_per_node": 1,
+        "trainer.worker_timeout_s": 120.0, "cluster.mode": "attached", **extra})
 
 
 def _new_task_process():

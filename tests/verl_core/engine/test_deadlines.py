@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from verl_core.checkpoint.errors import PermanentError, TransientError
+from verl_core.errors import PermanentError, TransientError
 from verl_core.store import RunStore
 from verl_core.config import RunConfig, with_overrides
 from verl_core import runlog

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from verl_core.config import preset
+from tests.presets import tiny_run
 from verl_core import phases
 from verl_core.engine import workers
 from verl_core.engine.workers import WORKERS, RunWorkers
@@ -26,13 +26,12 @@ STEPS = 4
 
 def _cfg(W: int, total_steps: int = STEPS, algorithm: str = "grpo", **extra):
     # 6 prompts x 4 samples = 24 rows: W = 1, 2 and 3 all get equal blocks
-    return preset(algorithm, **extra, **{
+    return tiny_run(algorithm, **extra, **{
         "total_steps": total_steps, "model.warmup_sft_steps": 150,
         "model.warmup_target_accuracy": 0.3, "data.synthetic_train_size": 120,
-        "data.synthetic_val_size": 12, "data.train_batch_size": 6, "rollout.n": 4,
-        "actor.ppo_mini_batch_size": 6, "actor.ppo_micro_batch_size": 8,
-        "checkpoint.checkpoint_interval": 2, "trainer.n_gpus_per_node": W,
-        "trainer.worker_timeout_s": 120.0, "num_threads": 1})
+        "data.synthetic_val_size": 12, "data.train_batch_size": 6,
+        "actor.ppo_mini_batch_size": 6, "checkpoint.checkpoint_interval": 2,
+        "trainer.n_gpus_per_node": W, "trainer.worker_timeout_s": 120.0})
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,13 @@ import os
 
 import pytest
 
-from verl_core.config import preset
 from verl_core import phases
 from verl_core.engine.workers import WORKERS, RunWorkers
 from verl_core.prepare import prepare_run
 from verl_core.types import PhaseOut
 from verl_core.engine.worker import PENDING_PHASES, pending_doc
 from tests.damage import flip_bytes
+from tests.presets import tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,10 @@ def _flip(path, n=64):
 
 
 def test_two_workers_recompute_damaged_pending_batches_together(tmp_path, local_ray):
-    cfg = preset("grpo", **{
-        "total_steps": 1, "model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
-        "data.synthetic_train_size": 48, "data.synthetic_val_size": 8,
-        "data.train_batch_size": 6, "rollout.n": 4, "actor.ppo_mini_batch_size": 6,
-        "actor.ppo_micro_batch_size": 8, "checkpoint.async_save": False,
-        "trainer.n_gpus_per_node": 2, "trainer.worker_timeout_s": 120.0, "num_threads": 1})
+    cfg = tiny_run(**{
+        "total_steps": 1, "data.synthetic_train_size": 48, "data.train_batch_size": 6,
+        "actor.ppo_mini_batch_size": 6, "checkpoint.async_save": False,
+        "trainer.n_gpus_per_node": 2, "trainer.worker_timeout_s": 120.0})
     spec = prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
     ref, _ = RunWorkers(spec).rollout(0)
     ref = phases.reward(spec, PhaseOut(0, ref)).batch

@@ -2,7 +2,7 @@
 the state from the run store and produces the same (content-addressed) result."""
 import pytest
 
-from verl_core.config import preset
+from tests.presets import tiny_run
 from verl_core.engine.worker import RunWorker
 from verl_core.engine.workers import WORKERS, RunWorkers
 from verl_core.phases import with_retries
@@ -23,11 +23,8 @@ def local_ray(monkeypatch):
 
 def test_dead_actor_is_retried_with_a_fresh_one(tmp_path, local_ray, monkeypatch):
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))
-    cfg = preset("grpo", **{"total_steps": 2, "model.warmup_sft_steps": 10,
-                            "model.warmup_target_accuracy": 1.0, "data.synthetic_train_size": 64,
-                            "data.synthetic_val_size": 8, "data.train_batch_size": 8,
-                            "actor.ppo_mini_batch_size": 4, "rollout.n": 4,
-                            "actor.ppo_micro_batch_size": 16, "num_threads": 1})
+    cfg = tiny_run(**{"total_steps": 2, "model.warmup_sft_steps": 10,
+                      "actor.ppo_micro_batch_size": 16})
     spec = prepare_run(cfg, str(tmp_path / "store"), "r", log_fn=lambda *_: None)
     first, _ = RunWorkers(spec).rollout(0)
     actor = WORKERS.held(spec)

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from tests.presets import tiny_run
 from verl_core.checkpoint import CheckpointManager
 from verl_core.store import RunStore
-from verl_core.config import preset
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, StateUnavailableError, get_batch, put_batch
 from verl_core.trainer import compute_advantages, prepare_assets, score_batch
@@ -18,14 +18,11 @@ STEPS = 5
 
 
 def _cfg(**over):
-    base = {"total_steps": STEPS, "model.warmup_sft_steps": 20, "model.warmup_target_accuracy": 1.0,
-            "data.synthetic_train_size": 128, "data.synthetic_val_size": 16,
-            "data.train_batch_size": 8, "actor.ppo_mini_batch_size": 4, "rollout.n": 4,
-            "actor.ppo_micro_batch_size": 8, "checkpoint.checkpoint_interval": 2,
-            "checkpoint.async_save": False, "num_threads": 1}
-    base.update(over)
-    return preset("ppo", **{**base, "algorithm.use_kl_in_reward": True,
-                            "algorithm.kl_ctrl_type": "adaptive"})
+    return tiny_run("ppo", **{
+        "total_steps": STEPS, "model.warmup_sft_steps": 20, "data.synthetic_train_size": 128,
+        "data.synthetic_val_size": 16, "checkpoint.checkpoint_interval": 2,
+        "checkpoint.async_save": False, **over,
+        "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl_type": "adaptive"})
 
 
 def _weights_sha(worker) -> str:

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
+from tests.presets import tiny_run
 from verl_core.config import ConfigError, RunConfig, preset, with_overrides
 from verl_core.data.batch import Batch
 from verl_core.data.dataset import load_prompt_rows, render_prompt
@@ -253,19 +254,17 @@ def test_a_folder_that_is_no_one_label_classifier_fails_before_any_work(tmp_path
 
 
 # ---------------------------------------------------------------- real short runs
-SMALL = {"total_steps": 2, "model.warmup_sft_steps": 10, "model.warmup_target_accuracy": 1.0,
-         "data.synthetic_train_size": 64, "data.synthetic_val_size": 8,
-         "data.train_batch_size": 8, "actor.ppo_mini_batch_size": 4, "rollout.n": 4,
-         "actor.ppo_micro_batch_size": 16, "num_threads": 1}
+SMALL = {"total_steps": 2, "model.warmup_sft_steps": 10, "actor.ppo_micro_batch_size": 16}
+"""Where these runs differ from :data:`tests.presets.TINY`."""
 
 
 @pytest.mark.slow
 def test_plain_loop_trains_on_the_model_score_added_to_the_rule_score(tmp_path, rm_dir):
     from verl_core.train import train
 
-    cfg = preset("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": rm_dir,
-                                     "reward_model.combine": "add",
-                                     "reward_model.micro_batch_size": 5})
+    cfg = tiny_run("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": rm_dir,
+                                       "reward_model.combine": "add",
+                                       "reward_model.micro_batch_size": 5})
     summary = train(cfg, str(tmp_path / "run"), log=lambda *_: None)
     assert [h["step"] for h in summary["history"]] == [1, 2]
     for h in summary["history"]:
@@ -288,8 +287,8 @@ def test_phase_functions_score_on_the_worker_with_the_stored_reward_model(tmp_pa
 
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))
     copy = shutil.copytree(rm_dir, tmp_path / "rm-copy")
-    cfg = preset("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": str(copy),
-                                     "reward_model.micro_batch_size": 3})
+    cfg = tiny_run("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": str(copy),
+                                       "reward_model.micro_batch_size": 3})
     spec = prepare_run(cfg, str(tmp_path / "store"), "rm", log_fn=lambda *_: None)
     index = json.loads(spec.assets_json)
     assert sorted(index["reward_model"]) == sorted(os.listdir(copy))
@@ -336,9 +335,10 @@ def test_two_workers_each_score_their_share_and_rank0_gathers(tmp_path, rm_dir, 
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))  # the actors inherit it
-    cfg = preset("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": rm_dir,
-                                     "reward_model.combine": "add",
-                                     "trainer.n_gpus_per_node": 2, "trainer.worker_timeout_s": 120.0})
+    cfg = tiny_run("grpo", **SMALL, **{"reward_model.enable": True, "reward_model.path": rm_dir,
+                                       "reward_model.combine": "add",
+                                       "trainer.n_gpus_per_node": 2,
+                                       "trainer.worker_timeout_s": 120.0})
     spec = prepare_run(cfg, str(tmp_path / "store"), "w2", log_fn=lambda *_: None)
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
