@@ -75,6 +75,7 @@ def checkpoint_doc(name: str) -> str:
 
 
 def inflight_doc(write_id: str) -> str:
+    """The marker of one checkpoint write in progress (its kind, step and start time)."""
     return f"{INFLIGHT}/{write_id}"
 
 
@@ -102,6 +103,7 @@ def eval_samples_doc(trajectory: str, step: int) -> str:
 
 
 def validation_folder(trajectory: str) -> str:
+    """Where the trajectory's batch validation reports are (:func:`report_doc`)."""
     return f"validation/{short_hash(trajectory)}"
 
 
@@ -111,6 +113,7 @@ def report_doc(trajectory: str, step: int, stage: str) -> str:
 
 
 def event_folder(trajectory: str) -> str:
+    """Where the trajectory's guard events are, one doc each (``guard/events.py`` names them)."""
     return f"events/{short_hash(trajectory)}"
 
 
@@ -130,6 +133,7 @@ def metrics_table_path(trajectory: str) -> str:
 
 
 def asset_index_doc(index_id: str) -> str:
+    """An asset index (model and dataset files by hash), named by its own id."""
     return f"assets/{index_id}"
 
 

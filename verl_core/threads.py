@@ -24,11 +24,10 @@ import socket
 
 from verl_core.config import ConfigError, RunConfig
 from verl_core.errors import CorruptObjectError
+from verl_core.layout import COMPUTE_DOC
 
 log = logging.getLogger(__name__)
 
-RECORD = "compute"
-"""Doc ``compute.json`` of a run store: ``{"num_threads": n, ...}`` written at its first prepare."""
 
 
 def host_cpus() -> int:
@@ -62,33 +61,33 @@ def pin_num_threads(st, cfg: RunConfig) -> RunConfig:
     doc = _read(st)
     if doc is None:
         n = intra_op_threads(cfg)
-        st.put_json(RECORD, {"num_threads": n, "host": socket.gethostname(),
+        st.put_json(COMPUTE_DOC, {"num_threads": n, "host": socket.gethostname(),
                              "host_cpus": host_cpus(), "world_size": cfg.trainer.world_size,
                              "explicit": bool(cfg.num_threads)}, create_only=True)
         # a concurrent first prepare may have won the create: its count holds
         doc = _read(st) or {"num_threads": n}
         if doc["num_threads"] == n:  # logged, not printed: a prepare prints nothing before work
             log.info("intra-op threads: %d per worker, recorded for this run in %s/%s.json "
-                     "(every later rebuild, on any host, uses it)", n, st.uri, RECORD)
+                     "(every later rebuild, on any host, uses it)", n, st.uri, COMPUTE_DOC)
     n = doc["num_threads"]
     if cfg.num_threads and cfg.num_threads != n:
         raise ConfigError(
             f"run.num_threads={cfg.num_threads}: this run computes with {n} intra-op threads per "
-            f"worker (recorded at its first prepare in {st.uri}/{RECORD}.json); a different count "
-            "changes the float sums, so resumes and rebuilds would no longer reproduce its "
+            f"worker (recorded at its first prepare in {st.uri}/{COMPUTE_DOC}.json); a different "
+            "count changes the float sums, so resumes and rebuilds would no longer reproduce its "
             f"weights bit for bit. Leave num_threads at 0 (or {n}) to continue it, or start a "
             "new --run-name")
     return dataclasses.replace(cfg, num_threads=n)
 
 
 def _read(st) -> dict | None:
-    doc = st.get_json(RECORD, default=None)
+    doc = st.get_json(COMPUTE_DOC, default=None)
     if doc is None:
         return None
     n = doc.get("num_threads") if isinstance(doc, dict) else None
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise CorruptObjectError(
-            f"{RECORD}.json in {st.uri} does not hold a positive num_threads ({doc!r}); restore "
-            f"it, or delete it to record this host's count (a run's weights then differ in the "
-            "last bits from what the old count computed)", path=st.doc_path(RECORD))
+            f"{COMPUTE_DOC}.json in {st.uri} does not hold a positive num_threads ({doc!r}); "
+            f"restore it, or delete it to record this host's count (a run's weights then differ in "
+            "the last bits from what the old count computed)", path=st.doc_path(COMPUTE_DOC))
     return doc

@@ -48,6 +48,7 @@ import numpy as np
 import pandas as pd
 
 from verl_core.errors import PermanentError
+from verl_core.layout import report_doc
 
 if TYPE_CHECKING:
     from verl_core.store import RunStore
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STAGES", "DataValidationError", "DataValidationWarning", "ExpectationOutcome",
            "ValidationReport", "declared_score_range", "validate_dataset",
-           "validate_dataset_files", "validate_batch", "validate_and_record", "report_doc",
+           "validate_dataset_files", "validate_batch", "validate_and_record",
            "read_reports", "report_html"]
 
 STAGES = ("rollout", "reward", "advantage")
@@ -620,11 +621,6 @@ def validate_batch(batch: "Batch", stage: str, cfg: "RunConfig", *,
 
 
 # ---------------------------------------------------------------------- the run store
-def report_doc(config_hash: str, step: int, stage: str) -> str:
-    """Run-store doc name of a batch's validation report (next to ``pending/``, ``lineage/``)."""
-    return f"validation/{config_hash[:16]}/{step:09d}-{stage}"
-
-
 def validate_and_record(store: "RunStore", config_hash: str, step: int, stage: str,
                         batch: "Batch", cfg: "RunConfig") -> ValidationReport | None:
     """:func:`validate_batch`, with the report written to the run store (:func:`report_doc`),

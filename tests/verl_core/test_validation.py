@@ -15,12 +15,13 @@ from verl_core.store import canonical_json
 from verl_core.config import ConfigError, with_overrides
 from verl_core.engine.workers import WORKERS, RunWorkers
 from verl_core.prepare import prepare_run
-from verl_core.engine.worker import get_batch, pending_doc, put_batch
+from verl_core.engine.worker import get_batch, put_batch
+from verl_core.layout import pending_doc, report_doc
 from verl_core.models import load_tokenizer
 from verl_core.train import main
 from verl_core.types import PhaseOut
 from verl_core.validation import (DataValidationError, DataValidationWarning, ValidationReport,
-                                  declared_score_range, read_reports, report_doc, report_html,
+                                  declared_score_range, read_reports, report_html,
                                   sample_rows, validate_batch, validate_dataset)
 
 ROLLOUT_ROW = 5  # the row a crafted fault goes into

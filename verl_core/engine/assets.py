@@ -27,6 +27,7 @@ import threading
 
 import fsspec
 
+from verl_core.layout import asset_index_doc, asset_record_doc
 from verl_core.store import RunStore, check_sha256, resolve_storage_options, sha256_hex
 from verl_core.errors import PermanentError
 from verl_core.trainer import Assets
@@ -132,7 +133,7 @@ def publish_assets(store: RunStore, assets: Assets, storage_options: dict | None
     call created is removed again: a failed prepare keeps nothing alive (gc may delete what it
     copied)."""
     index, blobs, _ = indexed or index_assets(assets, storage_options)
-    created = store.put_json(f"assets/{index['id']}", index, create_only=True)
+    created = store.put_json(asset_index_doc(index["id"]), index, create_only=True)
     try:
         store.map(lambda kv: store.put_parts([kv[1]], sha=kv[0]), list(blobs.items()))
     except BaseException:
@@ -146,7 +147,7 @@ def unpublish_assets(store: RunStore, index: dict) -> None:
     """Remove the index doc of ``index`` (its objects become garbage unless a recorded run or
     another root names them): what a prepare that failed after :func:`publish_assets` undoes."""
     try:
-        store.delete_json(f"assets/{index['id']}")
+        store.delete_json(asset_index_doc(index["id"]))
     except Exception as e:  # noqa: BLE001 - the original failure is what the caller reports
         log.warning("could not remove the asset index %s of a failed prepare: %s", index["id"], e)
 
@@ -162,7 +163,7 @@ GIVEN_KINDS = ("model", "train", "val", "reward_model")
 
 def _record_doc(trajectory: str) -> str:
     # under assets/, a gc root folder: a recorded run's files are never collected
-    return f"assets/trajectories/{check_sha256(trajectory, 'trajectory hash')}"
+    return asset_record_doc(check_sha256(trajectory, "trajectory hash"))
 
 
 def check_pinned(store: RunStore, trajectory: str, given: tuple[str, ...],
@@ -198,7 +199,7 @@ def check_pinned(store: RunStore, trajectory: str, given: tuple[str, ...],
             "on other files and load its reference model from them. Either start a new run "
             "(another --run-name), or train on the files as they are now as a new trajectory "
             "of this run: --overrides '{\"data.assets_id\": \"" + index["id"] + "\"}'")
-    pinned = store.get_json(f"assets/{check_sha256(record['index'], 'asset index id')}")
+    pinned = store.get_json(asset_index_doc(check_sha256(record["index"], "asset index id")))
     return pinned
 
 

@@ -47,13 +47,13 @@ from typing import Optional
 
 from verl_core.store import RunStore, canonical_json
 from verl_core.errors import PermanentError, StoreUnavailableError, VerlError
+from verl_core.layout import LEASE_DOC
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RunLease", "Holder", "Fence", "LeaseHeldError", "LeaseLostError", "FencedError",
            "read_lease", "break_lease", "default_owner", "LEASE_DOC"]
 
-LEASE_DOC = "lease"
 FORMAT = "verl-run-lease/1"
 _ATTEMPTS = 20
 """Compare-and-swap rounds lost in a row before giving up (as transient): contenders resolve in
