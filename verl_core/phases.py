@@ -31,10 +31,11 @@ from verl_core.errors import CorruptObjectError, TransientError
 from verl_core.checkpoint.hf_export import publish_export
 from verl_core.engine.assets import materialize_assets
 from verl_core.engine.worker import checkpoint_due as _due
-from verl_core.engine.worker import get_batch, pending_doc, put_batch
+from verl_core.engine.worker import get_batch, put_batch
 from verl_core.engine.workers import WORKERS, RunWorkers
 from verl_core.guard import faults
 from verl_core.guard.writer import commit_fence, release_lease
+from verl_core.layout import export_path, metrics_table_path, pending_doc
 from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer
 from verl_core.runlog import metrics_table, record_step_metrics
@@ -196,15 +197,14 @@ def finalize(spec: RunSpec, state: StepState) -> dict:
     # every checkpoint of the run verified (re-hashed); a damaged one is rebuilt and saved again
     scrubbed = workers.scrub(step)
     st = spec.open_store()
-    tag = f"{spec.config_hash[:12]}-step{step:06d}"
     with tempfile.TemporaryDirectory(prefix="verl-export-") as tmp:
         workers.export_final(step, tmp)
-        final_uri = f"{st.uri}/exports/{tag}"
+        final_uri = f"{st.uri}/{export_path(spec.config_hash, step)}"
         fs, path = fsspec.core.url_to_fs(final_uri, **st.storage_options)
         # renamed into place (local) or config.json + marker last (S3), under the run's lease
         publish_export(tmp, fs, path, fence=commit_fence(spec))
     df = metrics_table(spec)
-    table_uri = f"{st.uri}/metrics/{spec.config_hash[:12]}.parquet"
+    table_uri = f"{st.uri}/{metrics_table_path(spec.config_hash)}"
     fs, path = fsspec.core.url_to_fs(table_uri, **st.storage_options)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "wb") as f:

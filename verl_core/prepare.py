@@ -17,6 +17,7 @@ from verl_core.engine.assets import (GIVEN_KINDS, check_pinned, index_assets, pu
                                      record_assets, unpublish_assets)
 from verl_core.errors import UnsafeManifestError
 from verl_core.guard.writer import LEASES
+from verl_core.layout import asset_index_doc
 from verl_core.store import RunStore, check_doc_name
 from verl_core.threads import pin_num_threads
 from verl_core.trainer import prepare_assets
@@ -70,7 +71,7 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
         pinned = check_pinned(st, h, given, sources, index, cfg.data.assets_id)
         # only an index this prepare created is undone on failure (another trajectory of the
         # run may share it)
-        published = pinned is None and not st.has_json(f"assets/{index['id']}")
+        published = pinned is None and not st.has_json(asset_index_doc(index["id"]))
         index = pinned or publish_assets(st, assets, indexed=indexed)
     try:
         start = resume_step(st, cfg)

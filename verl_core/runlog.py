@@ -14,7 +14,7 @@ import socket
 import time
 
 from verl_core.guard.events import read_events
-from verl_core.engine.worker import eval_samples_doc
+from verl_core.layout import PHASE_LOG, eval_samples_doc, metrics_log, short_hash
 from verl_core.tracking import Trackers, default_run_name, flat_params
 from verl_core.types import STORES, RunSpec
 
@@ -27,14 +27,14 @@ def log_phase(spec: RunSpec, phase: str, step: int, metrics: dict | None = None,
     """Append one record to the run store's phase execution log (only executed phases write:
     a cache hit never runs the task body). ``time`` is when the phase body finished."""
     rec = {"phase": phase, "step": step, "time": time.time(), "started": started, "pid": os.getpid(),
-           "host": socket.gethostname(), "config_hash": spec.config_hash[:16]}
+           "host": socket.gethostname(), "config_hash": short_hash(spec.config_hash)}
     if metrics:
         rec["metrics"] = {k: float(v) for k, v in metrics.items()}
-    spec.open_store().append_log("phases", rec)
+    spec.open_store().append_log(PHASE_LOG, rec)
 
 
 def read_phase_log(store_uri: str) -> list[dict]:
-    return STORES.open(store_uri).read_log("phases")
+    return STORES.open(store_uri).read_log(PHASE_LOG)
 
 
 # ---------------------------------------------------------------------- metrics + trackers
@@ -51,7 +51,7 @@ class OpenTrackers:
             cfg = spec.config
             self._open[spec.key] = Trackers(
                 cfg.tracking, run_name=default_run_name(spec.store), config_hash=spec.config_hash,
-                run_key=f"{spec.config_hash[:16]}-{spec.incarnation[:16]}",
+                run_key=f"{short_hash(spec.config_hash)}-{spec.incarnation[:16]}",
                 params=flat_params(cfg.to_dict()))
         return self._open[spec.key]
 
@@ -73,7 +73,7 @@ def record_step_metrics(spec: RunSpec, step: int, metrics: dict) -> None:
     guard = event_metrics(step_events(spec, step - 1)) if step > 0 else {}
     record = {"step": step, "time": time.time(),
               **{k: float(v) for k, v in {**metrics, **guard}.items()}}
-    spec.open_store().append_log(f"metrics-{spec.config_hash[:16]}", record)
+    spec.open_store().append_log(metrics_log(spec.config_hash), record)
     trackers = TRACKERS.of(spec)
     if trackers.enabled:
         trackers.log(step, record, walltime=record["time"])
@@ -84,7 +84,7 @@ def metrics_table(spec: RunSpec):
     crash appends again)."""
     import pandas as pd
 
-    rows = spec.open_store().read_log(f"metrics-{spec.config_hash[:16]}")
+    rows = spec.open_store().read_log(metrics_log(spec.config_hash))
     if not rows:
         return pd.DataFrame({"step": []})
     df = pd.DataFrame(rows).sort_values(["step", "time"])

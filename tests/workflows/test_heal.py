@@ -22,7 +22,8 @@ def _flip(path, n=64):
 
 
 def test_flipped_pending_batches_then_plain_rerun_ends_identical(tmp_path, reference_run):
-    from verl_core.engine.worker import PENDING_PHASES, pending_doc
+    from verl_core.engine.worker import PENDING_PHASES
+    from verl_core.layout import pending_doc
     from verl_core.store import RunStore
 
     ref_sha = _final_weights_sha(_summary(reference_run(STEPS).stdout))

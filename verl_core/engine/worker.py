@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from verl_core.checkpoint.hf_export import TOKENIZER_DOC, export_trained, store_tokenizer
+from verl_core.checkpoint.hf_export import export_trained, store_tokenizer
 from verl_core.checkpoint.local_tier import Replicator, open_local_store
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
 from verl_core.store import NotFoundError, RunStore, is_sha256, sha256_hex
@@ -40,6 +40,7 @@ from verl_core.errors import (CheckpointNotFoundError, CorruptObjectError, Perma
 from verl_core.guard import checks, faults
 from verl_core.guard.faults import maybe_inject
 from verl_core.guard.lease import FencedError
+from verl_core.layout import TOKENIZER_DOC, eval_samples_doc, lineage_doc, pending_doc
 from verl_core.trainer import RLTrainer, compute_advantages
 from verl_core.training import sharding
 from verl_core.training.dist import SINGLE, DataParallel
@@ -78,13 +79,6 @@ RECOVER = ("re-run the same command with --overwrite-cache (pyflyte run --overwr
 """The one command that recovers a run whose stored data cannot be rebuilt from the store."""
 
 
-def pending_doc(config_hash: str, step: int, phase: str) -> str:
-    """Name of the doc that keeps a phase's output batch alive until the update of ``step`` has
-    consumed it: a re-run whose earlier phases were cache hits reads those batches, so garbage
-    collection must not delete them (``pending/`` is a gc root folder)."""
-    return f"pending/{config_hash[:16]}/{step:09d}-{phase}"
-
-
 def put_batch(store: RunStore, batch: Batch, *, pending: str | None = None) -> str:
     """Store ``batch`` as a parquet object; with ``pending`` (a :func:`pending_doc` name), also
     record it as a gc root. The root is written *before* the object, so a concurrent gc (which
@@ -112,11 +106,6 @@ def checkpoint_due(cfg: RunConfig, step: int) -> bool:
 
 EVAL_SAMPLES = 8
 """Greedy held-out responses (prompt, response, score) each evaluation keeps for the reports."""
-
-
-def eval_samples_doc(config_hash: str, step: int) -> str:
-    """Name of the doc with the evaluation samples of the state after ``step`` updates."""
-    return f"eval-samples/{config_hash[:16]}/{step:09d}"
 
 
 def _digest(record: dict) -> str:
@@ -190,7 +179,7 @@ class RunWorker:
 
     # ------------------------------------------------------------------ state
     def _lineage(self, step: int) -> str:
-        return f"lineage/{self.config_hash[:16]}/{step:09d}"
+        return lineage_doc(self.config_hash, step)
 
     @contextlib.contextmanager
     def _changing_state(self):

@@ -11,7 +11,8 @@ from verl_core import phases
 from verl_core.engine.workers import WORKERS, RunWorkers
 from verl_core.prepare import prepare_run
 from verl_core.types import PhaseOut
-from verl_core.engine.worker import PENDING_PHASES, pending_doc
+from verl_core.engine.worker import PENDING_PHASES
+from verl_core.layout import pending_doc
 from tests.damage import flip_bytes
 from tests.presets import tiny_run
 

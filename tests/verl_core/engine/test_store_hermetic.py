@@ -13,7 +13,8 @@ from verl_core.checkpoint.__main__ import main as checkpoint_cli
 from verl_core.store import RunStore
 from verl_core.engine import assets as assets_mod
 from verl_core.engine.assets import publish_assets
-from verl_core.engine.worker import get_batch, pending_doc, put_batch
+from verl_core.engine.worker import get_batch, put_batch
+from verl_core.layout import pending_doc
 from verl_core.trainer import compute_advantages, score_batch
 
 

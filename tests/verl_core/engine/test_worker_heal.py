@@ -16,8 +16,9 @@ import pytest
 
 from verl_core import phases
 from verl_core.engine.workers import WORKERS
-from verl_core.engine.worker import StateUnavailableError, pending_doc
+from verl_core.engine.worker import StateUnavailableError
 from verl_core.errors import CorruptObjectError
+from verl_core.layout import pending_doc
 from verl_core.store import RunStore
 
 
