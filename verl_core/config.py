@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from verl_core.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorTraits
 from verl_core.algorithms.policy_losses import POLICY_LOSSES as POLICY_LOSS_REGISTRY
+from verl_core.algorithms.policy_losses import PolicyLossOptions
 
 
 class ConfigError(ValueError):
@@ -399,9 +400,11 @@ BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 
 
 @dataclass(frozen=True)
-class AlgorithmConfig:
+class AlgorithmConfig(PolicyLossOptions):
     """Advantage estimation, policy loss and KL regularisation (verl's ``algorithm`` +
-    ``actor`` loss fields)."""
+    ``actor`` loss fields). The options only some losses read (verl's ``actor.policy_loss.*``,
+    ``actor.tau_*``, ``algorithm.rollout_correction.*``) are the fields it inherits from
+    :class:`~verl_core.algorithms.policy_losses.PolicyLossOptions`; their checks are here."""
 
     adv_estimator: str = in_trajectory("grpo")
     """Advantage estimator: a name (or alias) of ``ADVANTAGE_ESTIMATORS``
@@ -452,40 +455,9 @@ class AlgorithmConfig:
     vf_coef: float = in_trajectory(1.0)
     """Weight of the value loss (critic has its own optimizer; kept for verl parity)."""
 
-    # -- policy-loss options (verl actor.loss_scale_factor, actor.policy_loss.*, actor.tau_*,
-    #    algorithm.rollout_correction.*); defaults are verl's
     loss_scale_factor: float = in_trajectory(0.0)
     """The constant C of ``seq-mean-token-sum-norm`` (Dr. GRPO: the generation budget); 0 divides
-    by the batch's padded response width, as verl's null."""
-    clip_cov_ratio: float = in_trajectory(0.0002)
-    """clip_cov: fraction of the valid tokens whose gradient is detached, in (0, 1]."""
-    clip_cov_lb: float = in_trajectory(1.0)
-    """clip_cov: lower bound of the advantage-logp covariance of a candidate token."""
-    clip_cov_ub: float = in_trajectory(5.0)
-    """clip_cov: upper bound of the covariance of a candidate token (> clip_cov_lb)."""
-    kl_cov_ratio: float = in_trajectory(0.0002)
-    """kl_cov: fraction of the valid tokens (largest covariance) given the |log ratio| penalty."""
-    ppo_kl_coef: float = in_trajectory(0.1)
-    """kl_cov: coefficient of the |log ratio| penalty."""
-    tau_pos: float = in_trajectory(1.0)
-    """sapo: gate temperature for positive-advantage tokens (> 0)."""
-    tau_neg: float = in_trajectory(1.05)
-    """sapo: gate temperature for the other tokens (> 0)."""
-    dro_beta: float = in_trajectory(0.0)
-    """dro: coefficient of the quadratic log-ratio penalty; must be set > 0 for ``dro``."""
-    rollout_is: str = in_trajectory("")
-    """Rollout correction: importance weights pi_train / pi_rollout per ``token`` or per
-    ``sequence``, multiplying every policy loss (``bypass_mode``: its reinforce form); empty: off."""
-    rollout_is_threshold: float = in_trajectory(2.0)
-    """Rollout correction: upper bound of the weights (truncated IS)."""
-    rollout_is_threshold_lower: float = in_trajectory(0.0)
-    """Rollout correction: > 0 zeroes weights outside [lower, threshold] (IcePop) instead of
-    truncating; must be <= rollout_is_threshold."""
-    rollout_is_batch_normalize: bool = in_trajectory(False)
-    """Rollout correction: rescale the weights to mean 1 over the batch (not with bypass_mode)."""
-    bypass_loss_type: str = in_trajectory("ppo_clip")
-    """bypass_mode: ``ppo_clip`` (PPO against the rollout log-probs) or ``reinforce`` (importance-
-    weighted REINFORCE); verl's ``rollout_correction.loss_type``."""
+    by the batch's padded response width, as verl's null (verl's ``actor.loss_scale_factor``)."""
 
     def __post_init__(self):
         _check_types("algorithm", self)

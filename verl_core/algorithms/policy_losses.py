@@ -32,7 +32,7 @@ rollout importance weights (``rollout_correction.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -44,39 +44,51 @@ from verl_core.algorithms.rollout_correction import rollout_is_weights as _rollo
 from verl_core.algorithms.utils import masked_mean, masked_sum
 
 
+def _option(default):
+    # every option changes the loss, so it is part of a run's trajectory (the field metadata
+    # ``verl_core.config.TRAJECTORY`` that RunConfig.trajectory_hash reads)
+    return field(default=default, metadata={"trajectory": True})
+
+
 @dataclass(frozen=True)
 class PolicyLossOptions:
     """Hyper-parameters read by some losses only; defaults are verl's (``actor.yaml``,
-    ``rollout_correction.yaml``). The same names are ``AlgorithmConfig`` fields."""
+    ``rollout_correction.yaml``). ``verl_core.config.AlgorithmConfig`` inherits these fields, so
+    they are ``algorithm.*`` config keys under the same names, declared once here."""
 
-    clip_cov_ratio: float = 0.0002
-    """clip_cov: fraction r of the valid tokens whose gradient is detached."""
-    clip_cov_lb: float = 1.0
-    """clip_cov: only tokens with covariance > this are candidates."""
-    clip_cov_ub: float = 5.0
-    """clip_cov: only tokens with covariance < this are candidates."""
-    kl_cov_ratio: float = 0.0002
-    """kl_cov: fraction k of the valid tokens (largest covariance) given the KL penalty."""
-    ppo_kl_coef: float = 0.1
+    clip_cov_ratio: float = _option(0.0002)
+    """clip_cov: fraction r of the valid tokens whose gradient is detached, in (0, 1]."""
+    clip_cov_lb: float = _option(1.0)
+    """clip_cov: only tokens with advantage-logp covariance > this are candidates."""
+    clip_cov_ub: float = _option(5.0)
+    """clip_cov: only tokens with covariance < this are candidates (> clip_cov_lb)."""
+    kl_cov_ratio: float = _option(0.0002)
+    """kl_cov: fraction k of the valid tokens (largest covariance) given the |log ratio|
+    penalty, in (0, 1]."""
+    ppo_kl_coef: float = _option(0.1)
     """kl_cov: coefficient of |log ρ| on the selected tokens (verl's yaml 0.1; its code falls
     back to 1.0 when the yaml value is missing)."""
-    tau_pos: float = 1.0
-    """sapo: gate temperature for tokens with A > 0."""
-    tau_neg: float = 1.05
-    """sapo: gate temperature for tokens with A <= 0."""
-    dro_beta: float = 0.0
+    tau_pos: float = _option(1.0)
+    """sapo: gate temperature for tokens with A > 0 (> 0)."""
+    tau_neg: float = _option(1.05)
+    """sapo: gate temperature for tokens with A <= 0 (> 0)."""
+    dro_beta: float = _option(0.0)
     """dro: coefficient β of the quadratic log-ratio penalty; 0 means unset (verl's null), which
-    dro refuses."""
-    rollout_is: str = ""
-    """bypass_mode: IS level of its reinforce form, ``token`` or ``sequence``; empty: no weights."""
-    rollout_is_threshold: float = 2.0
-    """bypass_mode: upper bound of the IS weights (truncation, or IcePop's upper bound)."""
-    rollout_is_threshold_lower: float = 0.0
-    """bypass_mode: IcePop's lower bound; 0 truncates (TIS) instead of masking."""
-    rollout_is_batch_normalize: bool = False
-    """bypass_mode: rescale the weights to mean 1 over the tokens the loss is given."""
-    bypass_loss_type: str = "ppo_clip"
-    """bypass_mode: ``ppo_clip`` (vanilla against the rollout log-probs) or ``reinforce``."""
+    dro refuses: set it > 0 for ``dro``."""
+    rollout_is: str = _option("")
+    """Rollout correction: importance weights pi_train / pi_rollout per ``token`` or per
+    ``sequence``, multiplying every policy loss (``bypass_mode``: its reinforce form); empty: off."""
+    rollout_is_threshold: float = _option(2.0)
+    """Rollout correction: upper bound of the weights (truncated IS, or IcePop's upper bound)."""
+    rollout_is_threshold_lower: float = _option(0.0)
+    """Rollout correction: > 0 zeroes weights outside [lower, threshold] (IcePop) instead of
+    truncating (TIS); must be <= rollout_is_threshold."""
+    rollout_is_batch_normalize: bool = _option(False)
+    """Rollout correction: rescale the weights to mean 1 over the tokens the loss is given (not
+    with bypass_mode)."""
+    bypass_loss_type: str = _option("ppo_clip")
+    """bypass_mode: ``ppo_clip`` (vanilla against the rollout log-probs) or ``reinforce``
+    (importance-weighted REINFORCE); verl's ``rollout_correction.loss_type``."""
 
 
 DEFAULT_OPTIONS = PolicyLossOptions()
