@@ -114,7 +114,7 @@ def reward(spec: RunSpec, sampled: PhaseOut) -> PhaseOut:
         tok, scorer = LIGHT.of(spec)
         batch, metrics = score_batch(_input_batch(spec, step, "rollout", sampled.batch), scorer,
                                      tok)
-    if faults.take("nan_reward", "reward", step):  # a VERL_FAULTS drill; None otherwise
+    if faults.hook("reward_scored", step):  # a VERL_FAULTS drill (nan_reward); None otherwise
         batch = get_batch(st, ref) if batch is None else batch
         score = batch.score.clone()
         score[0] = float("nan")

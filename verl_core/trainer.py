@@ -714,7 +714,7 @@ class RLTrainer:
     def _ppo_update(self, batch: Batch, step: int) -> dict:
         c, G = self.cfg, self.cfg.rollout.n
         # a VERL_FAULTS drill (nan_grad): NaN gradients after the first backward; else None
-        poison = _poison_gradients if faults.take("nan_grad", "update", step) else None
+        poison = _poison_gradients if faults.hook("after_backward", step) else None
         return ppo_update(
             self.actor, self.actor_optimizer, self.actor_scheduler, batch, c.algorithm,
             temperature=c.rollout.temperature, mini_batch_rows=c.actor.ppo_mini_batch_size * G,

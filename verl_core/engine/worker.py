@@ -614,20 +614,17 @@ class RunWorker:
         out = {"checkpoint/saved": 1.0, "checkpoint/blocked_s": time.perf_counter() - t0}
         if self.replicator is not None:
             out.update(self.replicator.metrics())
-        if self.leader and faults.take("corrupt_object", "checkpoint", step):  # a drill
+        if self.leader and faults.hook("checkpoint_committed", step):  # a VERL_FAULTS drill
             self._corrupt_checkpoint(step)
         return out
 
     def _corrupt_checkpoint(self, step: int) -> None:
-        """VERL_FAULTS ``corrupt_object``: once the checkpoint of ``step`` committed, overwrite
-        its largest object with garbage (bit rot, a bad disk). Loads and :meth:`scrub` find it."""
+        """VERL_FAULTS ``corrupt_object`` (:func:`~verl_core.guard.faults.corrupt_checkpoint`)
+        on the checkpoint of ``step``, once its write has committed."""
         self.wait_checkpoints()
         info = next(i for i in self.ckpt.list_checkpoints()
                     if i.step == step and i.config_hash == self.config_hash and i.error is None)
-        _, m = self.ckpt.read_manifest(info.name)
-        sha = max(m["objects"], key=m["objects"].get)
-        log.warning("VERL_FAULTS: corrupting object %s of checkpoint %s", sha[:12], info.name)
-        faults.corrupt_object(self.store, sha)
+        faults.corrupt_checkpoint(self.store, info.name, self.ckpt.read_manifest(info.name)[1])
 
     def scrub(self, step: int) -> dict:
         """Verify every checkpoint of this trajectory (every object re-hashed) and repair the

@@ -30,6 +30,11 @@ except ``permanent`` and ``hang`` which default to every time). Kinds:
 Phases: the task-level names (``rollout``, ``reward``, ``advantage``, ``update``, ``checkpoint``,
 ``evaluate``, ``finalize``), plus ``update-rank<r>`` inside worker r of a worker group, in the
 middle of its update (after the batch is read, before the optimizer steps).
+
+Where they fire, all from here: a phase task calls :func:`maybe_inject` at its start (each worker
+of a group at ``update-rank<r>``); the in-code kinds at the named points of :data:`HOOKS`
+(:func:`hook`); ``store_outage`` in every run-store call (``store.before_io``); ``second_writer``
+against the lease the writer code reports with :func:`lease_held`.
 """
 
 from __future__ import annotations
@@ -47,13 +52,19 @@ log = logging.getLogger(__name__)
 
 KINDS = ("transient", "permanent", "hang", "kill", "slow", "store_outage", "nan_grad",
          "nan_reward", "corrupt_object", "second_writer")
-IN_CODE = ("nan_grad", "nan_reward", "corrupt_object")
-"""Kinds that the phase's own code applies (through :func:`take`), not :func:`maybe_inject`."""
+HOOKS = {"reward_scored": ("reward", "nan_reward"),
+         "after_backward": ("update", "nan_grad"),
+         "checkpoint_committed": ("checkpoint", "corrupt_object")}
+"""The named points in the library's code where a fault is applied by that code itself
+(:func:`hook`): point -> (phase, kind). The reward phase once its scores are computed, the update
+after its first backward, the checkpoint phase once the checkpoint of its step committed."""
+IN_CODE = tuple(kind for _, kind in HOOKS.values())
+"""Kinds that the phase's own code applies (at a :data:`HOOKS` point), not :func:`maybe_inject`."""
 
 
 PHASES = ("rollout", "reward", "advantage", "update", "checkpoint", "evaluate", "finalize")
 """The task-level phases a fault can name (plus ``update-rank<r>``, see the module docstring)."""
-IN_CODE_PHASE = {"nan_grad": "update", "nan_reward": "reward", "corrupt_object": "checkpoint"}
+IN_CODE_PHASE = {kind: phase for phase, kind in HOOKS.values()}
 """The one phase whose code applies each in-code kind: elsewhere it would never fire."""
 _KEYS = {"kind", "phase", "step", "times", "seconds"}
 
@@ -195,8 +206,10 @@ def maybe_inject(phase: str, step: int, *, deadline_s: float = 0.0) -> None:
                 _second_writer(f)
 
 
-def take(kind: str, phase: str, step: int) -> dict | None:
-    """The in-code fault ``kind`` declared for (phase, step), if it fires now (counted)."""
+def hook(point: str, step: int) -> dict | None:
+    """The fault declared for hook ``point`` (:data:`HOOKS`) of ``step``, if it fires now
+    (counted): the code at that point applies it. None without VERL_FAULTS."""
+    phase, kind = HOOKS[point]
     for f in _matching(phase, step, (kind,)):
         if _fires(f, phase, step, 1):
             log.warning("VERL_FAULTS: injecting %s in %s of step %d", kind, phase, step)
@@ -224,22 +237,50 @@ def _store_outage(what: str) -> None:
 before_io(_store_outage)
 
 
-_SECOND_WRITER_HOOK = None
+_LEASE: tuple | None = None
+"""(store, ttl_s) of the writer lease this process holds: what a ``second_writer`` fault tries
+to take too."""
 
 
-def set_second_writer_hook(fn) -> None:
-    """``fn(fault) -> None`` launched by a ``second_writer`` fault: it starts a second writer of
-    the run and raises if that writer was admitted (the run's lease code installs it)."""
-    global _SECOND_WRITER_HOOK
-    _SECOND_WRITER_HOOK = fn
+def lease_held(store, ttl_s: float) -> None:
+    """Hook: this process holds (took or renewed) the run's writer lease on ``store``."""
+    global _LEASE
+    _LEASE = (store, ttl_s)
+
+
+def lease_released() -> None:
+    """Hook: this process gave the run's writer lease up."""
+    global _LEASE
+    _LEASE = None
 
 
 def _second_writer(f: dict) -> None:
-    if _SECOND_WRITER_HOOK is None:
+    """The ``second_writer`` fault: another writer tries to take the lease this process holds;
+    it must be refused."""
+    from verl_core.guard.lease import LeaseHeldError, RunLease
+
+    if _LEASE is None:
         raise InjectedPermanentFault("second_writer fault: no run lease is held in this process "
                                      "(guard.lease_ttl_s=0?), so nothing can refuse a second "
                                      "writer")
-    _SECOND_WRITER_HOOK(f)
+    store, ttl_s = _LEASE
+    intruder = RunLease(store, ttl_s, owner=f"second-writer-drill:{os.getpid()}")
+    try:
+        intruder.acquire()
+    except LeaseHeldError as e:
+        log.warning("VERL_FAULTS second_writer: refused, as it must be: %s", e)
+        return
+    intruder.release()
+    raise InjectedPermanentFault(f"second_writer fault: a second writer was admitted to "
+                                 f"{store.uri} while this run held its lease")
+
+
+def corrupt_checkpoint(store, name: str, manifest: dict) -> None:
+    """The ``corrupt_object`` fault: overwrite the largest object of checkpoint ``name`` (its
+    ``manifest``) with garbage (bit rot, a bad disk). Loads and ``RunWorker.scrub`` find it."""
+    sha = max(manifest["objects"], key=manifest["objects"].get)
+    log.warning("VERL_FAULTS: corrupting object %s of checkpoint %s", sha[:12], name)
+    corrupt_object(store, sha)
 
 
 def corrupt_object(store, sha: str) -> None:

@@ -1,6 +1,6 @@
 """The run's single writer in this process: the lease a phase holds (:func:`hold_lease`), the
 fence its commits are made under (:func:`run_fence`, :func:`commit_fence`), its release at the
-end of the run or at exit, and the ``second_writer`` drill. The lease itself (compare-and-swap
+end of the run or at exit. The lease itself (compare-and-swap
 doc, renewal thread, fencing tokens) is :mod:`verl_core.guard.lease`.
 """
 
@@ -15,7 +15,7 @@ import threading
 from typing import Callable
 
 from verl_core.guard import faults
-from verl_core.guard.lease import Fence, LeaseHeldError, RunLease
+from verl_core.guard.lease import Fence, RunLease
 from verl_core.store import RunStore
 from verl_core.types import RunSpec
 
@@ -40,7 +40,7 @@ class Leases:
             if lease is None:
                 lease = self._held[(st.uri, ttl_s)] = RunLease(st, ttl_s)
         lease.hold()
-        faults.set_second_writer_hook(lambda f: _second_writer_drill(st, ttl_s))
+        faults.lease_held(st, ttl_s)  # what a second_writer drill tries to take too
         return lease
 
     def get(self, uri: str, ttl_s: float) -> RunLease | None:
@@ -88,7 +88,7 @@ def release_lease(spec: RunSpec) -> None:
     lease = LEASES.pop(spec.store, spec.config.guard.lease_ttl_s)
     if lease is not None:
         lease.release()
-        faults.set_second_writer_hook(None)  # no lease held: the drill reports that
+        faults.lease_released()  # no lease held: a second_writer drill reports that
 
 
 def run_fence(spec: RunSpec) -> Fence | None:
@@ -104,17 +104,3 @@ def commit_fence(spec: RunSpec) -> Callable[[str], None] | None:
     what is committed, it raises unless this launch still holds the run (None: no lease)."""
     fence = run_fence(spec)
     return None if fence is None else functools.partial(fence.check, spec.open_store())
-
-
-def _second_writer_drill(st: RunStore, ttl_s: float) -> None:
-    """The ``second_writer`` fault (VERL_FAULTS): another writer tries to take the lease this
-    process holds; it must be refused."""
-    intruder = RunLease(st, ttl_s, owner=f"second-writer-drill:{os.getpid()}")
-    try:
-        intruder.acquire()
-    except LeaseHeldError as e:
-        log.warning("VERL_FAULTS second_writer: refused, as it must be: %s", e)
-        return
-    intruder.release()
-    raise faults.InjectedPermanentFault(f"second_writer fault: a second writer was admitted to "
-                                        f"{st.uri} while this run held its lease")

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from verl_core.errors import StoreUnavailableError
-from verl_core.guard import faults  # noqa: F401 - importing it adds the outage check
+from verl_core.guard import faults  # importing it adds the store outage check
 from verl_core.store import RunStore
 
 
@@ -24,3 +24,14 @@ def test_store_outage_fails_every_store_call_while_it_lasts(tmp_path, monkeypatc
         st.put_bytes(b"x")
     (tmp_path / "faults" / "store-outage-until").write_text(repr(time.time() - 1))  # over
     assert st.get_json("doc") == {"a": 1}
+
+
+def test_a_hook_point_applies_its_own_fault_once_at_its_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERL_FAULTS", '[{"kind": "nan_reward", "phase": "reward", "step": 2}]')
+    monkeypatch.setenv("VERL_FAULTS_DIR", str(tmp_path))
+    assert faults.hook("reward_scored", 1) is None  # another step
+    assert faults.hook("after_backward", 2) is None  # another point: nan_grad, not nan_reward
+    assert faults.hook("reward_scored", 2)["kind"] == "nan_reward"
+    assert faults.hook("reward_scored", 2) is None  # "times" defaults to 1
+    assert faults.IN_CODE_PHASE == {"nan_reward": "reward", "nan_grad": "update",
+                                    "corrupt_object": "checkpoint"}
