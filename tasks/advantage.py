@@ -10,4 +10,4 @@ from verl_core.phases import PhaseOut
 
 @task(cache=cache_for("advantage"), retries=RETRIES)
 def advantage(spec: RunSpec, scored: PhaseOut) -> PhaseOut:
-    return run_phase(spec, "advantage", scored.step, lambda: phases.advantage(spec, scored))
+    return run_phase(spec, "advantage", scored.step, phases.advantage, spec, scored)

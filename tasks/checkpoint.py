@@ -25,7 +25,7 @@ def checkpoint_attached(spec: RunSpec, state: StepState) -> StepState:
 
 
 def _checkpoint(spec: RunSpec, state: StepState) -> StepState:
-    done = run_phase(spec, "checkpoint", state.step, lambda: phases.checkpoint(spec, state))
+    done = run_phase(spec, "checkpoint", state.step, phases.checkpoint, spec, state)
     events = store_call(f"guard events of step {done.step}",
                         lambda: runlog.step_events(spec, done.step - 1))
     decks.attach("Step", report.step_card(done.step, done.metrics, events=events), only=True)

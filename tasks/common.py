@@ -29,7 +29,7 @@ from verl_core import runlog
 from verl_core.engine import workers
 from verl_core.engine.workers import WORKERS
 from verl_core.guard import writer
-from verl_core.phases import with_retries
+from verl_core.phases import retry_after, with_retries
 from verl_core.types import PhaseOut, RunSpec, StepState
 from verl_core.guard.events import event_line
 from verl_core.guard.faults import maybe_inject
@@ -176,10 +176,12 @@ def store_call(what: str, fn: Callable[[], T]) -> T:
         raise FlyteRecoverableException(f"{what}: {e}") from e
 
 
-def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T],
+def run_phase(spec: RunSpec, phase: str, step: int, body: Callable[..., T], *args,
               then: Callable[[T], T] | None = None) -> T:
-    """Run a phase body with the local retry policy, log it in the run store's phase log, and map
-    a transient fault that outlived the retries to FlyteRecoverableException (so a cluster
+    """Run a phase body, ``body(*args)``, within the phase deadline and the run's lease, with the
+    local retry policy (:func:`~verl_core.phases.with_retries`'s, attempt by attempt here, so
+    the body is called from this frame), log it in the run store's phase log, and map a
+    transient fault that outlived the retries to FlyteRecoverableException (so a cluster
     retries only this phase). The phase log append is a store call like the body's, under the
     same policy (:func:`store_call`), but retried on its own: a log write that fails does not
     redo the body. Permanent faults propagate unchanged: they fail fast. ``then``
@@ -187,25 +189,29 @@ def run_phase(spec: RunSpec, phase: str, step: int, fn: Callable[[], T],
     update task ends a step there when no checkpoint phase follows)."""
     t0 = time.time()
     timeout = spec.config.guard.phase_timeout_s
+    what = f"{phase} of step {step}"
     verl_core.beat()  # a phase started (the probe fails if none starts or ends for too long)
-
-    def attempt():
+    for attempt in range(1, RETRIES + 1):
         t = time.perf_counter()
         try:
-            with workers.deadline(timeout, f"{phase} of step {step}"):
-                writer.hold_lease(spec)  # one writer per run: renewed (or taken) per phase
-                # VERL_FAULTS (tests, chaos drills); a no-op otherwise
-                maybe_inject(phase, step, deadline_s=timeout)
-                out = fn()
-        except workers.PhaseTimeoutError:
-            WORKERS.forget(spec)  # hung: its state and queue are unknown
-            raise
-        metrics = getattr(out, "metrics", out)  # PhaseOut, StepState or a metrics dict
-        runlog.watch_phase(spec, phase, step, time.perf_counter() - t,
-                            metrics if isinstance(metrics, dict) else {})
-        return out if then is None else then(out)
-
-    out = store_call(f"{phase} of step {step}", attempt)
+            try:
+                with workers.deadline(timeout, what):
+                    writer.hold_lease(spec)  # one writer per run: renewed (or taken) per phase
+                    # VERL_FAULTS (tests, chaos drills); a no-op otherwise
+                    maybe_inject(phase, step, deadline_s=timeout)
+                    out = body(*args)
+            except workers.PhaseTimeoutError:
+                WORKERS.forget(spec)  # hung: its state and queue are unknown
+                raise
+            metrics = getattr(out, "metrics", out)  # PhaseOut, StepState or a metrics dict
+            runlog.watch_phase(spec, phase, step, time.perf_counter() - t,
+                               metrics if isinstance(metrics, dict) else {})
+            out = out if then is None else then(out)
+            break
+        except TransientError as e:
+            if attempt == RETRIES:
+                raise FlyteRecoverableException(f"{what}: {e}") from e
+            retry_after(e, what=what, attempt=attempt, attempts=RETRIES)
     store_call(f"phase log of {phase} step {step}",
                lambda: runlog.log_phase(spec, phase, step, started=t0))
     verl_core.beat()  # the liveness probe's heartbeat (VERL_HEARTBEAT_FILE), at the end too

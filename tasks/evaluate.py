@@ -37,7 +37,7 @@ def evaluate_attached(spec: RunSpec, state: StepState) -> EvalResult:
 
 
 def _evaluate(spec: RunSpec, state: StepState) -> EvalResult:
-    m = run_phase(spec, "evaluate", state.step, lambda: phases.evaluate(spec, state))
+    m = run_phase(spec, "evaluate", state.step, phases.evaluate, spec, state)
     print(f"[verl] eval after {state.step} steps: accuracy={m['val/accuracy']:.3f}", flush=True)
     samples = store_call("held-out samples", lambda: runlog.eval_samples(spec, state.step))
     if samples:  # the first held-out row, as verl's reward manager prints it (and the Deck shows)

@@ -54,7 +54,7 @@ def finalize_attached(spec: RunSpec, last: StepState, start: Optional[EvalResult
 
 def _finalize(spec: RunSpec, last: StepState, start: Optional[EvalResult],
               end: EvalResult) -> Summary:
-    out = run_phase(spec, "finalize", last.step, lambda: phases.finalize(spec, last))
+    out = run_phase(spec, "finalize", last.step, phases.finalize, spec, last)
     s = Summary(algorithm=spec.config.algorithm.adv_estimator, steps=last.step,
                 start_accuracy=None if start is None else start.accuracy, end_accuracy=end.accuracy,
                 first_reward=out["first_reward"], last_reward=out["last_reward"],

@@ -11,4 +11,4 @@ from verl_core.phases import PhaseOut
 
 @task(cache=cache_for("reward"), retries=RETRIES)
 def reward(spec: RunSpec, rollout: PhaseOut) -> PhaseOut:
-    return run_phase(spec, "reward", rollout.step, lambda: phases.reward(spec, rollout))
+    return run_phase(spec, "reward", rollout.step, phases.reward, spec, rollout)

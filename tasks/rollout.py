@@ -11,10 +11,10 @@ from verl_core.types import PhaseOut, RunSpec, StepState
 @task(task_config=RAY_CONFIG, cache=cache_for("rollout"), retries=RETRIES,
       container_image=GPU_IMAGE)
 def rollout(spec: RunSpec, state: StepState) -> PhaseOut:
-    return run_phase(spec, "rollout", state.step, lambda: phases.rollout(spec, state))
+    return run_phase(spec, "rollout", state.step, phases.rollout, spec, state)
 
 
 @task(cache=cache_for("rollout"), retries=RETRIES)
 def rollout_attached(spec: RunSpec, state: StepState) -> PhaseOut:
     """``rollout`` as a plain task on the attached cluster (cluster.mode=attached)."""
-    return run_phase(spec, "rollout", state.step, lambda: phases.rollout(spec, state))
+    return run_phase(spec, "rollout", state.step, phases.rollout, spec, state)

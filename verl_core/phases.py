@@ -230,8 +230,16 @@ def with_retries(fn: Callable[[], T], *, what: str, attempts: int = 3, backoff_s
         except TransientError as e:
             if attempt == attempts:
                 raise
-            delay = backoff_s * 2 ** (attempt - 1) * (1 + 0.25 * random.random())
-            log.warning("%s: transient failure (%s), attempt %d/%d, retrying in %.1fs",
-                        what, e, attempt, attempts, delay)
-            sleep(delay)
+            retry_after(e, what=what, attempt=attempt, attempts=attempts, backoff_s=backoff_s,
+                        sleep=sleep)
     raise AssertionError("unreachable")
+
+
+def retry_after(e: Exception, *, what: str, attempt: int, attempts: int, backoff_s: float = 1.0,
+                sleep=time.sleep) -> None:
+    """Wait before retry ``attempt + 1`` of ``attempts`` after the transient error ``e``:
+    exponential backoff with jitter (``backoff_s`` x 2^(attempt-1) x 1-1.25)."""
+    delay = backoff_s * 2 ** (attempt - 1) * (1 + 0.25 * random.random())
+    log.warning("%s: transient failure (%s), attempt %d/%d, retrying in %.1fs",
+                what, e, attempt, attempts, delay)
+    sleep(delay)
