@@ -11,7 +11,8 @@ from verl_core.types import PhaseOut, RunSpec, StepState
 
 def _update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
     step = advantaged.step + 1  # the state this update makes
-    end = None if phases.checkpoint_due(spec, step) else (lambda s: phases.end_step(spec, s))
+    due = spec.config.checkpoint.due(step, spec.config.total_steps)  # a checkpoint node follows
+    end = None if due else (lambda s: phases.end_step(spec, s))
     state = run_phase(spec, "update", advantaged.step, phases.update, spec, advantaged, then=end)
     progress(spec, state.step, state.metrics)
     return state

@@ -6,7 +6,7 @@ caching, retries, the phase log and Decks), and what tests and benchmarks call d
                                               the workers)
     advantage(spec, scored)     -> PhaseOut   token rewards, KL penalty, the advantage estimator
     update(spec, advantaged)    -> StepState  PPO epochs on the worker(s), under the guard
-    checkpoint(spec, state)     -> StepState  save where one is due (``checkpoint_due``), then
+    checkpoint(spec, state)     -> StepState  save where one is due (``CheckpointConfig.due``), then
                                               end_step; on the other steps the update task
                                               calls end_step (the step's metrics recorded)
     evaluate(spec, state)       -> Metrics    greedy held-out accuracy of a state
@@ -30,7 +30,6 @@ from typing import Callable, TypeVar
 from verl_core.errors import CorruptObjectError, TransientError
 from verl_core.checkpoint.hf_export import publish_export
 from verl_core.engine.assets import materialize_assets
-from verl_core.engine.worker import checkpoint_due as _due
 from verl_core.engine.worker import get_batch, put_batch
 from verl_core.engine.workers import WORKERS, RunWorkers
 from verl_core.guard import faults
@@ -140,16 +139,6 @@ def advantage(spec: RunSpec, scored: PhaseOut) -> PhaseOut:
     return PhaseOut(step=step, batch=ref, metrics=merged(scored.metrics, metrics))
 
 
-def checkpoint_due(spec: RunSpec, step: int) -> bool:
-    """Whether a checkpoint phase follows the update that makes the state after ``step``
-    updates: on the step schedule (every ``checkpoint.checkpoint_interval`` steps, the last
-    step) and, with a time-based ``checkpoint.checkpoint_interval_s``, on every step (the worker
-    decides). On the other steps it could only answer "not now", so the workflow leaves it out
-    (on a Flyte cluster every node is a pod) and the update task ends the step
-    (:func:`end_step`)."""
-    return _due(spec.config, step)
-
-
 def update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
     """Apply the update of step ``advantaged.step`` under the guard; the state after it is
     recorded in the lineage before anyone is told it exists."""
@@ -160,10 +149,11 @@ def update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
 def checkpoint(spec: RunSpec, state: StepState) -> StepState:
     """Save the state on the checkpoint schedule (committed, or its write queued and awaited
     later; ``RunWorker.checkpoint``), then end the step (:func:`end_step`). The workflow calls it
-    only where :func:`checkpoint_due`; elsewhere the answer is the worker's own no-save answer,
-    given without a call on the worker."""
-    saved = (RunWorkers(spec).checkpoint(state.step) if checkpoint_due(spec, state.step)
-             else {"checkpoint/saved": 0.0})
+    only where ``checkpoint.due`` (the schedule, or every step with a clock: the worker decides);
+    elsewhere the answer is the worker's own no-save answer, given without a call on the worker
+    (on a Flyte cluster every node is a pod)."""
+    due = spec.config.checkpoint.due(state.step, spec.config.total_steps)
+    saved = RunWorkers(spec).checkpoint(state.step) if due else {"checkpoint/saved": 0.0}
     return end_step(spec, state, saved)
 
 

@@ -4,7 +4,7 @@
     rl_run (dynamic)  ->  evaluate(start) -> train_chunk x ceil(steps / CHUNK) -> evaluate(end)
                           -> finalize        (no evaluate(start) with val_before_train=False)
     train_chunk (dynamic)  ->  per step: rollout -> reward -> advantage -> update
-                               (-> checkpoint where one is due: verl_core.phases.checkpoint_due)
+                               (-> checkpoint where one is due: CheckpointConfig.due)
                                (-> evaluate after every ``eval_every``-th step)
 
 Iterations are unrolled in chunks of CHUNK steps (5 nodes each), so no dynamic workflow has more
@@ -21,7 +21,6 @@ from tasks.finalize import Summary
 from tasks.phases import heavy_phases
 from tasks.prepare import configure, prepare
 from tasks.reward import reward
-from verl_core.phases import checkpoint_due
 from verl_core.types import RunSpec, StepState
 
 add_dashed_aliases()
@@ -40,8 +39,10 @@ def train_chunk(spec: RunSpec, state: StepState, stop: int) -> StepState:
         scored = reward(spec=spec, rollout=sampled)
         advantaged = advantage(spec=spec, scored=scored)
         state = heavy.update(spec=spec, advantaged=advantaged)
-        if checkpoint_due(spec, k + 1):  # else the update ends the step (no node that only
-            state = heavy.checkpoint(spec=spec, state=state)  # answers "not now")
+        # a checkpoint node where one may be due; elsewhere the update ends the step (no node
+        # that only answers "not now")
+        if spec.config.checkpoint.due(k + 1, spec.config.total_steps):
+            state = heavy.checkpoint(spec=spec, state=state)
         if every and (k + 1) % every == 0 and k + 1 < spec.total_steps:
             heavy.evaluate(spec=spec, state=state)
     return state

@@ -90,20 +90,6 @@ def put_batch(store: RunStore, batch: Batch, *, pending: str | None = None) -> s
     return store.put_parts([data], sha=sha)[0]  # hashed once
 
 
-def on_checkpoint_schedule(cfg: RunConfig, step: int) -> bool:
-    """The state after ``step`` updates is saved by the step schedule: every
-    ``checkpoint.checkpoint_interval`` steps and at the last step (``checkpoint_interval_s`` may
-    add saves: :meth:`RunWorker.should_checkpoint`)."""
-    return step % cfg.checkpoint.checkpoint_interval == 0 or step == cfg.total_steps
-
-
-def checkpoint_due(cfg: RunConfig, step: int) -> bool:
-    """The state after ``step`` updates gets a checkpoint phase: on the step schedule, or on every
-    step when a time-based interval (``checkpoint.checkpoint_interval_s``) lets the worker decide.
-    Otherwise nothing could be saved, and the update ends the step."""
-    return bool(cfg.checkpoint.checkpoint_interval_s) or on_checkpoint_schedule(cfg, step)
-
-
 EVAL_SAMPLES = 8
 """Greedy held-out responses (prompt, response, score) each evaluation keeps for the reports."""
 
@@ -583,17 +569,13 @@ class RunWorker:
             except Exception as e:  # noqa: BLE001
                 log.warning("could not remove %s: %s", pending_doc(self.config_hash, step, phase), e)
 
-    def should_checkpoint(self, step: int) -> bool:
-        c = self.cfg.checkpoint
-        return (on_checkpoint_schedule(self.cfg, step)
-                or (c.checkpoint_interval_s > 0
-                    and time.time() - self.last_save_time >= c.checkpoint_interval_s))
-
     def checkpoint(self, step: int, force: bool = False, sync: bool = False) -> dict:
         """Save the state after ``step`` updates if the interval says so. Async saves return as
         soon as the state is snapshotted; the write finishes in the background (``sync``: wait
         for the commit)."""
-        if not self._lead(force or self.should_checkpoint(step)):
+        due = self.cfg.checkpoint.due(step, self.cfg.total_steps,
+                                      since_save_s=time.time() - self.last_save_time)
+        if not self._lead(force or due):
             return {"checkpoint/saved": 0.0}
         self.ensure_state(step)
         t0 = time.perf_counter()
