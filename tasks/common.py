@@ -33,7 +33,7 @@ from verl_core.phases import retry_after, with_retries
 from verl_core.types import PhaseOut, RunSpec, StepState
 from verl_core.guard.events import event_line
 from verl_core.guard.faults import maybe_inject
-from verl_core.train import eta_s
+from verl_core.train import format_step
 from verl_core.validation import clipped_responses_warning
 
 T = TypeVar("T")
@@ -234,13 +234,8 @@ def progress(spec: RunSpec, step: int, metrics: dict) -> None:
         seen["seconds"].append(now - last[1])
     seen["last"] = (step, now)
     own = [sum(float(metrics.get(k, 0.0)) for k in PHASE_TIMINGS)]
-    eta = eta_s(seen["seconds"] or own, spec.total_steps - step)
-    parts = [f"step {step}/{spec.total_steps}", f"reward={metrics.get('reward/mean', 0):.3f}"]
-    for k, name in (("response_length/mean", "len"), ("actor/pg_clipfrac", "clip"),
-                    ("actor/grad_norm", "gnorm"), ("critic/vf_loss", "vf")):
-        if k in metrics:
-            parts.append(f"{name}={metrics[k]:.3f}")
-    parts.append(f"ETA {eta:.0f}s")
+    # the plain loop's line (no timing/step_s here: the step ran as separate tasks)
+    parts = [format_step({**metrics, "step": step}, spec.total_steps, seen["seconds"] or own)]
     # the step's guard events (one store listing)
     events = store_call(f"guard events of step {step}",
                         lambda: runlog.step_events(spec, step - 1))

@@ -31,22 +31,9 @@ def build_config(algorithm: str, model: str, train_files: str, val_files: str, s
             parsed = json.loads(overrides)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--overrides is not a JSON object of dotted keys: {e}") from e
-    given = verl_keys.overrides_from(verl_config, parsed)
-    options: dict = {}
-    if steps:
-        options["total_steps"] = steps
-    if model:
-        options["model.path"] = model
-    if train_files or val_files:
-        options["data.train_files"] = train_files
-        options["data.val_files"] = val_files
-    if batch_size:
-        options["data.train_batch_size"] = batch_size
-        if "actor.ppo_mini_batch_size" not in given:  # two optimizer steps per RL step
-            options["actor.ppo_mini_batch_size"] = \
-                batch_size // 2 if batch_size % 2 == 0 else batch_size
-    if rollout_n:
-        options["rollout.n"] = rollout_n
+    options = verl_keys.entry_options(steps=steps or None, model=model, train_files=train_files,
+                                      val_files=val_files, batch_size=batch_size,
+                                      rollout_n=rollout_n)
     return verl_keys.run_config(algorithm, verl_config, parsed, options)
 
 

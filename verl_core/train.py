@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from verl_core import verl_keys
+from verl_core.algorithms import ADVANTAGE_ESTIMATORS
 from verl_core.config import ConfigError, RunConfig, effective_line
 from verl_core.checkpoint.hf_export import export_trained
 from verl_core.data.batch import PromptTooLongError
@@ -151,25 +152,14 @@ def _workdir_lease(cfg: RunConfig, workdir: str) -> RunLease | None:
 
 
 def _guarded_update(trainer: RLTrainer, batch, step: int, log) -> dict:
-    """The update of the plain loop under the guard. It has no run store, so no lineage to
-    replay and no checkpoints to return to: a ``skip_batch`` decided on the batch is honoured
-    (the update is not run), a ``rollback`` halts (use the workflow for rollbacks), and a skip
-    decided after the update only reports (the optimizer has already refused non-finite
-    gradients, so they never reach the weights)."""
-    g = trainer.cfg.guard
-    history = list(trainer.history)
-    found = checks.batch_anomalies(step, batch, history, g)
-    decision = policy.decide(found, trainer.guard, g, can_roll_back=False)
-    metrics: dict = {}
-    if decision.action in ("none", "warn"):
-        metrics = trainer.update(batch, step)
-        after = checks.update_anomalies(step, metrics, history, g)
-        if after:
-            decision = policy.decide([*found, *after], trainer.guard, g, can_roll_back=False)
-            if decision.action in ("skip_batch", "retry_phase"):
-                decision = policy.Decision("warn", decision.anomalies,
-                                           "the plain loop cannot undo an applied update")
-    elif decision.action == "skip_batch":
+    """The update of the plain loop under the guard (:func:`~verl_core.guard.checks.guarded_update`,
+    as the workflow's). It has no run store, so no lineage to replay and no checkpoints to return
+    to: a ``skip_batch`` decided on the batch is honoured (the update is not run), a ``rollback``
+    halts (use the workflow for rollbacks), and a skip decided after the update only warns."""
+    decision, metrics = checks.guarded_update(
+        step, batch, list(trainer.history), trainer.guard, trainer.cfg.guard,
+        lambda: trainer.update(batch, step), can_roll_back=False, can_undo_update=False)
+    if decision.action == "skip_batch":
         trainer.guard = policy.after_skip(trainer.guard, step)
     for a in decision.anomalies:
         log(f"guard: step {step} {a.detector}: {a.message} -> {decision.action}"
@@ -199,18 +189,23 @@ def eta_s(step_seconds: Sequence[float], remaining: int) -> float:
 
 
 def format_step(m: dict, total: int, step_seconds: Sequence[float]) -> str:
-    """One console line per step; ``step_seconds``: the time of each step so far (this one
-    included), evaluations excluded (:func:`eta_s`)."""
+    """One console line per step, for both front doors; ``m``: the step's metrics with ``step``
+    (the updates done); ``step_seconds``: the time of each step so far (this one included),
+    evaluations excluded (:func:`eta_s`). ``timing/step_s``, where the step was timed as one
+    (the plain loop), adds the step's own time."""
     step = int(m["step"])
     eta = eta_s(step_seconds, total - step)
-    parts = [f"step {step}/{total}", f"reward={m['reward/mean']:.3f}",
-             f"len={m['response_length/mean']:.1f}"]
+    parts = [f"step {step}/{total}", f"reward={m.get('reward/mean', 0.0):.3f}"]
+    if "response_length/mean" in m:
+        parts.append(f"len={m['response_length/mean']:.1f}")
     for k, name in (("actor/pg_clipfrac", "clip"), ("actor/entropy", "ent"),
                     ("actor/grad_norm", "gnorm"), ("critic/vf_loss", "vf"),
                     ("val/accuracy", "val_acc")):
         if k in m:
             parts.append(f"{name}={m[k]:.3f}")
-    parts.append(f"{m['timing/step_s']:.2f}s/step ETA {eta:.0f}s")
+    if "timing/step_s" in m:
+        parts.append(f"{m['timing/step_s']:.2f}s/step")
+    parts.append(f"ETA {eta:.0f}s")
     return " ".join(parts)
 
 
@@ -225,12 +220,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_core.train", description=__doc__.splitlines()[0])
     p.add_argument("--algorithm", default="",
                    help="grpo (default; verl's gae, i.e. ppo, for a verl-style command that "
-                        "names no algorithm.adv_estimator), "
-                        "ppo (GAE + critic), or an advantage estimator: grpo, rloo, "
-                        "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, "
-                        "grpo_passk, gdpo, optimal_token_baseline, tir_optimal_token_baseline "
-                        "(grpo_vectorized: alias of grpo; rloo_vectorized: rloo, 0 for a group of "
-                        "one)")
+                        "names no algorithm.adv_estimator), ppo (GAE + critic), or an advantage "
+                        "estimator: " + ", ".join(ADVANTAGE_ESTIMATORS.names(include_aliases=True)))
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
     p.add_argument("--model", default="", help="local HF model folder (default: tiny model)")
     p.add_argument("--train-files", default="", help="comma-separated parquet files")
@@ -251,14 +242,8 @@ def main(argv=None) -> int:
         if not sep:
             p.error(f"--set {item!r}: expected KEY=VALUE")
         given[key] = _parse_value(value)
-    options = {}
-    if args.steps is not None:
-        options["total_steps"] = args.steps
-    if args.model:
-        options["model.path"] = args.model
-    if args.train_files or args.val_files:
-        options["data.train_files"] = args.train_files
-        options["data.val_files"] = args.val_files
+    options = verl_keys.entry_options(steps=args.steps, model=args.model,
+                                      train_files=args.train_files, val_files=args.val_files)
     try:
         given = {**verl_keys.parse_cli(args.overrides), **given}
         # the workflow's configure builds its config through the same door

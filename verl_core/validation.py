@@ -337,47 +337,15 @@ def declared_score_range(cfg: "RunConfig") -> tuple[float, float] | None:
 
 
 # ---------------------------------------------------------------------- dataset
-def _text_of(prompt) -> str:
-    """The contents of a verl ``prompt`` cell joined by newlines; "" when it has no messages."""
-    if isinstance(prompt, str):
-        return prompt
-    if prompt is None or isinstance(prompt, float) or not hasattr(prompt, "__iter__"):
-        return ""
-    parts = []
-    for m in prompt:
-        if isinstance(m, (list, tuple)) and not isinstance(m, str):  # map column: (key, value)s
-            m = dict(m)
-        if isinstance(m, dict) and isinstance(m.get("content"), str):
-            parts.append(m["content"])
-    return "\n".join(parts)
+def _ground_truths(df: pd.DataFrame) -> tuple[str, list]:
+    """(the column the ground truth is named by, one value per row: None where absent)."""
+    from verl_core.data.dataset import ground_truth_column, ground_truth_of
 
-
-def _chat_of(prompt) -> list[dict] | None:
-    if prompt is None or isinstance(prompt, (str, float)) or not hasattr(prompt, "__iter__"):
-        return None
-    chat = []
-    for m in prompt:
-        if isinstance(m, (list, tuple)):
-            m = dict(m)
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
-            return None
-        chat.append({"role": m["role"], "content": m["content"]})
-    return chat
-
-
-def _ground_truth_of(df: pd.DataFrame) -> tuple[str, list]:
-    """(the column it comes from, its values) of the ground truth, None where absent."""
-    if "reward_model" in df.columns:
-        out = []
-        for rm in df["reward_model"]:
-            if isinstance(rm, (list, tuple)):
-                rm = dict(rm)
-            out.append(rm.get("ground_truth") if isinstance(rm, dict) else None)
-        return "reward_model.ground_truth", out
-    if "ground_truth" in df.columns:
-        return "ground_truth", list(df["ground_truth"])
-    return "reward_model.ground_truth", [None] * len(df)
+    column = ground_truth_column(df.columns)
+    source = "ground_truth" if column == "ground_truth" else "reward_model"
+    if source not in df.columns:
+        return column, [None] * len(df)
+    return column, [ground_truth_of(cell, column) for cell in df[source]]
 
 
 def _gt_text(gt) -> str:
@@ -391,18 +359,18 @@ def dataset_frame(df: pd.DataFrame, tokenizer=None) -> tuple[pd.DataFrame, str]:
     of the prompt's contents, stripped), ``ground_truth_chars`` and, with a tokenizer,
     ``prompt_length`` (tokens of the rendered prompt, as training encodes it). Also returns the
     name of the ground-truth column."""
-    from verl_core.data.dataset import render_prompt
+    from verl_core.data.dataset import chat_of, prompt_text, render_prompt
 
     frame = df.copy()
     prompts = list(df["prompt"]) if "prompt" in df.columns else [None] * len(df)
-    frame["prompt_chars"] = [len(_text_of(p).strip()) for p in prompts]
-    gt_column, gts = _ground_truth_of(df)
+    frame["prompt_chars"] = [len(prompt_text(p).strip()) for p in prompts]
+    gt_column, gts = _ground_truths(df)
     frame["ground_truth_chars"] = [len(_gt_text(g)) for g in gts]
     if tokenizer is not None:
         texts = []
         for p in prompts:
-            chat = _chat_of(p)
-            texts.append(render_prompt(chat, tokenizer) if chat else _text_of(p))
+            chat = chat_of(p)
+            texts.append(render_prompt(chat, tokenizer) if chat else prompt_text(p))
         from verl_core.data.batch import prompt_add_special_tokens
 
         special = prompt_add_special_tokens(tokenizer)  # as encode_prompts: one BOS, not two
@@ -439,18 +407,19 @@ def validate_dataset(df: pd.DataFrame, cfg: "RunConfig", *, tokenizer=None,
     returns the report, ``off`` returns None without importing anything."""
     if cfg.validation.mode == "off":
         return None
+    from verl_core.data.dataset import prompt_text
+
     t0 = time.perf_counter()
     frame, gt_column = dataset_frame(df, tokenizer)
-    checks = _dataset_checks(cfg, gt_column, tokenizer is not None,
-                             "reward_model" not in df.columns and "ground_truth" in df.columns)
-    gts = _ground_truth_of(df)[1]
+    checks = _dataset_checks(cfg, gt_column, tokenizer is not None, gt_column == "ground_truth")
+    gts = _ground_truths(df)[1]
 
     def describe(checked: str, i: int) -> str:
         pos = df.index.get_loc(i)
         if checked == "ground_truth_chars":
             return f"row {i} (0-based): {gt_column}={_short.repr(gts[pos])}"
         prompt = df["prompt"].iloc[pos] if "prompt" in df.columns else None
-        text = _short.repr(_text_of(prompt))
+        text = _short.repr(prompt_text(prompt))
         if checked == "prompt_length":
             return f"row {i} (0-based): {int(frame[checked].iloc[pos])} tokens, prompt {text}"
         return f"row {i} (0-based): prompt {text}"
@@ -462,7 +431,8 @@ def validate_dataset(df: pd.DataFrame, cfg: "RunConfig", *, tokenizer=None,
 def validate_dataset_files(files: Sequence[str], cfg: "RunConfig", tokenizer=None,
                            storage_options: dict | None = None) -> list[ValidationReport]:
     """:func:`validate_dataset` on each parquet file (local paths or fsspec URIs), naming the
-    file; for prepare, after ``load_checked_rows`` parsed them and before any model work."""
+    file; for prepare, after ``load_checked_rows`` parsed them and checked their prompt lengths
+    (so prepare passes no ``tokenizer``), before any model work."""
     if cfg.validation.mode == "off":
         return []
     import fsspec

@@ -612,6 +612,26 @@ def overrides_from(verl_config: str = "", overrides: dict | None = None) -> dict
     return out
 
 
+def entry_options(*, steps: int | None = None, model: str = "", train_files: str = "",
+                  val_files: str = "", batch_size: int = 0, rollout_n: int = 0) -> dict[str, object]:
+    """The entry points' own options (``--steps``, ``--model`` …) as our dotted keys, for
+    :func:`run_config`; None / "" / 0 keep the preset's value (``steps=0`` is a value: the config
+    refuses it)."""
+    options: dict[str, object] = {}
+    if steps is not None:
+        options["total_steps"] = steps
+    if model:
+        options["model.path"] = model
+    if train_files or val_files:
+        options["data.train_files"] = train_files
+        options["data.val_files"] = val_files
+    if batch_size:
+        options["data.train_batch_size"] = batch_size
+    if rollout_n:
+        options["rollout.n"] = rollout_n
+    return options
+
+
 def run_config(algorithm: str = "", verl_config: str = "", overrides: dict | None = None,
                options: dict | None = None) -> RunConfig:
     """The one front door of both entry points (the plain loop's CLI and the workflow's
@@ -625,12 +645,19 @@ def run_config(algorithm: str = "", verl_config: str = "", overrides: dict | Non
     the input is verl-style (:func:`is_verl_style`), else our own default ``grpo``.
     ``trainer.total_epochs`` (verl's) is turned into RL steps once the training rows are counted
     (parquet footers): epochs x full batches per epoch, capped by ``trainer.total_training_steps``
-    when that is given too, as verl's loop stops at whichever comes first."""
+    when that is given too, as verl's loop stops at whichever comes first. A batch size from
+    ``options`` with no mini-batch in ``overrides`` makes two optimizer steps per RL step (the
+    whole batch for an odd size)."""
     over = overrides_from(verl_config, overrides)
     epochs = over.pop(TOTAL_EPOCHS, None)
+    options = dict(options or {})
+    batch_size = options.get("data.train_batch_size")
+    if batch_size and "actor.ppo_mini_batch_size" not in over:
+        options.setdefault("actor.ppo_mini_batch_size",
+                           batch_size // 2 if batch_size % 2 == 0 else batch_size)
     # typed first: a bad value is named even where an option then replaces it
     over = typed_overrides(over)
-    over.update(options or {})
+    over.update(options)
     if not algorithm:
         verl_style = is_verl_style(verl_config, overrides)
         algorithm = str(over.get("algorithm.adv_estimator") or

@@ -69,9 +69,8 @@ def ppo(algorithm: str = "", model: str = "", train_files: str = "", val_files: 
     """Train a causal LM with RL.
 
     algorithm: "" (grpo, or verl's default gae, i.e. ppo, for verl-style overrides) | grpo
-        | ppo (GAE + critic) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
-        | remax (greedy baseline rollout) | opo | gpg | grpo_passk | gdpo | optimal_token_baseline
-        | tir_optimal_token_baseline | grpo_vectorized (alias) | rloo_vectorized; see README
+        | ppo (GAE + critic) | any advantage estimator registered in verl_core/algorithms
+        (``python -m verl_core.train --help`` lists them); see docs/algorithms.md
     model: local Hugging Face folder ("" = tiny model, warm-started on the synthetic task)
     train_files / val_files: comma-separated parquet files in verl's row layout ("" = synthetic)
     steps, batch_size (prompts per step), rollout_n (samples per prompt): 0 = preset default

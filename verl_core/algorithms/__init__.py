@@ -5,10 +5,9 @@ caller reduces and logs. No config objects, I/O or host syncs in here. Each fami
 :class:`Registry` whose entries share one signature, so callers look algorithms up by the
 config's name and never branch on it:
 
-* ``ADVANTAGE_ESTIMATORS`` (``algorithm.adv_estimator``): gae, grpo (alias grpo_vectorized),
-  rloo, rloo_vectorized (groups of one: 0, not the score), reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo,
-  gpg, grpo_passk, gdpo, optimal_token_baseline, tir_optimal_token_baseline; each entry carries
-  its :class:`EstimatorTraits` (critic, groups, greedy baseline, Σπ²);
+* ``ADVANTAGE_ESTIMATORS`` (``algorithm.adv_estimator``): one decorated function per estimator
+  in ``advantages.py`` (``ADVANTAGE_ESTIMATORS.names()`` lists them); each entry carries its
+  :class:`EstimatorTraits` (critic, groups, greedy baseline, Σπ²);
 * ``POLICY_LOSSES`` (``algorithm.policy_loss``): vanilla, gspo, cispo, dppo_tv, dppo_kl, sapo,
   geo_mean, gpg, dro, clip_cov, kl_cov, bypass_mode; hyper-parameters in one
   :class:`PolicyLossOptions`, rollout importance weights from :func:`rollout_is_weights`, the mismatch they correct

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from verl_core.store import resolve_storage_options
 
 __all__ = ["PromptRow", "DatasetError", "load_prompt_rows", "render_prompt", "REQUIRED_COLUMNS",
-           "check_columns"]
+           "check_columns", "ground_truth_column", "ground_truth_of", "chat_of", "prompt_text"]
 
 REQUIRED_COLUMNS = ("data_source", "prompt")
 """Columns every file must have, plus ``reward_model`` (or a flat ``ground_truth``)."""
@@ -134,8 +134,8 @@ def _rows_from_table(table: pa.Table, path: str, start_index: int) -> list[Promp
 
     data_sources, prompts = col("data_source"), col("prompt")
     abilities, extras = col("ability"), col("extra_info")
-    has_rm = "reward_model" in present
-    gt_column = "reward_model.ground_truth" if has_rm else "ground_truth"
+    gt_column = ground_truth_column(present)
+    has_rm = gt_column != "ground_truth"
     gts = col("reward_model") if has_rm else col("ground_truth")
 
     out = []
@@ -153,24 +153,25 @@ def _rows_from_table(table: pa.Table, path: str, start_index: int) -> list[Promp
             data_source=ds,
             messages=_messages_of(prompts[i], where),
             ground_truth=_ground_truth_text(
-                _ground_truth_of(gts[i], where) if has_rm else gts[i], where, gt_column),
+                ground_truth_of(_checked_reward_model(gts[i], where) if has_rm else gts[i],
+                                gt_column), where, gt_column),
             ability=ability or "",
             extra_info=_extra_info_of(extras[i], where),
         ))
     return out
 
 
-def _ground_truth_of(reward_model, where: str):
+def _checked_reward_model(reward_model, where: str):
+    """The row's ``reward_model`` cell, refused unless it is a struct/dict."""
     if reward_model is None:
         raise DatasetError(f"{where}, column 'reward_model': is null; every row "
                            "needs reward_model = {'style': 'rule', 'ground_truth': ...}")
-    if isinstance(reward_model, list):  # a parquet map column reads back as (key, value) pairs
-        reward_model = dict(reward_model)
+    reward_model = _mapping(reward_model)
     if not isinstance(reward_model, dict):
         raise DatasetError(f"{where}, column 'reward_model': is "
                            f"{type(reward_model).__name__}, expected a struct/dict with "
                            "'ground_truth'")
-    return reward_model.get("ground_truth")
+    return reward_model
 
 
 def _ground_truth_text(gt, where: str, column: str) -> str:
@@ -192,12 +193,13 @@ def _messages_of(prompt, where: str) -> tuple[Message, ...]:
            "e.g. [{'role': 'user', 'content': '12+7='}]")
     if isinstance(prompt, str):
         raise DatasetError(f"{where}, column 'prompt': is a plain string; {fix}")
+    if hasattr(prompt, "tolist"):  # pandas reads a list column as numpy arrays
+        prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise DatasetError(f"{where}, column 'prompt': is {_short(prompt)}; {fix}")
     messages = []
     for k, m in enumerate(prompt):
-        if isinstance(m, list):  # map-typed message
-            m = dict(m)
+        m = _mapping(m)  # map-typed message
         role = m.get("role") if isinstance(m, dict) else None
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(role, str) or not role or not isinstance(content, str):
@@ -211,20 +213,70 @@ def _messages_of(prompt, where: str) -> tuple[Message, ...]:
 def _extra_info_of(extra, where: str) -> dict:
     if extra is None:
         return {}
-    if isinstance(extra, list):  # map-typed column
-        try:
-            return dict(extra)
-        except (TypeError, ValueError):
-            pass
+    extra = _mapping(extra)  # map-typed column
     if not isinstance(extra, dict):
         raise DatasetError(f"{where}, column 'extra_info': is {_short(extra)}; use a struct/dict "
                            "or null")
     return extra
 
 
+def _mapping(cell):
+    """A parquet map cell reads back as (key, value) pairs: the dict they make; any other cell as
+    it is."""
+    if isinstance(cell, (list, tuple)):
+        try:
+            return dict(cell)
+        except (TypeError, ValueError):
+            pass
+    return cell
+
+
 def _short(v, limit: int = 80) -> str:
     s = repr(v)
     return s if len(s) <= limit else s[:limit] + "..."
+
+
+# ---------------------------------------------------------------- reading cells as they are
+# For the dataset suite (``validation.py``), which judges rows the loader would refuse, so it
+# reads every cell without raising: what a cell lacks comes back empty.
+def ground_truth_column(present: Sequence[str]) -> str:
+    """The column a file's ground truth is named by: ``reward_model.ground_truth``, or the flat
+    ``ground_truth`` column of a file without a ``reward_model`` column."""
+    return ("ground_truth" if "reward_model" not in present and "ground_truth" in present
+            else "reward_model.ground_truth")
+
+
+def ground_truth_of(cell, column: str):
+    """The ground truth a row's cell holds, as stored (``column`` from
+    :func:`ground_truth_column`); None where a ``reward_model`` cell holds none."""
+    if column == "ground_truth":
+        return cell
+    cell = _mapping(cell)
+    return cell.get("ground_truth") if isinstance(cell, dict) else None
+
+
+def chat_of(prompt) -> list[dict[str, str]] | None:
+    """A ``prompt`` cell's messages as ``[{"role": ..., "content": ...}]``, as the loader reads
+    them; None for a cell the loader refuses."""
+    try:
+        return [{"role": r, "content": c} for r, c in _messages_of(prompt, "")]
+    except DatasetError:
+        return None
+
+
+def prompt_text(prompt) -> str:
+    """The contents of a ``prompt`` cell's messages joined by newlines (what :func:`render_prompt`
+    gives without a chat template), from every message that has a string content; "" when none
+    has."""
+    if isinstance(prompt, str):
+        return prompt
+    if hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        return ""
+    messages = (_mapping(m) for m in prompt)
+    return "\n".join(m["content"] for m in messages
+                     if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 # ---------------------------------------------------------------- rendering

@@ -145,7 +145,6 @@ class RunWorker:
             self._rebuild_base()
         self.last_save_time = time.time()
         self.replayed = 0  # updates replayed from lineage (reported in metrics and tests)
-        self._guard_snapshot: dict = {}
         # The weight version: ``step`` plus the digest of the lineage record that made the state
         # (None: a checkpoint or the initial model made it). A detached worker of
         # cluster.mode=attached outlives the phases that built its state, so it checks the digest
@@ -474,28 +473,24 @@ class RunWorker:
         if self.dp.distributed:  # VERL_FAULTS drills: a worker hanging (or killed) mid-update
             maybe_inject(f"update-rank{self.dp.rank}", step)
         g = self.cfg.guard
-        history = list(self.trainer.history)
-        anomalies = self._detect_batch(step, batch, history) if g.enabled else []
-        decision = policy.decide(anomalies, self.trainer.guard, g,
-                                 can_roll_back=self._can_roll_back(step))
-        metrics: dict = {}
-        if decision.action in ("none", "warn"):
+        before = dict(self.trainer.guard)  # the guard state of the step being decided
+
+        def apply() -> dict:
             with self._changing_state():
                 metrics = self.trainer.update(batch, step)
                 self.step = step + 1
-            if g.enabled:
-                after = self._detect_update(step, metrics, history)
-                if after:
-                    anomalies = [*anomalies, *after]
-                    decision = policy.decide(anomalies, self._guard_before, g,
-                                             can_roll_back=self._can_roll_back(step))
+            return metrics
+
+        decision, metrics = checks.guarded_update(
+            step, batch, list(self.trainer.history), before, g, apply,
+            can_roll_back=step > self.base_step, can_undo_update=True)
         record = {"step": step, "batch": batch_ref}
         outcome = {"none": "", "warn": "logged"}.get(decision.action, "")
         if decision.action in ("retry_phase", "halt"):
             self._live_valid = self._live_valid and self.step == step  # touched: rebuild later
             outcome = "retrying" if decision.action == "retry_phase" else "halted"
         elif decision.action == "skip_batch":
-            guard = policy.after_skip(self._guard_before, step)
+            guard = policy.after_skip(before, step)
             self._live_valid = False  # the update may have run: rebuild the state before it
             self.ensure_state(step)
             self.trainer.guard = dict(guard)
@@ -506,7 +501,7 @@ class RunWorker:
             to = policy.rollback_target(
                 step, checkpoint_interval=self.cfg.checkpoint.checkpoint_interval,
                 base_step=self.base_step)
-            guard = policy.after_rollback(self._guard_before, step, g.rollback_lr_scale)
+            guard = policy.after_rollback(before, step, g.rollback_lr_scale)
             self._live_valid = False
             self._roll_back(step, to, guard)
             record.update(action="rollback", to=to, guard=guard)
@@ -528,21 +523,6 @@ class RunWorker:
         return metrics
 
     # ------------------------------------------------------------------ guard
-    @property
-    def _guard_before(self) -> dict:
-        """The guard state of the step being decided (set by :meth:`_detect_batch`)."""
-        return self._guard_snapshot
-
-    def _can_roll_back(self, step: int) -> bool:
-        return step > self.base_step
-
-    def _detect_batch(self, step: int, batch: Batch, history: list[dict]) -> list:
-        self._guard_snapshot = dict(self.trainer.guard)
-        return checks.batch_anomalies(step, batch, history, self.cfg.guard)
-
-    def _detect_update(self, step: int, metrics: dict, history: list[dict]) -> list:
-        return checks.update_anomalies(step, metrics, history, self.cfg.guard)
-
     def _record_events(self, step: int, phase: str, decision, outcome: str) -> dict:
         from verl_core.guard.events import event_metrics, make_event, record_event
 

@@ -1,18 +1,23 @@
 """Which detectors judge what, and where: the glue between the detectors and the phases.
 
-- :func:`batch_anomalies` and :func:`update_anomalies`: the deterministic detectors, run by the
-  update (``RunWorker.update``, and the plain loop) on what the batch says about the step and on
-  the update's own metrics, each against the history of the steps before. Their decisions change
-  the trajectory (skip, rollback), so they read only numbers that a re-run reproduces.
+- :func:`batch_anomalies` and :func:`update_anomalies`: the deterministic detectors, run on what
+  the batch says about the step and on the update's own metrics, each against the history of the
+  steps before. Their decisions change the trajectory (skip, rollback), so they read only numbers
+  that a re-run reproduces.
+- :func:`guarded_update`: decide on the batch, update, decide again on the update's metrics; the
+  one sequence both front doors run (``RunWorker.update`` and the plain loop), each carrying out
+  the decision with what it has (a run store to rebuild from, or not).
 - The wall-clock detectors (:data:`TIMING`) are judged where the time is measured
   (``runlog.watch_phase``), never in the update's decision.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 from verl_core.config import TIMING_DETECTORS, GuardConfig
 from verl_core.data.batch import Batch
-from verl_core.guard import detectors
+from verl_core.guard import detectors, policy
 
 TIMING = TIMING_DETECTORS
 """Wall-clock detectors (latency, throughput, accelerator utilisation)."""
@@ -72,3 +77,31 @@ def update_anomalies(step: int, metrics: dict, history: list[dict], cfg: GuardCo
             value=float("nan"), threshold=0.0,
             message=f"non-finite gradients in {int(skipped)} optimizer step(s) of the update"))
     return _unique(found)
+
+
+def guarded_update(step: int, batch: Batch, history: list[dict], guard: dict, cfg: GuardConfig,
+                   update: Callable[[], dict], *, can_roll_back: bool,
+                   can_undo_update: bool) -> tuple[policy.Decision, dict]:
+    """The guard's decision on update ``step`` and the update's metrics ({} when it did not run).
+
+    The batch is judged first; ``update()`` runs only when that decision lets it (``none`` or
+    ``warn``), and its metrics are then judged together with the batch's anomalies. Both decisions
+    read ``guard``, the guard state before the step (the update itself resets its counters).
+    ``can_roll_back``: an earlier state exists to return to. ``can_undo_update``: a skip decided
+    after the update can still be carried out (the workflow rebuilds the state before it from the
+    run store); without that a ``skip_batch`` or ``retry_phase`` after it only warns (the optimizer
+    has already refused non-finite gradients, so they never reach the weights). The caller carries
+    out the decision."""
+    guard = dict(guard)
+    found = batch_anomalies(step, batch, history, cfg)
+    decision = policy.decide(found, guard, cfg, can_roll_back=can_roll_back)
+    if decision.action not in ("none", "warn"):
+        return decision, {}
+    metrics = update()
+    after = update_anomalies(step, metrics, history, cfg)
+    if after:
+        decision = policy.decide([*found, *after], guard, cfg, can_roll_back=can_roll_back)
+        if not can_undo_update and decision.action in ("skip_batch", "retry_phase"):
+            decision = policy.Decision("warn", decision.anomalies,
+                                       "the plain loop cannot undo an applied update")
+    return decision, metrics
