@@ -208,7 +208,7 @@ def open_checkpoint(uri: str, storage_options: Optional[dict] = None,
         "<run store>` lists them)")
 
 
-_MANIFEST_PATH_RE = re.compile(r"^(?:(.*)/)?checkpoints/(\d{12}-[0-9a-f]{64})\.json$")
+_MANIFEST_PATH_RE = re.compile(rf"^(?:(.*)/)?{layout.CHECKPOINTS}/(\d{{12}}-[0-9a-f]{{64}})\.json$")
 
 
 def _existing_store(root: str, storage_options: Optional[dict]) -> Optional[RunStore]:
@@ -668,10 +668,10 @@ class CheckpointManager:
         if ref.endswith(".json"):
             base = ref.rstrip("/").rsplit("/", 1)[-1][:-5]
             prefix = ref[: -len(base) - 5].rstrip("/")
-            if not prefix.endswith("checkpoints"):
+            if not prefix.endswith(layout.CHECKPOINTS):
                 raise UnsafeManifestError(f"{ref!r} is not a manifest path "
                                           "(…/checkpoints/<name>.json)")
-            store_root = prefix[: -len("checkpoints")].rstrip("/")
+            store_root = prefix[: -len(layout.CHECKPOINTS)].rstrip("/")
             if store_root and store_root not in (self.store.uri, self.store.root):
                 raise UnsafeManifestError(f"{ref!r} is outside this store ({self.store.uri}); open "
                                           "its own store with open_checkpoint()")
