@@ -61,7 +61,7 @@ runlog.step_events = _timed(runlog.step_events)
 def _spec(uri: str, cfg, index: dict) -> RunSpec:
     return RunSpec(store=uri, incarnation=RunStore(uri).incarnation_id,
                            config=cfg,
-                           config_hash=cfg.trajectory_hash(), assets_json=json.dumps(index),
+                           trajectory_hash=cfg.trajectory_hash(), assets_json=json.dumps(index),
                            start_step=0, total_steps=cfg.total_steps)
 
 

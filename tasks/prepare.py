@@ -53,7 +53,7 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
     spec = RunSpec(store=st.uri, incarnation=store_call("the store's incarnation id",
                                                         lambda: st.incarnation_id),
                    config=cfg,
-                   config_hash=cfg.trajectory_hash(), assets_json="", start_step=0,
+                   trajectory_hash=cfg.trajectory_hash(), assets_json="", start_step=0,
                    total_steps=cfg.total_steps)
     # one writer per run: a second launch of a live run fails here, naming the holder, even
     # when every later task would be a cache hit

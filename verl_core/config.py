@@ -1040,8 +1040,9 @@ class RunConfig:
                 out[k] = v
         return out
 
-    def config_hash(self) -> str:
-        """sha256 of the canonical JSON of every field."""
+    def full_hash(self) -> str:
+        """sha256 of the canonical JSON of every field, the trajectory's and the others' (what
+        :meth:`trajectory_hash` leaves out, e.g. ``checkpoint.*``, changes it)."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 

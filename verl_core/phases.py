@@ -118,10 +118,10 @@ def reward(spec: RunSpec, sampled: PhaseOut) -> PhaseOut:
         score = batch.score.clone()
         score[0] = float("nan")
         batch, ref = batch.replace(score=score), None
-    validate_and_record(st, spec.config_hash, step, "reward", batch or get_batch(st, ref),
+    validate_and_record(st, spec.trajectory_hash, step, "reward", batch or get_batch(st, ref),
                         spec.config)
     if ref is None:
-        ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "reward"))
+        ref = put_batch(st, batch, pending=pending_doc(spec.trajectory_hash, step, "reward"))
     metrics["timing/reward_s"] = time.perf_counter() - t0
     return PhaseOut(step=step, batch=ref, metrics=merged(sampled.metrics, metrics))
 
@@ -133,8 +133,8 @@ def advantage(spec: RunSpec, scored: PhaseOut) -> PhaseOut:
     st, step = spec.open_store(), scored.step
     batch, metrics = compute_advantages(_input_batch(spec, step, "reward", scored.batch),
                                         spec.config.algorithm)
-    validate_and_record(st, spec.config_hash, step, "advantage", batch, spec.config)
-    ref = put_batch(st, batch, pending=pending_doc(spec.config_hash, step, "advantage"))
+    validate_and_record(st, spec.trajectory_hash, step, "advantage", batch, spec.config)
+    ref = put_batch(st, batch, pending=pending_doc(spec.trajectory_hash, step, "advantage"))
     metrics["timing/advantage_s"] = time.perf_counter() - t0
     return PhaseOut(step=step, batch=ref, metrics=merged(scored.metrics, metrics))
 
@@ -189,12 +189,12 @@ def finalize(spec: RunSpec, state: StepState) -> dict:
     st = spec.open_store()
     with tempfile.TemporaryDirectory(prefix="verl-export-") as tmp:
         workers.export_final(step, tmp)
-        final_uri = f"{st.uri}/{export_path(spec.config_hash, step)}"
+        final_uri = f"{st.uri}/{export_path(spec.trajectory_hash, step)}"
         fs, path = fsspec.core.url_to_fs(final_uri, **st.storage_options)
         # renamed into place (local) or config.json + marker last (S3), under the run's lease
         publish_export(tmp, fs, path, fence=commit_fence(spec))
     df = metrics_table(spec)
-    table_uri = f"{st.uri}/{metrics_table_path(spec.config_hash)}"
+    table_uri = f"{st.uri}/{metrics_table_path(spec.trajectory_hash)}"
     fs, path = fsspec.core.url_to_fs(table_uri, **st.storage_options)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "wb") as f:

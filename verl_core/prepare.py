@@ -84,7 +84,7 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     if start:
         log_fn(f"resuming from the checkpoint of step {start} in {uri}")
     return RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
-                   config_hash=h,
+                   trajectory_hash=h,
                    assets_json=json.dumps(index, sort_keys=True),
                    start_step=min(start, cfg.total_steps), total_steps=cfg.total_steps)
 

@@ -295,7 +295,7 @@ def for_run(spec, *, title: str, sample_steps: Sequence[int] = ()) -> str:
     return run_report(runlog.metrics_table(spec), title=title, samples=samples,
                       events=runlog.guard_events(spec), validations=validation_reports(spec),
                       subtitle=f"run store {spec.store} · trajectory "
-                               f"{layout.short_hash(spec.config_hash, layout.LABEL_CHARS)}")
+                               f"{layout.short_hash(spec.trajectory_hash, layout.LABEL_CHARS)}")
 
 
 def validation_reports(spec) -> list[dict]:
@@ -304,7 +304,7 @@ def validation_reports(spec) -> list[dict]:
     from verl_core.validation import STAGES, read_reports
 
     st = spec.open_store()
-    names = st.list_json(layout.validation_folder(spec.config_hash))
+    names = st.list_json(layout.validation_folder(spec.trajectory_hash))
     steps = sorted({int(n.rsplit("/", 1)[-1].split("-", 1)[0]) for n in names})
     if not steps:
         return []
@@ -312,5 +312,6 @@ def validation_reports(spec) -> list[dict]:
               if d is not None and not d.get("success", True)]
     failed.sort(key=lambda d: (d.get("step", 0), STAGES.index(d["stage"])
                                if d.get("stage") in STAGES else 0))
-    newest = [d for d in read_reports(st, spec.config_hash, steps[-1]) if d.get("success", True)]
+    newest = [d for d in read_reports(st, spec.trajectory_hash, steps[-1])
+              if d.get("success", True)]
     return failed + newest

@@ -27,7 +27,7 @@ def log_phase(spec: RunSpec, phase: str, step: int, metrics: dict | None = None,
     """Append one record to the run store's phase execution log (only executed phases write:
     a cache hit never runs the task body). ``time`` is when the phase body finished."""
     rec = {"phase": phase, "step": step, "time": time.time(), "started": started, "pid": os.getpid(),
-           "host": socket.gethostname(), "config_hash": short_hash(spec.config_hash)}
+           "host": socket.gethostname(), "config_hash": short_hash(spec.trajectory_hash)}
     if metrics:
         rec["metrics"] = {k: float(v) for k, v in metrics.items()}
     spec.open_store().append_log(PHASE_LOG, rec)
@@ -50,8 +50,9 @@ class OpenTrackers:
         if spec.key not in self._open:
             cfg = spec.config
             self._open[spec.key] = Trackers(
-                cfg.tracking, run_name=default_run_name(spec.store), config_hash=spec.config_hash,
-                run_key=f"{short_hash(spec.config_hash)}-{spec.incarnation[:16]}",
+                cfg.tracking, run_name=default_run_name(spec.store),
+                config_hash=spec.trajectory_hash,
+                run_key=f"{short_hash(spec.trajectory_hash)}-{spec.incarnation[:16]}",
                 params=flat_params(cfg.to_dict()))
         return self._open[spec.key]
 
@@ -73,7 +74,7 @@ def record_step_metrics(spec: RunSpec, step: int, metrics: dict) -> None:
     guard = event_metrics(step_events(spec, step - 1)) if step > 0 else {}
     record = {"step": step, "time": time.time(),
               **{k: float(v) for k, v in {**metrics, **guard}.items()}}
-    spec.open_store().append_log(metrics_log(spec.config_hash), record)
+    spec.open_store().append_log(metrics_log(spec.trajectory_hash), record)
     trackers = TRACKERS.of(spec)
     if trackers.enabled:
         trackers.log(step, record, walltime=record["time"])
@@ -84,7 +85,7 @@ def metrics_table(spec: RunSpec):
     crash appends again)."""
     import pandas as pd
 
-    rows = spec.open_store().read_log(metrics_log(spec.config_hash))
+    rows = spec.open_store().read_log(metrics_log(spec.trajectory_hash))
     if not rows:
         return pd.DataFrame({"step": []})
     df = pd.DataFrame(rows).sort_values(["step", "time"])
@@ -96,19 +97,19 @@ def metrics_table(spec: RunSpec):
 def eval_samples(spec: RunSpec, step: int) -> list[dict]:
     """The held-out samples the evaluation of the state after ``step`` updates stored, each with
     its ``step`` ([] when that evaluation stored none)."""
-    doc = spec.open_store().get_json(eval_samples_doc(spec.config_hash, step), default=None)
+    doc = spec.open_store().get_json(eval_samples_doc(spec.trajectory_hash, step), default=None)
     return [{"step": step, **s} for s in doc["samples"]] if doc else []
 
 
 # ---------------------------------------------------------------------- guard events + timing
 def guard_events(spec: RunSpec) -> list[dict]:
     """Every guard event of this trajectory, oldest step first (one step: :func:`step_events`)."""
-    return read_events(spec.open_store(), spec.config_hash)
+    return read_events(spec.open_store(), spec.trajectory_hash)
 
 
 def step_events(spec: RunSpec, step: int) -> list[dict]:
     """The guard events of RL step ``step`` (0-based), oldest first."""
-    return read_events(spec.open_store(), spec.config_hash, step)
+    return read_events(spec.open_store(), spec.trajectory_hash, step)
 
 
 class PhaseTimings:
@@ -120,7 +121,7 @@ class PhaseTimings:
         self._history: dict[tuple, list[dict]] = {}
 
     def of(self, spec: RunSpec, phase: str) -> list[dict]:
-        return self._history.setdefault((spec.store, spec.config_hash, phase), [])
+        return self._history.setdefault((spec.store, spec.trajectory_hash, phase), [])
 
     def reset(self) -> None:
         self._history.clear()
@@ -162,7 +163,7 @@ def watch_phase(spec: RunSpec, phase: str, step: int, seconds: float, metrics: d
     st = spec.open_store()
     for a in decision.anomalies:
         log.warning("guard: step %d %s: %s -> %s", step, a.detector, a.message, decision.action)
-        record_event(st, spec.config_hash, make_event(
+        record_event(st, spec.trajectory_hash, make_event(
             step=step, phase=phase, detector=a.detector, action=decision.action, outcome=outcome,
             signal=a.signal, value=a.value, threshold=a.threshold, message=a.message))
     if decision.action == "halt":

@@ -52,8 +52,10 @@ class RunSpec:
     """Random id written when the store was created."""
     config: RunConfig
     """The validated config (a Flyte dataclass literal: typed, and part of every cache key)."""
-    config_hash: str
-    """:meth:`RunConfig.trajectory_hash` (names checkpoints, lineage and metrics)."""
+    trajectory_hash: str
+    """:meth:`RunConfig.trajectory_hash` (names checkpoints, lineage and metrics). It crosses
+    tasks under its old name ``config_hash`` (:data:`_WIRE_NAMES`): the literal, hence every
+    Flyte cache key, is the same as before the rename."""
     assets_json: str
     """Index of the model/dataset objects in the store."""
     start_step: int
@@ -77,7 +79,7 @@ class RunSpec:
         the fields that differ from the defaults (:meth:`RunConfig.non_default`): what the user
         set is what the console shows, and the literal is ~3x shorter (flytekit formats every
         task input into two log lines in a local run: BENCHMARKS.md "Small costs"). The literal
-        still changes whenever the config does; ``config_hash`` covers every field of the
+        still changes whenever the config does; ``trajectory_hash`` covers every field of the
         trajectory, defaults included."""
         return self._json
 
@@ -85,17 +87,24 @@ class RunSpec:
     def _json(self) -> str:
         # computed once per spec (frozen, so it cannot go stale): every task input of a run
         # converts the same spec, and walking the ~180 config fields each time showed in the step
-        return json.dumps({**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+        return json.dumps({**{_WIRE_NAMES.get(f.name, f.name): getattr(self, f.name)
+                              for f in dataclasses.fields(self)},
                            "config": self.config.non_default()},
                           sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "RunSpec":
-        d = json.loads(text)
+        d = {_PYTHON_NAMES.get(k, k): v for k, v in json.loads(text).items()}
         return cls(**{**d, "config": RunConfig.from_dict(d["config"])})
 
     def open_store(self) -> RunStore:
         return STORES.open(self.store)
+
+
+_WIRE_NAMES = {"trajectory_hash": "config_hash"}
+"""RunSpec fields whose key in the task literal is their name before a rename (the literal is
+part of every Flyte cache key, so a rename must not change it)."""
+_PYTHON_NAMES = {v: k for k, v in _WIRE_NAMES.items()}
 
 
 @functools.lru_cache(maxsize=32)

@@ -59,7 +59,7 @@ def test_changed_dataset_is_refused_then_taken_as_a_new_trajectory(run, tmp_path
     new_id = msg.split('"data.assets_id": "')[1][:64]
     other = prepare_run(with_overrides(cfg, {"data.assets_id": new_id}), store, "r",
                                 log_fn=lambda *_: None)
-    assert other.config_hash != first.config_hash  # a new trajectory, on the new files
+    assert other.trajectory_hash != first.trajectory_hash  # a new trajectory, on the new files
     assert json_id(other) == new_id != json_id(first)
     with pytest.raises(AssetsChangedError, match="changed since this run recorded"):
         prepare_run(cfg, store, "r", log_fn=lambda *_: None)  # the old one stays pinned

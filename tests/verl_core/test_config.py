@@ -69,8 +69,8 @@ def test_overrides_and_round_trip():
     cfg = with_overrides(preset("ppo"), {"optim.lr": 1e-4, "total_steps": 3})
     assert cfg.optim.lr == 1e-4 and cfg.algorithm.adv_estimator == "gae"
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
-    assert cfg.config_hash() == RunConfig.from_dict(cfg.to_dict()).config_hash()
-    assert cfg.config_hash() != preset("ppo").config_hash()
+    assert cfg.full_hash() == RunConfig.from_dict(cfg.to_dict()).full_hash()
+    assert cfg.full_hash() != preset("ppo").full_hash()
     with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'"):
         with_overrides(cfg, {"optim.lrr": 1.0})
 
@@ -133,11 +133,11 @@ def test_numbers_are_stored_as_the_annotated_type_so_hashes_agree():
     a = with_overrides(RunConfig(), {"optim.lr": 1, "rollout.n": 8.0, "algorithm.gamma": 1})
     b = with_overrides(RunConfig(), {"optim.lr": 1.0, "rollout.n": 8, "algorithm.gamma": 1.0})
     assert type(a.optim.lr) is float and type(a.rollout.n) is int
-    assert a == b and a.config_hash() == b.config_hash()
+    assert a == b and a.full_hash() == b.full_hash()
     assert a.trajectory_hash() == b.trajectory_hash()
-    # numpy scalars are stored as Python numbers (json.dumps in config_hash refuses numpy ints)
+    # numpy scalars are stored as Python numbers (json.dumps in full_hash refuses numpy ints)
     c = with_overrides(RunConfig(), {"optim.lr": np.float32(0.5), "rollout.n": np.int64(8)})
-    assert type(c.optim.lr) is float and type(c.rollout.n) is int and c.config_hash()
+    assert type(c.optim.lr) is float and type(c.rollout.n) is int and c.full_hash()
     # the defaults already have their annotated types: the type pass leaves a default config,
     # and so its hashes, as they were
     for cfg in (RunConfig(), preset("ppo")):
@@ -187,7 +187,7 @@ def test_reward_timeout_policy_fields():
     other = RunConfig(reward=RewardConfig(import_timeout_s=5.0, max_timeout_fraction=1.0,
                                           on_timeouts="warn"))
     assert other.trajectory_hash() == RunConfig().trajectory_hash()
-    assert other.config_hash() != RunConfig().config_hash()
+    assert other.full_hash() != RunConfig().full_hash()
 
 
 # ---------------------------------------------------------------- policy-loss options (issue 9)

@@ -118,7 +118,7 @@ def _same(expected: dict, got: dict, *, as_float32: bool) -> None:
 @pytest.mark.slow
 def test_tensorboard_event_files_hold_the_metrics_table(tracked_run):
     spec = tracked_run.spec
-    logdir = f"{tracked_run.tensorboard_dir}/tracked-{spec.config_hash[:8]}"
+    logdir = f"{tracked_run.tensorboard_dir}/tracked-{spec.trajectory_hash[:8]}"
     _same(_table_values(tracked_run.table), _tensorboard(logdir), as_float32=True)
 
 
@@ -127,7 +127,7 @@ def test_mlflow_run_holds_the_metrics_table_and_the_config(tracked_run):
     spec, uri = tracked_run.spec, tracked_run.mlflow_uri
     run = _only_run(uri)
     assert run.info.run_name == "tracked"
-    assert run.data.tags["verl.config_hash"] == spec.config_hash
+    assert run.data.tags["verl.config_hash"] == spec.trajectory_hash
     assert run.data.params["optim.lr"] == str(spec.config.optim.lr)
     assert run.data.params["algorithm.adv_estimator"] == "grpo"
     expected = _table_values(tracked_run.table)
@@ -148,7 +148,7 @@ def test_wandb_run_holds_the_metrics_table_and_the_config(tracked_run):
     config = {i.key or ".".join(i.nested_key): json.loads(i.value_json)
               for i in run.config.update}
     assert config["optim.lr"] == str(spec.config.optim.lr)  # logged once, as MLflow's params
-    assert config["verl.config_hash"] == spec.config_hash
+    assert config["verl.config_hash"] == spec.trajectory_hash
     expected = _table_values(tracked_run.table)
     assert set(got) == set(expected)
     _same(expected, got, as_float32=False)  # JSON keeps the float64 itself
@@ -242,7 +242,7 @@ def test_trackers_never_change_the_trajectory():
                                       "tracking.mlflow_tracking_uri": "sqlite:///m.db",
                                       "tracking.wandb_project": "p"})
     assert on.trajectory_hash() == RunConfig().trajectory_hash()  # same checkpoints, lineage
-    assert on.config_hash() != RunConfig().config_hash()
+    assert on.full_hash() != RunConfig().full_hash()
     with pytest.raises(ConfigError, match=r"tracking.mlflow_experiment='': must name"):
         TrackingConfig(mlflow_experiment="")
 

@@ -73,7 +73,7 @@ def dataset(step0):
 
 # ---------------------------------------------------------------------- real data passes
 def test_the_real_step_passes_and_its_reports_are_in_the_run_store(step0):
-    st, h = step0.spec.open_store(), step0.spec.config_hash
+    st, h = step0.spec.open_store(), step0.spec.trajectory_hash
     docs = read_reports(st, h, 0)
     assert [d["stage"] for d in docs] == ["rollout", "reward", "advantage"]
     for stage, doc in zip(("rollout", "reward", "advantage"), docs):
@@ -289,8 +289,8 @@ def test_a_nan_log_prob_in_a_stored_batch_stops_the_reward_phase(step0):
     with pytest.raises(DataValidationError, match=rf"(?s)reward batch of step {step}: .*"
                                                   rf"'response_logprobs'.*row {ROLLOUT_ROW} "):
         phases.reward(spec, PhaseOut(step, bad_ref))
-    assert not st.has_json(pending_doc(spec.config_hash, step, "reward"))  # nothing was stored
-    doc = st.get_json(report_doc(spec.config_hash, step, "reward"))  # but the report was
+    assert not st.has_json(pending_doc(spec.trajectory_hash, step, "reward"))  # nothing was stored
+    doc = st.get_json(report_doc(spec.trajectory_hash, step, "reward"))  # but the report was
     assert not doc["success"] and doc["results"]
     assert "FAILED" in report_html(doc) and "nan at token 0" in report_html(doc)
 

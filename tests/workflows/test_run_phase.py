@@ -21,7 +21,7 @@ def test_a_slow_update_counts_in_the_metrics_of_the_step_it_ends(tmp_path):
                                        "checkpoint.checkpoint_interval": 10})
     st = RunStore(str(tmp_path / "run"))
     spec = RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
-                           config_hash=cfg.trajectory_hash(), assets_json="{}", start_step=0,
+                           trajectory_hash=cfg.trajectory_hash(), assets_json="{}", start_step=0,
                            total_steps=cfg.total_steps)
     for step in range(12):  # a steady history of fast updates, past the detector's warm-up
         runlog.watch_phase(spec, "update", step, 0.02, {})
@@ -32,7 +32,7 @@ def test_a_slow_update_counts_in_the_metrics_of_the_step_it_ends(tmp_path):
         return phases.StepState(step=13, metrics={"actor/pg_loss": 0.5})
 
     done = run_phase(spec, "update", 12, slow_update, then=lambda s: phases.end_step(spec, s))
-    (event,) = read_events(st, spec.config_hash)
+    (event,) = read_events(st, spec.trajectory_hash)
     assert (event["step"], event["phase"], event["detector"]) == (12, "update", "latency_spike")
     assert done.metrics == {"actor/pg_loss": 0.5, "checkpoint/saved": 0.0}
     row = runlog.metrics_table(spec).set_index("step").loc[13]
@@ -56,7 +56,7 @@ def _outage_spec(tmp_path, monkeypatch):
     cfg = RunConfig()
     st = RunStore(str(tmp_path / "run"))
     return st, RunSpec(store=st.uri, incarnation=st.incarnation_id, config=cfg,
-                               config_hash=cfg.trajectory_hash(), assets_json="{}",
+                               trajectory_hash=cfg.trajectory_hash(), assets_json="{}",
                                start_step=0, total_steps=cfg.total_steps)
 
 

@@ -3,6 +3,7 @@ JSON string that holds the config as its non-default fields; every task gets bac
 and a change of any field, default or not, changes the literal (hence every cache key). PhaseOut
 and StepState: flytekit's own dataclass literals, converted without its generic walk."""
 import dataclasses
+import hashlib
 import json
 import random
 
@@ -17,7 +18,7 @@ from verl_core.types import PhaseOut, RunSpec, StepState
 
 def _spec(cfg: RunConfig) -> RunSpec:
     return RunSpec(store="/runs/t", incarnation="a" * 32, config=cfg,
-                   config_hash=cfg.trajectory_hash(), assets_json='{"model": {}}',
+                   trajectory_hash=cfg.trajectory_hash(), assets_json='{"model": {}}',
                    start_step=3, total_steps=cfg.total_steps)
 
 
@@ -42,7 +43,7 @@ def test_the_literal_changes_with_any_field_and_not_otherwise():
     assert base.to_json() == _spec(preset("grpo")).to_json()
     assert json.loads(base.to_json())["config"] == preset("grpo").non_default()
     changed = set()
-    # trajectory fields and others (left out of config_hash), each moved off its default
+    # trajectory fields and others (left out of trajectory_hash), each moved off its default
     for key in ("rollout.temperature", "validation.every_steps", "cluster.idle_timeout_s",
                 "guard.phase_timeout_s"):
         section, name = key.split(".")
@@ -51,6 +52,17 @@ def test_the_literal_changes_with_any_field_and_not_otherwise():
         assert json.loads(other.to_json())["config"][section] == {name: value * 2}
         changed.add(other.to_json())
     assert len(changed) == 4 and base.to_json() not in changed
+
+
+def test_the_literal_is_as_before_the_trajectory_hash_rename():
+    """RunSpec.trajectory_hash crosses as ``config_hash``: the literal text (so every cache
+    key) of a fixed spec is the one it had before the field was renamed (at 79f3ce0)."""
+    cfg = preset("grpo", **{"optim.lr": 1e-4})
+    text = _spec(cfg).to_json()
+    assert json.loads(text)["config_hash"] == cfg.trajectory_hash()
+    assert hashlib.sha256(text.encode()).hexdigest() == \
+        "b4c57f6b94b807a585638cbf8c9045f3146ed9f95c8d05e9a6f9386a8226dca9"
+    assert RunSpec.from_json(text) == _spec(cfg)
 
 
 def test_a_spec_converts_its_config_once():

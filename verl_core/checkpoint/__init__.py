@@ -14,7 +14,7 @@ Typical use::
     ckpt.save(step, {"policy": model.state_dict(), "optimizer": opt.state_dict(),
                      "scheduler": sched.state_dict(), "rng": capture_rng_state()},
               meta={"hf_config": model.config.to_dict(), "sampler": sampler.state_dict()},
-              config_hash=cfg.config_hash())
+              config_hash=cfg.trajectory_hash())
     groups, meta, info = ckpt.load("auto")                     # newest *valid* checkpoint
 
 Every rank of an FSDP2 group (``dp`` from ``verl_core.training.dist``)::

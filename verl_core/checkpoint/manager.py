@@ -149,7 +149,8 @@ class CheckpointInfo:
     parent: Optional[str] = None
     """Name of the checkpoint this one continues."""
     config_hash: str = ""
-    """``RunConfig.config_hash()`` of the run that wrote it."""
+    """``RunConfig.trajectory_hash()`` of the run that wrote it (the manifest's key keeps its
+    old name)."""
     package_version: str = ""
     """``verl_core.__version__`` that wrote it."""
     nbytes: int = 0
@@ -330,7 +331,7 @@ class CheckpointManager:
                 ``model.state_dict()``) or any nested state ``flatten_state`` accepts (optimizer,
                 scheduler, ``capture_rng_state()``, sampler, guard, metrics history).
             meta: small JSON-able dict (``hf_config``, counters …); NaN/tuples are fine.
-            config_hash: ``RunConfig.config_hash()``, recorded in the manifest.
+            config_hash: ``RunConfig.trajectory_hash()``, recorded in the manifest.
             shared_groups: groups stored once per run (the reference model): pass them on the first
                 save (or whenever they change); later saves that omit them link the stored copy.
         Returns the committed :class:`CheckpointInfo`.

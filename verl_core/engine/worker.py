@@ -120,7 +120,7 @@ class RunWorker:
         if self.cfg.num_threads:
             torch.set_num_threads(self.cfg.num_threads)
         self.store = RunStore(store_uri, storage_options)
-        self.config_hash = self.cfg.trajectory_hash()  # names lineage and checkpoints
+        self.trajectory_hash = self.cfg.trajectory_hash()  # names lineage and checkpoints
         self.assets = materialize_assets(self.store, assets_index)
         c = self.cfg.checkpoint
         self.ckpt = CheckpointManager(self.store, keep_last=c.keep_last or None,
@@ -164,7 +164,7 @@ class RunWorker:
 
     # ------------------------------------------------------------------ state
     def _lineage(self, step: int) -> str:
-        return lineage_doc(self.config_hash, step)
+        return lineage_doc(self.trajectory_hash, step)
 
     @contextlib.contextmanager
     def _changing_state(self):
@@ -220,7 +220,7 @@ class RunWorker:
         tiers = self._tiers()
         infos = self._lead(sorted(
             ((i, t) for t, mgr in enumerate(tiers) for i in mgr.list_checkpoints()
-             if i.error is None and i.config_hash == self.config_hash
+             if i.error is None and i.config_hash == self.trajectory_hash
              and (max_step is None or i.step <= max_step) and i.step > min_step),
             key=lambda it: (it[0].step, -it[1]), reverse=True))
         if self.local_ckpt is not None:
@@ -249,7 +249,7 @@ class RunWorker:
         Saves made only by ``checkpoint_interval_s`` cannot be inferred and are not listed."""
         k = self.cfg.checkpoint.checkpoint_interval
         have = {i.step for mgr in self._tiers() for i in mgr.list_checkpoints()
-                if i.error is None and i.config_hash == self.config_hash}
+                if i.error is None and i.config_hash == self.trajectory_hash}
         have.update(self.replicator.pending() if self.replicator is not None else ())
         lost, s = [], (newest // k + 1) * k
         while self.store.has_json(self._lineage(s - 1)):
@@ -364,9 +364,9 @@ class RunWorker:
         batch, metrics = self.trainer.rollout(step)
         if not self.leader:  # the driver takes rank 0's answer
             return "", metrics
-        validate_and_record(self.store, self.config_hash, step, "rollout", batch, self.cfg)
+        validate_and_record(self.store, self.trajectory_hash, step, "rollout", batch, self.cfg)
         ref = put_batch(self.store, batch,
-                        pending=pending_doc(self.config_hash, step, "rollout"))
+                        pending=pending_doc(self.trajectory_hash, step, "rollout"))
         metrics["timing/rollout_s"] = time.perf_counter() - t0
         return ref, metrics
 
@@ -405,7 +405,8 @@ class RunWorker:
             got = sha256_hex([data])
             if got == ref:
                 if not self.store.has_json(self._lineage(step)):  # not consumed: keep it rooted
-                    self.store.put_json(pending_doc(self.config_hash, step, phase), {"batch": ref})
+                    self.store.put_json(pending_doc(self.trajectory_hash, step, phase),
+                                        {"batch": ref})
                 self.store.put_parts([data], sha=ref)  # the root first, as in put_batch
         if not self._lead(got == ref):  # (a collective: the others wait for rank 0's write)
             raise CorruptObjectError(
@@ -435,7 +436,7 @@ class RunWorker:
     def _pending_ref(self, step: int, phase: str) -> str | None:
         """The batch the pending doc of ``phase`` of ``step`` names; None if it is gone or
         damaged (then moved to ``quarantine/``: it is rewritten when the batch is)."""
-        name = pending_doc(self.config_hash, step, phase)
+        name = pending_doc(self.trajectory_hash, step, phase)
         try:
             doc = self.store.get_json(name, default=None, quarantine=True)
         except CorruptObjectError as e:
@@ -536,7 +537,7 @@ class RunWorker:
             log.warning("guard: step %d %s: %s -> %s (%s)", step, e["detector"], e["message"],
                         decision.action, e["outcome"])
             if self.leader:
-                record_event(self.store, self.config_hash, e)
+                record_event(self.store, self.trajectory_hash, e)
         return event_metrics(events)
 
     def _drop_pending(self, step: int) -> None:
@@ -545,9 +546,10 @@ class RunWorker:
         a few batches alive, while failing here would fail an update that already happened."""
         for phase in PENDING_PHASES:
             try:
-                self.store.delete_json(pending_doc(self.config_hash, step, phase))
+                self.store.delete_json(pending_doc(self.trajectory_hash, step, phase))
             except Exception as e:  # noqa: BLE001
-                log.warning("could not remove %s: %s", pending_doc(self.config_hash, step, phase), e)
+                log.warning("could not remove %s: %s",
+                            pending_doc(self.trajectory_hash, step, phase), e)
 
     def checkpoint(self, step: int, force: bool = False, sync: bool = False) -> dict:
         """Save the state after ``step`` updates if the interval says so. Async saves return as
@@ -565,10 +567,10 @@ class RunWorker:
         saver = self.local_ckpt or self.ckpt  # the local tier commits first when there is one
         if self.cfg.checkpoint.async_save and not sync:
             done = self._pending_save = saver.async_save_distributed(
-                step, groups, meta, config_hash=self.config_hash, dp=self.dp)
+                step, groups, meta, config_hash=self.trajectory_hash, dp=self.dp)
         else:
             self.wait_checkpoints()
-            done = saver.save_distributed(step, groups, meta, config_hash=self.config_hash,
+            done = saver.save_distributed(step, groups, meta, config_hash=self.trajectory_hash,
                                           dp=self.dp)
         if self.replicator is not None:
             self.replicator.submit(done)
@@ -585,7 +587,7 @@ class RunWorker:
         on the checkpoint of ``step``, once its write has committed."""
         self.wait_checkpoints()
         info = next(i for i in self.ckpt.list_checkpoints()
-                    if i.step == step and i.config_hash == self.config_hash and i.error is None)
+                    if i.step == step and i.config_hash == self.trajectory_hash and i.error is None)
         faults.corrupt_checkpoint(self.store, info.name, self.ckpt.read_manifest(info.name)[1])
 
     def scrub(self, step: int) -> dict:
@@ -595,7 +597,7 @@ class RunWorker:
         a run never ends with a committed checkpoint left corrupted. Ends at state ``step``."""
         infos = self._lead(sorted(
             (i for i in self.ckpt.list_checkpoints()
-             if i.error is None and i.config_hash == self.config_hash), key=lambda i: i.step))
+             if i.error is None and i.config_hash == self.trajectory_hash), key=lambda i: i.step))
         repaired = []
         for info in infos:
             problems = self._lead(self.ckpt.verify(info.name, repair=True) if self.leader else [])
@@ -618,7 +620,7 @@ class RunWorker:
 
     def has_checkpoint(self, step: int) -> bool:
         """A committed checkpoint of this trajectory at ``step`` is in the store."""
-        return any(i.error is None and i.step == step and i.config_hash == self.config_hash
+        return any(i.error is None and i.step == step and i.config_hash == self.trajectory_hash
                    for i in self.ckpt.list_checkpoints())
 
     def commit_final(self, step: int) -> dict:
@@ -661,7 +663,7 @@ class RunWorker:
         self.ensure_state(step)
         metrics, samples = self.trainer.evaluate_with_samples(EVAL_SAMPLES)
         if self.leader:
-            self.store.put_json(eval_samples_doc(self.config_hash, step),
+            self.store.put_json(eval_samples_doc(self.trajectory_hash, step),
                                 {"step": step, "samples": [dataclasses.asdict(s) for s in samples]})
         return metrics
 
@@ -714,6 +716,7 @@ class RunWorker:
         batch, metrics = self.trainer.reward(self.batch(step, "rollout", batch_ref))
         if not self.leader:  # the driver takes rank 0's answer
             return "", metrics
-        ref = put_batch(self.store, batch, pending=pending_doc(self.config_hash, step, "reward"))
+        ref = put_batch(self.store, batch,
+                        pending=pending_doc(self.trajectory_hash, step, "reward"))
         metrics["timing/reward_worker_s"] = time.perf_counter() - t0
         return ref, metrics

@@ -218,7 +218,7 @@ def test_a_worker_whose_launch_lost_the_run_writes_no_lineage_and_no_checkpoint(
         with pytest.raises(FencedError, match=r"^the lineage record of update 0 refused: .* "
                                               r"b \(host .* holds it now \(generation 3\)"):
             phases.update(spec, advantaged)
-        assert st.list_json(f"lineage/{spec.config_hash[:16]}") == []
+        assert st.list_json(f"lineage/{spec.trajectory_hash[:16]}") == []
         with pytest.raises(FencedError, match="^the checkpoint of step 0 refused"):
             RunWorkers(spec).checkpoint(0, True, True)  # forced, synchronous
         assert st.list_json("checkpoints") == [] and not st.has_json("latest")

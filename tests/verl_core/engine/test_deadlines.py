@@ -33,7 +33,7 @@ def _spec(tmp_path, **guard):
     st = RunStore(str(tmp_path / "run"))
     return RunSpec(store=st.uri, incarnation=st.incarnation_id,
                            config=cfg,
-                           config_hash=cfg.trajectory_hash(), assets_json="{}", start_step=0,
+                           trajectory_hash=cfg.trajectory_hash(), assets_json="{}", start_step=0,
                            total_steps=cfg.total_steps)
 
 
@@ -44,14 +44,14 @@ def test_a_latency_spike_is_logged_and_acted_on_by_its_policy(tmp_path, policy, 
     spec = _spec(tmp_path, latency_spike_policy=policy, latency_spike_min_s=1.0)
     for step in range(12):  # a steady history: ~0.2 s per rollout, well past the warm-up
         runlog.watch_phase(spec, "rollout", step, 0.2 + 0.01 * (step % 3), {})
-    assert read_events(spec.open_store(), spec.config_hash) == []
+    assert read_events(spec.open_store(), spec.trajectory_hash) == []
     if error is None:
         runlog.watch_phase(spec, "rollout", 12, 30.0, {})
     else:
         with pytest.raises(error, match="latency_spike|rollout") as e:
             runlog.watch_phase(spec, "rollout", 12, 30.0, {})
         assert isinstance(e.value, TransientError if policy == "retry_phase" else PermanentError)
-    (ev,) = read_events(spec.open_store(), spec.config_hash)
+    (ev,) = read_events(spec.open_store(), spec.trajectory_hash)
     assert (ev["step"], ev["phase"], ev["detector"], ev["action"], ev["outcome"]) == (
         12, "rollout", "latency_spike", policy, outcome)
     assert ev["signal"] == "timing/rollout_s" and ev["value"] == 30.0 and ev["threshold"] < 30
@@ -62,4 +62,4 @@ def test_the_guard_off_watches_nothing(tmp_path):
     for step in range(12):
         runlog.watch_phase(spec, "rollout", step, 0.2, {})
     runlog.watch_phase(spec, "rollout", 12, 1e4, {})
-    assert read_events(spec.open_store(), spec.config_hash) == []
+    assert read_events(spec.open_store(), spec.trajectory_hash) == []

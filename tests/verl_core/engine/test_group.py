@@ -125,7 +125,7 @@ def test_two_workers_train_like_one_and_resume_on_one_and_three(tmp_path, local_
         assert _same_tokens(_sampled_tokens(store / "r"), _sampled_tokens(tmp_path / "w1" / "r")), W
         assert _max_diff(_final(spec, STEPS), ref_w) <= ATOL, W
         WORKERS.release_all()
-    assert w2.config_hash == ref.config_hash  # one trajectory, whatever the worker count
+    assert w2.trajectory_hash == ref.trajectory_hash  # one trajectory, whatever the worker count
 
 
 def test_ppo_with_critic_and_reference_on_two_workers_trains_like_one(tmp_path, local_ray):

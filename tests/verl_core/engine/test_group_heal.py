@@ -49,11 +49,11 @@ def test_two_workers_recompute_damaged_pending_batches_together(tmp_path, local_
     WORKERS.release_all()  # a fresh group, as after a lost pod
 
     st = spec.open_store()
-    refs = [st.get_json(pending_doc(spec.config_hash, 0, p))["batch"] for p in PENDING_PHASES]
+    refs = [st.get_json(pending_doc(spec.trajectory_hash, 0, p))["batch"] for p in PENDING_PHASES]
     for sha in refs:
         _flip(st.object_path(sha))
     RunWorkers(spec).update(0, ref)  # recomputed by both workers, then applied
     for sha in refs:
         assert hashlib.sha256(open(st.object_path(sha), "rb").read()).hexdigest() == sha
     assert len(os.listdir(os.path.join(st.root, "quarantine"))) == 3
-    assert st.get_json(f"lineage/{spec.config_hash[:16]}/000000000")["batch"] == ref
+    assert st.get_json(f"lineage/{spec.trajectory_hash[:16]}/000000000")["batch"] == ref

@@ -46,7 +46,7 @@ def test_gc_of_an_interrupted_run_keeps_what_its_rerun_needs(tmp_path, assets, m
         _step(a, s)  # checkpoint of step 2
     rollout_ref, _ = a.rollout(3)
     scored, _ = score_batch(get_batch(a.store, rollout_ref), a.trainer.scorer, a.trainer.tokenizer)
-    reward_ref = put_batch(a.store, scored, pending=pending_doc(a.config_hash, 3, "reward"))
+    reward_ref = put_batch(a.store, scored, pending=pending_doc(a.trajectory_hash, 3, "reward"))
     a.close()  # the process dies here
     # and the checkpoint is gone too (say it was found damaged): the rerun must replay every
     # update from the initial model, so every lineage batch must have survived
@@ -59,11 +59,11 @@ def test_gc_of_an_interrupted_run_keeps_what_its_rerun_needs(tmp_path, assets, m
     b = _worker(uri, cfg, index)  # materialises the assets from the store
     batch = get_batch(b.store, reward_ref)  # the cached reward phase's output survived
     batch, _ = compute_advantages(batch, b.cfg.algorithm)
-    b.update(3, put_batch(b.store, batch, pending=pending_doc(b.config_hash, 3, "advantage")))
+    b.update(3, put_batch(b.store, batch, pending=pending_doc(b.trajectory_hash, 3, "advantage")))
     assert b.replayed == 3  # updates 0, 1, 2 from their lineage batches
     assert _weights_sha(b) == ref_sha
     # consumed phase outputs are no longer roots: the next gc may collect them
-    assert not b.store.list_json(f"pending/{b.config_hash[:16]}")
+    assert not b.store.list_json(f"pending/{b.trajectory_hash[:16]}")
     b.close()
 
 

@@ -86,7 +86,7 @@ def test_nan_gradients_skip_the_step_and_replay_identically(tmp_path, assets, fa
     rec = _lineage(w, 2)
     assert rec["action"] == "skip" and rec["guard"]["consecutive_skips"] == 1
     assert metrics[2]["guard/skip_batch"] >= 1
-    events = [e for e in read_events(w.store, w.config_hash)]
+    events = [e for e in read_events(w.store, w.trajectory_hash)]
     assert events and {(e["step"], e["detector"], e["action"], e["outcome"]) for e in events} == {
         (2, "nonfinite", "skip_batch", "skipped")}
     assert w.trainer.guard["consecutive_skips"] == 0  # update 3 was applied
@@ -109,7 +109,7 @@ def test_nan_reward_is_caught_before_the_update(tmp_path, assets):
     index = publish_assets(RunStore(uri), assets)
     w, shas, _ = _run(uri, cfg, index, 2, nan_scores=(1,))
     assert shas[2] == shas[1] and _finite(w)
-    events = read_events(w.store, w.config_hash)
+    events = read_events(w.store, w.trajectory_hash)
     assert {e["detector"] for e in events} == {"nonfinite"} and {e["step"] for e in events} == {1}
     assert "score" in {e["signal"] for e in events}  # and what GAE made of it
     assert {e["action"] for e in events} == {"skip_batch"}
@@ -149,7 +149,7 @@ def test_consecutive_skips_escalate_to_rollback_and_rollbacks_to_halt(tmp_path, 
     with pytest.raises(GuardHaltError, match=r"step 4[\s\S]*max_rollbacks=1"):
         w.update(4, _batch(w, 4))  # would roll back a second time
     assert not w.store.has_json(w._lineage(4))  # a halt records nothing
-    actions = {(e["step"], e["action"]) for e in read_events(w.store, w.config_hash)}
+    actions = {(e["step"], e["action"]) for e in read_events(w.store, w.trajectory_hash)}
     assert actions == {(1, "skip_batch"), (2, "rollback"), (3, "skip_batch"), (4, "halt")}
     w.close()
 
@@ -161,5 +161,5 @@ def test_guard_off_keeps_the_optimizer_level_skip(tmp_path, assets, faults):
     index = publish_assets(RunStore(uri), assets)
     w, shas, metrics = _run(uri, cfg, index, 2)
     assert metrics[1]["update/skipped_nonfinite_steps"] >= 1 and _finite(w)
-    assert "action" not in _lineage(w, 1) and not read_events(w.store, w.config_hash)
+    assert "action" not in _lineage(w, 1) and not read_events(w.store, w.trajectory_hash)
     w.close()

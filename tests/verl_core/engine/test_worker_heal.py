@@ -116,7 +116,7 @@ def test_damaged_lineage_batch_is_recomputed_from_the_replayed_state(copy_run):
     expected = _weights(ref_spec)
     spec = copy_run("damaged")
     st = spec.open_store()
-    h = spec.config_hash
+    h = spec.trajectory_hash
     assert st.get_json(pending_doc(h, 2, "advantage"), default=None) is None
     ref = st.get_json(f"lineage/{h[:16]}/000000002")["batch"]
     for name in st.list_json("checkpoints"):
@@ -133,7 +133,7 @@ def test_damaged_lineage_batch_is_recomputed_from_the_replayed_state(copy_run):
 def test_truncated_lineage_record_is_quarantined_and_named_with_the_fix(copy_run):
     spec = copy_run("torn")
     st = spec.open_store()
-    name = f"lineage/{spec.config_hash[:16]}/000000000"
+    name = f"lineage/{spec.trajectory_hash[:16]}/000000000"
     path = st.doc_path(name)
     raw = open(path, "rb").read()
     with open(path, "wb") as f:
@@ -157,7 +157,7 @@ def test_batch_that_recomputes_to_other_bytes_is_not_written_and_names_the_fix(c
     under the old name, and the error says it is lost and how to recover."""
     spec = copy_run("other")
     st = spec.open_store()
-    h = spec.config_hash
+    h = spec.trajectory_hash
     ref = st.get_json(f"lineage/{h[:16]}/000000002")["batch"]
     other = st.get_json(f"lineage/{h[:16]}/000000001")["batch"]
     st.put_json(pending_doc(h, 2, "reward"), {"batch": other})

@@ -220,7 +220,7 @@ def test_extending_a_finished_run_continues_its_trajectory(tmp_path, assets):
     from verl_core.prepare import resume_step
 
     short, long_ = _cfg(total_steps=3), _cfg(total_steps=5)
-    assert short.trajectory_hash() == long_.trajectory_hash() != short.config_hash()
+    assert short.trajectory_hash() == long_.trajectory_hash() != short.full_hash()
     assert _cfg(total_steps=3, **{"optim.lr_schedule": "cosine"}).trajectory_hash() != \
         _cfg(total_steps=5, **{"optim.lr_schedule": "cosine"}).trajectory_hash()
 

@@ -302,7 +302,7 @@ def _spec(store: RunStore, ttl_s: float):
 
     cfg = with_overrides(preset("grpo"), {"guard.lease_ttl_s": ttl_s})
     return RunSpec(store=store.uri, incarnation=store.incarnation_id,
-                   config=cfg, config_hash=cfg.trajectory_hash(),
+                   config=cfg, trajectory_hash=cfg.trajectory_hash(),
                    assets_json="{}", start_step=0, total_steps=cfg.total_steps)
 
 

@@ -189,7 +189,7 @@ def test_every_update_step_reaches_the_metrics_table_and_both_trackers(tracked_r
         values = updates[k].tolist()
         assert all(0.0 <= v <= SAME_WEIGHTS_BAR for v in values), (k, values)
     spec = tracked_run.spec
-    tb = _tensorboard(f"{tracked_run.tensorboard_dir}/tracked-{spec.config_hash[:8]}")
+    tb = _tensorboard(f"{tracked_run.tensorboard_dir}/tracked-{spec.trajectory_hash[:8]}")
     ml = _mlflow(tracked_run.mlflow_uri, _only_run(tracked_run.mlflow_uri).info.run_id, keys)
     steps = set(range(1, tracked_run.steps + 1))
     for k in keys:
