@@ -156,7 +156,7 @@ class _RayTask(RayFunctionTask):
 TaskPlugins.register_pythontask_plugin(_RayConfig, _RayTask)
 
 # Locally the plugin calls ray.init(address=None): RAY_ADDRESS (if set) joins an existing
-# cluster, otherwise a local instance starts. On Kubernetes, KubeRay creates this cluster.
+# cluster, otherwise start_local_ray has already started a new local instance, which it reuses. On Kubernetes, KubeRay creates this cluster.
 RAY_CONFIG = _RayConfig(
     head_node_config=HeadNodeConfig(ray_start_params={"num-cpus": "2"}),
     worker_node_config=[WorkerNodeConfig(group_name="workers", replicas=0)],

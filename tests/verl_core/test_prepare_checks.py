@@ -152,7 +152,7 @@ def test_good_faults_pass(monkeypatch):
 @pytest.fixture
 def ray_local():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False)
     yield ray
     ray.shutdown()
 

@@ -52,7 +52,11 @@ def start_local_ray() -> None:
     otherwise, and warns about it at the top of every run. Token authentication stays on; only
     its notice is quieted (the logger of Ray's token set-up; its errors still show). Setting
     ``RAY_AUTH_MODE=token`` here instead would not do: Ray reads it when it is imported, and a
-    driver that reads it later starts a GCS it cannot talk to."""
+    driver that reads it later starts a GCS it cannot talk to.
+
+    ``address="local"``: a new instance even where another one on this host was started with
+    ``ray start`` (a bare ``ray.init()`` joins the newest such instance, whose owner may stop it
+    under this run); joining a cluster is what RAY_ADDRESS and ``cluster.mode=attached`` say."""
     if os.environ.get("RAY_ADDRESS") or os.environ.get("FLYTE_INTERNAL_EXECUTION_ID"):
         return
     import ray
@@ -60,7 +64,7 @@ def start_local_ray() -> None:
     if not ray.is_initialized():
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
             logging.ERROR)
-        ray.init(include_dashboard=False, configure_logging=False,
+        ray.init(address="local", include_dashboard=False, configure_logging=False,
                  _system_config={"metrics_report_interval_ms": 60_000})
 
 

@@ -46,7 +46,7 @@ def local_ray(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # the Ray workers inherit them
         for k, v in env.items():
             mp.setenv(k, v)
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
         try:
             yield ray, faults
         finally:

@@ -25,7 +25,7 @@ def local_ray(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))  # the actors inherit it
     monkeypatch.delenv("VERL_FAULTS", raising=False)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
         yield
     finally:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def local_ray(monkeypatch):
     ray = pytest.importorskip("ray")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     yield ray
     WORKERS.release_all()
     ray.shutdown()

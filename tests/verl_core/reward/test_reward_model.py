@@ -340,7 +340,7 @@ def test_two_workers_each_score_their_share_and_rank0_gathers(tmp_path, rm_dir, 
                                        "trainer.n_gpus_per_node": 2,
                                        "trainer.worker_timeout_s": 120.0})
     spec = prepare_run(cfg, str(tmp_path / "store"), "w2", log_fn=lambda *_: None)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
         ref, _ = RunWorkers(spec).rollout(0)
         assert isinstance(WORKERS.held(spec), WorkerGroup)
