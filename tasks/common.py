@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import msgpack
 from flytekit import Cache
@@ -24,15 +24,9 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 import verl_core
-from verl_core.errors import TransientError
-from verl_core import runlog
-from verl_core.engine import workers
-from verl_core.engine.workers import WORKERS
-from verl_core.guard import writer
-from verl_core.phases import retry_after, with_retries
+from verl_core import phases, runlog
 from verl_core.types import PhaseOut, RunSpec, StepState
 from verl_core.guard.events import event_line
-from verl_core.guard.faults import maybe_inject
 from verl_core.train import format_step
 from verl_core.validation import clipped_responses_warning
 
@@ -50,7 +44,7 @@ PHASE_VERSIONS = {"prepare": "2", "rollout": "1", "reward": "2", "advantage": "1
 # evaluate v3: stores held-out samples for the reports (Decks); v4: their tokens as the model saw
 # them (special tokens visible), the first one printed
 
-RETRIES = 3
+RETRIES = phases.ATTEMPTS
 """Cluster retries of a phase (Flyte applies them only on a cluster; locally
 :func:`run_phase` applies the same policy to transient faults)."""
 
@@ -165,77 +159,50 @@ RAY_CONFIG = _RayConfig(
 )
 
 
-def store_call(what: str, fn: Callable[[], T]) -> T:
-    """``fn()`` under a phase's retry policy, a transient fault that outlived it raised as
-    FlyteRecoverableException (a cluster retries the phase; a raw StoreUnavailableError would
-    fail the run). For every store call a task makes around its body: the phase log, a progress
-    line's guard events, a Deck's reads, prepare. Permanent faults propagate unchanged."""
-    try:
-        return with_retries(fn, what=what, attempts=RETRIES)
-    except TransientError as e:
-        raise FlyteRecoverableException(f"{what}: {e}") from e
+run_phase = functools.partial(phases.run_phase, give_up=FlyteRecoverableException)
+""":func:`verl_core.phases.run_phase` for a task: a transient fault that outlived the local
+attempts is raised as FlyteRecoverableException, so a Flyte cluster retries only this phase (a raw
+StoreUnavailableError would fail the run)."""
+
+store_call = functools.partial(phases.store_call, give_up=FlyteRecoverableException)
+""":func:`verl_core.phases.store_call` for the store calls a task makes around its phase body
+(the progress line's guard events, a Deck's reads, prepare), mapped as :data:`run_phase` maps."""
 
 
-def run_phase(spec: RunSpec, phase: str, step: int, body: Callable[..., T], *args,
-              then: Callable[[T], T] | None = None) -> T:
-    """Run a phase body, ``body(*args)``, within the phase deadline and the run's lease, with the
-    local retry policy (:func:`~verl_core.phases.with_retries`'s, attempt by attempt here, so
-    the body is called from this frame), log it in the run store's phase log, and map a
-    transient fault that outlived the retries to FlyteRecoverableException (so a cluster
-    retries only this phase). The phase log append is a store call like the body's, under the
-    same policy (:func:`store_call`), but retried on its own: a log write that fails does not
-    redo the body. Permanent faults propagate unchanged: they fail fast. ``then``
-    runs on the body's result after the wall-clock detectors, within the same attempt (the
-    update task ends a step there when no checkpoint phase follows)."""
-    t0 = time.time()
-    timeout = spec.config.guard.phase_timeout_s
-    what = f"{phase} of step {step}"
-    verl_core.beat()  # a phase started (the probe fails if none starts or ends for too long)
-    for attempt in range(1, RETRIES + 1):
-        t = time.perf_counter()
-        try:
-            try:
-                with workers.deadline(timeout, what):
-                    writer.hold_lease(spec)  # one writer per run: renewed (or taken) per phase
-                    # VERL_FAULTS (tests, chaos drills); a no-op otherwise
-                    maybe_inject(phase, step, deadline_s=timeout)
-                    out = body(*args)
-            except workers.PhaseTimeoutError:
-                WORKERS.forget(spec)  # hung: its state and queue are unknown
-                raise
-            metrics = getattr(out, "metrics", out)  # PhaseOut, StepState or a metrics dict
-            runlog.watch_phase(spec, phase, step, time.perf_counter() - t,
-                               metrics if isinstance(metrics, dict) else {})
-            out = out if then is None else then(out)
-            break
-        except TransientError as e:
-            if attempt == RETRIES:
-                raise FlyteRecoverableException(f"{what}: {e}") from e
-            retry_after(e, what=what, attempt=attempt, attempts=RETRIES)
-    store_call(f"phase log of {phase} step {step}",
-               lambda: runlog.log_phase(spec, phase, step, started=t0))
-    verl_core.beat()  # the liveness probe's heartbeat (VERL_HEARTBEAT_FILE), at the end too
-    return out
+class StepClock:
+    """The wall time of each step of a run as this process saw it (one per run store), for the
+    progress line's ETA. A step's time is the wall time since the previous step's line, unless an
+    evaluation ran in between (evaluations are not steps: :func:`verl_core.train.eta_s`)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, dict] = {}  # store -> {"last": (step, time), "seconds": [...]}
+
+    def tick(self, spec: RunSpec, step: int) -> list[float]:
+        """Record that ``step`` ended now; the step times known so far."""
+        seen = self._runs.setdefault(spec.store, {"last": None, "seconds": []})
+        now, every = time.time(), spec.config.eval_every
+        last = seen["last"]
+        if last is not None and step == last[0] + 1 and not (every and last[0] % every == 0):
+            seen["seconds"].append(now - last[1])
+        seen["last"] = (step, now)
+        return seen["seconds"]
+
+    def reset(self) -> None:
+        self._runs.clear()
 
 
-_STEP_TIMES: dict[str, dict] = {}  # store -> {"last": (step, time), "seconds": [...]}
+STEP_CLOCK = StepClock()
 PHASE_TIMINGS = ("timing/rollout_s", "timing/reward_s", "timing/advantage_s", "timing/update_s")
 
 
 def progress(spec: RunSpec, step: int, metrics: dict) -> None:
-    """One console line per finished step: step, reward, speed, ETA. A step's time is the wall
-    time since the previous step's line in this process, unless an evaluation ran in between
-    (evaluations are not steps: :func:`verl_core.train.eta_s`); until one such interval is
-    known (the first line, or a fresh process on a cluster), the step's own phase timings."""
-    seen = _STEP_TIMES.setdefault(spec.store, {"last": None, "seconds": []})
-    now, every = time.time(), spec.config.eval_every
-    last = seen["last"]
-    if last is not None and step == last[0] + 1 and not (every and last[0] % every == 0):
-        seen["seconds"].append(now - last[1])
-    seen["last"] = (step, now)
+    """One console line per finished step: step, reward, speed, ETA (:class:`StepClock`; until
+    one step interval is known, the first line or a fresh process on a cluster, the step's own
+    phase timings)."""
+    seconds = STEP_CLOCK.tick(spec, step)
     own = [sum(float(metrics.get(k, 0.0)) for k in PHASE_TIMINGS)]
     # the plain loop's line (no timing/step_s here: the step ran as separate tasks)
-    parts = [format_step({**metrics, "step": step}, spec.total_steps, seen["seconds"] or own)]
+    parts = [format_step({**metrics, "step": step}, spec.total_steps, seconds or own)]
     # the step's guard events (one store listing)
     events = store_call(f"guard events of step {step}",
                         lambda: runlog.step_events(spec, step - 1))

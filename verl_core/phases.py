@@ -27,17 +27,18 @@ import tempfile
 import time
 from typing import Callable, TypeVar
 
+from verl_core import beat
 from verl_core.errors import CorruptObjectError, TransientError
 from verl_core.checkpoint.hf_export import publish_export
 from verl_core.engine.assets import materialize_assets
 from verl_core.engine.worker import get_batch, put_batch
-from verl_core.engine.workers import WORKERS, RunWorkers
+from verl_core.engine.workers import WORKERS, PhaseTimeoutError, RunWorkers, deadline
 from verl_core.guard import faults
-from verl_core.guard.writer import commit_fence, release_lease
+from verl_core.guard.writer import commit_fence, hold_lease, release_lease
 from verl_core.layout import export_path, metrics_table_path, pending_doc
 from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer
-from verl_core.runlog import metrics_table, record_step_metrics
+from verl_core.runlog import log_phase, metrics_table, record_step_metrics, watch_phase
 from verl_core.threads import intra_op_threads
 from verl_core.trainer import compute_advantages, score_batch
 from verl_core.types import Metrics, PhaseOut, RunSpec, StepState
@@ -157,6 +158,15 @@ def checkpoint(spec: RunSpec, state: StepState) -> StepState:
     return end_step(spec, state, saved)
 
 
+def end_step_unless_checkpoint(spec: RunSpec, state: StepState) -> StepState:
+    """After the update: the step ends here (:func:`end_step`) unless a checkpoint phase follows,
+    which ends it (``CheckpointConfig.due``). What the update passes :func:`run_phase` as
+    ``then``."""
+    if spec.config.checkpoint.due(state.step, spec.config.total_steps):
+        return state
+    return end_step(spec, state)
+
+
 def end_step(spec: RunSpec, state: StepState, checkpoint_metrics: dict | None = None
              ) -> StepState:
     """Record the finished step's metrics (store table, trackers; the guard's event counts of
@@ -206,6 +216,72 @@ def finalize(spec: RunSpec, state: StepState) -> dict:
     release_lease(spec)  # the run is complete: a relaunch (or another run) may write now
     return {"final_model": final_uri, "metrics_table": table_uri,
             "first_reward": float(rewards[0]), "last_reward": float(rewards[-1]), **scrubbed}
+
+
+ATTEMPTS = 3
+"""Attempts of a phase before a transient fault is given up on: locally :func:`run_phase` makes
+them; on a Flyte cluster the tasks' ``retries=`` (the same number) does."""
+
+
+def run_phase(spec: RunSpec, phase: str, step: int, body: Callable[..., T], *args,
+              then: Callable[[T], T] | None = None,
+              give_up: Callable[[str], Exception] | None = None) -> T:
+    """Run a phase body, ``body(*args)``: within the phase deadline and the run's lease, with the
+    local retry policy (:func:`with_retries`'s, attempt by attempt here, so the body is called
+    from this frame), then log it in the run's phase log. ``then`` runs on the body's result
+    after the wall-clock detectors, within the same attempt (the update ends a step there when
+    no checkpoint phase follows: :func:`end_step_unless_checkpoint`).
+
+    The phase log append is a store call like the body's, under the same policy, but retried
+    on its own: a log write that fails does not redo the body. A transient fault that outlived
+    the attempts is raised as ``give_up(message)`` when given (the task layer passes Flyte's
+    recoverable exception, so a cluster retries only this phase), else as itself. Permanent
+    faults propagate unchanged: they fail fast."""
+    t0 = time.time()
+    timeout = spec.config.guard.phase_timeout_s
+    what = f"{phase} of step {step}"
+    beat()  # a phase started (the probe fails if none starts or ends for too long)
+    for attempt in range(1, ATTEMPTS + 1):
+        t = time.perf_counter()
+        try:
+            try:
+                with deadline(timeout, what):
+                    hold_lease(spec)  # one writer per run: renewed (or taken) per phase
+                    # VERL_FAULTS (tests, chaos drills); a no-op otherwise
+                    faults.maybe_inject(phase, step, deadline_s=timeout)
+                    out = body(*args)
+            except PhaseTimeoutError:
+                WORKERS.forget(spec)  # hung: its state and queue are unknown
+                raise
+            metrics = getattr(out, "metrics", out)  # PhaseOut, StepState or a metrics dict
+            watch_phase(spec, phase, step, time.perf_counter() - t,
+                        metrics if isinstance(metrics, dict) else {})
+            out = out if then is None else then(out)
+            break
+        except TransientError as e:
+            if attempt == ATTEMPTS:
+                if give_up is None:
+                    raise
+                raise give_up(f"{what}: {e}") from e
+            retry_after(e, what=what, attempt=attempt, attempts=ATTEMPTS)
+    store_call(f"phase log of {phase} step {step}", lambda: log_phase(spec, phase, step, started=t0),
+               give_up=give_up)
+    beat()  # the liveness probe's heartbeat (VERL_HEARTBEAT_FILE), at the end too
+    return out
+
+
+def store_call(what: str, fn: Callable[[], T], *,
+               give_up: Callable[[str], Exception] | None = None) -> T:
+    """``fn()`` under a phase's retry policy (:func:`with_retries`), a transient fault that
+    outlived it raised as ``give_up(message)`` when given. For every store call around a phase
+    body: the phase log, a progress line's guard events, a report's reads, prepare. Permanent
+    faults propagate unchanged."""
+    try:
+        return with_retries(fn, what=what, attempts=ATTEMPTS)
+    except TransientError as e:
+        if give_up is None:
+            raise
+        raise give_up(f"{what}: {e}") from e
 
 
 def with_retries(fn: Callable[[], T], *, what: str, attempts: int = 3, backoff_s: float = 1.0,

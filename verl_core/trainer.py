@@ -681,6 +681,9 @@ class RLTrainer:
         return compute_advantages(batch, self.cfg.algorithm)
 
     def update(self, batch: Batch, step: int) -> dict:
+        """Update ``step`` on the advantaged ``batch``: the KL controller, then the PPO epochs
+        (:func:`~verl_core.training.ppo.ppo_update`) seeded by the step; the guard's history
+        remembers the step's metrics."""
         c = self.cfg
         metrics = {}
         if c.algorithm.use_kl_in_reward:
@@ -688,11 +691,24 @@ class RLTrainer:
             # changes in exactly one phase (the one that also changes the weights)
             self.kl_ctrl.update(batch.meta["reward_kl"], batch.num_rows)
             metrics["actor/kl_coef"] = self.kl_ctrl.value
+        # a VERL_FAULTS drill (nan_grad): NaN gradients after the first backward; else None
+        poison = _poison_gradients if faults.hook("after_backward", step) else None
         # any stochastic layer (dropout in a user's model) draws from global RNG: pin it to the
         # step, so the update stays a pure function of (state, batch, step)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(c.seed, step, "update-global"))
-            metrics.update(self._ppo_update(batch, step))
+            metrics.update(ppo_update(
+                self.actor, self.actor_optimizer, self.actor_scheduler, batch, c.algorithm,
+                temperature=c.rollout.temperature,
+                mini_batch_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
+                micro_batch_rows=c.actor.ppo_micro_batch_size, epochs=c.actor.ppo_epochs,
+                grad_clip=c.optim.grad_clip, seed=derive_seed(c.seed, step, "update"),
+                critic=self.critic, critic_optimizer=self.critic_optimizer,
+                critic_scheduler=self.critic_scheduler, dp=self.dp, after_backward=poison,
+                max_token_len=c.actor.token_budget("ppo_max_token_len_per_gpu"),
+                critic_max_token_len=c.actor.token_budget("critic_ppo_max_token_len_per_gpu"),
+                log_prob_max_token_len=c.actor.token_budget("log_prob_max_token_len_per_gpu"),
+                balance_batch=c.trainer.balance_batch))
         self._rollout_stale = True
         self._remember(step, batch, metrics)
         return metrics
@@ -711,22 +727,6 @@ class RLTrainer:
         entry.update(checks.batch_signals(batch))
         self.history.append(entry)
         del self.history[:-HISTORY_STEPS]
-
-    def _ppo_update(self, batch: Batch, step: int) -> dict:
-        c, G = self.cfg, self.cfg.rollout.n
-        # a VERL_FAULTS drill (nan_grad): NaN gradients after the first backward; else None
-        poison = _poison_gradients if faults.hook("after_backward", step) else None
-        return ppo_update(
-            self.actor, self.actor_optimizer, self.actor_scheduler, batch, c.algorithm,
-            temperature=c.rollout.temperature, mini_batch_rows=c.actor.ppo_mini_batch_size * G,
-            micro_batch_rows=c.actor.ppo_micro_batch_size, epochs=c.actor.ppo_epochs,
-            grad_clip=c.optim.grad_clip, seed=derive_seed(c.seed, step, "update"),
-            critic=self.critic, critic_optimizer=self.critic_optimizer,
-            critic_scheduler=self.critic_scheduler, dp=self.dp, after_backward=poison,
-            max_token_len=c.actor.token_budget("ppo_max_token_len_per_gpu"),
-            critic_max_token_len=c.actor.token_budget("critic_ppo_max_token_len_per_gpu"),
-            log_prob_max_token_len=c.actor.token_budget("log_prob_max_token_len_per_gpu"),
-            balance_batch=c.trainer.balance_batch)
 
     @torch.no_grad()
     def evaluate(self) -> dict:

@@ -473,18 +473,17 @@ class RunWorker:
         batch = self.batch(step, "advantage", batch_ref)
         if self.dp.distributed:  # VERL_FAULTS drills: a worker hanging (or killed) mid-update
             maybe_inject(f"update-rank{self.dp.rank}", step)
-        g = self.cfg.guard
-        before = dict(self.trainer.guard)  # the guard state of the step being decided
-
-        def apply() -> dict:
+        g, can_roll_back = self.cfg.guard, step > self.base_step
+        # the guard state and history of the step being decided (the update changes both)
+        before, history = dict(self.trainer.guard), list(self.trainer.history)
+        decision, metrics = checks.judge_batch(step, batch, history, before, g,
+                                               can_roll_back=can_roll_back), {}
+        if decision.action in ("none", "warn"):
             with self._changing_state():
                 metrics = self.trainer.update(batch, step)
                 self.step = step + 1
-            return metrics
-
-        decision, metrics = checks.guarded_update(
-            step, batch, list(self.trainer.history), before, g, apply,
-            can_roll_back=step > self.base_step, can_undo_update=True)
+            decision = checks.judge_update(step, decision, metrics, history, before, g,
+                                           can_roll_back=can_roll_back, can_undo_update=True)
         record = {"step": step, "batch": batch_ref}
         outcome = {"none": "", "warn": "logged"}.get(decision.action, "")
         if decision.action in ("retry_phase", "halt"):

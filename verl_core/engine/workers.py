@@ -9,10 +9,13 @@ always enough. What does not belong here: what a phase does with the answers (``
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
+from typing import Callable, Concatenate, ParamSpec, TypeVar
 
 from verl_core.alarm import alarm
 from verl_core.engine import cluster
@@ -24,6 +27,8 @@ from verl_core.threads import intra_op_threads
 from verl_core.types import RunSpec
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class PhaseTimeoutError(TransientError):
@@ -224,58 +229,22 @@ class Workers:
 WORKERS = Workers()
 
 
-class RunWorkers:
-    """The run's worker(s) as typed methods, one per phase call (:class:`RunWorker`'s own
-    signatures). Each call reaches the worker created on first use, under the run's fence and
-    within ``guard.phase_timeout_s``; a dead or hung actor is forgotten and reported as a
+def _on_worker(method: Callable[Concatenate[RunWorker, P], R]
+               ) -> Callable[Concatenate[RunWorkers, P], R]:
+    """A :class:`RunWorkers` method that calls ``method`` on the run's worker, typed with that
+    method's own signature (so the proxy cannot drift from the worker), under the run's fence and
+    within ``guard.phase_timeout_s``. A dead or hung actor is forgotten and reported as a
     transient error (:class:`WorkerLostError`, :class:`PhaseTimeoutError`), so a retry gets a
     fresh one."""
+    name, signature = method.__name__, inspect.signature(method)
 
-    def __init__(self, spec: RunSpec):
-        self.spec = spec
-
-    def rollout(self, step: int) -> tuple[str, dict]:
-        return self._call("rollout", step)
-
-    def update(self, step: int, batch_ref: str) -> dict:
-        return self._call("update", step, batch_ref)
-
-    def evaluate(self, step: int) -> dict:
-        return self._call("evaluate", step)
-
-    def checkpoint(self, step: int, force: bool = False, sync: bool = False) -> dict:
-        return self._call("checkpoint", step, force, sync)
-
-    def score_with_model(self, step: int, batch_ref: str) -> tuple[str, dict]:
-        return self._call("score_with_model", step, batch_ref)
-
-    def restore_batch(self, step: int, phase: str, ref: str) -> str:
-        return self._call("restore_batch", step, phase, ref)
-
-    def commit_final(self, step: int) -> dict:
-        return self._call("commit_final", step)
-
-    def scrub(self, step: int) -> dict:
-        return self._call("scrub", step)
-
-    def export_final(self, step: int, folder: str) -> str:
-        return self._call("export_final", step, folder)
-
-    def ensure_state(self, step: int) -> None:
-        return self._call("ensure_state", step)
-
-    def wait_checkpoints(self) -> None:
-        return self._call("wait_checkpoints")
-
-    def version(self) -> dict:
-        return self._call("version")
-
-    def _call(self, method: str, *args):
-        spec = self.spec
-        worker = WORKERS.handle(spec)
+    @functools.wraps(method)
+    def on_worker(self: RunWorkers, *args: P.args, **kwargs: P.kwargs) -> R:
+        spec, worker = self.spec, WORKERS.handle(self.spec)
+        positional = signature.bind(None, *args, **kwargs).args[1:]  # what a Ray call carries
         try:
             WORKERS.hand_fence(spec, worker)  # it commits only while this launch holds the lease
-            return call(worker, method, *args, timeout_s=spec.config.guard.phase_timeout_s)
+            return call(worker, name, *positional, timeout_s=spec.config.guard.phase_timeout_s)
         except (WorkerLostError, PhaseTimeoutError):
             WORKERS.drop(spec)  # the worker is gone: the retry starts a new one
             raise
@@ -288,5 +257,29 @@ class RunWorkers:
                     _kill_actor(worker)
             if type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
                 WORKERS.drop(spec)
-                raise WorkerLostError(f"the run's worker died during {method}: {e}") from e
+                raise WorkerLostError(f"the run's worker died during {name}: {e}") from e
             raise
+
+    return on_worker
+
+
+class RunWorkers:
+    """The run's worker(s) as typed methods: each is :class:`RunWorker`'s method of the same name
+    (its signature and docstring), called where the run's worker lives (this process, a Ray
+    actor, a worker group, an attached cluster: :meth:`Workers.handle`), created on first use."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+
+    rollout = _on_worker(RunWorker.rollout)
+    update = _on_worker(RunWorker.update)
+    evaluate = _on_worker(RunWorker.evaluate)
+    checkpoint = _on_worker(RunWorker.checkpoint)
+    score_with_model = _on_worker(RunWorker.score_with_model)
+    restore_batch = _on_worker(RunWorker.restore_batch)
+    commit_final = _on_worker(RunWorker.commit_final)
+    scrub = _on_worker(RunWorker.scrub)
+    export_final = _on_worker(RunWorker.export_final)
+    ensure_state = _on_worker(RunWorker.ensure_state)
+    wait_checkpoints = _on_worker(RunWorker.wait_checkpoints)
+    version = _on_worker(RunWorker.version)

@@ -4,9 +4,8 @@
   the batch says about the step and on the update's own metrics, each against the history of the
   steps before. Their decisions change the trajectory (skip, rollback), so they read only numbers
   that a re-run reproduces.
-- :func:`guarded_update`: decide on the batch, update, decide again on the update's metrics; the
-  one sequence both front doors run (``RunWorker.update`` and the plain loop), each carrying out
-  the decision with what it has (a run store to rebuild from, or not).
+- :func:`judge_batch` before the update and :func:`judge_update` after it: the guard's decision
+  on an update (``RunWorker.update`` runs the update between them and carries the decision out).
 - The wall-clock detectors (:data:`TIMING`) are judged where the time is measured
   (``runlog.watch_phase``), never in the update's decision.
 """
@@ -79,29 +78,45 @@ def update_anomalies(step: int, metrics: dict, history: list[dict], cfg: GuardCo
     return _unique(found)
 
 
+def judge_batch(step: int, batch: Batch, history: list[dict], guard: dict, cfg: GuardConfig, *,
+                can_roll_back: bool) -> policy.Decision:
+    """The guard's decision on update ``step`` before it runs, from the batch alone: the update
+    runs only when it is ``none`` or ``warn``. ``guard``: the guard state before the step (the
+    update itself resets its counters); ``can_roll_back``: an earlier state exists to return
+    to."""
+    return policy.decide(batch_anomalies(step, batch, history, cfg), dict(guard), cfg,
+                         can_roll_back=can_roll_back)
+
+
+def judge_update(step: int, before: policy.Decision, metrics: dict, history: list[dict],
+                 guard: dict, cfg: GuardConfig, *, can_roll_back: bool,
+                 can_undo_update: bool) -> policy.Decision:
+    """The decision on update ``step`` once it ran: the update's metrics judged together with
+    the batch's anomalies (``before``, :func:`judge_batch`'s decision), against the same
+    ``history`` and ``guard`` state as before the update. ``can_undo_update``: a skip decided now
+    can still be carried out (the workflow rebuilds the state before it from the run store);
+    without that a ``skip_batch`` or ``retry_phase`` only warns (the optimizer has already
+    refused non-finite gradients, so they never reach the weights). The caller carries out the
+    decision."""
+    after = update_anomalies(step, metrics, history, cfg)
+    if not after:
+        return before
+    decision = policy.decide([*before.anomalies, *after], dict(guard), cfg,
+                             can_roll_back=can_roll_back)
+    if not can_undo_update and decision.action in ("skip_batch", "retry_phase"):
+        decision = policy.Decision("warn", decision.anomalies,
+                                   "the plain loop cannot undo an applied update")
+    return decision
+
+
 def guarded_update(step: int, batch: Batch, history: list[dict], guard: dict, cfg: GuardConfig,
                    update: Callable[[], dict], *, can_roll_back: bool,
                    can_undo_update: bool) -> tuple[policy.Decision, dict]:
-    """The guard's decision on update ``step`` and the update's metrics ({} when it did not run).
-
-    The batch is judged first; ``update()`` runs only when that decision lets it (``none`` or
-    ``warn``), and its metrics are then judged together with the batch's anomalies. Both decisions
-    read ``guard``, the guard state before the step (the update itself resets its counters).
-    ``can_roll_back``: an earlier state exists to return to. ``can_undo_update``: a skip decided
-    after the update can still be carried out (the workflow rebuilds the state before it from the
-    run store); without that a ``skip_batch`` or ``retry_phase`` after it only warns (the optimizer
-    has already refused non-finite gradients, so they never reach the weights). The caller carries
-    out the decision."""
-    guard = dict(guard)
-    found = batch_anomalies(step, batch, history, cfg)
-    decision = policy.decide(found, guard, cfg, can_roll_back=can_roll_back)
+    """:func:`judge_batch`, ``update()`` when that decision lets it run, then
+    :func:`judge_update`: the decision and the update's metrics ({} when it did not run)."""
+    decision = judge_batch(step, batch, history, guard, cfg, can_roll_back=can_roll_back)
     if decision.action not in ("none", "warn"):
         return decision, {}
     metrics = update()
-    after = update_anomalies(step, metrics, history, cfg)
-    if after:
-        decision = policy.decide([*found, *after], guard, cfg, can_roll_back=can_roll_back)
-        if not can_undo_update and decision.action in ("skip_batch", "retry_phase"):
-            decision = policy.Decision("warn", decision.anomalies,
-                                       "the plain loop cannot undo an applied update")
-    return decision, metrics
+    return judge_update(step, decision, metrics, history, guard, cfg, can_roll_back=can_roll_back,
+                        can_undo_update=can_undo_update), metrics

@@ -176,14 +176,16 @@ def test_update_failing_half_way_is_rebuilt_not_trusted(tmp_path, assets, monkey
     batch, _ = score_batch(batch, b.trainer.scorer, b.trainer.tokenizer)
     batch, _ = compute_advantages(batch, b.cfg.algorithm)
     batch_ref = put_batch(b.store, batch)
-    real = b.trainer._ppo_update
+    import verl_core.trainer
+
+    real = verl_core.trainer.ppo_update
 
     def dies_after_stepping(*a, **k):
         real(*a, **k)  # the optimizer has stepped
         raise RuntimeError("CUDA out of memory (injected)")
 
     with monkeypatch.context() as m:
-        m.setattr(b.trainer, "_ppo_update", dies_after_stepping)
+        m.setattr(verl_core.trainer, "ppo_update", dies_after_stepping)
         with pytest.raises(RuntimeError, match="injected"):
             b.update(2, batch_ref)
     b.update(2, batch_ref)  # the retry: initial model + replay of updates 0 and 1, then update 2
