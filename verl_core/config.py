@@ -6,6 +6,14 @@ inside the run spec, as canonical JSON of its non-default fields (the spec's typ
 a verl user would look for them (``ppo_mini_batch_size``, ``clip_ratio_low``,
 ``norm_adv_by_std_in_grpo``, ``kl_loss_type`` …).
 
+Each section lives beside the component it configures: ``data/config.py``, ``models/config.py``,
+``rollout/config.py``, ``reward/config.py`` (``reward``, ``reward_model``), ``training/config.py``
+(``optim``, ``actor``), ``checkpoint/config.py`` and ``guard/config.py``. Here: the sections no
+one component owns (``algorithm``, ``trainer``, ``cluster``, ``tracking``, ``validation``), the
+:class:`RunConfig` that composes them all (its cross-section checks and hashes), overrides and
+presets. Every name is re-exported here (``__all__``): callers import from ``verl_core.config``.
+The field machinery all of them share is ``verl_core/config_fields.py``.
+
 Every field is checked against its annotation first (type; numbers finite), then its range; every
 invalid value raises :class:`ConfigError` naming ``section.field`` and what to do. Derived
 values are properties, never fields filled in at runtime. Presets are plain constructors at the
@@ -19,121 +27,35 @@ import functools
 import hashlib
 import json
 import math
-import numbers
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from verl_core.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorTraits
 from verl_core.algorithms.policy_losses import POLICY_LOSSES as POLICY_LOSS_REGISTRY
 from verl_core.algorithms.policy_losses import PolicyLossOptions
+from verl_core.checkpoint.config import CheckpointConfig
+from verl_core.config_fields import (TRAJECTORY, ConfigError, _check_types, _checked, _coerce,
+                                     _fail, _fields_of, _non_negative, _one_of, _positive,
+                                     in_trajectory, not_in_trajectory)
+from verl_core.data.config import DataConfig
+from verl_core.guard.config import GUARD_POLICIES, TIMING_DETECTORS, GuardConfig
+from verl_core.models.config import ModelConfig
+from verl_core.reward.config import REWARD_MODEL_COMBINE, RewardConfig, RewardModelConfig
+from verl_core.rollout.config import RolloutConfig
+from verl_core.training.config import ActorConfig, OptimConfig
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the field and the fix."""
-
-
-def _fail(section: str, name: str, value, why: str) -> None:
-    raise ConfigError(f"{section}.{name}={value!r}: {why}")
-
-
-_KINDS = {bool: "True or False", int: "an integer", float: "a finite number", str: "a string"}
-
-
-@functools.cache
-def _fields_of(cls) -> dict[str, tuple[type, object]]:
-    """``{name: (annotated type, default)}``; the annotations resolved, since ``from __future__
-    import annotations`` leaves strings in ``dataclasses.fields``."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls)}
-
-
-def _coerce(kind: type, value):
-    """``value`` as ``kind``, or None when it is not one. A float field takes ints (2 -> 2.0) and
-    an int field integral floats (4.0 -> 4, what JSON tools and ``1e3`` give), so equal configs
-    serialise, and hash, the same. bool is never a number here, though Python says it is an int."""
-    if isinstance(value, bool):
-        return value if kind is bool else None
-    if kind is float and isinstance(value, numbers.Real):
-        try:
-            f = float(value)
-        except OverflowError:  # an int beyond float range
-            return None
-        return f if math.isfinite(f) else None
-    if kind is int and isinstance(value, numbers.Integral):
-        return int(value)
-    if kind is int and isinstance(value, numbers.Real) and math.isfinite(value) \
-            and float(value).is_integer():
-        return int(value)
-    if kind is str and isinstance(value, str):
-        return value
-    if kind not in _KINDS and isinstance(value, kind):
-        return value
-    return None
-
-
-def _checked(section: str, name: str, kind: type, default, value):
-    """``value`` canonicalised for a field annotated ``kind``, or ConfigError naming the field."""
-    ok = _coerce(kind, value)
-    if ok is None:
-        what = _KINDS.get(kind, f"a {kind.__name__}")
-        got = f"not {type(value).__name__}"
-        if kind is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
-            got = "NaN and infinity are refused"
-        hint = "" if default is dataclasses.MISSING else f"; e.g. the default {default!r}"
-        _fail(section, name, value, f"must be {what} ({got}){hint}")
-    return ok
-
-
-def _check_types(section: str, obj) -> None:
-    """The type pass every section runs first, driven by the field annotations: an int field
-    refuses 2.5 and True, a float field refuses "abc", NaN and infinity, a str field refuses
-    numbers. Valid values are stored canonicalised (see :func:`_coerce`); the range checks of
-    each section run after it, on values of the right type."""
-    for name, (kind, default) in _fields_of(type(obj)).items():
-        value = getattr(obj, name)
-        ok = _checked(section, name, kind, default, value)
-        if ok is not value:
-            object.__setattr__(obj, name, ok)  # frozen: store the canonical value, once, here
-
-
-def _positive(section: str, obj, *names: str) -> None:
-    for n in names:
-        v = getattr(obj, n)
-        if v is None or v <= 0:
-            _fail(section, n, v, "must be > 0")
-
-
-def _non_negative(section: str, obj, *names: str) -> None:
-    for n in names:
-        v = getattr(obj, n)
-        if v is None or v < 0:
-            _fail(section, n, v, "must be >= 0")
-
-
-def _one_of(section: str, name: str, value, allowed) -> None:
-    if value not in allowed:
-        _fail(section, name, value, f"unknown value; known: {', '.join(sorted(allowed))}")
-
-
-TRAJECTORY = "trajectory"
-"""Field metadata: whether the field decides the training trajectory (the state after step k for
-every k; :meth:`RunConfig.trajectory_hash`): True, False, or a predicate of the
-:class:`RunConfig`. Every field declares it through :func:`in_trajectory` or
-:func:`not_in_trajectory` (a test walks them all), so no new field joins the trajectory, or
-leaves it, silently."""
-
-
-def in_trajectory(default=dataclasses.MISSING, *, factory=dataclasses.MISSING, when=None):
-    """A field that decides the trajectory; with ``when``, only in the configs where
-    ``when(run)`` holds."""
-    return field(default=default, default_factory=factory, metadata={TRAJECTORY: when or True})
-
-
-def not_in_trajectory(default=dataclasses.MISSING, *, factory=dataclasses.MISSING):
-    """A field that never changes the trajectory (evaluation, checkpointing, reports, wall-clock
-    limits, memory-only sizes, where the workers run): a run that changes it continues from the
-    same checkpoints and lineage."""
-    return field(default=default, default_factory=factory, metadata={TRAJECTORY: False})
+__all__ = [
+    # the field machinery (config_fields.py)
+    "ConfigError", "TRAJECTORY", "in_trajectory", "not_in_trajectory",
+    # the sections, beside their components and here
+    "DataConfig", "ModelConfig", "RolloutConfig", "RewardConfig", "RewardModelConfig",
+    "REWARD_MODEL_COMBINE", "AlgorithmConfig", "POLICY_LOSSES", "KL_TYPES", "LOSS_AGG_MODES",
+    "ROLLOUT_IS_LEVELS", "BYPASS_LOSS_TYPES", "OptimConfig", "ActorConfig", "TrainerConfig",
+    "ClusterConfig", "CLUSTER_MODES", "CheckpointConfig", "GuardConfig", "GUARD_POLICIES",
+    "TIMING_DETECTORS", "TrackingConfig", "ValidationConfig", "VALIDATION_MODES",
+    # the run, overrides, presets
+    "RunConfig", "SECTIONS", "MOVED_KEYS", "effective_line", "typed_overrides", "with_overrides",
+    "DEMO_TEMPERATURE", "USER_MODEL_DEFAULTS", "grpo_preset", "ppo_preset", "preset",
+]
 
 
 def _lr_depends_on_run_length(run: RunConfig) -> bool:
@@ -142,251 +64,10 @@ def _lr_depends_on_run_length(run: RunConfig) -> bool:
     return run.optim.lr_schedule != "constant"
 
 
-def _assets_set(run: RunConfig) -> bool:
-    """``data.assets_id`` unset: the run hashes as before the field existed."""
-    return bool(run.data.assets_id)
-
-
 def _reward_model_on(run: RunConfig) -> bool:
     """``reward_model`` off: its other fields do nothing, and the run hashes as before the section
     existed."""
     return run.reward_model.enable
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where prompts come from and how they are batched."""
-
-    train_files: str = in_trajectory("")
-    """Comma-separated parquet files/URIs in verl's row layout. Empty: generate the synthetic task."""
-    val_files: str = in_trajectory("")
-    """Comma-separated held-out parquet files/URIs. Empty: the synthetic task's held-out split."""
-    train_batch_size: int = in_trajectory(64)
-    """B: prompts per RL step (each is sampled ``rollout.n`` times). The demo's 64 (not 32)
-    halves the variance of each policy-gradient step; with 32, held-out accuracy wandered by
-    +-0.05 between evaluations and seed 2 ended 0.02 below its start (BENCHMARKS.md "Accuracy")."""
-    val_batch_size: int = not_in_trajectory(256)
-    """Prompts per greedy-evaluation forward pass (memory only; does not change results)."""
-    max_prompt_length: int = in_trajectory(64)
-    """Prompts longer than this many tokens fail validation (they are not silently truncated)."""
-    shuffle: bool = in_trajectory(True)
-    """Shuffle the training prompts each epoch (seeded by ``run.seed``)."""
-    synthetic_task: str = in_trajectory("arithmetic")
-    """Synthetic verifiable task generated when ``train_files`` is empty."""
-    synthetic_train_size: int = in_trajectory(3000)
-    """Rows in the generated training split."""
-    synthetic_val_size: int = in_trajectory(500)
-    """Rows in the generated held-out split (disjoint from training). 500 makes the standard
-    error of one accuracy <= 0.022 (sqrt(0.25 / 500)), of a gain <= 0.032."""
-    synthetic_max_operand: int = in_trajectory(50)
-    """Largest operand of the generated arithmetic problems."""
-    assets_id: str = in_trajectory("", when=_assets_set)
-    """Empty: a run trains on the files it recorded when it first ran (a dataset or model file
-    changed since is refused at resume, naming it). An asset index id (the refusal prints it):
-    train on the files as they are now, as a new trajectory of the run (from step 0)."""
-
-    def __post_init__(self):
-        _check_types("data", self)
-        _positive("data", self, "train_batch_size", "val_batch_size", "max_prompt_length",
-                  "synthetic_train_size", "synthetic_val_size", "synthetic_max_operand")
-        _one_of("data", "synthetic_task", self.synthetic_task, {"arithmetic"})
-        m = self.synthetic_max_operand
-        unique = (m + 1) ** 2 + (m + 1) * (m + 2) // 2  # a+b, and a-b with a >= b
-        if not self.train_files and self.synthetic_train_size + self.synthetic_val_size > unique:
-            _fail("data", "synthetic_train_size", self.synthetic_train_size,
-                  f"+ synthetic_val_size={self.synthetic_val_size} exceeds the {unique} unique "
-                  f"problems with synthetic_max_operand={m}; raise synthetic_max_operand")
-        if bool(self.train_files) != bool(self.val_files) and not self.train_files:
-            _fail("data", "train_files", self.train_files,
-                  "val_files is set but train_files is empty; give both or neither")
-
-    @property
-    def train_file_list(self) -> list[str]:
-        return [f.strip() for f in self.train_files.split(",") if f.strip()]
-
-    @property
-    def val_file_list(self) -> list[str]:
-        return [f.strip() for f in self.val_files.split(",") if f.strip()]
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The policy (and reference/critic initialisation)."""
-
-    path: str = in_trajectory("")
-    """A local Hugging Face folder (config.json, safetensors, tokenizer.json). Empty: build the
-    tiny model and warm-start it on the synthetic task."""
-    tiny_hidden_size: int = in_trajectory(64)
-    """Hidden size of the tiny Llama-style model built when ``path`` is empty."""
-    tiny_layers: int = in_trajectory(2)
-    """Decoder layers of the tiny model."""
-    tiny_heads: int = in_trajectory(2)
-    """Attention heads of the tiny model: 2 gives a head size of 32 at the default hidden size,
-    the smallest vLLM's CPU attention kernel runs (it takes 32, 64, 80 and up)."""
-    warmup_sft_steps: int = in_trajectory(2000)
-    """Most supervised warm-start steps on the synthetic task (only when ``path`` is empty)."""
-    warmup_target_accuracy: float = in_trajectory(0.25)
-    """The warm start stops once greedy accuracy on a slice of the *training* split reaches this,
-    so RL starts from partial accuracy: not zero (no reward signal), not full (nothing to learn).
-    1.0 disables the early stop. The held-out split is never looked at. The demo's 0.25 (held-out
-    0.16-0.26) leaves RL room to add what the warm start did not."""
-    warmup_sft_lr: float = in_trajectory(3e-3)
-    """Learning rate of the supervised warm start."""
-    warmup_sft_batch_size: int = in_trajectory(64)
-    """Batch size of the supervised warm start."""
-    dtype: str = in_trajectory("float32")
-    """Compute dtype for training: float32, or bfloat16 (bf16 matmuls over float32 master weights
-    and float32 AdamW state, as verl's FSDP mixed precision; the reference model and the rollout
-    copy are held in bf16). A bf16 checkpoint is still loaded into float32 masters."""
-    gradient_checkpointing: bool = in_trajectory(False)
-    """Recompute activations in backward to save memory (large models)."""
-
-    def __post_init__(self):
-        _check_types("model", self)
-        _positive("model", self, "tiny_hidden_size", "tiny_layers", "tiny_heads",
-                  "warmup_sft_batch_size")
-        _non_negative("model", self, "warmup_sft_steps")
-        _positive("model", self, "warmup_sft_lr")
-        if not 0.0 < self.warmup_target_accuracy <= 1.0:
-            _fail("model", "warmup_target_accuracy", self.warmup_target_accuracy,
-                  "must be in (0, 1]")
-        if self.tiny_hidden_size % self.tiny_heads:
-            _fail("model", "tiny_hidden_size", self.tiny_hidden_size,
-                  f"must be divisible by model.tiny_heads={self.tiny_heads}")
-        _one_of("model", "dtype", self.dtype, {"float32", "bfloat16"})
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """Sampling of responses."""
-
-    engine: str = in_trajectory("hf")
-    """Rollout engine: ``hf`` (torch, CPU and GPU) or ``vllm`` (vLLM in the worker: on a CUDA GPU
-    with ``pip install -e '.[vllm]'``, or on CPU with vLLM's CPU backend, ``bash .ci/install
-    vllm``; checked when the run is prepared and when the engine is built)."""
-    n: int = in_trajectory(8)
-    """G: responses sampled per prompt (GRPO/RLOO need G > 1)."""
-    temperature: float = in_trajectory(1.0)
-    """Sampling temperature; 0 means greedy. Log-probs and the loss use the same temperature.
-    1.0 is verl's default and ours for a model you bring; the built-in demo (no ``model.path``)
-    samples at :data:`DEMO_TEMPERATURE` unless this is set (see :func:`grpo_preset`)."""
-    top_p: float = in_trajectory(1.0)
-    """Nucleus sampling mass in (0, 1]; 1 disables it."""
-    top_k: int = in_trajectory(-1)
-    """Keep the k most likely tokens; -1 disables it (verl's convention)."""
-    max_new_tokens: int = in_trajectory(8)
-    """T: most response tokens; generation stops earlier at EOS."""
-    micro_batch_size: int = not_in_trajectory(512)
-    """Sequences per generation forward pass (memory only; results do not depend on it)."""
-    gpu_memory_utilization: float = in_trajectory(0.5)
-    """vLLM on a GPU only: fraction of GPU memory for weights + KV cache. (vLLM's CPU backend
-    would take this fraction of the machine's RAM; there ``cpu_kv_cache_gib`` sizes it.)"""
-    cpu_kv_cache_gib: float = in_trajectory(0.5)
-    """vLLM on CPU only: GiB of RAM for the KV cache (vLLM's ``kv_cache_memory_bytes``), set
-    here so it never follows the machine's RAM. A token of cache takes 2 x layers x KV heads x
-    head size x dtype bytes (1 KiB for the tiny model in float32: 0.5 GiB holds 512k tokens;
-    56 KiB for Qwen2.5-7B in bfloat16: ~9k); vLLM refuses to start when one
-    ``data.max_prompt_length + rollout.max_new_tokens`` sequence does not fit."""
-    enforce_eager: bool = in_trajectory(True)
-    """vLLM only: run without CUDA graphs (faster start, less memory, slower decoding)."""
-    free_cache_engine: bool = in_trajectory(True)
-    """vLLM only: sleep after each generation (KV cache freed, weights offloaded to CPU) so
-    training gets the GPU memory back; False keeps vLLM resident."""
-
-    def __post_init__(self):
-        _check_types("rollout", self)
-        _one_of("rollout", "engine", self.engine, {"hf", "vllm"})
-        if self.engine == "vllm" and self.temperature > 2.0:
-            _fail("rollout", "temperature", self.temperature,
-                  "vLLM accepts temperatures in [0, 2]; lower it or use rollout.engine='hf'")
-        _positive("rollout", self, "n", "max_new_tokens", "micro_batch_size")
-        _non_negative("rollout", self, "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            _fail("rollout", "top_p", self.top_p, "must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1:
-            _fail("rollout", "top_k", self.top_k, "must be -1 (disabled) or >= 1")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            _fail("rollout", "gpu_memory_utilization", self.gpu_memory_utilization,
-                  "must be in (0, 1]")
-        _positive("rollout", self, "cpu_kv_cache_gib")
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-    """How responses are scored."""
-
-    scorer: str = in_trajectory("auto")
-    """``auto`` (pick a rule scorer by each row's data_source), ``arithmetic``, ``gsm8k``, or a
-    custom ``path/to/file.py:function`` / ``module:function`` with verl's signature
-    ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``."""
-    timeout_s: float = in_trajectory(10.0)
-    """Per-call timeout of a custom scorer (run in a worker process); a timeout scores
-    ``timeout_score`` and is counted in the metrics."""
-    timeout_score: float = in_trajectory(0.0)
-    """Score given to a response whose custom scorer timed out."""
-    # a run that completes scores the same whatever the next four are
-    num_workers: int = not_in_trajectory(2)
-    """Worker processes for custom scorers."""
-    import_timeout_s: float = not_in_trajectory(60.0)
-    """Deadline for loading a custom scorer in a worker, its import included; one that hangs or
-    kills its process while loading fails the run with an error naming it."""
-    max_timeout_fraction: float = not_in_trajectory(0.5)
-    """A batch in which more than this fraction of custom-scorer calls time out triggers
-    ``on_timeouts`` (every timeout is logged and counted in ``reward/timeouts`` anyway)."""
-    on_timeouts: str = not_in_trajectory("fail")
-    """``fail`` (an error naming the scorer) or ``warn`` (log it, keep the ``timeout_score``
-    rewards) when a batch has more than ``max_timeout_fraction`` timed-out calls."""
-
-    def __post_init__(self):
-        _check_types("reward", self)
-        if not self.scorer:
-            _fail("reward", "scorer", self.scorer, "must not be empty; use 'auto'")
-        _positive("reward", self, "timeout_s", "num_workers", "import_timeout_s")
-        if not 0.0 <= self.max_timeout_fraction <= 1.0:
-            _fail("reward", "max_timeout_fraction", self.max_timeout_fraction,
-                  "must be in [0, 1] (1 never fails on timeouts)")
-        _one_of("reward", "on_timeouts", self.on_timeouts, {"fail", "warn"})
-
-
-REWARD_MODEL_COMBINE = ("replace", "add")
-"""How a reward model's score meets the ``reward.scorer`` score (``RewardModelConfig.combine``)."""
-
-
-@dataclass(frozen=True)
-class RewardModelConfig:
-    """A model-based reward, as verl's ``reward_model`` section: a local Hugging Face
-    sequence-classification model (one label) scores prompt + response on the run's workers
-    (``verl_core/reward/model.py``). What does not carry over from verl 0.9 (a serving engine and
-    resource pool for the RM, a custom reward function that queries it, truncation) and why:
-    docs/rewards.md."""
-
-    enable: bool = in_trajectory(False)
-    """Score responses with the reward model (verl's ``reward_model.enable``)."""
-    path: str = in_trajectory("")
-    """Local Hugging Face folder of an ``AutoModelForSequenceClassification`` with
-    ``num_labels=1`` and its tokenizer (verl's ``reward_model.model.path``)."""
-    combine: str = in_trajectory("replace")
-    """``replace``: the model's score is the reward, as in verl 0.9 (``reward.scorer`` then only
-    scores evaluation); ``add``: reward = ``reward.scorer``'s score + the model's score."""
-    micro_batch_size: int = not_in_trajectory(64)
-    """Sequences per reward-model forward pass on each worker (verl's
-    ``micro_batch_size_per_gpu``; memory only: scores do not depend on it)."""
-    max_length: int = not_in_trajectory(0)
-    """Most tokens of one reward-model input; a longer one is an error naming the row (verl
-    truncates it instead). 0: the model's ``max_position_embeddings``."""
-    dtype: str = in_trajectory("float32")
-    """Parameter dtype of the reward model: float32 or bfloat16."""
-
-    def __post_init__(self):
-        _check_types("reward_model", self)
-        if self.enable and not self.path:
-            _fail("reward_model", "path", self.path,
-                  "reward_model.enable=True needs a local Hugging Face folder of a "
-                  "sequence-classification model with num_labels=1; set reward_model.path")
-        _one_of("reward_model", "combine", self.combine, REWARD_MODEL_COMBINE)
-        _positive("reward_model", self, "micro_batch_size")
-        _non_negative("reward_model", self, "max_length")
-        _one_of("reward_model", "dtype", self.dtype, {"float32", "bfloat16"})
 
 
 POLICY_LOSSES = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "sapo", "geo_mean", "gpg",
@@ -526,90 +207,6 @@ class AlgorithmConfig(PolicyLossOptions):
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    """AdamW + LR schedule for actor and critic."""
-
-    lr: float = in_trajectory(5e-4)
-    """Actor peak learning rate."""
-    critic_lr: float = in_trajectory(1e-3)
-    """Critic peak learning rate."""
-    weight_decay: float = in_trajectory(0.0)
-    """AdamW weight decay."""
-    beta1: float = in_trajectory(0.9)
-    """AdamW beta1."""
-    beta2: float = in_trajectory(0.99)
-    """AdamW beta2."""
-    eps: float = in_trajectory(1e-8)
-    """AdamW epsilon."""
-    warmup_steps: int = in_trajectory(10)
-    """Linear LR warmup, in optimizer steps (Adam's second moments settle before full steps)."""
-    lr_schedule: str = in_trajectory("constant")
-    """After warmup: constant or cosine (to ``min_lr_ratio * lr`` at the last step)."""
-    min_lr_ratio: float = in_trajectory(0.1)
-    """Cosine floor as a fraction of the peak LR."""
-    grad_clip: float = in_trajectory(1.0)
-    """Clip the global gradient norm to this value."""
-
-    def __post_init__(self):
-        _check_types("optim", self)
-        _positive("optim", self, "lr", "critic_lr", "eps", "grad_clip")
-        _non_negative("optim", self, "weight_decay", "warmup_steps")
-        _one_of("optim", "lr_schedule", self.lr_schedule, {"constant", "cosine"})
-        for n in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, n) < 1.0:
-                _fail("optim", n, getattr(self, n), "must be in [0, 1)")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            _fail("optim", "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
-
-
-@dataclass(frozen=True)
-class ActorConfig:
-    """The PPO update: epochs, mini-batches, micro-batches (verl's ``actor_rollout_ref.actor``
-    sizes; named ``actor`` because verl's ``trainer`` section is the run loop)."""
-
-    ppo_epochs: int = in_trajectory(1)
-    """Passes over each rollout batch (verl's ``actor_rollout_ref.actor.ppo_epochs``)."""
-    ppo_mini_batch_size: int = in_trajectory(32)
-    """Prompts per optimizer step (x ``rollout.n`` responses), as in verl: half of
-    ``data.train_batch_size``, two optimizer steps per RL step."""
-    ppo_micro_batch_size: int = in_trajectory(128)
-    """Responses per forward/backward on one worker (gradient accumulation = a worker's rows of
-    a mini-batch / this); verl's ``ppo_micro_batch_size_per_gpu``. Memory only: the loss of a
-    mini-batch does not depend on it."""
-    use_dynamic_bsz: bool = in_trajectory(False)
-    """Micro-batches by a token budget instead of ``ppo_micro_batch_size`` rows, for every
-    forward the trainer runs (verl's ``use_dynamic_bsz``, all four of its keys): each worker's
-    rows sorted by length and cut into runs that fit the ``*_max_token_len_per_gpu`` budget below
-    (positions run, padding included: rows x (longest prompt + longest response); a longer row
-    gets a micro-batch of its own), each cut to its longest response. Memory and speed only:
-    the loss weights make the update the same."""
-    ppo_max_token_len_per_gpu: int = in_trajectory(16384)
-    """Token budget of one micro-batch of the actor's update (verl's key)."""
-    log_prob_max_token_len_per_gpu: int = in_trajectory(16384)
-    """Token budget of a no-grad forward of the actor: old log-probs, Σπ² (verl's
-    ``rollout.log_prob_max_token_len_per_gpu``)."""
-    ref_log_prob_max_token_len_per_gpu: int = in_trajectory(16384)
-    """Token budget of a reference log-prob forward (verl's ``ref.log_prob_max_token_len_per_gpu``)."""
-    critic_ppo_max_token_len_per_gpu: int = in_trajectory(32768)
-    """Token budget of one micro-batch of the critic's update (verl's
-    ``critic.ppo_max_token_len_per_gpu``)."""
-    critic_forward_max_token_len_per_gpu: int = in_trajectory(32768)
-    """Token budget of a no-grad critic forward, the values (verl's
-    ``critic.forward_max_token_len_per_gpu``)."""
-
-    def __post_init__(self):
-        _check_types("actor", self)
-        _positive("actor", self, "ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size",
-                  "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu",
-                  "ref_log_prob_max_token_len_per_gpu", "critic_ppo_max_token_len_per_gpu",
-                  "critic_forward_max_token_len_per_gpu")
-
-    def token_budget(self, name: str) -> int:
-        """``name``'s token budget when ``use_dynamic_bsz``, else 0 (micro-batches of rows)."""
-        return getattr(self, name) if self.use_dynamic_bsz else 0
-
-
-@dataclass(frozen=True)
 class TrainerConfig:
     """The worker group (verl's ``trainer.nnodes`` / ``trainer.n_gpus_per_node``)."""
 
@@ -662,203 +259,6 @@ class ClusterConfig:
         _check_types("cluster", self)
         _one_of("cluster", "mode", self.mode, CLUSTER_MODES)
         _non_negative("cluster", self, "idle_timeout_s")
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """When and how the durable state is saved (the names users of verl-style trainers know)."""
-
-    checkpoint_interval: int = not_in_trajectory(10)
-    """Save a verified checkpoint every k steps (the last step is always saved). Between
-    checkpoints a crashed run recovers by replaying the stored batches of the finished updates."""
-    checkpoint_interval_s: float = not_in_trajectory(0.0)
-    """Also save when this many seconds passed since the last save (0: off)."""
-    save_optimizer_state: bool = not_in_trajectory(True)
-    """Include optimizer + scheduler state (needed for exact resume; off = weights only)."""
-    resume_from_checkpoint: str = not_in_trajectory("auto")
-    """``auto`` (newest valid checkpoint of this run store, if any), ``none``, a checkpoint
-    manifest path/URI (``<store>/checkpoints/<name>.json``), or another run store's folder (its
-    newest valid checkpoint). Anything else is a permanent error at prepare."""
-    keep_last: int = not_in_trajectory(3)
-    """Keep the newest N checkpoints (0: keep all)."""
-    keep_every: int = not_in_trajectory(0)
-    """Also keep every checkpoint whose step is a multiple of this (0: off)."""
-    async_save: bool = not_in_trajectory(True)
-    """Snapshot to CPU memory and write in the background while the next phases run."""
-    gc_grace_s: float = not_in_trajectory(600.0)
-    """Garbage collection (after retention deletes a checkpoint) never deletes an object younger
-    than this. Safety margin only: gc never deletes what a kept checkpoint, the assets, the
-    lineage or a pending phase output names, whatever its age."""
-    local_dir: str = not_in_trajectory("")
-    """Local-disk tier (off when empty): commit checkpoints to ``<local_dir>/<store id>`` first
-    and replicate them to the run store in the background (docs/checkpoints.md; W = 1 only)."""
-
-    def __post_init__(self):
-        _check_types("checkpoint", self)
-        if "://" in self.local_dir:
-            _fail("checkpoint", "local_dir", self.local_dir,
-                  "must be a local folder (a local SSD), not a URL; the run store is the shared tier")
-        _positive("checkpoint", self, "checkpoint_interval")
-        _non_negative("checkpoint", self, "checkpoint_interval_s", "keep_last", "keep_every",
-                      "gc_grace_s")
-        if not self.resume_from_checkpoint:
-            _fail("checkpoint", "resume_from_checkpoint", self.resume_from_checkpoint,
-                  "use 'auto', 'none' or a checkpoint path")
-
-    def due(self, step: int, total_steps: int, since_save_s: float | None = None) -> bool:
-        """Whether the state after ``step`` of ``total_steps`` updates is saved: every
-        ``checkpoint_interval`` steps, at the last step, and with ``checkpoint_interval_s`` when
-        ``since_save_s`` seconds since the last save reach it. ``since_save_s=None`` (not known
-        yet, as when a workflow is planned): every step may be due, the worker decides."""
-        if step % self.checkpoint_interval == 0 or step == total_steps:
-            return True
-        if not self.checkpoint_interval_s:
-            return False
-        return since_save_s is None or since_save_s >= self.checkpoint_interval_s
-
-
-GUARD_POLICIES = ("warn", "skip_batch", "retry_phase", "rollback", "halt")
-"""What a detector may do when it fires (docs/guard.md)."""
-
-TIMING_DETECTORS = ("latency_spike", "throughput_drop", "gpu_util_drop")
-"""Detectors on wall-clock signals: not reproducible, so they may only ``warn``, ``retry_phase``
-or ``halt`` (a skip or rollback decided by a clock would make a re-run diverge)."""
-
-
-@dataclass(frozen=True)
-class GuardConfig:
-    """The training guard: anomaly detectors over a window of recent steps and what each one does
-    when it fires. Policies: ``warn`` (log the event), ``skip_batch`` (the update is not
-    applied), ``retry_phase`` (the phase is retried, bounded, with backoff), ``rollback`` (to the
-    newest verified checkpoint before the anomaly), ``halt`` (stop with a report). Repeated skips
-    escalate to a rollback, repeated rollbacks to a halt."""
-
-    enabled: bool = in_trajectory(True)
-    """Run the detectors (off: only non-finite gradients are refused, as the optimizer must)."""
-    nonfinite_policy: str = in_trajectory("skip_batch")
-    """NaN/Inf in rewards, advantages, log-probs, the loss or the gradients."""
-    grad_explosion_policy: str = in_trajectory("skip_batch")
-    """Gradient norm far above its recent median."""
-    loss_spike_policy: str = in_trajectory("warn")
-    """Policy loss far from its recent median."""
-    kl_spike_policy: str = in_trajectory("warn")
-    """KL to the reference (or rollout) policy far above its recent median."""
-    reward_collapse_policy: str = in_trajectory("rollback")
-    """Mean reward fallen far below its recent median."""
-    entropy_collapse_policy: str = in_trajectory("warn")
-    """Policy entropy fallen far below its recent median."""
-    length_anomaly_policy: str = in_trajectory("warn")
-    """Mean response length collapsed or run away from its recent median."""
-    # wall-clock detectors (TIMING_DETECTORS) never change the trajectory
-    latency_spike_policy: str = not_in_trajectory("warn")
-    """A phase took far longer than its recent median (wall clock)."""
-    throughput_drop_policy: str = not_in_trajectory("warn")
-    """Rollout tokens/s fell far below its recent median (wall clock)."""
-    gpu_util_drop_policy: str = not_in_trajectory("warn")
-    """Accelerator utilisation (NVML) fell far below its recent median; unavailable on CPU."""
-    # Detector thresholds (verl_core/guard/detectors.py; docs/guard.md). A windowed detector
-    # fires when the robust z-score (x - median) / (1.4826 MAD) passes its ``_z`` AND the change
-    # passes its floor, so a flat series (MAD 0) never fires on noise.
-    window: int = in_trajectory(32)
-    """Detectors compare a signal with the median and MAD of its last this many finite values."""
-    warmup_steps: int = in_trajectory(10)
-    """A windowed detector fires only once its signal has this many finite values in history."""
-    grad_explosion_z: float = in_trajectory(6.0)
-    """Gradient norm: robust z above the median past which it counts as exploding."""
-    grad_explosion_min_ratio: float = in_trajectory(10.0)
-    """Gradient norm: ... and at least this many times its median."""
-    loss_spike_z: float = in_trajectory(6.0)
-    """Policy/value loss: robust z (either way for the policy loss, up for the value loss)."""
-    loss_spike_min_change: float = in_trajectory(0.5)
-    """Policy/value loss: ... and at least this far from its median (loss units)."""
-    kl_spike_z: float = in_trajectory(6.0)
-    """KL loss / reward KL: robust z above the median."""
-    kl_spike_min_change: float = in_trajectory(0.25)
-    """KL loss / reward KL: ... and at least this many nats above its median. 0.25 is about
-    log(1 + clip_ratio_high) = log 1.28: the most one clipped PPO step moves a token's log-prob,
-    so a healthy step raises the KL by less; a jump past it is more than one step's worth."""
-    kl_spike_min_ratio: float = in_trajectory(2.0)
-    """KL loss / reward KL: ... and above this many times its median. The batch KL is a mean of
-    a positive, right-skewed per-token estimate, so its upper spread is wider than the MAD says;
-    a spike is a jump in the KL's own scale (like the gradient norm's ratio)."""
-    reward_collapse_z: float = in_trajectory(5.0)
-    """Mean reward: robust z below the median."""
-    reward_collapse_min_drop: float = in_trajectory(0.25)
-    """Mean reward: ... and at least this far below its median (reward units; rule scorers give
-    0..1)."""
-    entropy_collapse_z: float = in_trajectory(6.0)
-    """Policy entropy: robust z below the median."""
-    entropy_collapse_min_drop: float = in_trajectory(0.5)
-    """Policy entropy: ... and below (1 - this) times its median."""
-    length_anomaly_z: float = in_trajectory(6.0)
-    """Mean response length: robust z either way."""
-    length_anomaly_min_ratio: float = in_trajectory(2.0)
-    """Mean response length: ... and below median / this (collapse) or above median x this."""
-    latency_spike_z: float = not_in_trajectory(6.0)
-    """Phase wall time: robust z above the median."""
-    latency_spike_min_ratio: float = not_in_trajectory(3.0)
-    """Phase wall time: ... and at least this many times its median."""
-    latency_spike_min_s: float = not_in_trajectory(60.0)
-    """Phase wall time: ... and at least this many seconds above its median."""
-    throughput_drop_z: float = not_in_trajectory(6.0)
-    """Rollout tokens/s: robust z below the median."""
-    throughput_drop_min_drop: float = not_in_trajectory(0.5)
-    """Rollout tokens/s: ... and below (1 - this) times its median."""
-    throughput_drop_min_lost_s: float = not_in_trajectory(60.0)
-    """Rollout tokens/s: ... and the drop cost at least this many seconds of the rollout."""
-    gpu_util_drop_z: float = not_in_trajectory(6.0)
-    """Accelerator utilisation: robust z below the median."""
-    gpu_util_drop_min_drop: float = not_in_trajectory(30.0)
-    """Accelerator utilisation: ... and at least this many percentage points below its median."""
-    max_consecutive_skips: int = in_trajectory(3)
-    """A skip this many steps in a row escalates to a rollback."""
-    max_rollbacks: int = in_trajectory(2)
-    """A rollback past this many in one run escalates to a halt."""
-    rollback_lr_scale: float = in_trajectory(1.0)
-    """Multiply the learning rate by this at each rollback (e.g. 0.5)."""
-    phase_timeout_s: float = not_in_trajectory(3600.0)
-    """Deadline of every phase call on a worker; past it the call fails as transient (a hang),
-    the worker is replaced and the phase is retried."""
-    lease_ttl_s: float = not_in_trajectory(60.0)
-    """Single-writer run lease: a dead run's lease frees after this many seconds without renewal
-    (renewed every third of it); 0 = take no lease (docs/checkpoints.md)."""
-
-    def __post_init__(self):
-        _check_types("guard", self)
-        for f in dataclasses.fields(self):
-            if f.name.endswith("_policy"):
-                value = getattr(self, f.name)
-                _one_of("guard", f.name, value, GUARD_POLICIES)
-                if f.name[:-len("_policy")] in TIMING_DETECTORS and value in ("skip_batch",
-                                                                               "rollback"):
-                    _fail("guard", f.name, value, "a wall-clock detector may only warn, "
-                          "retry_phase or halt (a skip or rollback decided by a clock would not "
-                          "replay identically)")
-        _positive("guard", self, "max_consecutive_skips", "rollback_lr_scale", "phase_timeout_s")
-        _non_negative("guard", self, "max_rollbacks", "lease_ttl_s")
-        if self.rollback_lr_scale > 1:
-            _fail("guard", "rollback_lr_scale", self.rollback_lr_scale, "must be in (0, 1]")
-        self._check_detector_thresholds()
-
-    def _check_detector_thresholds(self) -> None:
-        names = [f.name for f in dataclasses.fields(self)]
-        _positive("guard", self, "window", "loss_spike_min_change", "kl_spike_min_change",
-                  "reward_collapse_min_drop", *(n for n in names if n.endswith("_z")))
-        _non_negative("guard", self, "latency_spike_min_s", "throughput_drop_min_lost_s")
-        if not 3 <= self.warmup_steps <= self.window:
-            _fail("guard", "warmup_steps", self.warmup_steps,
-                  f"must be in [3, guard.window={self.window}] (a median and MAD need a few "
-                  "values, and the window holds at most `window`)")
-        for n in ("grad_explosion_min_ratio", "kl_spike_min_ratio", "length_anomaly_min_ratio",
-                  "latency_spike_min_ratio"):
-            if getattr(self, n) <= 1:
-                _fail("guard", n, getattr(self, n), "must be > 1 (a ratio to the median)")
-        for n in ("entropy_collapse_min_drop", "throughput_drop_min_drop"):
-            if not 0 < getattr(self, n) < 1:
-                _fail("guard", n, getattr(self, n), "must be in (0, 1) (a fraction of the median)")
-        if not 0 < self.gpu_util_drop_min_drop <= 100:
-            _fail("guard", "gpu_util_drop_min_drop", self.gpu_util_drop_min_drop,
-                  "must be in (0, 100] (percentage points)")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,64 @@
+"""The ``checkpoint`` section of :class:`~verl_core.config.RunConfig`: when and how the durable
+state is saved, kept and resumed, beside the checkpoint manager. Composed into the run, checked
+against the other sections and hashed in ``verl_core/config.py``. No field is in the trajectory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl_core.config_fields import (_check_types, _fail, _non_negative, _positive,
+                                     not_in_trajectory)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When and how the durable state is saved (the names users of verl-style trainers know)."""
+
+    checkpoint_interval: int = not_in_trajectory(10)
+    """Save a verified checkpoint every k steps (the last step is always saved). Between
+    checkpoints a crashed run recovers by replaying the stored batches of the finished updates."""
+    checkpoint_interval_s: float = not_in_trajectory(0.0)
+    """Also save when this many seconds passed since the last save (0: off)."""
+    save_optimizer_state: bool = not_in_trajectory(True)
+    """Include optimizer + scheduler state (needed for exact resume; off = weights only)."""
+    resume_from_checkpoint: str = not_in_trajectory("auto")
+    """``auto`` (newest valid checkpoint of this run store, if any), ``none``, a checkpoint
+    manifest path/URI (``<store>/checkpoints/<name>.json``), or another run store's folder (its
+    newest valid checkpoint). Anything else is a permanent error at prepare."""
+    keep_last: int = not_in_trajectory(3)
+    """Keep the newest N checkpoints (0: keep all)."""
+    keep_every: int = not_in_trajectory(0)
+    """Also keep every checkpoint whose step is a multiple of this (0: off)."""
+    async_save: bool = not_in_trajectory(True)
+    """Snapshot to CPU memory and write in the background while the next phases run."""
+    gc_grace_s: float = not_in_trajectory(600.0)
+    """Garbage collection (after retention deletes a checkpoint) never deletes an object younger
+    than this. Safety margin only: gc never deletes what a kept checkpoint, the assets, the
+    lineage or a pending phase output names, whatever its age."""
+    local_dir: str = not_in_trajectory("")
+    """Local-disk tier (off when empty): commit checkpoints to ``<local_dir>/<store id>`` first
+    and replicate them to the run store in the background (docs/checkpoints.md; W = 1 only)."""
+
+    def __post_init__(self):
+        _check_types("checkpoint", self)
+        if "://" in self.local_dir:
+            _fail("checkpoint", "local_dir", self.local_dir,
+                  "must be a local folder (a local SSD), not a URL; the run store is the shared tier")
+        _positive("checkpoint", self, "checkpoint_interval")
+        _non_negative("checkpoint", self, "checkpoint_interval_s", "keep_last", "keep_every",
+                      "gc_grace_s")
+        if not self.resume_from_checkpoint:
+            _fail("checkpoint", "resume_from_checkpoint", self.resume_from_checkpoint,
+                  "use 'auto', 'none' or a checkpoint path")
+
+    def due(self, step: int, total_steps: int, since_save_s: float | None = None) -> bool:
+        """Whether the state after ``step`` of ``total_steps`` updates is saved: every
+        ``checkpoint_interval`` steps, at the last step, and with ``checkpoint_interval_s`` when
+        ``since_save_s`` seconds since the last save reach it. ``since_save_s=None`` (not known
+        yet, as when a workflow is planned): every step may be due, the worker decides."""
+        if step % self.checkpoint_interval == 0 or step == total_steps:
+            return True
+        if not self.checkpoint_interval_s:
+            return False
+        return since_save_s is None or since_save_s >= self.checkpoint_interval_s

@@ -1,0 +1,90 @@
+"""The ``reward`` and ``reward_model`` sections of :class:`~verl_core.config.RunConfig`: the rule
+or custom scorer and its timeouts, and the optional reward model, beside the scorers. Composed
+into the run, checked against the other sections and hashed in ``verl_core/config.py``. Like the
+rest of ``reward/``, free of torch imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of, _positive,
+                                     in_trajectory, not_in_trajectory)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """How responses are scored."""
+
+    scorer: str = in_trajectory("auto")
+    """``auto`` (pick a rule scorer by each row's data_source), ``arithmetic``, ``gsm8k``, or a
+    custom ``path/to/file.py:function`` / ``module:function`` with verl's signature
+    ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``."""
+    timeout_s: float = in_trajectory(10.0)
+    """Per-call timeout of a custom scorer (run in a worker process); a timeout scores
+    ``timeout_score`` and is counted in the metrics."""
+    timeout_score: float = in_trajectory(0.0)
+    """Score given to a response whose custom scorer timed out."""
+    # a run that completes scores the same whatever the next four are
+    num_workers: int = not_in_trajectory(2)
+    """Worker processes for custom scorers."""
+    import_timeout_s: float = not_in_trajectory(60.0)
+    """Deadline for loading a custom scorer in a worker, its import included; one that hangs or
+    kills its process while loading fails the run with an error naming it."""
+    max_timeout_fraction: float = not_in_trajectory(0.5)
+    """A batch in which more than this fraction of custom-scorer calls time out triggers
+    ``on_timeouts`` (every timeout is logged and counted in ``reward/timeouts`` anyway)."""
+    on_timeouts: str = not_in_trajectory("fail")
+    """``fail`` (an error naming the scorer) or ``warn`` (log it, keep the ``timeout_score``
+    rewards) when a batch has more than ``max_timeout_fraction`` timed-out calls."""
+
+    def __post_init__(self):
+        _check_types("reward", self)
+        if not self.scorer:
+            _fail("reward", "scorer", self.scorer, "must not be empty; use 'auto'")
+        _positive("reward", self, "timeout_s", "num_workers", "import_timeout_s")
+        if not 0.0 <= self.max_timeout_fraction <= 1.0:
+            _fail("reward", "max_timeout_fraction", self.max_timeout_fraction,
+                  "must be in [0, 1] (1 never fails on timeouts)")
+        _one_of("reward", "on_timeouts", self.on_timeouts, {"fail", "warn"})
+
+
+REWARD_MODEL_COMBINE = ("replace", "add")
+"""How a reward model's score meets the ``reward.scorer`` score (``RewardModelConfig.combine``)."""
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """A model-based reward, as verl's ``reward_model`` section: a local Hugging Face
+    sequence-classification model (one label) scores prompt + response on the run's workers
+    (``verl_core/reward/model.py``). What does not carry over from verl 0.9 (a serving engine and
+    resource pool for the RM, a custom reward function that queries it, truncation) and why:
+    docs/rewards.md."""
+
+    enable: bool = in_trajectory(False)
+    """Score responses with the reward model (verl's ``reward_model.enable``)."""
+    path: str = in_trajectory("")
+    """Local Hugging Face folder of an ``AutoModelForSequenceClassification`` with
+    ``num_labels=1`` and its tokenizer (verl's ``reward_model.model.path``)."""
+    combine: str = in_trajectory("replace")
+    """``replace``: the model's score is the reward, as in verl 0.9 (``reward.scorer`` then only
+    scores evaluation); ``add``: reward = ``reward.scorer``'s score + the model's score."""
+    micro_batch_size: int = not_in_trajectory(64)
+    """Sequences per reward-model forward pass on each worker (verl's
+    ``micro_batch_size_per_gpu``; memory only: scores do not depend on it)."""
+    max_length: int = not_in_trajectory(0)
+    """Most tokens of one reward-model input; a longer one is an error naming the row (verl
+    truncates it instead). 0: the model's ``max_position_embeddings``."""
+    dtype: str = in_trajectory("float32")
+    """Parameter dtype of the reward model: float32 or bfloat16."""
+
+    def __post_init__(self):
+        _check_types("reward_model", self)
+        if self.enable and not self.path:
+            _fail("reward_model", "path", self.path,
+                  "reward_model.enable=True needs a local Hugging Face folder of a "
+                  "sequence-classification model with num_labels=1; set reward_model.path")
+        _one_of("reward_model", "combine", self.combine, REWARD_MODEL_COMBINE)
+        _positive("reward_model", self, "micro_batch_size")
+        _non_negative("reward_model", self, "max_length")
+        _one_of("reward_model", "dtype", self.dtype, {"float32", "bfloat16"})

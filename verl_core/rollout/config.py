@@ -1,0 +1,67 @@
+"""The ``rollout`` section of :class:`~verl_core.config.RunConfig`: how responses are sampled and
+the engines' memory (``hf`` or ``vllm``), beside the engines. Composed into the run, checked
+against the other sections and hashed in ``verl_core/config.py``, where the demo's temperature
+and the presets are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of, _positive,
+                                     in_trajectory, not_in_trajectory)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling of responses."""
+
+    engine: str = in_trajectory("hf")
+    """Rollout engine: ``hf`` (torch, CPU and GPU) or ``vllm`` (vLLM in the worker: on a CUDA GPU
+    with ``pip install -e '.[vllm]'``, or on CPU with vLLM's CPU backend, ``bash .ci/install
+    vllm``; checked when the run is prepared and when the engine is built)."""
+    n: int = in_trajectory(8)
+    """G: responses sampled per prompt (GRPO/RLOO need G > 1)."""
+    temperature: float = in_trajectory(1.0)
+    """Sampling temperature; 0 means greedy. Log-probs and the loss use the same temperature.
+    1.0 is verl's default and ours for a model you bring; the built-in demo (no ``model.path``)
+    samples at :data:`DEMO_TEMPERATURE` unless this is set (see :func:`grpo_preset`)."""
+    top_p: float = in_trajectory(1.0)
+    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    top_k: int = in_trajectory(-1)
+    """Keep the k most likely tokens; -1 disables it (verl's convention)."""
+    max_new_tokens: int = in_trajectory(8)
+    """T: most response tokens; generation stops earlier at EOS."""
+    micro_batch_size: int = not_in_trajectory(512)
+    """Sequences per generation forward pass (memory only; results do not depend on it)."""
+    gpu_memory_utilization: float = in_trajectory(0.5)
+    """vLLM on a GPU only: fraction of GPU memory for weights + KV cache. (vLLM's CPU backend
+    would take this fraction of the machine's RAM; there ``cpu_kv_cache_gib`` sizes it.)"""
+    cpu_kv_cache_gib: float = in_trajectory(0.5)
+    """vLLM on CPU only: GiB of RAM for the KV cache (vLLM's ``kv_cache_memory_bytes``), set
+    here so it never follows the machine's RAM. A token of cache takes 2 x layers x KV heads x
+    head size x dtype bytes (1 KiB for the tiny model in float32: 0.5 GiB holds 512k tokens;
+    56 KiB for Qwen2.5-7B in bfloat16: ~9k); vLLM refuses to start when one
+    ``data.max_prompt_length + rollout.max_new_tokens`` sequence does not fit."""
+    enforce_eager: bool = in_trajectory(True)
+    """vLLM only: run without CUDA graphs (faster start, less memory, slower decoding)."""
+    free_cache_engine: bool = in_trajectory(True)
+    """vLLM only: sleep after each generation (KV cache freed, weights offloaded to CPU) so
+    training gets the GPU memory back; False keeps vLLM resident."""
+
+    def __post_init__(self):
+        _check_types("rollout", self)
+        _one_of("rollout", "engine", self.engine, {"hf", "vllm"})
+        if self.engine == "vllm" and self.temperature > 2.0:
+            _fail("rollout", "temperature", self.temperature,
+                  "vLLM accepts temperatures in [0, 2]; lower it or use rollout.engine='hf'")
+        _positive("rollout", self, "n", "max_new_tokens", "micro_batch_size")
+        _non_negative("rollout", self, "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("rollout", "top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            _fail("rollout", "top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            _fail("rollout", "gpu_memory_utilization", self.gpu_memory_utilization,
+                  "must be in (0, 1]")
+        _positive("rollout", self, "cpu_kv_cache_gib")

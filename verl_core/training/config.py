@@ -1,0 +1,98 @@
+"""The ``optim`` and ``actor`` sections of :class:`~verl_core.config.RunConfig`: AdamW and its LR
+schedule, and the sizes of the PPO update (epochs, mini- and micro-batches, token budgets),
+beside the update. Composed into the run, checked against the other sections (a mini-batch must
+divide the batch, ...) and hashed in ``verl_core/config.py``. The loss settings (the
+``algorithm`` section) stay there: the advantage, reward and update phases all read them, and
+``verl_core.algorithms``, whose registries they name, imports nothing but itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of, _positive,
+                                     in_trajectory)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW + LR schedule for actor and critic."""
+
+    lr: float = in_trajectory(5e-4)
+    """Actor peak learning rate."""
+    critic_lr: float = in_trajectory(1e-3)
+    """Critic peak learning rate."""
+    weight_decay: float = in_trajectory(0.0)
+    """AdamW weight decay."""
+    beta1: float = in_trajectory(0.9)
+    """AdamW beta1."""
+    beta2: float = in_trajectory(0.99)
+    """AdamW beta2."""
+    eps: float = in_trajectory(1e-8)
+    """AdamW epsilon."""
+    warmup_steps: int = in_trajectory(10)
+    """Linear LR warmup, in optimizer steps (Adam's second moments settle before full steps)."""
+    lr_schedule: str = in_trajectory("constant")
+    """After warmup: constant or cosine (to ``min_lr_ratio * lr`` at the last step)."""
+    min_lr_ratio: float = in_trajectory(0.1)
+    """Cosine floor as a fraction of the peak LR."""
+    grad_clip: float = in_trajectory(1.0)
+    """Clip the global gradient norm to this value."""
+
+    def __post_init__(self):
+        _check_types("optim", self)
+        _positive("optim", self, "lr", "critic_lr", "eps", "grad_clip")
+        _non_negative("optim", self, "weight_decay", "warmup_steps")
+        _one_of("optim", "lr_schedule", self.lr_schedule, {"constant", "cosine"})
+        for n in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, n) < 1.0:
+                _fail("optim", n, getattr(self, n), "must be in [0, 1)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("optim", "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """The PPO update: epochs, mini-batches, micro-batches (verl's ``actor_rollout_ref.actor``
+    sizes; named ``actor`` because verl's ``trainer`` section is the run loop)."""
+
+    ppo_epochs: int = in_trajectory(1)
+    """Passes over each rollout batch (verl's ``actor_rollout_ref.actor.ppo_epochs``)."""
+    ppo_mini_batch_size: int = in_trajectory(32)
+    """Prompts per optimizer step (x ``rollout.n`` responses), as in verl: half of
+    ``data.train_batch_size``, two optimizer steps per RL step."""
+    ppo_micro_batch_size: int = in_trajectory(128)
+    """Responses per forward/backward on one worker (gradient accumulation = a worker's rows of
+    a mini-batch / this); verl's ``ppo_micro_batch_size_per_gpu``. Memory only: the loss of a
+    mini-batch does not depend on it."""
+    use_dynamic_bsz: bool = in_trajectory(False)
+    """Micro-batches by a token budget instead of ``ppo_micro_batch_size`` rows, for every
+    forward the trainer runs (verl's ``use_dynamic_bsz``, all four of its keys): each worker's
+    rows sorted by length and cut into runs that fit the ``*_max_token_len_per_gpu`` budget below
+    (positions run, padding included: rows x (longest prompt + longest response); a longer row
+    gets a micro-batch of its own), each cut to its longest response. Memory and speed only:
+    the loss weights make the update the same."""
+    ppo_max_token_len_per_gpu: int = in_trajectory(16384)
+    """Token budget of one micro-batch of the actor's update (verl's key)."""
+    log_prob_max_token_len_per_gpu: int = in_trajectory(16384)
+    """Token budget of a no-grad forward of the actor: old log-probs, Σπ² (verl's
+    ``rollout.log_prob_max_token_len_per_gpu``)."""
+    ref_log_prob_max_token_len_per_gpu: int = in_trajectory(16384)
+    """Token budget of a reference log-prob forward (verl's ``ref.log_prob_max_token_len_per_gpu``)."""
+    critic_ppo_max_token_len_per_gpu: int = in_trajectory(32768)
+    """Token budget of one micro-batch of the critic's update (verl's
+    ``critic.ppo_max_token_len_per_gpu``)."""
+    critic_forward_max_token_len_per_gpu: int = in_trajectory(32768)
+    """Token budget of a no-grad critic forward, the values (verl's
+    ``critic.forward_max_token_len_per_gpu``)."""
+
+    def __post_init__(self):
+        _check_types("actor", self)
+        _positive("actor", self, "ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size",
+                  "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu",
+                  "ref_log_prob_max_token_len_per_gpu", "critic_ppo_max_token_len_per_gpu",
+                  "critic_forward_max_token_len_per_gpu")
+
+    def token_budget(self, name: str) -> int:
+        """``name``'s token budget when ``use_dynamic_bsz``, else 0 (micro-batches of rows)."""
+        return getattr(self, name) if self.use_dynamic_bsz else 0
