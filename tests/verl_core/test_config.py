@@ -312,3 +312,43 @@ def test_every_config_field_declares_whether_it_is_in_the_trajectory():
 
     names = list(walk(RunConfig, "", False))
     assert len(names) == len(set(names)) > len(SECTIONS) * 5
+
+
+# where each config name lives (torchtitan style: a section beside the component it configures);
+# ``verl_core.config`` composes them and re-exports every one
+_HOMES = {
+    "verl_core.config_fields": ("ConfigError", "TRAJECTORY", "in_trajectory",
+                                "not_in_trajectory", "_fields_of"),
+    "verl_core.data.config": ("DataConfig",),
+    "verl_core.models.config": ("ModelConfig",),
+    "verl_core.rollout.config": ("RolloutConfig",),
+    "verl_core.reward.config": ("RewardConfig", "RewardModelConfig", "REWARD_MODEL_COMBINE"),
+    "verl_core.training.config": ("OptimConfig", "ActorConfig"),
+    "verl_core.checkpoint.config": ("CheckpointConfig",),
+    "verl_core.guard.config": ("GuardConfig", "GUARD_POLICIES", "TIMING_DETECTORS"),
+    "verl_core.config": ("AlgorithmConfig", "POLICY_LOSSES", "TrainerConfig", "ClusterConfig",
+                         "TrackingConfig", "ValidationConfig", "RunConfig", "SECTIONS", "preset"),
+}
+
+
+@pytest.mark.parametrize("home", sorted(_HOMES))
+def test_each_config_lives_beside_its_component_and_is_exported_by_verl_core_config(home):
+    import importlib
+
+    import verl_core.config
+
+    module = importlib.import_module(home)
+    for name in _HOMES[home]:
+        obj = getattr(module, name)
+        assert getattr(verl_core.config, name) is obj, f"verl_core.config.{name}"
+        assert name.startswith("_") or name in verl_core.config.__all__, name
+        if isinstance(obj, type):
+            assert obj.__module__ == home, f"{name} is defined in {obj.__module__}, not {home}"
+
+
+def test_every_section_is_homed_and_exported():
+    import verl_core.config
+
+    homed = {n for names in _HOMES.values() for n in names}
+    assert {cls.__name__ for cls in SECTIONS.values()} <= homed
+    assert all(hasattr(verl_core.config, n) for n in verl_core.config.__all__)
