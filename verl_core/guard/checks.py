@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from verl_core.config import TIMING_DETECTORS, GuardConfig
+from verl_core.guard.config import TIMING_DETECTORS, GuardConfig
 from verl_core.data.batch import Batch
 from verl_core.guard import detectors, policy
 

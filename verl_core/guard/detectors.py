@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from verl_core.algorithms.registry import Registry
-from verl_core.config import GuardConfig
+from verl_core.guard.config import GuardConfig
 
 PHASES = ("rollout", "reward", "advantage", "update")
 """The phases :func:`detect` is called for, in order."""

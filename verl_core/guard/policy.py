@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from verl_core.errors import PermanentError, TransientError
-from verl_core.config import GuardConfig
+from verl_core.guard.config import GuardConfig
 
 SEVERITY = {"warn": 0, "retry_phase": 1, "skip_batch": 2, "rollback": 3, "halt": 4}
 

@@ -59,7 +59,7 @@ from verl_core.reward.custom import ScorerLoadError, load_scorer, parse_spec
 from verl_core.reward.registry import RULE_SCORERS, UnknownDataSourceError, default_compute_score
 
 if TYPE_CHECKING:
-    from verl_core.config import RewardConfig
+    from verl_core.reward.config import RewardConfig
 
 __all__ = ["RewardResult", "ScorerError", "ScorerTimeoutError", "RewardScorer", "score_responses",
            "BUILTIN_SCORERS", "ON_TIMEOUTS"]

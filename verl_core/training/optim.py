@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from verl_core.config import OptimConfig
+from verl_core.training.config import OptimConfig
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str,

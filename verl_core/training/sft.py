@@ -12,7 +12,7 @@ import torch
 from verl_core.data.batch import encode_prompts, pad_right
 from verl_core.training.forward import response_logprobs
 from verl_core.training.optim import make_optimizer, make_scheduler
-from verl_core.config import OptimConfig
+from verl_core.training.config import OptimConfig
 
 import numpy as np
 
