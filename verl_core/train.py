@@ -1,46 +1,49 @@
 """The plain-Python RL loop: ``python -m verl_core.train [--algorithm grpo] [--steps N] …
 [key=value …]`` (verl's overrides, or ours; docs/verl-keys.md).
 
-rollout -> reward -> advantage -> update for N steps, with greedy held-out evaluation at the start
-and the end (and every ``eval_every`` steps). It is the library's own entry point and the baseline
-the Flyte workflow is measured against (``bench/orchestration.py``).
+A thin driver of the run's phases (:mod:`verl_core.phases`) in this one process, in the order the
+Flyte workflow runs them (``workflows/ppo.py``): prepare, evaluate the start state, then per step
+rollout -> reward -> advantage -> update (-> checkpoint where one is due), evaluate every
+``eval_every`` steps and at the end, finalize. Each phase goes through
+:func:`~verl_core.phases.run_phase` (deadline, lease, local retries, phase log), and the run's
+worker is an in-process ``RunWorker``. The workdir is the run store: batches, lineage and
+checkpoints go there, so the same command with the same ``--workdir`` resumes from its newest
+checkpoint, and the guard's skips and rollbacks act as in the workflow. It is the library's own
+entry point and the baseline the Flyte workflow is measured against (``bench/orchestration.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import json
 import os
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
-from verl_core import verl_keys
+from verl_core import phases, runlog, verl_keys
 from verl_core.algorithms import ADVANTAGE_ESTIMATORS
 from verl_core.config import ConfigError, RunConfig, effective_line
-from verl_core.checkpoint.hf_export import export_trained
 from verl_core.data.batch import PromptTooLongError
-from verl_core.report import sample_lines
 from verl_core.data.dataset import DatasetError
-from verl_core.store import RunStore
-from verl_core.threads import intra_op_threads
-from verl_core.guard import checks, policy
+from verl_core.engine.workers import WORKERS
 from verl_core.guard.faults import FaultSpecError
-from verl_core.guard.lease import LeaseHeldError, RunLease
+from verl_core.guard.lease import LeaseHeldError
+from verl_core.guard.writer import release_lease
 from verl_core.models import ModelLoadError
-from verl_core.tracking import Trackers, default_run_name, flat_params
-from verl_core.trainer import RLTrainer, prepare_assets
+from verl_core.phases import run_phase
+from verl_core.prepare import prepare_run, run_store_uri
+from verl_core.report import sample_lines
+from verl_core.threads import intra_op_threads
 from verl_core.training.optim import optimizer_steps_line
-from verl_core.validation import (DataValidationError, RunInputError, check_run_inputs,
-                                  clipped_responses_warning, validate_batch)
+from verl_core.types import RunSpec, StepState
+from verl_core.validation import DataValidationError, RunInputError, clipped_responses_warning
 
-PHASES = ("rollout", "reward", "advantage", "update")
 USER_ERRORS = (ConfigError, DatasetError, PromptTooLongError, ModelLoadError, LeaseHeldError,
                DataValidationError, RunInputError, FaultSpecError)
 """Wrong input (options, data files, model folder, a workdir another loop is writing): the CLI
@@ -49,7 +52,10 @@ only bury it."""
 
 
 def train(cfg: RunConfig, workdir: str, log=print) -> dict:
-    """Run ``cfg`` end to end in this process. Returns a summary with per-step metrics."""
+    """Run ``cfg`` end to end in this process, with ``workdir`` as its run store (resumed from
+    its newest checkpoint of this trajectory if it has one). Returns a summary: the held-out
+    accuracy at the start and the end of this invocation, the run's first and last training
+    reward, the final model's folder, and the metrics of each step this invocation ran."""
     if cfg.trainer.world_size > 1:
         raise ConfigError(
             f"trainer.nnodes x trainer.n_gpus_per_node = {cfg.trainer.world_size}: the plain loop "
@@ -58,77 +64,30 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
             f"{cfg.trainer.n_gpus_per_node}}}'")
     t_start = time.perf_counter()
     torch.set_num_threads(intra_op_threads(cfg))  # 0: this host's CPUs (verl_core.threads)
-    # opened before the warm start, so a misconfigured tracker fails in seconds, not after it
-    trackers = Trackers(cfg.tracking, run_name=default_run_name(workdir),
-                        config_hash=cfg.trajectory_hash(), run_key=uuid.uuid4().hex,
-                        params=flat_params(cfg.to_dict()))
-    lease = None
+    root, name = _run_store(workdir)
+    log(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}")
+    log(effective_line(cfg))  # what differs from the defaults, once
+    # the workdir's single-writer lease first (a second loop on it fails here), then every
+    # permanent check, the warm start, the assets into the store, the start step
+    spec = prepare_run(cfg, root, name, log_fn=log)
     try:
-        lease = _workdir_lease(cfg, workdir)  # a second loop writing this workdir fails here
-        log(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}")
-        log(effective_line(cfg))  # what differs from the defaults, once
-        check_run_inputs(cfg)  # every permanent check, before the warm start
-        assets = prepare_assets(cfg, workdir, log=log)
-        trainer = RLTrainer(cfg, assets)
-    except BaseException:
-        trackers.close()
-        if lease is not None:
-            lease.release()
-        raise
-    history = []
-    try:
-        evals = {}
-        if cfg.val_before_train:  # verl's trainer.val_before_train=False skips it
-            evals[0] = start = _evaluate(trainer, log)
-            trackers.log(0, start)  # the same records as the workflow's metrics table
-            log(f"step 0: val/accuracy={start['val/accuracy']:.3f}")
-        for step in range(cfg.total_steps):
-            t0 = time.perf_counter()
-            timing = {}
-            batch, metrics = trainer.rollout(step)
-            validate_batch(batch, "rollout", cfg, step=step)
-            timing["rollout"] = time.perf_counter() - t0
-            for phase in PHASES[1:]:
-                t = time.perf_counter()
-                if phase == "update":
-                    m = _guarded_update(trainer, batch, step, log)
-                else:
-                    batch, m = getattr(trainer, phase)(batch)
-                    validate_batch(batch, phase, cfg, step=step)
-                metrics.update(m)
-                timing[phase] = time.perf_counter() - t
-            metrics.update({f"timing/{k}_s": v for k, v in timing.items()})
-            metrics["timing/step_s"] = time.perf_counter() - t0
-            last = step + 1 == cfg.total_steps
-            if last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
-                evals[step + 1] = ev = _evaluate(trainer, log)
-                metrics.update(ev)
-            metrics["step"] = step + 1
-            warning = clipped_responses_warning(metrics, cfg, step + 1)
-            if warning:
-                log(warning)
-            history.append(metrics)
-            trackers.log(step + 1, metrics)
-            log(format_step(metrics, cfg.total_steps, [h["timing/step_s"] for h in history]))
-        final_path = os.path.join(workdir, "final_model")
-        # as the workflow's finalize and the CLI export write it (the user's tokenizer files and
-        # generation config as given, the folder's stored dtype, tied weights once)
-        export_trained(trainer.actor, final_path, assets.model_path)
+        history, evals, out = _run(spec, log)
     finally:
-        trainer.close()
-        trackers.close()
-        if lease is not None:
-            lease.release()
-    end = evals[cfg.total_steps]
-    start = evals.get(0)  # None with val_before_train=False: no gain is measured
+        try:
+            WORKERS.release(spec)  # the in-process worker: pending checkpoint writes end
+        finally:
+            runlog.TRACKERS.reset()  # the trackers flush and close
+            release_lease(spec)  # already released by finalize, unless the run failed
+    total = spec.total_steps
+    end, start = evals[total], evals.get(spec.start_step)  # start: None w/o val_before_train
     summary = {
-        "algorithm": cfg.algorithm.adv_estimator,
+        "algorithm": spec.config.algorithm.adv_estimator,
         "start_accuracy": start["val/accuracy"] if start else None,
         "end_accuracy": end["val/accuracy"],
         "accuracy_gain": end["val/accuracy"] - start["val/accuracy"] if start else None,
-        "first_reward": history[0]["reward/mean"],
-        "last_reward": history[-1]["reward/mean"],
-        "final_model": final_path,
+        "first_reward": out["first_reward"],  # of the run's metrics table: its first step
+        "last_reward": out["last_reward"],
+        "final_model": out["final_model"],  # the export in the store: a local folder
         "wall_s": time.perf_counter() - t_start,
         "history": history,
     }
@@ -136,49 +95,75 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
                 f"(+{summary['accuracy_gain']:.3f})" if start else
                 f"{summary['end_accuracy']:.3f} (no evaluation before training)")
     log(f"done: accuracy {accuracy}, reward {summary['first_reward']:.3f} -> "
-        f"{summary['last_reward']:.3f}, {summary['wall_s']:.0f}s, model: {final_path}")
+        f"{summary['last_reward']:.3f}, {summary['wall_s']:.0f}s, model: {out['final_model']}")
     return summary
 
 
-def _workdir_lease(cfg: RunConfig, workdir: str) -> RunLease | None:
-    """The plain loop's single-writer lease on its workdir (made a run store holding the lease):
-    two loops writing one workdir would overwrite each other's data and model. None with
-    ``guard.lease_ttl_s=0``."""
-    if not cfg.guard.lease_ttl_s:
-        return None
-    lease = RunLease(RunStore(workdir), cfg.guard.lease_ttl_s)
-    lease.acquire()
-    return lease
+def _run(spec: RunSpec, log) -> tuple[list[dict], dict[int, dict], dict]:
+    """The phases of ``workflows/ppo.py``'s ``rl_run`` and ``train_chunk``, in their order.
+    Returns the metrics of each step run (``timing/step_s``, ``step`` and, at an evaluation, its
+    ``val/*`` added), the evaluations by step, and finalize's answer."""
+    cfg, total = spec.config, spec.total_steps
+    state, history, evals = StepState(step=spec.start_step), [], {}
+    if cfg.val_before_train:  # verl's trainer.val_before_train=False skips it
+        evals[state.step] = ev = _evaluate(spec, state, log)
+        log(f"step {state.step}: val/accuracy={ev['val/accuracy']:.3f}")
+    # the update ends a step unless a checkpoint phase follows (which ends it)
+    end_step = partial(phases.end_step_unless_checkpoint, spec)
+    for k in range(spec.start_step, total):
+        t0 = time.perf_counter()
+        sampled = run_phase(spec, "rollout", k, phases.rollout, spec, state)
+        scored = run_phase(spec, "reward", k, phases.reward, spec, sampled)
+        advantaged = run_phase(spec, "advantage", k, phases.advantage, spec, scored)
+        state = run_phase(spec, "update", k, phases.update, spec, advantaged, then=end_step)
+        metrics = dict(state.metrics)
+        if cfg.checkpoint.due(k + 1, total):
+            t = time.perf_counter()
+            state = run_phase(spec, "checkpoint", k + 1, phases.checkpoint, spec, state)
+            metrics = {**state.metrics, "timing/checkpoint_s": time.perf_counter() - t}
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        for e in runlog.step_events(spec, k):  # the guard's decisions on this step
+            log(f"guard: step {k} {e['detector']}: {e['message']} -> {e['action']}"
+                + (f" ({e['outcome']})" if e.get("outcome") else ""))
+        if k + 1 == total or (cfg.eval_every and (k + 1) % cfg.eval_every == 0):
+            evals[k + 1] = ev = _evaluate(spec, state, log)
+            metrics.update(ev)
+        metrics["step"] = k + 1
+        warning = clipped_responses_warning(metrics, cfg, k + 1)
+        if warning:
+            log(warning)
+        history.append(metrics)
+        log(format_step(metrics, total, [h["timing/step_s"] for h in history]))
+    if total not in evals:  # a run that was complete already: its end state, evaluated
+        evals[total] = _evaluate(spec, state, log)
+    out = run_phase(spec, "finalize", state.step, phases.finalize, spec, state)
+    return history, evals, out
 
 
-def _guarded_update(trainer: RLTrainer, batch, step: int, log) -> dict:
-    """The update of the plain loop under the guard (:func:`~verl_core.guard.checks.guarded_update`,
-    as the workflow's). It has no run store, so no lineage to replay and no checkpoints to return
-    to: a ``skip_batch`` decided on the batch is honoured (the update is not run), a ``rollback``
-    halts (use the workflow for rollbacks), and a skip decided after the update only warns."""
-    decision, metrics = checks.guarded_update(
-        step, batch, list(trainer.history), trainer.guard, trainer.cfg.guard,
-        lambda: trainer.update(batch, step), can_roll_back=False, can_undo_update=False)
-    if decision.action == "skip_batch":
-        trainer.guard = policy.after_skip(trainer.guard, step)
-    for a in decision.anomalies:
-        log(f"guard: step {step} {a.detector}: {a.message} -> {decision.action}"
-            + (f" ({decision.escalated})" if decision.escalated else ""))
-    if decision.action in ("halt", "rollback", "retry_phase"):
-        raise policy.GuardHaltError(policy.halt_report(decision, step, "update"))
-    if decision.fired:
-        metrics["guard/anomalies"] = float(len(decision.anomalies))
-        metrics[f"guard/{decision.action}"] = float(len(decision.anomalies))
+def _evaluate(spec: RunSpec, state: StepState, log) -> dict:
+    """The held-out metrics of ``state``; prints the first held-out row as verl's reward manager
+    does (``[prompt]`` … ``[score]``, special tokens visible), so a doubled BOS or a missing EOS
+    is seen at the first evaluation."""
+    metrics = run_phase(spec, "evaluate", state.step, phases.evaluate, spec, state)
+    samples = runlog.eval_samples(spec, state.step)
+    if samples:
+        log(sample_lines(samples[0]))
     return metrics
 
 
-def _evaluate(trainer: RLTrainer, log) -> dict:
-    """The held-out metrics; prints the first held-out row as verl's reward manager does
-    (``[prompt]`` … ``[score]``, special tokens visible), so a doubled BOS or a missing EOS is
-    seen at the first evaluation."""
-    metrics, [sample] = trainer.evaluate_with_samples(1)
-    log(sample_lines(dataclasses.asdict(sample)))
-    return metrics
+def _run_store(workdir: str) -> tuple[str, str]:
+    """(store root, run name) that make ``workdir`` itself the run store: its folder name is
+    the run's name (what the trackers show), so it is held to the run-name rule."""
+    path = os.path.abspath(workdir)
+    root, name = os.path.split(path)
+    try:
+        run_store_uri(root, name)
+    except ConfigError:
+        raise ConfigError(
+            f"--workdir {workdir!r}: its folder name {name!r} names the run (trackers, workers); "
+            "use a plain name: letters, digits, - _ . (ASCII, at most 200 characters, starting "
+            "with a letter, a digit or _, no '..')") from None
+    return root, name
 
 
 def eta_s(step_seconds: Sequence[float], remaining: int) -> float:
@@ -226,7 +211,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="", help="local HF model folder (default: tiny model)")
     p.add_argument("--train-files", default="", help="comma-separated parquet files")
     p.add_argument("--val-files", default="", help="comma-separated parquet files")
-    p.add_argument("--workdir", default="", help="where assets and the final model go")
+    p.add_argument("--workdir", default="",
+                   help="the run store: assets, batches, checkpoints, the final model (default: "
+                        "a new temporary folder); the same workdir resumes the run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted config override, e.g. --set optim.lr=1e-4 (repeatable)")
     p.add_argument("--summary-json", default="", help="write the summary (with history) here")

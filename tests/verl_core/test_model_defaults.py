@@ -123,7 +123,7 @@ def test_a_batch_larger_than_the_dataset_is_one_line_and_exit_2(user_model, tmp_
     assert err.splitlines() == [err] and err.endswith(
         "data.train_batch_size=256 is larger than the 200 rows of data.train_files: every batch "
         "would be dropped; use a smaller --batch-size (data.train_batch_size) or more prompts")
-    assert not (tmp_path / "w" / "final_model").exists()
+    assert not (tmp_path / "w" / "assets").exists()  # refused before anything was copied
 
 
 def test_the_workflow_refuses_it_as_permanent_before_any_work(user_model, tmp_path):

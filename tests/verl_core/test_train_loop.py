@@ -1,11 +1,15 @@
 """End-to-end runs of the plain-Python loop on the real tiny model (no mocked phases)."""
+import hashlib
 import json
 import math
+import os
 import textwrap
 
 import pytest
 
+from tests.presets import tiny_run
 from verl_core.config import preset
+from verl_core.runlog import read_phase_log
 from verl_core.train import main, train
 
 # A verifiable reward the tiny model can learn in a few steps: "does the answer start with 1?".
@@ -62,7 +66,7 @@ def test_remax_trains_against_a_greedy_baseline(tmp_path):
     for h in summary["history"]:
         assert 0.0 <= h["reward/baseline_mean"] <= 1.0 and h["rollout/greedy_length_mean"] > 0
         assert all(v == v for v in h.values() if isinstance(v, float))  # no NaN metrics
-    assert (tmp_path / "run" / "final_model" / "model.safetensors").exists()
+    assert os.path.exists(os.path.join(summary["final_model"], "model.safetensors"))
 
 
 def test_cli_rejects_bad_values_before_training(tmp_path, capsys):
@@ -88,7 +92,41 @@ def test_cli_writes_summary(tmp_path):
     # are in tests/verl_core/training/test_rollout_probs_diff.py)
     assert all(0.0 <= h[f"training/rollout_probs_diff_{k}"] <= 1e-4
                for h in s["history"] for k in ("max", "mean", "std"))
-    assert (tmp_path / "w" / "final_model" / "model.safetensors").exists()
+    # the export in the run store, which is the workdir
+    assert s["final_model"].startswith(str(tmp_path / "w" / "exports") + "/")
+    assert os.path.exists(os.path.join(s["final_model"], "model.safetensors"))
+
+
+def _sha256(model_folder: str) -> str:
+    with open(os.path.join(model_folder, "model.safetensors"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_the_same_workdir_resumes_bit_for_bit(tmp_path):
+    """Resume equivalence through the plain loop's front door: N steps straight vs N/2 steps,
+    then the same command with N steps in the same workdir. The second command starts from the
+    checkpoint the first committed at its last step (no step is run twice: the run store's phase
+    log has one rollout and one update per step), and ends with the same weights, bit for bit."""
+    n = 4
+    quiet = lambda *_: None  # noqa: E731
+    straight = train(tiny_run(total_steps=n), str(tmp_path / "straight"), log=quiet)
+    work = tmp_path / "resumed"
+    first = train(tiny_run(total_steps=n // 2), str(work), log=quiet)
+    assert [h["step"] for h in first["history"]] == [1, 2]
+    logs: list[str] = []
+    resumed = train(tiny_run(total_steps=n), str(work), log=logs.append)
+    assert f"resuming from the checkpoint of step {n // 2} in {work}" in logs
+    assert [h["step"] for h in resumed["history"]] == [3, 4]
+    log = read_phase_log(str(work))
+    for phase in ("rollout", "update"):
+        assert sorted(r["step"] for r in log if r["phase"] == phase) == list(range(n)), phase
+    assert _sha256(resumed["final_model"]) == _sha256(straight["final_model"])
+    # the same trajectory: the same rewards, and the run's first reward is its first step's
+    assert [h["reward/mean"] for h in resumed["history"]] == \
+        [h["reward/mean"] for h in straight["history"][n // 2:]]
+    assert resumed["first_reward"] == straight["first_reward"] == first["first_reward"]
+    # the start evaluation of the second command is of the state it resumed from
+    assert resumed["start_accuracy"] == first["end_accuracy"]
 
 
 def _binomial_se(p: float, n: int) -> float:
@@ -143,4 +181,4 @@ def test_the_plain_loop_trains_the_default_task_on_vllm(tmp_path):
         assert h["rollout/memory_released"] in (0.0, 1.0)
         assert 0.0 <= h["training/rollout_probs_diff_max"] <= 1e-4, h
         assert h["training/rollout_probs_diff_mean"] <= h["training/rollout_probs_diff_max"]
-    assert (tmp_path / "w" / "final_model" / "model.safetensors").exists()
+    assert os.path.exists(os.path.join(s["final_model"], "model.safetensors"))
