@@ -483,7 +483,7 @@ class RunWorker:
                 metrics = self.trainer.update(batch, step)
                 self.step = step + 1
             decision = checks.judge_update(step, decision, metrics, history, before, g,
-                                           can_roll_back=can_roll_back, can_undo_update=True)
+                                           can_roll_back=can_roll_back)
         record = {"step": step, "batch": batch_ref}
         outcome = {"none": "", "warn": "logged"}.get(decision.action, "")
         if decision.action in ("retry_phase", "halt"):

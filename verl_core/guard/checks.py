@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 from verl_core.guard.config import TIMING_DETECTORS, GuardConfig
 from verl_core.data.batch import Batch
 from verl_core.guard import detectors, policy
@@ -89,34 +87,14 @@ def judge_batch(step: int, batch: Batch, history: list[dict], guard: dict, cfg: 
 
 
 def judge_update(step: int, before: policy.Decision, metrics: dict, history: list[dict],
-                 guard: dict, cfg: GuardConfig, *, can_roll_back: bool,
-                 can_undo_update: bool) -> policy.Decision:
+                 guard: dict, cfg: GuardConfig, *, can_roll_back: bool) -> policy.Decision:
     """The decision on update ``step`` once it ran: the update's metrics judged together with
     the batch's anomalies (``before``, :func:`judge_batch`'s decision), against the same
-    ``history`` and ``guard`` state as before the update. ``can_undo_update``: a skip decided now
-    can still be carried out (the workflow rebuilds the state before it from the run store);
-    without that a ``skip_batch`` or ``retry_phase`` only warns (the optimizer has already
-    refused non-finite gradients, so they never reach the weights). The caller carries out the
-    decision."""
+    ``history`` and ``guard`` state as before the update. A skip decided now is still carried
+    out: the worker rebuilds the state before the update from the run store. The caller carries
+    out the decision."""
     after = update_anomalies(step, metrics, history, cfg)
     if not after:
         return before
-    decision = policy.decide([*before.anomalies, *after], dict(guard), cfg,
-                             can_roll_back=can_roll_back)
-    if not can_undo_update and decision.action in ("skip_batch", "retry_phase"):
-        decision = policy.Decision("warn", decision.anomalies,
-                                   "the plain loop cannot undo an applied update")
-    return decision
-
-
-def guarded_update(step: int, batch: Batch, history: list[dict], guard: dict, cfg: GuardConfig,
-                   update: Callable[[], dict], *, can_roll_back: bool,
-                   can_undo_update: bool) -> tuple[policy.Decision, dict]:
-    """:func:`judge_batch`, ``update()`` when that decision lets it run, then
-    :func:`judge_update`: the decision and the update's metrics ({} when it did not run)."""
-    decision = judge_batch(step, batch, history, guard, cfg, can_roll_back=can_roll_back)
-    if decision.action not in ("none", "warn"):
-        return decision, {}
-    metrics = update()
-    return judge_update(step, decision, metrics, history, guard, cfg, can_roll_back=can_roll_back,
-                        can_undo_update=can_undo_update), metrics
+    return policy.decide([*before.anomalies, *after], dict(guard), cfg,
+                         can_roll_back=can_roll_back)
