@@ -4,7 +4,8 @@ Both runs start from the same prepared model and dataset (the plain run prepares
 run is pointed at them with --model/--train-files), with the same seed, in one invocation. For
 each step it prints the wall time of the step in each, and per phase the mean time each adds up
 to and the difference (what orchestration costs: task dispatch, cache bookkeeping, literal
-(de)serialisation, batch parquet to and from the run store, the Ray actor call). The Flyte step
+(de)serialisation, the Ray actor call). Both run the same phase functions on a run store (the plain
+loop's is its workdir), so the batches' parquet to and from the store is in both. The Flyte step
 time is measured from the phase execution log (end of one step's checkpoint phase to the next);
 its first step (Ray start-up) is reported separately.
 

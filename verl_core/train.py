@@ -34,7 +34,7 @@ from verl_core.data.dataset import DatasetError
 from verl_core.engine.workers import WORKERS
 from verl_core.guard.faults import FaultSpecError
 from verl_core.guard.lease import LeaseHeldError
-from verl_core.guard.writer import release_lease
+from verl_core.guard.writer import LEASES, release_lease
 from verl_core.models import ModelLoadError
 from verl_core.phases import run_phase
 from verl_core.prepare import prepare_run, run_store_uri
@@ -67,9 +67,17 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
     root, name = _run_store(workdir)
     log(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}")
     log(effective_line(cfg))  # what differs from the defaults, once
-    # the workdir's single-writer lease first (a second loop on it fails here), then every
-    # permanent check, the warm start, the assets into the store, the start step
-    spec = prepare_run(cfg, root, name, log_fn=log)
+    try:
+        # the workdir's single-writer lease first (a second loop on it fails here), then every
+        # permanent check, the warm start, the assets into the store, the start step
+        spec = prepare_run(cfg, root, name, log_fn=log)
+    except BaseException:
+        # a failed prepare gives the lease up too (if it took it): its renewal thread would
+        # keep another loop off the workdir for as long as this process lives
+        lease = LEASES.pop(os.path.join(root, name), cfg.guard.lease_ttl_s)
+        if lease is not None:
+            lease.release()
+        raise
     try:
         history, evals, out = _run(spec, log)
     finally:

@@ -3,13 +3,18 @@ import hashlib
 import json
 import math
 import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
 from tests.presets import tiny_run
 from verl_core.config import preset
+from verl_core.guard.lease import LeaseHeldError, read_lease
 from verl_core.runlog import read_phase_log
+from verl_core.store import RunStore
+from verl_core.validation import RunInputError
 from verl_core.train import main, train
 
 # A verifiable reward the tiny model can learn in a few steps: "does the answer start with 1?".
@@ -127,6 +132,32 @@ def test_the_same_workdir_resumes_bit_for_bit(tmp_path):
     assert resumed["first_reward"] == straight["first_reward"] == first["first_reward"]
     # the start evaluation of the second command is of the state it resumed from
     assert resumed["start_accuracy"] == first["end_accuracy"]
+
+
+def test_one_loop_writes_a_workdir(tmp_path):
+    """The workdir's single-writer lease (prepare_run takes it first): a loop whose prepare fails
+    gives it up at once, and a second loop on a workdir another process holds is refused before
+    any work, naming the holder."""
+    work, quiet = tmp_path / "w", (lambda *_: None)
+    too_big = tiny_run(total_steps=1, **{"data.train_batch_size": 128,
+                                         "actor.ppo_mini_batch_size": 128})
+    with pytest.raises(RunInputError, match="larger than the synthetic task's 64 training rows"):
+        train(too_big, str(work), log=quiet)
+    assert read_lease(RunStore(str(work))).released
+    hold = ("import sys, time; from verl_core.store import RunStore; "
+            "from verl_core.guard.lease import RunLease; "
+            f"RunLease(RunStore({str(work)!r}), 60).acquire(); print('held', flush=True); "
+            "time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        logs: list[str] = []
+        with pytest.raises(LeaseHeldError, match=f"pid={holder.pid}|{holder.pid}"):
+            train(tiny_run(total_steps=1), str(work), log=logs.append)
+        assert not any(line.startswith("warm start") for line in logs)
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def _binomial_se(p: float, n: int) -> float:
