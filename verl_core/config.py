@@ -49,7 +49,8 @@ __all__ = [
     # the sections, beside their components and here
     "DataConfig", "ModelConfig", "RolloutConfig", "RewardConfig", "RewardModelConfig",
     "REWARD_MODEL_COMBINE", "AlgorithmConfig", "POLICY_LOSSES", "KL_TYPES", "LOSS_AGG_MODES",
-    "ROLLOUT_IS_LEVELS", "BYPASS_LOSS_TYPES", "OptimConfig", "ActorConfig", "TrainerConfig",
+    "ROLLOUT_IS_LEVELS", "BYPASS_LOSS_TYPES", "FILTER_GROUPS_METRICS", "OptimConfig",
+    "ActorConfig", "TrainerConfig",
     "ClusterConfig", "CLUSTER_MODES", "CheckpointConfig", "GuardConfig", "GUARD_POLICIES",
     "TIMING_DETECTORS", "TrackingConfig", "ValidationConfig", "VALIDATION_MODES",
     # the run, overrides, presets
@@ -62,6 +63,16 @@ def _lr_depends_on_run_length(run: RunConfig) -> bool:
     """``total_steps``: a cosine schedule's LR at step k depends on the run length; with a
     constant one ``--steps 300`` after 200 extends the same trajectory."""
     return run.optim.lr_schedule != "constant"
+
+
+def _filter_groups_on(run: RunConfig) -> bool:
+    """``algorithm.filter_groups_enable`` off: DAPO's dynamic sampling fields (and
+    ``data.gen_batch_size``) do nothing, and the run hashes as before they existed."""
+    return run.algorithm.filter_groups_enable
+
+
+FILTER_GROUPS_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+"""What ``algorithm.filter_groups_metric`` may name (verl's DAPO trainer's metrics)."""
 
 
 def _reward_model_on(run: RunConfig) -> bool:
@@ -139,6 +150,19 @@ class AlgorithmConfig(PolicyLossOptions):
     loss_scale_factor: float = in_trajectory(0.0)
     """The constant C of ``seq-mean-token-sum-norm`` (Dr. GRPO: the generation budget); 0 divides
     by the batch's padded response width, as verl's null (verl's ``actor.loss_scale_factor``)."""
+    filter_groups_enable: bool = in_trajectory(False, when=_filter_groups_on)
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups.enable``): the rollout phase
+    samples generation batches of ``data.gen_batch_size`` prompts, scores them, drops every group
+    whose ``filter_groups_metric`` values are all equal (no learning signal), and keeps sampling
+    until ``data.train_batch_size`` groups remain (the first ones kept, in order)."""
+    filter_groups_metric: str = in_trajectory("acc", when=_filter_groups_on)
+    """The per-response value groups are filtered on (verl's ``filter_groups.metric``): ``acc``
+    (the scorer's ``acc``, else its score), ``score`` (the score before the overlong penalty),
+    ``seq_reward`` (the reward, penalty included), ``seq_final_reward`` (the reward minus the
+    reward KL with ``use_kl_in_reward``)."""
+    max_num_gen_batches: int = in_trajectory(0, when=_filter_groups_on)
+    """Most generation batches one step may sample (verl's ``filter_groups.max_num_gen_batches``);
+    a step still short of ``data.train_batch_size`` groups then fails, as verl's. 0: no limit."""
 
     def __post_init__(self):
         _check_types("algorithm", self)
@@ -160,6 +184,9 @@ class AlgorithmConfig(PolicyLossOptions):
         if self.clip_ratio_c <= 1.0:
             _fail("algorithm", "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
         _non_negative("algorithm", self, "entropy_coeff", "kl_loss_coef", "kl_coef", "vf_coef")
+        _one_of("algorithm", "filter_groups_metric", self.filter_groups_metric,
+                set(FILTER_GROUPS_METRICS))
+        _non_negative("algorithm", self, "max_num_gen_batches")
         self._check_policy_loss_options()
 
     def _check_policy_loss_options(self) -> None:
@@ -407,10 +434,34 @@ class RunConfig:
             _fail("rollout", "n", self.rollout.n,
                   f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses "
                   "within a group; use rollout.n >= 2")
+        self._check_dapo()
         bounds = self.validation.score_bounds  # a timed-out call scores reward.timeout_score
         if bounds and not bounds[0] <= self.reward.timeout_score <= bounds[1]:
             _fail("validation", "score_range", self.validation.score_range,
                   f"must contain reward.timeout_score={self.reward.timeout_score}")
+
+    def _check_dapo(self) -> None:
+        """DAPO's dynamic sampling and overlong buffer against the other sections."""
+        gen, B = self.data.gen_batch_size, self.data.train_batch_size
+        if gen and gen != B and not self.algorithm.filter_groups_enable:
+            _fail("data", "gen_batch_size", gen,
+                  f"differs from data.train_batch_size={B} but only applies with "
+                  "algorithm.filter_groups_enable=True (DAPO's dynamic sampling); set it, or "
+                  "leave data.gen_batch_size at 0")
+        if self.algorithm.filter_groups_enable and self.algorithm.estimator_traits.needs_critic:
+            _fail("algorithm", "filter_groups_enable", True,
+                  f"filters groups of responses; algorithm.adv_estimator="
+                  f"{self.algorithm.adv_estimator!r} has none: use a group estimator (grpo, "
+                  "rloo, ...) as DAPO does")
+        if self.algorithm.filter_groups_enable and self.rollout.n < 2:
+            _fail("rollout", "n", self.rollout.n,
+                  "algorithm.filter_groups_enable keeps groups whose responses differ; use "
+                  "rollout.n >= 2")
+        r, T = self.reward, self.rollout.max_new_tokens
+        if r.overlong_buffer_enable and r.overlong_buffer_len > T:
+            _fail("reward", "overlong_buffer_len", r.overlong_buffer_len,
+                  f"must be <= rollout.max_new_tokens={T} (the buffer is the last "
+                  "overlong_buffer_len tokens of the response budget)")
 
     @property
     def grad_accum_steps(self) -> int:

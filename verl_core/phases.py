@@ -38,6 +38,7 @@ from verl_core.guard.writer import commit_fence, hold_lease, release_lease
 from verl_core.layout import export_path, metrics_table_path, pending_doc
 from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer
+from verl_core.reward.overlong import OverlongBuffer
 from verl_core.runlog import log_phase, metrics_table, record_step_metrics, watch_phase
 from verl_core.threads import intra_op_threads
 from verl_core.trainer import compute_advantages, score_batch
@@ -104,16 +105,23 @@ def _input_batch(spec: RunSpec, step: int, phase: str, ref: str):
 def reward(spec: RunSpec, sampled: PhaseOut) -> PhaseOut:
     """Score the sampled batch. Rule and custom scorers run here (light); with
     ``reward_model.enable`` the run's worker(s) score it (``RunWorker.score_with_model``), where
-    the reward model lives next to the policy, and write the batch."""
+    the reward model lives next to the policy, and write the batch. With
+    ``algorithm.filter_groups_enable`` the rollout phase scored it already (DAPO's dynamic
+    sampling filters on the scores): it is passed on. ``reward.overlong_buffer_*``: DAPO's length
+    penalty is added to the scorer's score (``reward/overlong.py``)."""
     t0 = time.perf_counter()
     st, step = spec.open_store(), sampled.step
     batch = ref = None
-    if spec.config.reward_model.enable:
+    if spec.config.algorithm.filter_groups_enable:
+        # DAPO's dynamic sampling scored the batch in the rollout phase (it filters on the
+        # scores), and its reward metrics came with it: passed on, never scored twice
+        batch, metrics = _input_batch(spec, step, "rollout", sampled.batch), {}
+    elif spec.config.reward_model.enable:
         ref, metrics = RunWorkers(spec).score_with_model(step, sampled.batch)
     else:
         tok, scorer = LIGHT.of(spec)
         batch, metrics = score_batch(_input_batch(spec, step, "rollout", sampled.batch), scorer,
-                                     tok)
+                                     tok, overlong=OverlongBuffer.of(spec.config))
     if faults.hook("reward_scored", step):  # a VERL_FAULTS drill (nan_reward); None otherwise
         batch = get_batch(st, ref) if batch is None else batch
         score = batch.score.clone()

@@ -38,6 +38,7 @@ from verl_core.models.tokenizer import build_char_tokenizer
 from verl_core.reward.decode import decode_responses, stop_token_ids
 from verl_core.reward.manager import RewardScorer
 from verl_core.reward.model import RewardModel, check_finite, check_reward_model
+from verl_core.reward.overlong import OverlongBuffer
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.base import GenerationOutput, concat_outputs
 from verl_core.training.forward import batched_logprobs, batched_sum_pi_squared, batched_values
@@ -149,9 +150,15 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
 def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
                 model_scores: Sequence[float] | None = None,
                 baseline_model_scores: Sequence[float] | None = None,
-                combine: str = "replace") -> tuple[Batch, dict]:
+                combine: str = "replace", overlong: OverlongBuffer | None = None,
+                details: dict | None = None) -> tuple[Batch, dict]:
     """Reward phase: decode the responses (each cut at its first EOS, special tokens kept, see
-    ``reward/decode.py``) and score them. Adds ``score`` (N,). A batch that carries greedy
+    ``reward/decode.py``) and score them. Adds ``score`` (N,). With ``overlong`` (DAPO's overlong
+    buffer, ``reward/overlong.py``) the scorer's score gets its length penalty added, as verl's
+    DAPO reward manager (a reward model's score replaces it unpenalised). ``details`` (a dict):
+    filled with ``score`` (N,), the score before that penalty, and ``acc`` (N,), the scorer's
+    ``acc`` where it returns one, else that score (what DAPO's group filter may read). A batch
+    that carries greedy
     baseline responses (ReMax) also gets ``baseline_score`` (N,): each prompt's greedy response
     is scored once, by the same scorer, and its score given to the prompt's G rows.
 
@@ -168,11 +175,18 @@ def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
                            special_token=dec.special_token)
         rule, timeouts = torch.tensor(res.scores, dtype=torch.float32), res.num_timeouts  # (N,)
     score = _combine(rule, model_scores, combine)  # (N,)
+    overlong_metrics = {}
+    if details is not None:
+        details.update(score=score, acc=_acc(res.extras, score) if rule is not None else score)
+    if overlong is not None and rule is not None:
+        penalty, overlong_metrics = overlong.penalty(batch.response_mask)  # (N,)
+        score = score + penalty
     n = max(1, batch.num_rows)
     metrics = {"reward/mean": float(score.mean()), "reward/max": float(score.max()),
                "reward/min": float(score.min()), "reward/timeouts": float(timeouts),
                "reward/timeout_fraction": timeouts / n,
                "reward/special_token_fraction": sum(dec.special_token) / n}
+    metrics.update(overlong_metrics)
     if model_scores is not None:
         metrics["reward/model_mean"] = float(_combine(None, model_scores, "replace").mean())
         if rule is not None:
@@ -183,9 +197,19 @@ def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
             raise ValueError("score_batch: this batch has greedy baseline responses; pass "
                              "baseline_model_scores with model_scores")
         changes["baseline_score"], baseline_metrics = _score_baseline(
-            batch, scorer, tokenizer, baseline_model_scores, combine)
+            batch, scorer, tokenizer, baseline_model_scores, combine, overlong)
         metrics.update(baseline_metrics)
     return batch.replace(**changes), metrics
+
+
+def _acc(extras: dict, score: torch.Tensor) -> torch.Tensor:
+    """(N,) the scorer's ``acc`` (verl's DAPO reward manager: a dict scorer's ``acc``, a number
+    scorer's score), ``score`` (N,) where a row has none."""
+    acc = extras.get("acc")
+    if acc is None:
+        return score
+    return torch.tensor([float(s) if a is None else float(a) for a, s in zip(acc, score.tolist())],
+                        dtype=torch.float32)
 
 
 def _combine(rule: torch.Tensor | None, model: Sequence[float] | None,
@@ -212,7 +236,8 @@ def group_first_rows(group: torch.Tensor) -> list[int]:
 
 def _score_baseline(batch: Batch, scorer: RewardScorer, tokenizer,
                     model_scores: Sequence[float] | None = None,
-                    combine: str = "replace") -> tuple[torch.Tensor, dict]:
+                    combine: str = "replace",
+                    overlong: OverlongBuffer | None = None) -> tuple[torch.Tensor, dict]:
     """``baseline_score`` (N,): the score of each row's greedy baseline response, computed once
     per group; ``model_scores`` (B,) combine with it as in :func:`score_batch`."""
     rows = group_first_rows(batch.group)  # (B,)
@@ -225,6 +250,8 @@ def _score_baseline(batch: Batch, scorer: RewardScorer, tokenizer,
                            [batch.ground_truth[i] for i in rows],
                            [batch.extra_info[i] for i in rows], special_token=dec.special_token)
         rule, timeouts = torch.tensor(res.scores, dtype=torch.float32), res.num_timeouts  # (B,)
+        if overlong is not None:  # verl's REMAX baseline is scored by the same reward manager
+            rule = rule + overlong.penalty(batch.baseline_response_mask[idx])[0]
     per_prompt = _combine(rule, model_scores, combine)  # (B,)
     per_group = dict(zip(batch.group[idx].tolist(), per_prompt.tolist()))
     baseline = torch.tensor([per_group[g] for g in batch.group.tolist()], dtype=torch.float32)
@@ -555,18 +582,24 @@ class RLTrainer:
         return self.sampler.next_batch()
 
     def rollout(self, step: int) -> tuple[Batch, dict]:
-        """Sample G responses for each of the B prompts of ``step``, then the per-token inputs
-        the later phases need from a model: reference log-probs (KL) and critic values (GAE),
-        and what the advantage estimator's traits ask for: one greedy response per prompt
-        (``needs_greedy_baseline``, ReMax) and Σ_v π_v² per token (``needs_sum_pi_squared``).
-        Everything that needs model weights happens here or in :meth:`update`, so the reward and
-        advantage phases are light functions of the batch."""
+        """Sample G responses for each of the B prompts of ``step`` (:meth:`sample`), then the
+        per-token inputs the later phases need from a model (:meth:`model_inputs`). Everything
+        that needs model weights happens here or in :meth:`update`, so the reward and advantage
+        phases are light functions of the batch. (DAPO's dynamic sampling calls the two parts
+        itself: ``engine/dynamic_sampling.py``.)"""
+        batch, metrics = self.sample(step, self.prompt_indices(step))
+        return self.model_inputs(batch), metrics
+
+    def sample(self, step: int, idx: list[int], phase: str = "rollout") -> tuple[Batch, dict]:
+        """G responses for each prompt of dataset indices ``idx`` (B,) from the current policy,
+        seeded by (seed, step, ``phase``), with one greedy response per prompt when the
+        estimator asks for it (``needs_greedy_baseline``, ReMax): the batch (groups 0..B-1 in
+        the order of ``idx``) and the rollout metrics."""
         rc, G = self.cfg.rollout, self.cfg.rollout.n
-        idx = self.prompt_indices(step)
         rows_idx = torch.tensor(idx).repeat_interleave(G)  # (N,): prompt b's G samples adjacent
         params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                                 max_new_tokens=rc.max_new_tokens,
-                                seed=derive_seed(self.cfg.seed, step, "rollout"))
+                                seed=derive_seed(self.cfg.seed, step, phase))
         t0 = time.perf_counter()
         out = self._generate(self.train_prompt_ids[rows_idx], self.train_prompt_mask[rows_idx],
                              params)
@@ -591,6 +624,19 @@ class RLTrainer:
             data_source=[r.data_source for r in rows], extra_info=[r.extra_info for r in rows],
             pad_id=self.tokenizer.pad_token_id,
             meta={"step": step, "kl_coef": self.kl_ctrl.value}, **extra)
+        tokens = float(out.response_mask.sum())
+        return batch, {"rollout/time_s": dt, "rollout/tokens_per_s": tokens / max(dt, 1e-9),
+                       "response_length/mean": tokens / batch.num_rows,
+                       # verl's: the share of responses cut at rollout.max_new_tokens
+                       "response_length/clip_ratio": float(
+                           (out.response_mask.sum(-1) >= rc.max_new_tokens).float().mean()),
+                       # 1: the engine gave its memory back for the update (vLLM's sleep mode)
+                       "rollout/memory_released": float(self.engine.releases_memory), **metrics}
+
+    def model_inputs(self, batch: Batch) -> Batch:
+        """``batch`` with the per-token inputs the later phases need from a model: reference
+        log-probs (KL), critic values (GAE) and Σ_v π_v² per token (``needs_sum_pi_squared``)."""
+        traits = self.cfg.algorithm.estimator_traits
         micro, actor_cfg = self.cfg.actor.ppo_micro_batch_size, self.cfg.actor
         # with W > 1 each worker runs its block of rows through the sharded model (token-
         # balanced with trainer.balance_batch), then the rows are put back in order: (N, T)
@@ -617,24 +663,19 @@ class RLTrainer:
                 self.rollout_model, part, self.cfg.rollout.temperature or 1.0, micro,
                 max_token_len=actor_cfg.token_budget("log_prob_max_token_len_per_gpu"),
                 dp=self.dp)))
-        tokens = float(out.response_mask.sum())
-        return batch, {"rollout/time_s": dt, "rollout/tokens_per_s": tokens / max(dt, 1e-9),
-                       "response_length/mean": tokens / batch.num_rows,
-                       # verl's: the share of responses cut at rollout.max_new_tokens
-                       "response_length/clip_ratio": float(
-                           (out.response_mask.sum(-1) >= rc.max_new_tokens).float().mean()),
-                       # 1: the engine gave its memory back for the update (vLLM's sleep mode)
-                       "rollout/memory_released": float(self.engine.releases_memory), **metrics}
+        return batch
 
-    def reward(self, batch: Batch) -> tuple[Batch, dict]:
+    def reward(self, batch: Batch, details: dict | None = None) -> tuple[Batch, dict]:
         """Score ``batch`` (:func:`score_batch`). With ``reward_model.enable`` the reward model
         scores the rows (and ReMax's greedy responses) first, every worker its share
         (:meth:`model_scores`, a collective: with W > 1 every worker calls this); then only
         rank 0 runs ``reward.scorer`` and returns the scored batch, the others return the batch
-        unscored with no metrics (the driver keeps rank 0's result, as for the rollout)."""
-        rm = self.reward_model
+        unscored with no metrics (the driver keeps rank 0's result, as for the rollout).
+        ``details``: as :func:`score_batch`'s (rank 0)."""
+        rm, overlong = self.reward_model, OverlongBuffer.of(self.cfg)
         if rm is None:
-            return score_batch(batch, self.scorer, self.tokenizer)
+            return score_batch(batch, self.scorer, self.tokenizer, overlong=overlong,
+                               details=details)
         t0 = time.perf_counter()
         texts = decode_responses(self.tokenizer, batch.response_ids, batch.response_mask).texts
         scores = self.model_scores(batch.uid, texts)  # (N,)
@@ -650,7 +691,8 @@ class RLTrainer:
             return batch, {}
         out, metrics = score_batch(batch, self.scorer, self.tokenizer, model_scores=scores,
                                    baseline_model_scores=baseline,
-                                   combine=self.cfg.reward_model.combine)
+                                   combine=self.cfg.reward_model.combine, overlong=overlong,
+                                   details=details)
         metrics["reward/model_time_s"] = dt
         return out, metrics
 

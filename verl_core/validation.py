@@ -332,8 +332,12 @@ def declared_score_range(cfg: "RunConfig") -> tuple[float, float] | None:
     scorer = cfg.reward.scorer
     if scorer == "auto":
         ranges = list(RULE_SCORE_RANGES.values())
-        return (min(lo for lo, _ in ranges), max(hi for _, hi in ranges)) if ranges else None
-    return RULE_SCORE_RANGES.get(scorer)
+        lo_hi = (min(lo for lo, _ in ranges), max(hi for _, hi in ranges)) if ranges else None
+    else:
+        lo_hi = RULE_SCORE_RANGES.get(scorer)
+    if lo_hi is not None and cfg.reward.overlong_buffer_enable:  # DAPO's length penalty, >= -f
+        lo_hi = (lo_hi[0] - cfg.reward.overlong_penalty_factor, lo_hi[1])
+    return lo_hi
 
 
 # ---------------------------------------------------------------------- dataset

@@ -307,6 +307,15 @@ VERL_TO_OURS: dict[str, Transform] = {
     "algorithm.kl_ctrl.kl_coef": _to("algorithm.kl_coef"),
     "algorithm.kl_ctrl.horizon": _to("algorithm.kl_horizon"),
     "algorithm.kl_ctrl.target_kl": _to("algorithm.kl_target"),
+    # DAPO (verl's recipe/dapo): dynamic sampling and the overlong buffer
+    "algorithm.filter_groups.enable": _to("algorithm.filter_groups_enable"),
+    "algorithm.filter_groups.metric": _to("algorithm.filter_groups_metric"),
+    "algorithm.filter_groups.max_num_gen_batches": _to(  # verl: non-positive means no limit
+        "algorithm.max_num_gen_batches", lambda v: 0 if isinstance(v, int) and v < 0 else v),
+    "data.gen_batch_size": _to("data.gen_batch_size"),
+    **{f"reward_model.overlong_buffer.{n}": _to(f"reward.overlong_{m}") for n, m in (
+        ("enable", "buffer_enable"), ("len", "buffer_len"), ("penalty_factor", "penalty_factor"),
+        ("log", "buffer_log"))},
     "algorithm.rollout_correction.rollout_is": _to("algorithm.rollout_is",
                                                    lambda v: v or "", skip_none=False),
     "algorithm.rollout_correction.rollout_is_threshold": _to("algorithm.rollout_is_threshold"),
@@ -423,9 +432,15 @@ for _prefix in (A + "fsdp_config.", "actor_rollout_ref.ref.fsdp_config.",
         _prefix + "mixed_precision": _mixed_precision(_prefix),
     })
     VERL_TO_OURS[_prefix + "model_dtype"] = _master_dtype(_prefix + "model_dtype")
-READ_WITH_GET = {k for k in VERL_TO_OURS if ".mixed_precision" in k}
+DAPO_KEYS = {k for k in VERL_TO_OURS if k.startswith(("algorithm.filter_groups.",
+                                                       "reward_model.overlong_buffer."))} | {
+    "data.gen_batch_size", "algorithm.filter_groups._target_"}
+"""The keys of verl's DAPO recipe config (``recipe/dapo/config/dapo_trainer.yaml``), which verl's
+generated default lacks."""
+READ_WITH_GET = {k for k in VERL_TO_OURS if ".mixed_precision" in k} | DAPO_KEYS
 """verl keys missing from its generated defaults: verl's FSDP workers read
-``fsdp_config.mixed_precision`` with ``.get`` (param bf16, reduce fp32, buffers fp32 when absent)."""
+``fsdp_config.mixed_precision`` with ``.get`` (param bf16, reduce fp32, buffers fp32 when absent),
+and the DAPO recipe's own keys (:data:`DAPO_KEYS`)."""
 VERL_TO_OURS["actor_rollout_ref.ref.fsdp_config.model_dtype"] = _fp32_only(
     "actor_rollout_ref.ref.fsdp_config.model_dtype", "the frozen reference is loaded in "
     "model.dtype (it needs no master copy): model.dtype=bfloat16 gives a bf16 reference")
@@ -479,8 +494,14 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     "data.truncation": (_is("error"), "prompts are never truncated (see data.max_prompt_length)"),
     "data.prompt_key": (_is("prompt"), "datasets use verl's default column names"),
     "data.reward_fn_key": (_is("data_source"), "datasets use verl's default column names"),
-    "reward_model.reward_manager": (_is("naive"), "one reward manager here (verl's naive: one "
-                                    "score per response)"),
+    "reward_model.reward_manager": (_is("naive", "dapo"), "one reward manager here (verl's "
+                                    "naive: one score per response; dapo's overlong buffer is "
+                                    "reward_model.overlong_buffer.*, which applies with either)"),
+    "algorithm.filter_groups._target_": (_any, "verl's dataclass path for Hydra"),
+    R + "max_num_batched_tokens": (_any, "vLLM's scheduler budget per engine step (throughput "
+                                   "and memory only; the sampled tokens are the same)"),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": (
+        _is(1), "no sequence parallelism: each worker holds whole sequences"),
 }
 """verl keys that change nothing here while their value is accepted (else refused with the
 reason)."""

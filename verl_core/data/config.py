@@ -8,11 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from verl_core.config_fields import (_check_types, _fail, _one_of, _positive, in_trajectory,
-                                     not_in_trajectory)
+from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of, _positive,
+                                     in_trajectory, not_in_trajectory)
 
 if TYPE_CHECKING:
     from verl_core.config import RunConfig
+
+
+def _dynamic_sampling(run: RunConfig) -> bool:
+    """``data.gen_batch_size`` is read only by DAPO's dynamic sampling: without it the run hashes
+    as before the field existed."""
+    return run.algorithm.filter_groups_enable
 
 
 def _assets_set(run: RunConfig) -> bool:
@@ -32,6 +38,10 @@ class DataConfig:
     """B: prompts per RL step (each is sampled ``rollout.n`` times). The demo's 64 (not 32)
     halves the variance of each policy-gradient step; with 32, held-out accuracy wandered by
     +-0.05 between evaluations and seed 2 ended 0.02 below its start (BENCHMARKS.md "Accuracy")."""
+    gen_batch_size: int = in_trajectory(0, when=_dynamic_sampling)
+    """Prompts per generation batch of DAPO's dynamic sampling (verl's ``data.gen_batch_size``;
+    read with ``algorithm.filter_groups_enable``): a step samples such batches, in the order of
+    the shuffled epochs, until ``train_batch_size`` groups are kept. 0: ``train_batch_size``."""
     val_batch_size: int = not_in_trajectory(256)
     """Prompts per greedy-evaluation forward pass (memory only; does not change results)."""
     max_prompt_length: int = in_trajectory(64)
@@ -54,6 +64,7 @@ class DataConfig:
 
     def __post_init__(self):
         _check_types("data", self)
+        _non_negative("data", self, "gen_batch_size")
         _positive("data", self, "train_batch_size", "val_batch_size", "max_prompt_length",
                   "synthetic_train_size", "synthetic_val_size", "synthetic_max_operand")
         _one_of("data", "synthetic_task", self.synthetic_task, {"arithmetic"})
@@ -66,6 +77,11 @@ class DataConfig:
         if bool(self.train_files) != bool(self.val_files) and not self.train_files:
             _fail("data", "train_files", self.train_files,
                   "val_files is set but train_files is empty; give both or neither")
+
+    @property
+    def gen_batch_prompts(self) -> int:
+        """Prompts per generation batch of dynamic sampling (``gen_batch_size`` or B)."""
+        return self.gen_batch_size or self.train_batch_size
 
     @property
     def train_file_list(self) -> list[str]:

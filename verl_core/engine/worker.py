@@ -361,7 +361,7 @@ class RunWorker:
     def rollout(self, step: int) -> tuple[str, dict]:
         self.ensure_state(step)
         t0 = time.perf_counter()
-        batch, metrics = self.trainer.rollout(step)
+        batch, metrics = self._sample(step)
         if not self.leader:  # the driver takes rank 0's answer
             return "", metrics
         validate_and_record(self.store, self.trajectory_hash, step, "rollout", batch, self.cfg)
@@ -369,6 +369,40 @@ class RunWorker:
                         pending=pending_doc(self.trajectory_hash, step, "rollout"))
         metrics["timing/rollout_s"] = time.perf_counter() - t0
         return ref, metrics
+
+    def _sample(self, step: int) -> tuple[Batch, dict]:
+        """The rollout batch of ``step`` from the state after ``step`` updates: the trainer's
+        rollout, or with ``algorithm.filter_groups_enable`` DAPO's dynamic sampling (scored
+        already), which starts at the generation batch where the previous step's ended
+        (:meth:`_gen_cursor`)."""
+        if not self.cfg.algorithm.filter_groups_enable:
+            return self.trainer.rollout(step)
+        from verl_core.engine.dynamic_sampling import dynamic_rollout
+
+        return dynamic_rollout(self.trainer, step, self._gen_cursor(step))
+
+    def _gen_cursor(self, step: int) -> int:
+        """Generation batches (of DAPO's dynamic sampling) the steps before ``step`` consumed:
+        0 at step 0, else the end the batch of update ``step - 1`` records (read through its
+        lineage record, so a resumed or rebuilt run continues at the stored position)."""
+        if step == 0:
+            return 0
+        name = self._lineage(step - 1)
+        doc = self._lead(self.store.get_json(name, default=None, quarantine=self.leader)
+                         if self.leader else None)
+        if doc is None:
+            raise StateUnavailableError(
+                f"the rollout of step {step} (algorithm.filter_groups_enable) starts where the "
+                f"batch of update {step - 1} ended, but {name} is not in {self.store.uri} (a run "
+                "resumed from another store's checkpoint does not carry that position); start "
+                "the run in the store that has its lineage, or from step 0")
+        meta = self.batch(step - 1, "advantage", doc["batch"]).meta
+        if "gen_batches_end" not in meta:
+            raise StateUnavailableError(
+                f"the batch of update {step - 1} records no data position "
+                "(meta gen_batches_end): it was sampled without "
+                "algorithm.filter_groups_enable, so it is another trajectory")
+        return int(meta["gen_batches_end"])
 
     # ------------------------------------------------------------------ self-healing batches
     def batch(self, step: int, phase: str, ref: str) -> Batch:
@@ -425,10 +459,12 @@ class RunWorker:
         With W > 1 only rank 0's result is complete (as for the phases themselves)."""
         if phase == "rollout":
             self.ensure_state(step)
-            return self.trainer.rollout(step)[0]
+            return self._sample(step)[0]
         src = INPUT_OF[phase]
         ref = self._lead(self._pending_ref(step, src) if self.leader else None)
         upstream = self.batch(step, src, ref) if ref else self._recompute(step, src)
+        if phase == "reward" and self.cfg.algorithm.filter_groups_enable:
+            return upstream  # scored in the rollout phase (dynamic sampling), passed on as is
         if phase == "reward":
             return self.trainer.reward(upstream)[0]  # the reward phase's scoring, model or not
         return compute_advantages(upstream, self.cfg.algorithm)[0] if self.leader else upstream

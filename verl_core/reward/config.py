@@ -12,6 +12,12 @@ from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of
                                      in_trajectory, not_in_trajectory)
 
 
+def _overlong_on(run) -> bool:
+    """``reward.overlong_buffer_enable`` off: the buffer's fields do nothing, and the run hashes
+    as before they existed."""
+    return run.reward.overlong_buffer_enable
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """How responses are scored."""
@@ -25,6 +31,20 @@ class RewardConfig:
     ``timeout_score`` and is counted in the metrics."""
     timeout_score: float = in_trajectory(0.0)
     """Score given to a response whose custom scorer timed out."""
+    overlong_buffer_enable: bool = in_trajectory(False, when=_overlong_on)
+    """DAPO's overlong reward shaping (verl's ``reward_model.overlong_buffer.enable``, its DAPO
+    reward manager): a response longer than ``rollout.max_new_tokens - overlong_buffer_len``
+    tokens gets ``min(-(length - expected) / overlong_buffer_len * overlong_penalty_factor, 0)``
+    added to its score (``reward/overlong.py``)."""
+    overlong_buffer_len: int = in_trajectory(0, when=_overlong_on)
+    """The buffer: the last this-many tokens of the response budget, over which the penalty
+    grows linearly to ``-overlong_penalty_factor`` (verl's ``overlong_buffer.len``)."""
+    overlong_penalty_factor: float = in_trajectory(0.0, when=_overlong_on)
+    """The penalty of a response that uses the whole budget (verl's
+    ``overlong_buffer.penalty_factor``)."""
+    overlong_buffer_log: bool = not_in_trajectory(False)
+    """Log ``reward/overlong_reward_mean`` and ``reward/overlong_fraction`` each step (verl's
+    ``overlong_buffer.log``, which records the per-response ``overlong_reward``/``overlong``)."""
     # a run that completes scores the same whatever the next four are
     num_workers: int = not_in_trajectory(2)
     """Worker processes for custom scorers."""
@@ -47,6 +67,11 @@ class RewardConfig:
             _fail("reward", "max_timeout_fraction", self.max_timeout_fraction,
                   "must be in [0, 1] (1 never fails on timeouts)")
         _one_of("reward", "on_timeouts", self.on_timeouts, {"fail", "warn"})
+        _non_negative("reward", self, "overlong_buffer_len", "overlong_penalty_factor")
+        if self.overlong_buffer_enable and self.overlong_buffer_len < 1:
+            _fail("reward", "overlong_buffer_len", self.overlong_buffer_len,
+                  "must be >= 1 with reward.overlong_buffer_enable=True (the penalty divides by "
+                  "it); e.g. a quarter of rollout.max_new_tokens, as DAPO's 4096 of 20480")
 
 
 REWARD_MODEL_COMBINE = ("replace", "add")
