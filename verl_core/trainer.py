@@ -651,18 +651,20 @@ class RLTrainer:
         if self.ref is not None:
             batch = batch.replace(ref_logprobs=gathered(batched_logprobs(
                 self.ref, part, self.cfg.rollout.temperature or 1.0, micro, dp=self.dp,
-                max_token_len=actor_cfg.token_budget("ref_log_prob_max_token_len_per_gpu"))))
+                max_token_len=actor_cfg.token_budget("ref_log_prob_max_token_len_per_gpu"),
+                remove_padding=actor_cfg.use_remove_padding)))
         if self.critic is not None:
             batch = batch.replace(values=gathered(batched_values(
                 self.critic, part, micro, dp=self.dp,
-                max_token_len=actor_cfg.token_budget("critic_forward_max_token_len_per_gpu"))))
+                max_token_len=actor_cfg.token_budget("critic_forward_max_token_len_per_gpu"),
+                remove_padding=actor_cfg.use_remove_padding)))
         if traits.needs_sum_pi_squared:
             # the rollout model: the weights (and temperature) that sampled the responses, whose
             # log-probs are the estimator's old_logprobs (with W > 1 a full, unsharded copy)
             batch = batch.replace(sum_pi_squared=gathered(batched_sum_pi_squared(
                 self.rollout_model, part, self.cfg.rollout.temperature or 1.0, micro,
                 max_token_len=actor_cfg.token_budget("log_prob_max_token_len_per_gpu"),
-                dp=self.dp)))
+                dp=self.dp, remove_padding=actor_cfg.use_remove_padding)))
         return batch
 
     def reward(self, batch: Batch, details: dict | None = None) -> tuple[Batch, dict]:
@@ -750,7 +752,8 @@ class RLTrainer:
                 max_token_len=c.actor.token_budget("ppo_max_token_len_per_gpu"),
                 critic_max_token_len=c.actor.token_budget("critic_ppo_max_token_len_per_gpu"),
                 log_prob_max_token_len=c.actor.token_budget("log_prob_max_token_len_per_gpu"),
-                balance_batch=c.trainer.balance_batch))
+                balance_batch=c.trainer.balance_batch,
+                remove_padding=c.actor.use_remove_padding))
         self._rollout_stale = True
         self._remember(step, batch, metrics)
         return metrics

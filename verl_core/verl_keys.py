@@ -281,6 +281,9 @@ VERL_TO_OURS: dict[str, Transform] = {
     "critic.ppo_max_token_len_per_gpu": _to("actor.critic_ppo_max_token_len_per_gpu"),
     "critic.forward_max_token_len_per_gpu": _to("actor.critic_forward_max_token_len_per_gpu"),
     "trainer.balance_batch": _to("trainer.balance_batch"),
+    # no compute on padding: one switch for the actor's (ref's) and the critic's forwards
+    **{k: _to("actor.use_remove_padding") for k in (
+        "actor_rollout_ref.model.use_remove_padding", "critic.model.use_remove_padding")},
     A + "optim.lr": _to("optim.lr"),
     A + "optim.weight_decay": _to("optim.weight_decay"),
     A + "optim.betas": _betas,
@@ -470,8 +473,6 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     "actor_rollout_ref.ref.fsdp_config.param_offload": (_is(True, False), _MEMORY),
     "critic.model.fsdp_config.param_offload": (_is(True, False), _MEMORY),
     "critic.model.fsdp_config.optimizer_offload": (_is(True, False), _MEMORY),
-    "actor_rollout_ref.model.use_remove_padding": (_is(True, False),
-                                                   "a kernel choice in verl (same results)"),
     R + "log_prob_micro_batch_size_per_gpu": (_any, "memory only; log-probs are recomputed in "
                                               "micro-batches of actor.ppo_micro_batch_size"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": (

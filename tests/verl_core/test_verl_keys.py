@@ -86,7 +86,9 @@ MAPPED = [
     ("reward_model.micro_batch_size_per_gpu=8", {"reward_model.micro_batch_size": 8}),
     # bookkeeping and memory placement: accepted, no effect
     ("trainer.project_name=p trainer.experiment_name=e trainer.logger=['console']", {}),
-    (f"{A}fsdp_config.param_offload=True actor_rollout_ref.model.use_remove_padding=True", {}),
+    (f"{A}fsdp_config.param_offload=True", {}),
+    ("actor_rollout_ref.model.use_remove_padding=True critic.model.use_remove_padding=True",
+     {"actor.use_remove_padding": True}),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=1", {}),
 ]
 

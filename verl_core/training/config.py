@@ -51,6 +51,12 @@ class OptimConfig:
             _fail("optim", "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
 
 
+def _remove_padding_on(run) -> bool:
+    """``actor.use_remove_padding`` off: the field does nothing, and the run hashes as before it
+    existed."""
+    return run.actor.use_remove_padding
+
+
 @dataclass(frozen=True)
 class ActorConfig:
     """The PPO update: epochs, mini-batches, micro-batches (verl's ``actor_rollout_ref.actor``
@@ -85,6 +91,14 @@ class ActorConfig:
     critic_forward_max_token_len_per_gpu: int = in_trajectory(32768)
     """Token budget of a no-grad critic forward, the values (verl's
     ``critic.forward_max_token_len_per_gpu``)."""
+    use_remove_padding: bool = in_trajectory(False, when=_remove_padding_on)
+    """No compute on padding, for every forward the trainer runs (verl's
+    ``actor_rollout_ref.model.use_remove_padding`` and ``critic.model.use_remove_padding``):
+    each micro-batch's rows run as one sequence of their real tokens with per-row position ids
+    (per-row SDPA on CPU, flash-attention varlen on CUDA), and the token budgets above count
+    real tokens (Karmarkar-Karp-balanced micro-batches); a model whose attention cannot take
+    packed rows has its rows bucketed by length instead. Speed and memory only: the same
+    log-probs, values and update up to float summation order."""
 
     def __post_init__(self):
         _check_types("actor", self)

@@ -17,6 +17,11 @@ micro-batches with Karmarkar-Karp on real tokens, which is right when padding is
 rows it mixes long and short rows and pays the long row's width for all of them (measured:
 ``bench/dynamic_bsz.py``). Worker blocks (``balance_batch``) are balanced with Karmarkar-Karp.
 
+With remove-padding (verl's ``use_remove_padding``; the layouts of :func:`micro_batches`) a
+packed micro-batch runs its real tokens only, so there the budget counts real tokens and the
+micro-batches are Karmarkar-Karp-balanced, as verl's (:func:`packed_micro_batches`); a model
+that cannot be packed has its fixed-size micro-batches bucketed by length instead.
+
 The partitioner is hand-written (as verl's ``seqlen_balancing.py`` is): the libraries that offer
 number partitioning (``numberpartitioning``, ``prtpy``) do not take the equal-count constraint the
 worker blocks need, nor promise a tie order, and the algorithm is 40 lines.
@@ -130,12 +135,49 @@ def token_micro_batches(rows: torch.Tensor, batch: Batch, max_tokens: int,
     return [rows[torch.tensor(p, dtype=torch.long)] for p in parts]
 
 
+def _fits(tokens: list[int], k: int, max_tokens: int) -> list[list[int]] | None:
+    """The Karmarkar-Karp cut of ``tokens`` into ``k`` parts if every part of several rows
+    holds at most ``max_tokens`` real tokens, else None."""
+    parts = karmarkar_karp(tokens, k)
+    ok = all(len(p) == 1 or sum(tokens[i] for i in p) <= max_tokens for p in parts)
+    return parts if ok else None
+
+
+def packed_micro_batches(rows: torch.Tensor, batch: Batch, max_tokens: int,
+                         dp: DataParallel = SINGLE) -> list[torch.Tensor]:
+    """``rows`` (n,) cut into micro-batches of at most ``max_tokens`` *real* tokens (what a
+    packed micro-batch runs; a longer row alone), Karmarkar-Karp-balanced (verl's
+    ``rearrange_micro_batches``): the fewest parts k >= ceil(tokens / budget) whose cut fits.
+    With W > 1 every worker sees every worker's lengths (one gather) and all take the smallest
+    k that fits on each of them: the same number of forwards everywhere."""
+    tokens = row_tokens(batch)[rows].tolist()
+    everyone = dp.gather_objects(tokens) if dp.distributed else [tokens]
+    k = max(-(-sum(t) // max_tokens) for t in everyone)
+    k = max(1, min(k, min(len(t) for t in everyone)))
+    while any(_fits(t, k, max_tokens) is None for t in everyone):
+        k += 1  # k = n fits: every row alone
+    return [rows[torch.tensor(p, dtype=torch.long)] for p in _fits(tokens, k, max_tokens)]
+
+
 def micro_batches(rows: torch.Tensor, batch: Batch, micro_batch_rows: int,
-                  max_tokens: int = 0, dp: DataParallel = SINGLE) -> list[torch.Tensor]:
+                  max_tokens: int = 0, dp: DataParallel = SINGLE,
+                  layout: str = "padded") -> list[torch.Tensor]:
     """``rows`` in consecutive chunks of ``micro_batch_rows`` (``max_tokens`` 0), or packed to
-    the token budget ``max_tokens`` (:func:`token_micro_batches`)."""
+    the token budget ``max_tokens`` (:func:`token_micro_batches`).
+
+    ``layout`` (remove-padding, :func:`~verl_core.training.forward.padding_layout`): ``packed``
+    (the model runs each micro-batch's real tokens as one sequence): a token budget counts real
+    tokens (:func:`packed_micro_batches`); ``bucketed`` (padded rows, remove-padding asked for
+    a model that cannot pack): fixed-size chunks of the rows sorted by length (ties by
+    position), so each chunk is cut to little padding; ``padded``: as without remove-padding."""
     if max_tokens:
+        if layout == "packed":
+            return packed_micro_batches(rows, batch, max_tokens, dp)
         return token_micro_batches(rows, batch, max_tokens, dp)
+    if layout == "bucketed":
+        tokens = row_tokens(batch)[rows].tolist()
+        rows = rows[torch.tensor(sorted(range(len(tokens)), key=lambda i: (tokens[i], i)),
+                                 dtype=torch.long)]
     return [rows[s:s + micro_batch_rows] for s in range(0, rows.numel(), micro_batch_rows)]
 
 

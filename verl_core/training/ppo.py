@@ -26,7 +26,8 @@ from verl_core.algorithms import (
 from verl_core.config import AlgorithmConfig
 from verl_core.data.batch import Batch
 from verl_core.training.dist import SINGLE, DataParallel
-from verl_core.training.forward import batched_logprobs, critic_values, response_logprobs
+from verl_core.training.forward import (batched_logprobs, critic_values, padding_layout,
+                                        response_logprobs)
 from verl_core.training.packing import (balanced_order, in_row_order, micro_batches, narrow,
                                         row_tokens, worker_order)
 
@@ -90,7 +91,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                critic_scheduler=None, dp: DataParallel = SINGLE,
                after_backward=None, on_policy_shortcut: bool = True, max_token_len: int = 0,
                critic_max_token_len: int = 0, log_prob_max_token_len: int = 0,
-               balance_batch: bool = False) -> dict[str, float]:
+               balance_batch: bool = False, remove_padding: bool = False) -> dict[str, float]:
     """One RL step's update of the actor (and critic when ``critic`` is given).
 
     batch must carry ``advantages`` (N, T); ``ref_logprobs`` when ``algo.use_kl_loss``; ``values``
@@ -126,6 +127,16 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     mini-batch's rows so that the W blocks hold nearly equal token counts: the same rows, the
     same loss.
 
+    ``remove_padding`` (verl's ``use_remove_padding``): every forward here (old log-probs,
+    actor, critic) runs each micro-batch's rows packed into one sequence, no compute on padding
+    (:func:`~verl_core.training.forward.padding_layout`: a model that cannot be packed has its
+    rows bucketed by length instead); the token budgets then count real tokens. The same loss,
+    up to float summation order.
+
+    ``update/micro_batches``, ``update/tokens_per_micro_batch`` and ``update/padding_fraction``
+    report the actor's forwards with grad on this worker: micro-batches per optimizer step, real
+    tokens per micro-batch, and the share of the positions run that were padding (0 packed).
+
     ``after_backward(actor)``, if given, runs once after the first micro-batch's backward (fault
     drills use it to poison the gradients).
 
@@ -146,6 +157,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
         raise ValueError("algorithm.use_kl_loss needs batch.ref_logprobs from the reference model")
     N = batch.num_rows
     temperature = temperature or 1.0  # greedy rollouts score under the plain softmax
+    layout = padding_layout(actor, remove_padding)
+    critic_layout = padding_layout(critic, remove_padding) if critic is not None else "padded"
     sums: dict[str, list[torch.Tensor]] = defaultdict(list)
     is_weights = None  # (N, T) rollout importance weights, or None
     reuse_logp = on_policy_shortcut and exactly_on_policy(actor, algo, num_rows=N,
@@ -166,7 +179,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
         mine = dp.block(order)
         old_logp = in_row_order(order, dp.gather_rows(batched_logprobs(
             actor, batch.select(mine) if dp.distributed else batch, temperature,
-            micro_batch_rows, max_token_len=log_prob_max_token_len, dp=dp)))
+            micro_batch_rows, max_token_len=log_prob_max_token_len, dp=dp,
+            remove_padding=remove_padding)))
         mismatch = rollout_probs_diff(old_logp, batch.response_logprobs.to(old_logp.device),
                                       batch.response_mask.to(old_logp.device))
         if algo.rollout_is:
@@ -180,7 +194,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     policy_loss = get_policy_loss(algo.policy_loss)
     options = loss_options(algo)
     scale = algo.loss_scale_factor or None  # seq-mean-token-sum-norm's C; None: the width T
-    if scale is None and (max_token_len or critic_max_token_len):
+    if scale is None and (max_token_len or critic_max_token_len or remove_padding):
         scale = float(max(batch.response_ids.shape[1], 1))  # narrowed micro-batches: still T
     gen = torch.Generator().manual_seed(seed)
     # clip_cov's random draws: a stream of their own (Mersenne Twister seeded with seed + 1),
@@ -189,6 +203,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     lr_used = actor_optimizer.param_groups[0]["lr"]
     critic_lr_used = critic_optimizer.param_groups[0]["lr"] if critic is not None else 0.0
     skipped = 0
+    shapes = []  # (real tokens, positions run) of each actor forward with grad
     actor.train()
     if critic is not None:
         critic.train()
@@ -199,16 +214,25 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                 mini = balanced_order(mini, tokens, dp.size)  # (M,) the same rows, reordered
             mini_mask = batch.response_mask[mini]  # (M, T): the denominators' batch
             pre_rows = []  # the rows of pre_step, in its order
-            for micro in micro_batches(dp.block(mini), batch, micro_batch_rows, max_token_len,
-                                       dp):
-                mb = narrow(batch.select(micro)) if max_token_len else batch.select(micro)
+            micros = micro_batches(dp.block(mini), batch, micro_batch_rows, max_token_len, dp,
+                                   layout)
+            sums["update/micro_batches"].append(torch.tensor(float(len(micros))))
+            for micro in micros:
+                mb = (narrow(batch.select(micro)) if max_token_len or layout != "padded"
+                      else batch.select(micro))
                 mask = mb.response_mask
+                real = int(row_tokens(mb).sum())
+                # positions run: packed, the real tokens; padded, rows x (prompt columns that
+                # hold a token in some row + the response width)
+                shapes.append((real, real if layout == "packed" else mb.num_rows * (
+                    int((mb.prompt_mask.sum(0) > 0).sum()) + mask.shape[1])))
                 width = mask.shape[1]  # the micro-batch's response columns (narrowed: <= T)
                 weight = micro_batch_weight(mask, mini_mask, algo.loss_agg_mode)
                 need_entropy = algo.entropy_coeff > 0
                 logp, entropy = response_logprobs(actor, mb.prompt_ids, mb.prompt_mask,
                                                   mb.response_ids, mask, temperature,
-                                                  with_entropy=need_entropy)
+                                                  with_entropy=need_entropy,
+                                                  packed=layout == "packed")
                 pg_loss, pg_metrics = policy_loss(
                     logp.detach() if old_logp is None else old_logp[micro, :width], logp,
                     mb.advantages, mask,
@@ -249,13 +273,15 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
             skipped += not ok
             if critic is not None:
                 for micro in micro_batches(dp.block(mini), batch, micro_batch_rows,
-                                           critic_max_token_len, dp):
-                    mb = (narrow(batch.select(micro)) if critic_max_token_len
+                                           critic_max_token_len, dp, critic_layout):
+                    mb = (narrow(batch.select(micro))
+                          if critic_max_token_len or critic_layout != "padded"
                           else batch.select(micro))
                     weight = micro_batch_weight(mb.response_mask, batch.response_mask[mini],
                                                 algo.loss_agg_mode)
                     vpreds = critic_values(critic, mb.prompt_ids, mb.prompt_mask,
-                                           mb.response_ids, mb.response_mask)
+                                           mb.response_ids, mb.response_mask,
+                                           packed=critic_layout == "packed")
                     vf_loss, vf_metrics = value_loss(
                         vpreds, mb.values, mb.returns, mb.response_mask,
                         cliprange_value=algo.cliprange_value, loss_agg_mode=algo.loss_agg_mode,
@@ -268,6 +294,9 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                                                grad_clip)
                 sums["critic/grad_norm"].append(c_norm)
                 skipped += not c_ok
+    real, run = (sum(x) for x in zip(*shapes)) if shapes else (0, 0)
+    sums["update/tokens_per_micro_batch"].append(torch.tensor(real / max(len(shapes), 1)))
+    sums["update/padding_fraction"].append(torch.tensor(1.0 - real / run if run else 0.0))
     metrics = dp.mean_metrics({k: float(torch.stack([t.float() for t in v]).mean())
                                for k, v in sums.items()})
     # the same on every worker (computed from gathered rows): not averaged, a max is no mean

@@ -1,0 +1,335 @@
+"""No compute on padding (verl's ``use_remove_padding``): a micro-batch's rows packed into one
+sequence with per-row position ids give the padded computation's log-probs, entropy, values and
+update within bounds derived from float32 summation; with the option off nothing changes, bit
+for bit, against the code before it existed."""
+import copy
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tests.verl_core.training.test_dynamic_bsz as dyn
+from tests.verl_core.training.test_dynamic_bsz import MODES, _bound, _budget_batch, _grads
+from tests.verl_core.training.test_ppo_update import _ragged, _rollout
+from verl_core.config import AlgorithmConfig, preset
+from verl_core.training import forward
+from verl_core.training.forward import critic_values, response_logprobs
+from verl_core.training.packing import micro_batches, row_tokens
+from verl_core.training.ppo import ppo_update
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+U = torch.finfo(torch.float32).eps / 2  # unit roundoff of float32
+
+
+def _qwen(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.standins import qwen_folder
+    return AutoModelForCausalLM.from_pretrained(qwen_folder(tmp_path / "qwen")).eval()
+
+
+def _batch_for(model, batch):
+    """``batch`` (ragged) with token ids drawn inside ``model``'s vocabulary."""
+    g = torch.Generator().manual_seed(3)
+    V = min(model.config.vocab_size, 5000)
+    pid = torch.randint(1, V, batch.prompt_ids.shape, generator=g) * batch.prompt_mask.long()
+    rid = torch.randint(1, V, batch.response_ids.shape, generator=g) * batch.response_mask.long()
+    return batch.replace(prompt_ids=pid, response_ids=rid)
+
+
+def _chain(cfg, L: int, out: int) -> int:
+    """n of γ_n for one forward: the reductions one output goes through, chained. Two float32
+    computations of the same sum in different orders are each within γ_n·Σ|terms| of the exact
+    value (Higham §4.2, γ_n = n·u/(1 - n·u)); through a chain of reductions the relative errors
+    compound, (1+γ_a)(1+γ_b) <= 1+γ_{a+b}, so n is the sum of their lengths: per layer the two
+    RMSNorms' mean of squares (2H), the q/k/v, o and gate/up projections (dot products of
+    length H each: 3H), the down projection (I) and the attention over at most L keys (scores'
+    softmax sum and the weighted sum of values: 2L); then the final norm (H) and the head's
+    output reduction (``out``: V for the log-softmax's sum, 1 for a value head)."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return cfg.num_hidden_layers * (5 * H + I + 2 * L) + H + out
+
+
+def _head_magnitude(model, batch):
+    """(n, T) M = max_v Σ_k |h_k|·|w_vk| and Z = max_v |z_v| at each response token's predicting
+    position: the magnitudes the head's dot products sum (the Σ|terms| of the bound)."""
+    from verl_core.training.forward import _inputs
+
+    ids, attn, position, P = _inputs(batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                     batch.response_mask)
+    T = batch.response_ids.shape[1]
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=attn, position_ids=position,
+                    output_hidden_states=True)
+        h = out.hidden_states[-1][:, P - 1:P + T - 1]  # (n, T, H) after the final norm
+        w = model.get_output_embeddings().weight  # (V, H)
+        M = (h.abs() @ w.abs().T).amax(-1)  # (n, T)
+        Z = out.logits[:, P - 1:P + T - 1].abs().amax(-1)  # (n, T)
+    return M, Z
+
+
+@pytest.mark.parametrize("attention", ["boundaries", "mask"])
+@pytest.mark.parametrize("which", ["tiny", "qwen2"])
+def test_packed_logprobs_and_entropy_equal_padded(which, attention, tmp_path, monkeypatch):
+    """Ragged rows (responses 0..12 tokens, left-padded prompts), both packed attentions.
+
+    Bound per token, from ``_chain``'s γ_n (both runs err, hence 2γ_n): the logits z carry an
+    error of at most γ_n·M (M: the head's Σ|h||w|, the largest the input errors reach after the
+    final RMSNorm made them relative); logp = z_y - logsumexp(z) has gradient e_y - softmax(z),
+    of l1 norm <= 2, so it moves by at most 2γ_n·M, plus its own sum's rounding, γ_n relative
+    to |logp| + M (logsumexp <= |logp| + |z_y|): 2γ_n(|logp| + 3M). The entropy
+    H = lse(z) - Σ p_v z_v has gradient p_v(z_v - E_p z), of l1 norm <= 2Z (Z = max|z|):
+    2γ_n(|H| + Z + 2Z·M + M)."""
+    monkeypatch.setattr(forward, "CPU_PACKED_ATTENTION", attention)
+    model, batch = _rollout(max_new_tokens=12)
+    batch = _ragged(batch)
+    if which == "qwen2":
+        model = _qwen(tmp_path)
+        batch = _batch_for(model, batch)
+    assert forward.packs(model)
+    b = batch
+    args = (model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask, 0.7, True)
+    with torch.no_grad():
+        logp, ent = response_logprobs(*args)
+        calls = []
+        hook = model.register_forward_pre_hook(
+            lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+        p_logp, p_ent = response_logprobs(*args, packed=True)
+        hook.remove()
+    assert calls == [(1, int(row_tokens(b).sum()))]  # one sequence of the real tokens only
+    mask = b.response_mask.bool()
+    assert not p_logp[~mask].any() and not p_ent[~mask].any()
+    L = b.prompt_ids.shape[1] + b.response_ids.shape[1]
+    n = _chain(model.config, L, model.config.vocab_size)
+    gamma = n * U / (1 - n * U)
+    M, Z = _head_magnitude(model, b)
+    Z = Z / 0.7  # the temperature divides the logits
+    M = M / 0.7
+    logp_bound = 2 * gamma * (logp.abs() + 3 * M)
+    ent_bound = 2 * gamma * (ent.abs() + Z + 2 * Z * M + M)
+    assert bool(((p_logp - logp).abs() <= logp_bound)[mask].all()), \
+        float((p_logp - logp).abs().max())
+    assert bool(((p_ent - ent).abs() <= ent_bound)[mask].all()), float((p_ent - ent).abs().max())
+
+
+def _critic(model):
+    from transformers import LlamaForTokenClassification
+
+    cfg = copy.deepcopy(model.config)
+    cfg.num_labels, cfg.classifier_dropout = 1, 0.0  # as load_critic builds it
+    torch.manual_seed(0)
+    return LlamaForTokenClassification(cfg).eval()
+
+
+def test_packed_values_equal_padded():
+    """The critic's values: v = w·h + b, one dot product of length H after ``_chain``'s
+    reductions: 2γ_n(|v| + Σ|w||h|) per token."""
+    model, batch = _rollout(max_new_tokens=12)
+    b = _ragged(batch)
+    critic = _critic(model)
+    args = (critic, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    with torch.no_grad():
+        v = critic_values(*args)
+        pv = critic_values(*args, packed=True)
+        from verl_core.training.forward import _inputs
+        ids, attn, position, P = _inputs(*args[1:])
+        T = b.response_ids.shape[1]
+        h = critic.model(input_ids=ids, attention_mask=attn,
+                         position_ids=position).last_hidden_state[:, P - 1:P + T - 1]
+        mag = h.abs() @ critic.score.weight.abs()[0]  # (n, T)
+    L = ids.shape[1]
+    n = _chain(critic.config, L, 1)
+    gamma = n * U / (1 - n * U)
+    mask = b.response_mask.bool()
+    assert not pv[~mask].any()
+    assert bool(((pv - v).abs() <= 2 * gamma * (v.abs() + mag))[mask].all()), \
+        float((pv - v).abs().max())
+
+
+def test_a_model_that_cannot_pack_is_bucketed_by_length():
+    model, batch = _rollout(max_new_tokens=12)
+    batch = _ragged(batch)
+    layout = forward.padding_layout
+    assert layout(model, False) == "padded" and layout(model, True) == "packed"
+    model.config.final_logit_softcapping = 30.0  # a soft cap: no packed attention for it
+    assert layout(model, True) == "bucketed"
+    rows = torch.arange(batch.num_rows)
+    tokens = row_tokens(batch)
+    parts = micro_batches(rows, batch, 4, layout="bucketed")
+    assert [len(p) for p in parts] == [4] * (batch.num_rows // 4)
+    flat = torch.cat(parts)
+    assert sorted(flat.tolist()) == rows.tolist()
+    assert bool((tokens[flat][1:] >= tokens[flat][:-1]).all())  # sorted by length
+    # the padded chunks as before remove-padding
+    assert [p.tolist() for p in micro_batches(rows, batch, 4)] == \
+        [p.tolist() for p in rows.split(4)]
+
+
+def test_packed_token_budget_counts_real_tokens_and_balances():
+    model, batch, budget = _budget_batch()
+    rows = torch.arange(batch.num_rows)
+    tokens = row_tokens(batch)
+    parts = micro_batches(rows, batch, 4, budget, layout="packed")
+    assert sorted(torch.cat(parts).tolist()) == rows.tolist()
+    sums = [int(tokens[p].sum()) for p in parts]
+    assert all(s <= budget or len(p) == 1 for s, p in zip(sums, parts))
+    assert len(parts) <= len(micro_batches(rows, batch, 4, budget))  # no more than padded
+
+
+def _rp_grads(monkeypatch, *args, **kw):
+    """test_dynamic_bsz's ``_grads`` with ``ppo_update(..., remove_padding=True)``."""
+    monkeypatch.setattr(dyn, "ppo_update", functools.partial(ppo_update, remove_padding=True))
+    try:
+        return _grads(*args, **kw)
+    finally:
+        monkeypatch.setattr(dyn, "ppo_update", ppo_update)
+
+
+@pytest.mark.parametrize("budget", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_remove_padding_update_equals_the_padded_update(mode, budget, monkeypatch):
+    """One update, packed micro-batches (fixed rows, or a token budget over real tokens) against
+    one padded micro-batch of all rows: within test_dynamic_bsz's ``_bound`` (2·n·u·S, the
+    chained reductions of forward and backward, S from the rows' own gradients)."""
+    model, batch, max_tokens = _budget_batch()
+    N = batch.num_rows
+    algo = AlgorithmConfig(loss_agg_mode=mode)
+    [one] = _grads(copy.deepcopy(model), batch, algo, mini=N, micro=N)["actor"]
+    rows = _grads(copy.deepcopy(model), batch, algo, mini=1, micro=1)["actor"]
+    shapes = []
+    [packed] = _rp_grads(monkeypatch, copy.deepcopy(model), batch, algo, mini=N, micro=4,
+                         max_token_len=max_tokens if budget else 0, shapes=shapes)["actor"]
+    # every forward with grad ran one sequence of real tokens; all rows once
+    assert all(s[0] == 1 and s[1] == s[2] for s in shapes), shapes
+    assert sum(s[2] for s in shapes) == int(row_tokens(batch).sum()) and len(shapes) > 1
+    if budget:
+        # within the budget, but the one row longer than it (alone)
+        assert [s[2] for s in shapes if s[2] > max_tokens] == [int(row_tokens(batch).max())]
+    for name, g in one.items():
+        diff = (packed[name] - g).abs()
+        assert bool((diff <= _bound(model, batch, rows, name, mode)).all()), \
+            (name, float(diff.max()))
+
+
+def test_critic_update_with_remove_padding_equals_the_padded_one(monkeypatch):
+    model, batch, max_tokens = _budget_batch()
+    N, mode = batch.num_rows, "token-mean"
+    critic = _critic(model)
+    g = torch.Generator().manual_seed(1)
+    batch = batch.replace(values=torch.randn(batch.response_mask.shape, generator=g) *
+                          batch.response_mask,
+                          returns=torch.randn(batch.response_mask.shape, generator=g) *
+                          batch.response_mask)
+    algo = AlgorithmConfig(loss_agg_mode=mode)
+    [one] = _grads(copy.deepcopy(model), batch, algo, mini=N, micro=N,
+                   critic=copy.deepcopy(critic))["critic"]
+    rows = _grads(copy.deepcopy(model), batch, algo, mini=1, micro=1,
+                  critic=copy.deepcopy(critic))["critic"]
+    [packed] = _rp_grads(monkeypatch, copy.deepcopy(model), batch, algo, mini=N, micro=4,
+                         max_token_len=max_tokens, critic=copy.deepcopy(critic))["critic"]
+    for name, g in one.items():
+        diff = (packed[name] - g).abs()
+        assert bool((diff <= _bound(critic, batch, rows, name, mode)).all()), \
+            (name, float(diff.max()))
+
+
+def test_metrics_report_micro_batches_tokens_and_padding():
+    model, batch, max_tokens = _budget_batch()
+    N = batch.num_rows
+    out = {}
+    for rp in (False, True):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        out[rp] = ppo_update(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), batch,
+                             AlgorithmConfig(), temperature=1.0, mini_batch_rows=N,
+                             micro_batch_rows=4, epochs=1, grad_clip=1.0, seed=0,
+                             remove_padding=rp)
+    assert out[True]["update/padding_fraction"] == 0.0 < out[False]["update/padding_fraction"]
+    for rp in (False, True):
+        assert out[rp]["update/micro_batches"] == N // 4
+        assert out[rp]["update/tokens_per_micro_batch"] == pytest.approx(
+            float(row_tokens(batch).sum()) / (N // 4))
+
+
+# ------------------------------------------------------------------ off: as before
+BEFORE = "4fcdeba"  # the last commit before remove-padding
+
+
+def _inputs_file(path) -> None:
+    """The update's inputs (models, ragged batch, budget), made by today's code once, so both
+    versions update from the same bits."""
+    model, batch, budget = _budget_batch()
+    critic = _critic(model)
+    g = torch.Generator().manual_seed(1)
+    z = lambda: torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask  # noqa
+    batch = batch.replace(values=z(), returns=z(), ref_logprobs=z() - 1.0)
+    torch.save({"model": model, "critic": critic, "budget": budget,
+                "batch": {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}},
+               path)
+
+
+def _update_weights(inputs: str, out: str) -> None:
+    """PPO (actor + critic, KL loss, entropy) one update of ``inputs`` on ragged rows, with and
+    without a token budget, two epochs of two mini-batches: the parameters after it and the
+    metrics, saved to ``out`` (run by whichever verl_core is first on the path)."""
+    from verl_core.data.batch import Batch
+
+    d = torch.load(inputs, weights_only=False)
+    model, critic, budget = d["model"], d["critic"], d["budget"]
+    known = {f.name for f in dataclasses.fields(Batch)}
+    batch = Batch(**{k: v for k, v in d["batch"].items() if k in known})
+    algo = AlgorithmConfig(use_kl_loss=True, entropy_coeff=0.01)
+    res = {}
+    for tokens in (0, budget):
+        a, c = copy.deepcopy(model), copy.deepcopy(critic)
+        oa, oc = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(
+            c.parameters(), lr=1e-2)
+        sa = torch.optim.lr_scheduler.LambdaLR(oa, lambda s: 1.0)
+        sc = torch.optim.lr_scheduler.LambdaLR(oc, lambda s: 1.0)
+        metrics = ppo_update(a, oa, sa, batch, algo, temperature=0.7, mini_batch_rows=8,
+                             micro_batch_rows=4, epochs=2, grad_clip=1.0, seed=3, critic=c,
+                             critic_optimizer=oc, critic_scheduler=sc, max_token_len=tokens,
+                             critic_max_token_len=tokens, log_prob_max_token_len=tokens)
+        res[tokens] = ({**{f"a.{k}": v for k, v in a.state_dict().items()},
+                        **{f"c.{k}": v for k, v in c.state_dict().items()}}, metrics)
+    torch.save(res, out)
+
+
+def test_option_off_is_bit_identical_to_before(tmp_path):
+    """The same update under the code of commit ``BEFORE`` (its verl_core, from git, first on
+    the path of a subprocess) and under today's with remove-padding off: every parameter equal
+    bit for bit, every metric that existed then equal."""
+    old = tmp_path / "old"
+    old.mkdir()
+    try:
+        tree = subprocess.run(["git", "-C", REPO, "archive", BEFORE, "verl_core"],
+                              capture_output=True, check=True).stdout
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        pytest.skip(f"commit {BEFORE} is not in this checkout's history")
+    subprocess.run(["tar", "-x", "-C", str(old)], input=tree, check=True)
+    inputs = str(tmp_path / "inputs.pt")
+    _inputs_file(inputs)
+    code = ("import sys, verl_core; from tests.verl_core.training.test_remove_padding import "
+            "_update_weights; _update_weights(sys.argv[1], sys.argv[2]); "
+            "print(verl_core.__file__)")
+    env = {**os.environ, "PYTHONPATH": f"{old}{os.pathsep}{REPO}"}
+    # run from the old tree: `python -c` puts the working directory first on the path
+    proc = subprocess.run([sys.executable, "-c", code, inputs, str(tmp_path / "before.pt")],
+                          env=env, cwd=old, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().startswith(str(old)), proc.stdout  # the old code ran
+    _update_weights(inputs, str(tmp_path / "now.pt"))
+    before, now = torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "now.pt")
+    assert preset("grpo").actor.use_remove_padding is False  # off by default
+    for tokens, (weights, metrics) in before.items():
+        weights_now, metrics_now = now[tokens]
+        assert weights.keys() == weights_now.keys()
+        for k, w in weights.items():
+            assert torch.equal(w, weights_now[k]), (tokens, k)
+        assert metrics == {k: v for k, v in metrics_now.items() if k in metrics}, tokens
+        assert set(metrics_now) - set(metrics) == {
+            "update/micro_batches", "update/tokens_per_micro_batch", "update/padding_fraction"}
