@@ -333,3 +333,56 @@ def test_option_off_is_bit_identical_to_before(tmp_path):
         assert metrics == {k: v for k, v in metrics_now.items() if k in metrics}, tokens
         assert set(metrics_now) - set(metrics) == {
             "update/micro_batches", "update/tokens_per_micro_batch", "update/padding_fraction"}
+
+
+# ------------------------------------------------------------------ the trainer's phases
+def test_trainer_packs_every_forward(tmp_path):
+    """PPO with a reference (KL loss) and a critic, one RL step with remove-padding and token
+    budgets: the reference's and the critic's no-grad forwards, the old log-probs and both
+    updates each run one packed sequence per micro-batch (no padding), every real token once
+    per pass, recorded by forward hooks on the real models."""
+    from tests.presets import tiny_run
+    from verl_core.trainer import RLTrainer, prepare_assets
+
+    cfg = tiny_run("ppo", **{"data.train_batch_size": 4, "rollout.n": 3,
+                             "actor.ppo_micro_batch_size": 12, "algorithm.use_kl_loss": True,
+                             "actor.use_dynamic_bsz": True, "actor.use_remove_padding": True,
+                             "actor.ppo_max_token_len_per_gpu": 40,
+                             "actor.log_prob_max_token_len_per_gpu": 50,
+                             "actor.ref_log_prob_max_token_len_per_gpu": 60,
+                             "actor.critic_ppo_max_token_len_per_gpu": 70,
+                             "actor.critic_forward_max_token_len_per_gpu": 80})
+    assert cfg.trajectory_hash() != tiny_run("ppo", **{
+        "data.train_batch_size": 4, "rollout.n": 3, "actor.ppo_micro_batch_size": 12,
+        "algorithm.use_kl_loss": True, "actor.use_dynamic_bsz": True,
+        "actor.ppo_max_token_len_per_gpu": 40, "actor.log_prob_max_token_len_per_gpu": 50,
+        "actor.ref_log_prob_max_token_len_per_gpu": 60,
+        "actor.critic_ppo_max_token_len_per_gpu": 70,
+        "actor.critic_forward_max_token_len_per_gpu": 80}).trajectory_hash()  # on: hashed
+    trainer = RLTrainer(cfg, prepare_assets(cfg, str(tmp_path), log=lambda *_: None))
+    seen = {}
+
+    def record(name):
+        def hook(m, args, kw):
+            if name == "critic" or torch.is_tensor(kw.get("logits_to_keep")):  # not sampling
+                seen.setdefault((name, torch.is_grad_enabled()), []).append(
+                    tuple(kw["input_ids"].shape))
+        return hook
+
+    for name in ("actor", "ref", "critic"):
+        getattr(trainer, name).register_forward_pre_hook(record(name), with_kwargs=True)
+    try:
+        batch, _ = trainer.rollout(step=0)
+        batch, _ = trainer.reward(batch)
+        batch, _ = trainer.advantage(batch)
+        metrics = trainer.update(batch, step=0)
+    finally:
+        trainer.close()
+    tokens = int(row_tokens(batch).sum())
+    epochs = cfg.actor.ppo_epochs
+    assert set(seen) == {("ref", False), ("critic", False), ("actor", False), ("actor", True),
+                         ("critic", True)}
+    for (name, grad), shapes in seen.items():
+        assert all(s[0] == 1 for s in shapes), (name, grad, shapes)  # one packed sequence
+        assert sum(s[1] for s in shapes) == (epochs if grad else 1) * tokens, (name, grad)
+    assert metrics["update/padding_fraction"] == 0.0
