@@ -111,7 +111,8 @@ def test_the_same_workdir_resumes_bit_for_bit(tmp_path):
     """Resume equivalence through the plain loop's front door: N steps straight vs N/2 steps,
     then the same command with N steps in the same workdir. The second command starts from the
     checkpoint the first committed at its last step (no step is run twice: the run store's phase
-    log has one rollout and one update per step), and ends with the same weights, bit for bit."""
+    log has one rollout and one update per step), and ends with the same weights, bit for bit.
+    A third run of the same command finds the run complete and trains nothing."""
     n = 4
     quiet = lambda *_: None  # noqa: E731
     straight = train(tiny_run(total_steps=n), str(tmp_path / "straight"), log=quiet)
@@ -132,6 +133,12 @@ def test_the_same_workdir_resumes_bit_for_bit(tmp_path):
     assert resumed["first_reward"] == straight["first_reward"] == first["first_reward"]
     # the start evaluation of the second command is of the state it resumed from
     assert resumed["start_accuracy"] == first["end_accuracy"]
+    # once more: the run is complete, so nothing is trained; the same model is exported again
+    again = train(tiny_run(total_steps=n), str(work), log=quiet)
+    assert again["history"] == [] and again["final_model"] == resumed["final_model"]
+    assert _sha256(again["final_model"]) == _sha256(straight["final_model"])
+    assert again["end_accuracy"] == resumed["end_accuracy"]
+    assert len([r for r in read_phase_log(str(work)) if r["phase"] == "update"]) == n
 
 
 def test_one_loop_writes_a_workdir(tmp_path):
