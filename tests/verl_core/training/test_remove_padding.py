@@ -3,11 +3,7 @@ sequence with per-row position ids give the padded computation's log-probs, entr
 update within bounds derived from float32 summation; with the option off nothing changes, bit
 for bit, against the code before it existed."""
 import copy
-import dataclasses
 import functools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,13 +11,12 @@ import torch
 import tests.verl_core.training.test_dynamic_bsz as dyn
 from tests.verl_core.training.test_dynamic_bsz import MODES, _bound, _budget_batch, _grads
 from tests.verl_core.training.test_ppo_update import _ragged, _rollout
-from verl_core.config import AlgorithmConfig, preset
+from verl_core.config import AlgorithmConfig
 from verl_core.training import forward
 from verl_core.training.forward import critic_values, response_logprobs
 from verl_core.training.packing import micro_batches, row_tokens
 from verl_core.training.ppo import ppo_update
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 U = torch.finfo(torch.float32).eps / 2  # unit roundoff of float32
 
 
@@ -253,86 +248,6 @@ def test_metrics_report_micro_batches_tokens_and_padding():
         assert out[rp]["update/micro_batches"] == N // 4
         assert out[rp]["update/tokens_per_micro_batch"] == pytest.approx(
             float(row_tokens(batch).sum()) / (N // 4))
-
-
-# ------------------------------------------------------------------ off: as before
-BEFORE = "4fcdeba"  # the last commit before remove-padding
-
-
-def _inputs_file(path) -> None:
-    """The update's inputs (models, ragged batch, budget), made by today's code once, so both
-    versions update from the same bits."""
-    model, batch, budget = _budget_batch()
-    critic = _critic(model)
-    g = torch.Generator().manual_seed(1)
-    z = lambda: torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask  # noqa
-    batch = batch.replace(values=z(), returns=z(), ref_logprobs=z() - 1.0)
-    torch.save({"model": model, "critic": critic, "budget": budget,
-                "batch": {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}},
-               path)
-
-
-def _update_weights(inputs: str, out: str) -> None:
-    """PPO (actor + critic, KL loss, entropy) one update of ``inputs`` on ragged rows, with and
-    without a token budget, two epochs of two mini-batches: the parameters after it and the
-    metrics, saved to ``out`` (run by whichever verl_core is first on the path)."""
-    from verl_core.data.batch import Batch
-
-    d = torch.load(inputs, weights_only=False)
-    model, critic, budget = d["model"], d["critic"], d["budget"]
-    known = {f.name for f in dataclasses.fields(Batch)}
-    batch = Batch(**{k: v for k, v in d["batch"].items() if k in known})
-    algo = AlgorithmConfig(use_kl_loss=True, entropy_coeff=0.01)
-    res = {}
-    for tokens in (0, budget):
-        a, c = copy.deepcopy(model), copy.deepcopy(critic)
-        oa, oc = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(
-            c.parameters(), lr=1e-2)
-        sa = torch.optim.lr_scheduler.LambdaLR(oa, lambda s: 1.0)
-        sc = torch.optim.lr_scheduler.LambdaLR(oc, lambda s: 1.0)
-        metrics = ppo_update(a, oa, sa, batch, algo, temperature=0.7, mini_batch_rows=8,
-                             micro_batch_rows=4, epochs=2, grad_clip=1.0, seed=3, critic=c,
-                             critic_optimizer=oc, critic_scheduler=sc, max_token_len=tokens,
-                             critic_max_token_len=tokens, log_prob_max_token_len=tokens)
-        res[tokens] = ({**{f"a.{k}": v for k, v in a.state_dict().items()},
-                        **{f"c.{k}": v for k, v in c.state_dict().items()}}, metrics)
-    torch.save(res, out)
-
-
-def test_option_off_is_bit_identical_to_before(tmp_path):
-    """The same update under the code of commit ``BEFORE`` (its verl_core, from git, first on
-    the path of a subprocess) and under today's with remove-padding off: every parameter equal
-    bit for bit, every metric that existed then equal."""
-    old = tmp_path / "old"
-    old.mkdir()
-    try:
-        tree = subprocess.run(["git", "-C", REPO, "archive", BEFORE, "verl_core"],
-                              capture_output=True, check=True).stdout
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        pytest.skip(f"commit {BEFORE} is not in this checkout's history")
-    subprocess.run(["tar", "-x", "-C", str(old)], input=tree, check=True)
-    inputs = str(tmp_path / "inputs.pt")
-    _inputs_file(inputs)
-    code = ("import sys, verl_core; from tests.verl_core.training.test_remove_padding import "
-            "_update_weights; _update_weights(sys.argv[1], sys.argv[2]); "
-            "print(verl_core.__file__)")
-    env = {**os.environ, "PYTHONPATH": f"{old}{os.pathsep}{REPO}"}
-    # run from the old tree: `python -c` puts the working directory first on the path
-    proc = subprocess.run([sys.executable, "-c", code, inputs, str(tmp_path / "before.pt")],
-                          env=env, cwd=old, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().startswith(str(old)), proc.stdout  # the old code ran
-    _update_weights(inputs, str(tmp_path / "now.pt"))
-    before, now = torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "now.pt")
-    assert preset("grpo").actor.use_remove_padding is False  # off by default
-    for tokens, (weights, metrics) in before.items():
-        weights_now, metrics_now = now[tokens]
-        assert weights.keys() == weights_now.keys()
-        for k, w in weights.items():
-            assert torch.equal(w, weights_now[k]), (tokens, k)
-        assert metrics == {k: v for k, v in metrics_now.items() if k in metrics}, tokens
-        assert set(metrics_now) - set(metrics) == {
-            "update/micro_batches", "update/tokens_per_micro_batch", "update/padding_fraction"}
 
 
 # ------------------------------------------------------------------ the trainer's phases
