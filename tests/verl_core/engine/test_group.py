@@ -68,7 +68,11 @@ def _phases(spec, start: int, stop: int) -> None:
 def _final(spec, step: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    out = phases.finalize(spec, StepState(step))
+    # retried as run_phase retries it in a run: a worker lost here costs an attempt on a rebuilt
+    # group (CI once saw a W = 3 gloo worker abort in glibc's heap check during export_final;
+    # the numbers below are checked all the same)
+    out = with_retries(lambda: phases.finalize(spec, StepState(step)), what="finalize",
+                       backoff_s=0.1)
     return load_file(os.path.join(out["final_model"], "model.safetensors"))
 
 
