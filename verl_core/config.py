@@ -391,7 +391,8 @@ class RunConfig:
     seed: int = in_trajectory(1)
     """Run seed; every phase derives its own seed from (seed, step, phase)."""
     eval_every: int = not_in_trajectory(0)
-    """Greedy held-out evaluation every k steps (0: only at start and end)."""
+    """Held-out evaluation (greedy unless ``rollout.val_do_sample``) every k steps (0: only at
+    start and end)."""
     val_before_train: bool = not_in_trajectory(True)
     """Evaluate before the first step (verl's ``trainer.val_before_train``); False skips it, and
     the run's gain is then not measured. Never changes the trajectory."""

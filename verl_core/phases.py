@@ -188,7 +188,8 @@ def end_step(spec: RunSpec, state: StepState, checkpoint_metrics: dict | None = 
 
 
 def evaluate(spec: RunSpec, state: StepState) -> Metrics:
-    """Greedy held-out accuracy of the state after ``state.step`` updates (recorded)."""
+    """Held-out accuracy of the state after ``state.step`` updates (greedy unless
+    ``rollout.val_do_sample``; recorded)."""
     metrics = merged({}, RunWorkers(spec).evaluate(state.step))
     record_step_metrics(spec, state.step, metrics)
     return metrics

@@ -45,7 +45,7 @@ class Panel:
 PANELS = (
     Panel("Reward", ("reward/mean", "reward/min", "reward/max"), "score",
           "no rollout has been scored yet"),
-    Panel("Held-out accuracy", ("val/accuracy",), "greedy accuracy",
+    Panel("Held-out accuracy", ("val/accuracy",), "mean score",
           "no evaluation recorded yet"),
     Panel("KL", ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl"), "nats",
           "no update recorded yet"),

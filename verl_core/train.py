@@ -209,6 +209,24 @@ def _parse_value(text: str):
         return text
 
 
+LOCAL_DIR = "trainer.default_local_dir"
+"""verl's checkpoint folder: here the run store, so the plain loop takes it as ``--workdir``."""
+
+
+def _workdir(workdir: str, local_dir) -> str:
+    """``--workdir``, or verl's ``trainer.default_local_dir`` in its place (they name one
+    folder: the run store, where checkpoints go); both, naming different folders: refused."""
+    if local_dir is None:
+        return workdir
+    if not isinstance(local_dir, str) or not local_dir or "${" in local_dir:
+        raise ConfigError(f"{LOCAL_DIR}={local_dir!r}: give a folder (interpolations are not "
+                          "resolved here)")
+    if workdir and os.path.abspath(workdir) != os.path.abspath(local_dir):
+        raise ConfigError(f"--workdir {workdir!r} and {LOCAL_DIR}={local_dir!r} both name the "
+                          "run store (where checkpoints go); give one of them")
+    return local_dir
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_core.train", description=__doc__.splitlines()[0])
     p.add_argument("--algorithm", default="",
@@ -241,9 +259,10 @@ def main(argv=None) -> int:
                                       train_files=args.train_files, val_files=args.val_files)
     try:
         given = {**verl_keys.parse_cli(args.overrides), **given}
+        workdir = _workdir(args.workdir, given.pop(LOCAL_DIR, None))
         # the workflow's configure builds its config through the same door
         cfg = verl_keys.run_config(args.algorithm, args.config, given, options)
-        workdir = args.workdir or tempfile.mkdtemp(prefix="verl-train-")
+        workdir = workdir or tempfile.mkdtemp(prefix="verl-train-")
         os.makedirs(workdir, exist_ok=True)
         summary = train(cfg, workdir)
     except USER_ERRORS as e:

@@ -116,8 +116,8 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
     # Every file is checked (rows, columns, prompt lengths) before any model work: a bad row must
     # not cost a warm start first. The tiny model's tokenizer is the character one.
     tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer()
-    rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length)
-    load_checked_rows(tok, val_files, cfg.data.max_prompt_length)
+    rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length, cfg.data.truncation)
+    load_checked_rows(tok, val_files, cfg.data.max_prompt_length, cfg.data.truncation)
     # the GX suite, every row; without the tokenizer: the prompt lengths were checked just above
     validate_dataset_files([*train_files, *val_files], cfg)
     if cfg.model.path:
@@ -134,6 +134,7 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
             model, tok, prompts, [r.ground_truth for r in rows],
             steps=m.warmup_sft_steps, batch_size=m.warmup_sft_batch_size, lr=m.warmup_sft_lr,
             seed=derive_seed(cfg.seed, 0, "sft"), max_prompt_length=cfg.data.max_prompt_length,
+            truncation=cfg.data.truncation,
             stop_fn=(lambda: probe() >= m.warmup_target_accuracy)
             if m.warmup_target_accuracy < 1.0 else None)
         if losses:
@@ -294,7 +295,8 @@ class _AccuracyProbe:
     """Greedy accuracy of ``model`` on a fixed slice of training prompts (rule scorer)."""
 
     def __init__(self, model, tok, rows, prompts, cfg: RunConfig):
-        self.ids, self.mask = encode_prompts(tok, prompts, cfg.data.max_prompt_length)
+        self.ids, self.mask = encode_prompts(tok, prompts, cfg.data.max_prompt_length,
+                                             truncation=cfg.data.truncation)
         self.rows, self.tok = rows, tok
         self.engine = make_engine("hf", model=model, eos_token_ids=stop_token_ids(tok),
                                   pad_token_id=tok.pad_token_id)
@@ -312,19 +314,23 @@ class _AccuracyProbe:
         return self.last
 
 
-def encode_rows(tokenizer, rows: list[PromptRow], max_len: int):
+def encode_rows(tokenizer, rows: list[PromptRow], max_len: int, truncation: str = "error"):
     texts = [render_prompt(r, tokenizer) for r in rows]
-    return encode_prompts(tokenizer, texts, max_len, names=[f"dataset row {r.index}" for r in rows])
+    return encode_prompts(tokenizer, texts, max_len, names=[f"dataset row {r.index}" for r in rows],
+                          truncation=truncation)
 
 
-def load_checked_rows(tokenizer, files: list[str], max_len: int) -> list[PromptRow]:
+def load_checked_rows(tokenizer, files: list[str], max_len: int,
+                      truncation: str = "error") -> list[PromptRow]:
     """:func:`load_prompt_rows` (same rows, same indices) plus the prompt-length check, file by
-    file so that an over-long prompt is named by its file and 0-based row."""
+    file so that an over-long prompt is named by its file and 0-based row (with ``truncation``
+    ``error``; otherwise such a prompt is cut when it is encoded)."""
     rows: list[PromptRow] = []
     for path in files:
         part = load_prompt_rows([path])  # indices 0.. within this file
         encode_prompts(tokenizer, [render_prompt(r, tokenizer) for r in part], max_len,
-                       names=[f"{path}: row {r.index} (0-based), column 'prompt'" for r in part])
+                       names=[f"{path}: row {r.index} (0-based), column 'prompt'" for r in part],
+                       truncation=truncation)
         start = len(rows)
         rows.extend(dataclasses.replace(r, index=start + r.index) for r in part)
     return rows
@@ -343,9 +349,9 @@ class RLTrainer:
         self.train_rows = load_prompt_rows(assets.train_files)
         self.val_rows = load_prompt_rows(assets.val_files)
         self.train_prompt_ids, self.train_prompt_mask = encode_rows(
-            tok, self.train_rows, cfg.data.max_prompt_length)
+            tok, self.train_rows, cfg.data.max_prompt_length, cfg.data.truncation)
         self.val_prompt_ids, self.val_prompt_mask = encode_rows(
-            tok, self.val_rows, cfg.data.max_prompt_length)
+            tok, self.val_rows, cfg.data.max_prompt_length, cfg.data.truncation)
         self.sampler = ResumableSampler(len(self.train_rows), cfg.data.train_batch_size, cfg.seed,
                                         shuffle=cfg.data.shuffle)
         algo = cfg.algorithm
@@ -774,34 +780,45 @@ class RLTrainer:
         del self.history[:-HISTORY_STEPS]
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Greedy decoding on the held-out split: accuracy = mean score. With W > 1 each worker
-        decodes a contiguous share of the rows and the scores are gathered."""
-        return self.evaluate_with_samples(0)[0]
+    def evaluate(self, step: int = 0) -> dict:
+        """The held-out metrics: ``val/accuracy`` = mean score, greedy unless
+        ``rollout.val_do_sample`` (then seeded by the run's seed and ``step``). With W > 1 each
+        worker decodes a contiguous share of the rows and the scores are gathered."""
+        return self.evaluate_with_samples(0, step)[0]
 
     @torch.no_grad()
-    def evaluate_with_samples(self, n_samples: int) -> tuple[dict, list[EvalSample]]:
-        """:meth:`evaluate`, plus the first ``n_samples`` held-out rows as decoded (for the
+    def evaluate_with_samples(self, n_samples: int, step: int = 0) -> tuple[dict, list[EvalSample]]:
+        """:meth:`evaluate`, plus the first ``n_samples`` held-out responses as decoded (for the
         reports; with W > 1, from this worker's share)."""
         self._sync_rollout_weights()
-        params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        rc = self.cfg.rollout
+        sampled = rc.val_do_sample and rc.val_temperature > 0  # verl: do_sample at 0 is greedy
+        k = rc.val_n if sampled else 1  # responses per prompt, adjacent (as rollout.n's)
+        params = SamplingParams(temperature=rc.val_temperature if sampled else 0.0,
+                                top_p=rc.val_top_p, top_k=rc.val_top_k,
+                                max_new_tokens=rc.max_new_tokens,
+                                seed=derive_seed(self.cfg.seed, step, "val"))
         n, W, r = self.val_prompt_ids.shape[0], self.dp.size, self.dp.rank
         lo, hi = n * r // W, n * (r + 1) // W  # no collectives in decoding: shares may differ
         texts, special, lengths, shown = [], [], [], []
-        step = self.cfg.data.val_batch_size
-        for s in range(lo, hi, step):
-            e = min(s + step, hi)
-            out = self.engine.generate(self.val_prompt_ids[s:e], self.val_prompt_mask[s:e], params)
+        step_rows = self.cfg.data.val_batch_size
+        for s in range(lo, hi, step_rows):
+            e = min(s + step_rows, hi)
+            ids = self.val_prompt_ids[s:e].repeat_interleave(k, 0)
+            mask = self.val_prompt_mask[s:e].repeat_interleave(k, 0)
+            # each response draws what it would in one call over all n x k rows: the numbers
+            # do not depend on the worker count or val_batch_size
+            out = self.engine.generate(ids, mask, params, first_row=s * k, total_rows=n * k) \
+                if sampled else self.engine.generate(ids, mask, params)
             dec = decode_responses(self.tokenizer, out.response_ids, out.response_mask)
-            for i in range(min(e - s, n_samples - len(shown))):  # the tokens, as the model saw them
-                shown.append((report.visible_text(self.tokenizer, self.val_prompt_ids[s + i],
-                                                  self.val_prompt_mask[s + i]),
+            for i in range(min(len(ids), n_samples - len(shown))):  # as the model saw them
+                shown.append((report.visible_text(self.tokenizer, ids[i], mask[i]),
                               report.visible_text(self.tokenizer, out.response_ids[i],
                                                   out.response_mask[i])))
             texts += dec.texts
             special += dec.special_token
             lengths += out.response_mask.sum(-1).tolist()
-        rows = self.val_rows[lo:hi]
+        rows = [row for row in self.val_rows[lo:hi] for _ in range(k)]
         res = self.scorer.score([r.data_source for r in rows], texts,
                                 [r.ground_truth for r in rows], [r.extra_info for r in rows],
                                 special_token=special)
@@ -810,5 +827,9 @@ class RLTrainer:
         samples = [EvalSample(prompt=prompt, response=response, ground_truth=row.ground_truth,
                               score=float(score))
                    for row, (prompt, response), score in zip(rows, shown, res.scores)]
-        return {"val/accuracy": sum(scores) / max(1, len(scores)),
-                "val/response_length": sum(lengths) / max(1, len(lengths))}, samples
+        metrics = {"val/accuracy": sum(scores) / max(1, len(scores)),
+                   "val/response_length": sum(lengths) / max(1, len(lengths))}
+        if k > 1:  # verl's best@n: each prompt's best of its k responses, averaged
+            best = [max(scores[i:i + k]) for i in range(0, len(scores), k)]
+            metrics[f"val/best@{k}"] = sum(best) / max(1, len(best))
+        return metrics, samples

@@ -10,7 +10,7 @@ NaN policies (``guard/``), Decks (``tasks/``).
 Suites, cumulative per stage (a stored batch of stage s passes every check of the stages before)::
 
     dataset    columns present, rows present, non-empty prompts, ground truth present,
-               prompt_length <= data.max_prompt_length
+               prompt_length <= data.max_prompt_length (data.truncation=error)
     rollout    columns present, prompt_length <= data.max_prompt_length,
                response_length <= rollout.max_new_tokens, every log-prob finite (rollout, ref),
                critic values / sum_pi_squared finite when the algorithm makes them
@@ -394,7 +394,7 @@ def _dataset_checks(cfg: "RunConfig", gt_column: str, has_lengths: bool,
         _Check(gt_column, "ground_truth_chars", "ground truth present and non-empty",
                min_value=1),
     ]
-    if has_lengths:
+    if has_lengths and cfg.data.truncation == "error":  # otherwise long prompts are cut
         checks.append(_Check("prompt", "prompt_length",
                              f"prompt tokens <= data.max_prompt_length="
                              f"{cfg.data.max_prompt_length}",

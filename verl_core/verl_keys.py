@@ -198,6 +198,23 @@ def _critic_path(value, ctx) -> Pairs:
                       "or leave critic.model.path out")
 
 
+def _filter_overlong(value, ctx) -> Pairs:
+    """verl drops rows whose prompt is over ``data.max_prompt_length`` before it would cut
+    them; here rows are never dropped (the data position and lineage count rows), so an
+    over-long prompt either fails validation naming its row (``data.truncation=error``) or is
+    cut as ``data.truncation`` says: both are that, only verl's drop-then-cut is refused."""
+    if value not in (True, False):
+        raise ConfigError(f"data.filter_overlong_prompts={value!r}: give True or False")
+    truncation = ctx.get("data.truncation", "error")
+    if value and truncation != "error":
+        raise ConfigError(
+            f"data.filter_overlong_prompts=True with data.truncation={truncation!r}: verl drops "
+            "over-long prompts before it would cut them; rows are never dropped here. Give "
+            "filter_overlong_prompts=False to cut them as data.truncation says, or keep "
+            "data.truncation=error to have each named at validation")
+    return []
+
+
 def _save_freq(value, ctx) -> Pairs:
     if isinstance(value, int) and value > 0:
         return [("checkpoint.checkpoint_interval", value)]
@@ -337,6 +354,9 @@ VERL_TO_OURS: dict[str, Transform] = {
     "data.train_files": _to("data.train_files", _files),
     "data.val_files": _to("data.val_files", _files),
     "data.val_batch_size": _to("data.val_batch_size"),
+    "data.filter_overlong_prompts": _filter_overlong,
+    **{R + f"val_kwargs.{n}": _to(f"rollout.val_{n}") for n in (
+        "do_sample", "temperature", "top_p", "top_k", "n")},
     # model, reward
     "actor_rollout_ref.model.path": _to("model.path"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": _to("model.gradient_checkpointing"),
@@ -489,10 +509,6 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
                                        "(trainer.n_gpus_per_node)"),
     "actor_rollout_ref.hybrid_engine": (_is(True), "rollout is always colocated with training"),
     A + "strategy": (_is("fsdp", "fsdp2"), "training is FSDP2"),
-    "data.filter_overlong_prompts": (_is(True, False), "a prompt longer than "
-                                     "data.max_prompt_length fails validation naming its row; "
-                                     "it is never dropped or cut silently"),
-    "data.truncation": (_is("error"), "prompts are never truncated (see data.max_prompt_length)"),
     "data.prompt_key": (_is("prompt"), "datasets use verl's default column names"),
     "data.reward_fn_key": (_is("data_source"), "datasets use verl's default column names"),
     "reward_model.reward_manager": (_is("naive", "dapo"), "one reward manager here (verl's "
@@ -523,6 +539,10 @@ REFUSED: dict[str, str] = {
     A + "ulysses_sequence_parallel_size": "no sequence parallelism: each worker holds whole "
                                          "sequences",
     "actor_rollout_ref.model.external_lib": "no external model libraries are imported",
+    "trainer.default_local_dir": "the run store is where checkpoints go: the plain loop's "
+                                 "--workdir (python -m verl_core.train takes "
+                                 "trainer.default_local_dir=DIR for it), the workflow's "
+                                 "store input",
 }
 """verl keys (or prefixes, ending in ``.``) refused at any value other than verl's default,
 each with its reason (a key with no entry gets the generic one)."""

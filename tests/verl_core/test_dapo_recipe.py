@@ -4,12 +4,11 @@ verl-recipe) through verl_core.verl_keys and the plain loop, scaled down to the 
 Its overrides as they are, but for sizes (prompts 512 -> 4, gen 3x -> 12, n 16 -> 4, mini-batch
 32 -> 2, response 20480 -> 10 tokens with the buffer 4096 -> 2, prompt 2048 -> 64, token budgets
 prompt + response), one worker (sp_size, gen_tp, n_gpus_per_node, nnodes -> 1),
-``rollout.name=hf``, ``logger=["console"]``, and ``trainer.total_training_steps=2`` added. Left
-out (each refused here, with its reason): the dataset and model paths (the synthetic task and the
-tiny model; ``custom_reward_function.path`` added: a reward that gives the tiny model mixed
-groups, where DAPO's math scorer would give all-wrong ones), ``data.truncation='left'`` (prompts
-are never truncated), the ``val_kwargs`` (evaluation is greedy), ``trainer.default_local_dir``
-(the run store is ``--workdir``)."""
+``rollout.name=hf``, ``logger=["console"]``, and ``trainer.total_training_steps=2`` added;
+``trainer.default_local_dir`` is the test's folder (the plain loop's run store). Left out (each
+refused here, with its reason): the dataset and model paths (the synthetic task and the tiny
+model; ``custom_reward_function.path`` added: a reward that gives the tiny model mixed groups,
+where DAPO's math scorer would give all-wrong ones)."""
 import json
 import shlex
 import textwrap
@@ -19,6 +18,7 @@ from verl_core.verl_keys import parse_cli, run_config
 
 RECIPE = """
     data.prompt_key=prompt
+    data.truncation='left'
     data.max_prompt_length=64
     data.max_response_length=10
     data.gen_batch_size=12
@@ -60,7 +60,10 @@ RECIPE = """
     actor_rollout_ref.rollout.temperature=1.0
     actor_rollout_ref.rollout.top_p=1.0
     actor_rollout_ref.rollout.top_k=-1
+    actor_rollout_ref.rollout.val_kwargs.temperature=1.0
+    actor_rollout_ref.rollout.val_kwargs.top_p=0.7
     actor_rollout_ref.rollout.val_kwargs.top_k=-1
+    actor_rollout_ref.rollout.val_kwargs.do_sample=True
     actor_rollout_ref.rollout.val_kwargs.n=1
     actor_rollout_ref.rollout.name=hf
     actor_rollout_ref.ref.fsdp_config.param_offload=True
@@ -108,18 +111,30 @@ def test_the_recipe_overrides_map_onto_our_fields():
     assert not a.use_kl_loss and not a.use_kl_in_reward and not a.uses_reference
     assert cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len_per_gpu == 74
     assert cfg.total_steps == 2
+    assert d.truncation == "left"
+    rc = cfg.rollout
+    assert (rc.val_do_sample, rc.val_temperature, rc.val_top_p, rc.val_top_k, rc.val_n) == \
+        (True, 1.0, 0.7, -1, 1)
 
 
 def test_the_recipe_trains_two_steps_of_the_tiny_model(tmp_path):
     scorer = tmp_path / "parity.py"
     scorer.write_text(PARITY)
     out = tmp_path / "summary.json"
-    rc = main(["--workdir", str(tmp_path / "w"), "--summary-json", str(out), *TINY,
-               *shlex.split(RECIPE), f"custom_reward_function.path={scorer}"])
+    rc = main(["--summary-json", str(out), *TINY, *shlex.split(RECIPE),
+               f"trainer.default_local_dir={tmp_path / 'w'}",
+               f"custom_reward_function.path={scorer}"])
     assert rc == 0
     s = json.loads(out.read_text())
     assert s["algorithm"] == "grpo" and [h["step"] for h in s["history"]] == [1, 2]
+    assert (tmp_path / "w" / "checkpoints").is_dir()  # default_local_dir is the run store
     for h in s["history"]:
         assert h["train/num_gen_batches"] >= 1 and h["train/num_kept_groups"] >= 4
         assert -1.0 <= h["reward/min"] and h["reward/max"] <= 1.0  # the penalty is >= -1
         assert all(v == v for v in h.values() if isinstance(v, float))  # no NaN metrics
+
+
+def test_default_local_dir_and_another_workdir_are_refused_before_any_work(tmp_path, capsys):
+    rc = main(["--workdir", str(tmp_path / "a"), f"trainer.default_local_dir={tmp_path / 'b'}"])
+    assert rc == 2 and "both name the run store" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

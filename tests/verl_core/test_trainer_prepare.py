@@ -84,3 +84,33 @@ def test_checked_rows_are_the_loaded_rows(tmp_path):
     a = _write(tmp_path / "a.parquet", [_row("1+1=", "2"), _row("2+3=", "5")])
     b = _write(tmp_path / "b.parquet", [_row("7-4=", "3")])
     assert load_checked_rows(build_char_tokenizer(), [a, b], 64) == load_prompt_rows([a, b])
+
+
+def test_long_prompts_are_cut_as_data_truncation_says(tmp_path):
+    """verl's data.truncation=left: the dataset suite and the prompt check let the long row
+    through, and the trainer encodes its last data.max_prompt_length tokens (the question's end
+    and the chat's assistant header, where the model answers from)."""
+    from verl_core.data.dataset import render_prompt
+    from verl_core.trainer import RLTrainer
+
+    long_row = _row("9" * 200 + "+1=", "1")
+    f = _write(tmp_path / "long.parquet", [_row(f"{a}+1=", str(a + 1)) for a in range(15)] +
+               [long_row])
+    cfg = preset("grpo", **{"data.train_files": f, "data.val_files": f,
+                            "data.max_prompt_length": 32, "data.truncation": "left",
+                            "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 4,
+                            "model.warmup_sft_steps": 2, "model.warmup_target_accuracy": 1.0,
+                            "num_threads": 1})
+    assets = prepare_assets(cfg, str(tmp_path / "work"), log=lambda *_: None)
+    trainer = RLTrainer(cfg, assets)
+    try:
+        tok = trainer.tokenizer
+        [row] = [r for r in trainer.train_rows if r.index == 15]
+        want = tok(render_prompt(row, tok))["input_ids"][-32:]
+        ids, mask = trainer.train_prompt_ids[15], trainer.train_prompt_mask[15]
+        assert ids.shape[0] == 32 and ids[mask.bool()].tolist() == want
+    finally:
+        trainer.close()
+    with pytest.raises(PromptTooLongError, match="data.truncation=left"):  # the default refuses
+        prepare_assets(preset("grpo", **{"data.train_files": f, "data.val_files": f,
+                                         "data.max_prompt_length": 32}), str(tmp_path / "w2"))

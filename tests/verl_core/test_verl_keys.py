@@ -90,6 +90,16 @@ MAPPED = [
     ("actor_rollout_ref.model.use_remove_padding=True critic.model.use_remove_padding=True",
      {"actor.use_remove_padding": True}),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=1", {}),
+    # prompts over data.max_prompt_length: cut as verl cuts them, or refused (never dropped)
+    ("data.truncation=left data.filter_overlong_prompts=False", {"data.truncation": "left"}),
+    ("data.truncation=error data.filter_overlong_prompts=True", {"data.truncation": "error"}),
+    # sampled evaluation (verl's DAPO recipe)
+    ("actor_rollout_ref.rollout.val_kwargs.do_sample=True "
+     "actor_rollout_ref.rollout.val_kwargs.temperature=1.0 "
+     "actor_rollout_ref.rollout.val_kwargs.top_p=0.7 actor_rollout_ref.rollout.val_kwargs.top_k=-1 "
+     "actor_rollout_ref.rollout.val_kwargs.n=4",
+     {"rollout.val_do_sample": True, "rollout.val_temperature": 1.0, "rollout.val_top_p": 0.7,
+      "rollout.val_top_k": -1, "rollout.val_n": 4}),
 ]
 
 
@@ -122,7 +132,10 @@ def test_mapped_values_build_a_valid_config():
      r"trust_remote_code=True cannot apply here: a model folder's own Python code is never run"),
     (f"{A}use_dynamic_bsz=True critic.use_dynamic_bsz=False",
      r"both set actor.use_dynamic_bsz \(True vs False\)"),
-    ("data.truncation=left", r"data.truncation='left' cannot apply here: prompts are never"),
+    ("data.truncation=left data.filter_overlong_prompts=True",
+     r"filter_overlong_prompts=True with data.truncation='left': verl drops .* never dropped"),
+    ("trainer.default_local_dir=/ckpt",
+     r"default_local_dir='/ckpt' cannot apply here: the run store .*--workdir"),
     # a verl key with no table entry: refused unless at verl's default
     ("actor_rollout_ref.rollout.multi_turn.enable=True",
      r"multi_turn.enable=True cannot apply here: multi-turn .*issue 25"),

@@ -277,23 +277,43 @@ def prompt_add_special_tokens(tokenizer) -> bool:
     return not getattr(tokenizer, "chat_template", None)
 
 
+def truncate_prompt(ids: list[int], max_len: int, how: str) -> list[int]:
+    """``ids`` cut to ``max_len`` tokens as verl's ``RLHFDataset`` cuts them (``data.truncation``:
+    ``left`` keeps the last tokens, ``right`` the first, ``middle`` the first ``max_len // 2``
+    and the last ``max_len - max_len // 2``). Unchanged when it fits."""
+    if len(ids) <= max_len:
+        return ids
+    if how == "left":
+        return ids[len(ids) - max_len:]
+    if how == "right":
+        return ids[:max_len]
+    if how == "middle":
+        head = max_len // 2
+        return ids[:head] + ids[len(ids) - (max_len - head):]
+    raise ValueError(f"data.truncation={how!r} does not cut prompts")
+
+
 def encode_prompts(tokenizer, texts: list[str], max_prompt_length: int,
-                   names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   names: list[str] | None = None,
+                   truncation: str = "error") -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenise rendered prompts, left-padded. Returns (prompt_ids (B, P), prompt_mask (B, P)).
 
     Special tokens as :func:`prompt_add_special_tokens` decides (one BOS, from the template or
-    the tokenizer, never both). Over-long prompts raise naming the row instead of being silently
-    truncated (truncating the question of a verifiable task makes its ground truth wrong)."""
+    the tokenizer, never both). An over-long prompt raises naming the row (``truncation``
+    ``error``: truncating the question of a verifiable task makes its ground truth wrong), or is
+    cut as ``data.truncation`` says (:func:`truncate_prompt`)."""
     enc = tokenizer(texts, add_special_tokens=prompt_add_special_tokens(tokenizer))["input_ids"]
     for i, ids in enumerate(enc):
-        if len(ids) > max_prompt_length:
+        if len(ids) > max_prompt_length and truncation == "error":
             where = names[i] if names else f"row {i}"
             raise PromptTooLongError(
                 f"prompt of {where} has {len(ids)} tokens > data.max_prompt_length="
-                f"{max_prompt_length}; raise data.max_prompt_length or filter the dataset")
+                f"{max_prompt_length}; raise data.max_prompt_length, filter the dataset, or "
+                "cut long prompts with data.truncation=left (or right, middle)")
         if not ids:
             where = names[i] if names else f"row {i}"
             raise PromptTooLongError(f"prompt of {where} encodes to zero tokens")
+    enc = [truncate_prompt(list(e), max_prompt_length, truncation) for e in enc]
     pad = tokenizer.pad_token_id
     ids = _pad_left([np.asarray(e, np.int64) for e in enc], pad, torch.long)
     mask = _pad_left([np.ones(len(e), np.int64) for e in enc], 0, torch.long)

@@ -21,6 +21,15 @@ def _dynamic_sampling(run: RunConfig) -> bool:
     return run.algorithm.filter_groups_enable
 
 
+def _truncating(run: RunConfig) -> bool:
+    """``data.truncation`` at ``error`` (the default): the run hashes as before the field existed."""
+    return run.data.truncation != "error"
+
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+"""verl's ``data.truncation`` values (``RLHFDataset``)."""
+
+
 def _assets_set(run: RunConfig) -> bool:
     """``data.assets_id`` unset: the run hashes as before the field existed."""
     return bool(run.data.assets_id)
@@ -45,7 +54,15 @@ class DataConfig:
     val_batch_size: int = not_in_trajectory(256)
     """Prompts per greedy-evaluation forward pass (memory only; does not change results)."""
     max_prompt_length: int = in_trajectory(64)
-    """Prompts longer than this many tokens fail validation (they are not silently truncated)."""
+    """Most prompt tokens. A longer prompt fails validation naming its row, unless
+    ``truncation`` says how to cut it."""
+    truncation: str = in_trajectory("error", when=_truncating)
+    """What a prompt over ``max_prompt_length`` tokens gets, as verl's ``data.truncation``:
+    ``error`` (refused before any work, naming its file and row), ``left`` (its last
+    ``max_prompt_length`` tokens are kept: the end of a chat, where the question and the
+    assistant header are), ``right`` (its first) or ``middle`` (the first half and the last
+    half). Cutting is for datasets whose long prompts are long context: cutting the question of
+    a verifiable task makes its ground truth wrong."""
     shuffle: bool = in_trajectory(True)
     """Shuffle the training prompts each epoch (seeded by ``run.seed``)."""
     synthetic_task: str = in_trajectory("arithmetic")
@@ -68,6 +85,7 @@ class DataConfig:
         _positive("data", self, "train_batch_size", "val_batch_size", "max_prompt_length",
                   "synthetic_train_size", "synthetic_val_size", "synthetic_max_operand")
         _one_of("data", "synthetic_task", self.synthetic_task, {"arithmetic"})
+        _one_of("data", "truncation", self.truncation, set(TRUNCATIONS))
         m = self.synthetic_max_operand
         unique = (m + 1) ** 2 + (m + 1) * (m + 2) // 2  # a+b, and a-b with a >= b
         if not self.train_files and self.synthetic_train_size + self.synthetic_val_size > unique:

@@ -91,7 +91,7 @@ def put_batch(store: RunStore, batch: Batch, *, pending: str | None = None) -> s
 
 
 EVAL_SAMPLES = 8
-"""Greedy held-out responses (prompt, response, score) each evaluation keeps for the reports."""
+"""Held-out responses (prompt, response, score) each evaluation keeps for the reports."""
 
 
 def _digest(record: dict) -> str:
@@ -693,10 +693,11 @@ class RunWorker:
         return {**self.replicator.metrics(), "checkpoint/lost": float(len(self.lost_checkpoints))}
 
     def evaluate(self, step: int) -> dict:
-        """Greedy held-out metrics of the state after ``step`` updates; the first
+        """Held-out metrics of the state after ``step`` updates (greedy, or sampled as
+        ``rollout.val_*`` say, seeded by ``step``); the first
         :data:`EVAL_SAMPLES` responses go to the store for the reports (:func:`eval_samples_doc`)."""
         self.ensure_state(step)
-        metrics, samples = self.trainer.evaluate_with_samples(EVAL_SAMPLES)
+        metrics, samples = self.trainer.evaluate_with_samples(EVAL_SAMPLES, step)
         if self.leader:
             self.store.put_json(eval_samples_doc(self.trajectory_hash, step),
                                 {"step": step, "samples": [dataclasses.asdict(s) for s in samples]})

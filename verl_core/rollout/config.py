@@ -43,6 +43,19 @@ class RolloutConfig:
     head size x dtype bytes (1 KiB for the tiny model in float32: 0.5 GiB holds 512k tokens;
     56 KiB for Qwen2.5-7B in bfloat16: ~9k); vLLM refuses to start when one
     ``data.max_prompt_length + rollout.max_new_tokens`` sequence does not fit."""
+    val_do_sample: bool = not_in_trajectory(False)
+    """Held-out evaluation samples (verl's ``rollout.val_kwargs.do_sample``) with ``val_temperature``,
+    ``val_top_p`` and ``val_top_k``, seeded by the run's seed and the step, so an evaluation is
+    reproducible and a replayed phase gives the same numbers. False: greedy (the default)."""
+    val_temperature: float = not_in_trajectory(0.0)
+    """Evaluation temperature with ``val_do_sample`` (0 is greedy: verl's default)."""
+    val_top_p: float = not_in_trajectory(1.0)
+    """Evaluation nucleus mass with ``val_do_sample``."""
+    val_top_k: int = not_in_trajectory(-1)
+    """Evaluation top-k with ``val_do_sample`` (-1: off)."""
+    val_n: int = not_in_trajectory(1)
+    """Responses per held-out prompt with ``val_do_sample``: ``val/accuracy`` is the mean over
+    all of them (verl's ``mean@n``) and ``val/best@n`` the mean of each prompt's best score."""
     enforce_eager: bool = in_trajectory(True)
     """vLLM only: run without CUDA graphs (faster start, less memory, slower decoding)."""
     free_cache_engine: bool = in_trajectory(True)
@@ -64,4 +77,15 @@ class RolloutConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             _fail("rollout", "gpu_memory_utilization", self.gpu_memory_utilization,
                   "must be in (0, 1]")
-        _positive("rollout", self, "cpu_kv_cache_gib")
+        _positive("rollout", self, "cpu_kv_cache_gib", "val_n")
+        _non_negative("rollout", self, "val_temperature")
+        if not 0.0 < self.val_top_p <= 1.0:
+            _fail("rollout", "val_top_p", self.val_top_p, "must be in (0, 1]")
+        if self.val_top_k == 0 or self.val_top_k < -1:
+            _fail("rollout", "val_top_k", self.val_top_k, "must be -1 (disabled) or >= 1")
+        if self.val_n > 1 and not (self.val_do_sample and self.val_temperature > 0):
+            _fail("rollout", "val_n", self.val_n, "greedy evaluation gives one response per "
+                  "prompt; set val_do_sample=True and val_temperature > 0 to draw several")
+        if self.engine == "vllm" and self.val_temperature > 2.0:
+            _fail("rollout", "val_temperature", self.val_temperature,
+                  "vLLM accepts temperatures in [0, 2]; lower it or use rollout.engine='hf'")

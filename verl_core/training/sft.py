@@ -28,14 +28,16 @@ def encode_responses(tokenizer, answers: list[str]) -> tuple[torch.Tensor, torch
 
 def supervised_warm_start(model, tokenizer, prompts: list[str], answers: list[str], *, steps: int,
                           batch_size: int, lr: float, seed: int, max_prompt_length: int = 64,
-                          stop_fn=None, check_every: int = 20) -> list[float]:
+                          truncation: str = "error", stop_fn=None,
+                          check_every: int = 20) -> list[float]:
     """Train ``model`` in place on (prompt -> answer EOS) for at most ``steps`` AdamW steps
     (constant LR after a short warmup). If ``stop_fn`` is given it is called every
     ``check_every`` steps and training stops once it returns True (used to stop at partial
     accuracy). Returns the loss per step (token-mean NLL of the answer tokens)."""
     if steps == 0:
         return []
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length,
+                                             truncation=truncation)
     resp_ids, resp_mask = encode_responses(tokenizer, answers)
     cfg = OptimConfig(lr=lr, warmup_steps=min(10, steps), lr_schedule="constant",
                       weight_decay=0.0)

@@ -1,7 +1,8 @@
 import torch
 
 from verl_core.data.batch import (Batch, PromptTooLongError, batch_from_parquet_bytes,
-                                  batch_to_parquet_bytes, encode_prompts)
+                                  batch_to_parquet_bytes, encode_prompts,
+                                  truncate_prompt)
 from verl_core.models.tokenizer import build_char_tokenizer
 import pytest
 
@@ -87,6 +88,27 @@ def test_encode_prompts_left_pads_and_rejects_long_prompts():
     assert ids[0, :2].tolist() == [tok.pad_token_id] * 2
     with pytest.raises(PromptTooLongError, match="row 1 has 7 tokens > data.max_prompt_length=6"):
         encode_prompts(tok, ["1+2=", "10+20="], 6)
+
+
+@pytest.mark.parametrize("how,kept", [("left", list(range(4, 10))), ("right", list(range(6))),
+                                      ("middle", [0, 1, 2, 7, 8, 9])])
+def test_truncate_prompt_cuts_as_verl_does(how, kept):
+    # verl's RLHFDataset: left keeps the last max tokens, right the first, middle max // 2 of the
+    # head and the rest from the tail; a prompt that fits is never touched
+    assert truncate_prompt(list(range(10)), 6, how) == kept
+    assert truncate_prompt(list(range(5)), 6, how) == list(range(5))
+    assert truncate_prompt(list(range(7)), 6, "middle") == [0, 1, 2, 4, 5, 6]
+
+
+def test_encode_prompts_cuts_long_prompts_when_told():
+    tok = build_char_tokenizer()
+    full, _ = encode_prompts(tok, ["1+2=", "10+20="], 16)
+    ids, mask = encode_prompts(tok, ["1+2=", "10+20="], 6, truncation="left")
+    # "<bos>10+20=" (7 tokens) loses its first: "10+20=", the question's end kept
+    assert ids[1].tolist() == full[1, 1:].tolist() and mask[1].tolist() == [1] * 6
+    assert ids[0, 1:].tolist() == full[0, 2:].tolist()  # the short prompt is only re-padded
+    with pytest.raises(ValueError, match="does not cut"):
+        truncate_prompt(list(range(10)), 6, "error")
 
 
 def test_batch_object_is_plain_parquet_dictionary_encoded_only_where_strings_repeat():

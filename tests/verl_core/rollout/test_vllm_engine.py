@@ -95,6 +95,21 @@ def test_seeded_sampling_is_reproducible(setup):
     assert not torch.equal(a.response_ids, c.response_ids)
 
 
+def test_row_blocks_at_their_offsets_draw_what_one_call_draws(setup):
+    """What a worker's share of a rollout and a sampled evaluation's forward passes rely on:
+    rows generated in blocks, each with its ``first_row`` in the whole, get the tokens one call
+    over all the rows gets (each row's vLLM seed is its global row's)."""
+    from verl_core.rollout.base import concat_outputs
+
+    model, tok, ids, mask, eng, _ = setup
+    p = SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=6, seed=5)
+    whole = eng.generate(ids, mask, p)
+    n = ids.shape[0]
+    parts = concat_outputs([eng.generate(ids[s:e], mask[s:e], p, first_row=s, total_rows=n)
+                            for s, e in ((0, 5), (5, n))], tok.pad_token_id)
+    assert torch.equal(parts.response_ids, whole.response_ids)
+
+
 def test_a_weight_refresh_changes_greedy_samples_and_refreshing_back_restores_them(setup):
     model, tok, ids, mask, eng, state = setup
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
