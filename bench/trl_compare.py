@@ -62,6 +62,36 @@ def accuracy(cfg, model_path: str) -> float:
         trainer.close()
 
 
+def workflow_overrides(cfg, over: dict, steps: int) -> dict:
+    """``over`` plus each field on which the workflow's config would differ from ``cfg``, the
+    config TRL and the plain loop run. The workflow builds its config through
+    ``verl_keys.run_config``, whose defaults for a model you bring are verl's (lr 1e-6, prompts of
+    512 tokens ...), where ``cfg`` is our preset with ``over``: without these the workflow would
+    train with other settings than the two runs it is compared with."""
+    import dataclasses
+
+    from verl_core import verl_keys
+
+    def flat(c) -> dict:
+        out = {}
+        for f in dataclasses.fields(c):
+            v = getattr(c, f.name)
+            if dataclasses.is_dataclass(v):
+                out.update({f"{f.name}.{g.name}": getattr(v, g.name) for g in dataclasses.fields(v)})
+            else:
+                out[f.name] = v
+        return out
+
+    def workflow_config(o):
+        return verl_keys.run_config("", "", o, {"total_steps": steps})
+
+    want, got = flat(cfg), flat(workflow_config(over))
+    res = {**over, **{k: v for k, v in want.items() if got[k] != v and k != "total_steps"}}
+    if workflow_config(res) != cfg:
+        raise SystemExit("the workflow's config differs from the plain loop's and TRL's")
+    return res
+
+
 def intervals(start: float, ends: list[float]) -> list[float]:
     """Step times from when the first step started and the moments steps ended: the wall time
     from one step's end to the next (what a run's throughput is made of)."""
@@ -141,6 +171,7 @@ def main() -> None:
         over = {**WORK, "model.path": assets.model_path, "data.train_files":
                 assets.train_files[0], "data.val_files": assets.val_files[0]}
         cfg = with_overrides(grpo_preset(), {**over, "total_steps": args.steps})
+        flyte_over = workflow_overrides(cfg, over, args.steps)  # the same work: the same config
         print(f"same work: {B} prompts x {G} samples, {NEW_TOKENS} new tokens, "
               f"{cfg.optimizer_steps_per_rl_step} optimizer step per RL step, no KL, "
               f"{torch.get_num_threads()} threads", flush=True)
@@ -169,7 +200,7 @@ def main() -> None:
             if "flyte" not in skip:
                 from orchestration import run_flyte
                 from verl_core.store import RunStore
-                flyte, total, run_dir = run_flyte(f"trl{r}", over, args.steps, out)
+                flyte, total, run_dir = run_flyte(f"trl{r}", flyte_over, args.steps, out)
                 st = RunStore(run_dir)
                 [name] = [f[:-len(".jsonl")] for f in os.listdir(os.path.join(run_dir, "logs"))
                           if f.startswith("metrics-") and f.endswith(".jsonl")]
