@@ -208,7 +208,10 @@ def main() -> None:
                        if row.get("val/accuracy") is not None}
                 res["Flyte workflow"] = (med([row["step"] for row in flyte]), acc[0],
                                          acc[args.steps])
-                print(f"(round {r + 1}: pyflyte run {total:.1f}s for the whole command)")
+                from orchestration import PHASES
+                print(f"(round {r + 1}: pyflyte run {total:.1f}s for the whole command; "
+                      "workflow phases, median s: " +
+                      ", ".join(f"{p} {med([row[p] for row in flyte]):.3f}" for p in PHASES) + ")")
             ref = res["TRL GRPOTrainer"][0]
             # TRL again at the end of the round: the reference is the mean of the two, so a
             # drift of the machine's speed during the round cancels to first order

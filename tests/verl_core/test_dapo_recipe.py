@@ -13,6 +13,8 @@ import json
 import shlex
 import textwrap
 
+import pytest
+
 from verl_core.train import main
 from verl_core.verl_keys import parse_cli, run_config
 
@@ -117,15 +119,19 @@ def test_the_recipe_overrides_map_onto_our_fields():
         (True, 1.0, 0.7, -1, 1)
 
 
-def test_the_recipe_trains_two_steps_of_the_tiny_model(tmp_path):
+def _two_steps(tmp_path, recipe: str = RECIPE) -> dict:
     scorer = tmp_path / "parity.py"
     scorer.write_text(PARITY)
     out = tmp_path / "summary.json"
-    rc = main(["--summary-json", str(out), *TINY, *shlex.split(RECIPE),
+    rc = main(["--summary-json", str(out), *TINY, *shlex.split(recipe),
                f"trainer.default_local_dir={tmp_path / 'w'}",
                f"custom_reward_function.path={scorer}"])
     assert rc == 0
-    s = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_the_recipe_trains_two_steps_of_the_tiny_model(tmp_path):
+    s = _two_steps(tmp_path)
     assert s["algorithm"] == "grpo" and [h["step"] for h in s["history"]] == [1, 2]
     assert (tmp_path / "w" / "checkpoints").is_dir()  # default_local_dir is the run store
     for h in s["history"]:
@@ -138,3 +144,15 @@ def test_default_local_dir_and_another_workdir_are_refused_before_any_work(tmp_p
     rc = main(["--workdir", str(tmp_path / "a"), f"trainer.default_local_dir={tmp_path / 'b'}"])
     assert rc == 2 and "both name the run store" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_recipe_samples_on_vllm_as_it_names_it(tmp_path):
+    """The recipe's own ``rollout.name=vllm`` (vLLM's CPU backend in .venv-vllm, or CUDA): the
+    generation batches of dynamic sampling and the sampled evaluation (top-p 0.7) on vLLM."""
+    s = _two_steps(tmp_path, RECIPE.replace("rollout.name=hf", "rollout.name=vllm"))
+    assert [h["step"] for h in s["history"]] == [1, 2]
+    for h in s["history"]:
+        assert h["train/num_gen_batches"] >= 1 and h["train/num_kept_groups"] >= 4
+        assert 0.0 <= h["training/rollout_probs_diff_max"] <= 1e-4, h  # test_train_loop's bar

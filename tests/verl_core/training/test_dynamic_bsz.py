@@ -210,8 +210,9 @@ def test_critic_update_with_a_token_budget_equals_the_fixed_one():
 # ------------------------------------------------------------------ W = 2 (FSDP2 over gloo)
 def _worker(rank: int, world: int, init: str, out: str) -> None:
     """Each worker packs its block of the ragged batch to the token budget (the blocks need
-    different numbers of micro-batches: the workers agree on the larger), balanced or not;
-    rank 0 writes the full gradients of both runs."""
+    different numbers of micro-batches: the workers agree on the larger), balanced or not, and
+    balanced with remove-padding (each worker's micro-batches packed into one sequence, the
+    row lengths gathered under FSDP2); rank 0 writes the full gradients of the three runs."""
     torch.set_num_threads(1)
     dp = init_process_group("gloo", init, rank, world, 120.0)
     model, batch, budget = _budget_batch()
@@ -219,7 +220,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     # would need alone
     order = torch.randperm(batch.num_rows, generator=torch.Generator().manual_seed(0))
     res = {"alone": [len(token_micro_batches(b, batch, budget)) for b in order.view(world, -1)]}
-    for balance in (False, True):
+    for balance, rp in ((False, False), (True, False), (True, True)):
         m = sharding.shard(copy.deepcopy(model))
         opt = torch.optim.SGD(m.parameters(), lr=0.0)
         grads = []
@@ -229,15 +230,15 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
                    AlgorithmConfig(), temperature=1.0, mini_batch_rows=batch.num_rows,
                    micro_batch_rows=4, epochs=1, grad_clip=1e9, seed=0, dp=dp,
                    max_token_len=budget, log_prob_max_token_len=budget,
-                   balance_batch=balance)
-        res[balance] = grads[0]
+                   balance_batch=balance, remove_padding=rp)
+        res[balance, rp] = grads[0]
     if rank == 0:
         torch.save(res, out)
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.slow  # ~20 s on 2 cores: two FSDP2 processes, then the W = 1 references
-def test_two_workers_with_token_budgets_and_balancing_train_as_one(tmp_path):
+@pytest.mark.slow  # ~25 s on 2 cores: two FSDP2 processes, then the W = 1 references
+def test_two_workers_with_token_budgets_balancing_and_remove_padding_train_as_one(tmp_path):
     out = tmp_path / "w2.pt"
     code = ("import sys; from tests.verl_core.training.test_dynamic_bsz import _worker; "
             "_worker(int(sys.argv[1]), 2, sys.argv[2], sys.argv[3])")
@@ -254,11 +255,12 @@ def test_two_workers_with_token_budgets_and_balancing_train_as_one(tmp_path):
     N, algo = batch.num_rows, AlgorithmConfig()
     [one] = _grads(copy.deepcopy(model), batch, algo, mini=N, micro=N)["actor"]
     rows = _grads(copy.deepcopy(model), batch, algo, mini=1, micro=1)["actor"]
-    for balance, got in w2.items():
+    assert len(w2) == 3
+    for how, got in w2.items():
         for name, g in one.items():
             diff = (got[name] - g).abs()
             assert bool((diff <= _bound(model, batch, rows, name, "token-mean")).all()), \
-                (balance, name, float(diff.max()))
+                (how, name, float(diff.max()))
 
 
 # ------------------------------------------------------------------ config
