@@ -13,8 +13,8 @@ import tempfile
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
 from verl_core.config import ConfigError, RunConfig
 from verl_core.engine import cluster
-from verl_core.engine.assets import (GIVEN_KINDS, check_pinned, index_assets, publish_assets,
-                                     record_assets, unpublish_assets)
+from verl_core.engine.assets import (GIVEN_KINDS, check_pinned, has_record, index_assets,
+                                     publish_assets, record_assets, unpublish_assets)
 from verl_core.errors import UnsafeManifestError
 from verl_core.guard.writer import LEASES
 from verl_core.layout import asset_index_doc
@@ -60,15 +60,22 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     # the thread count every worker of the run computes with, recorded at its first prepare
     cfg = pin_num_threads(st, cfg)
     h = cfg.trajectory_hash()
+    # a trajectory that ran before takes its generated model from its record: no warm start
+    # only to be thrown away (a relaunch of the plain loop, or of a workflow whose prepare ran
+    # again)
+    recorded = has_record(st, h)
     with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
         # checks every dataset file (rows, columns, prompt lengths) before the warm start
-        assets = prepare_assets(cfg, work, log=log_fn)
+        assets = prepare_assets(cfg, work, log=log_fn, build_model=not recorded)
         indexed = index_assets(assets)
         index, _, sources = indexed
         given = tuple(k for k, on in zip(GIVEN_KINDS, (
             cfg.model.path, cfg.data.train_files, cfg.data.train_files, cfg.reward_model.enable))
             if on)
         pinned = check_pinned(st, h, given, sources, index, cfg.data.assets_id)
+        if pinned is None and not assets.model_path:
+            raise RuntimeError(f"{uri}: the asset record of trajectory {h[:12]} was there and "
+                               "is gone (deleted while this prepare ran?); run again")
         # only an index this prepare created is undone on failure (another trajectory of the
         # run may share it)
         published = pinned is None and not st.has_json(asset_index_doc(index["id"]))

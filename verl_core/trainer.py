@@ -99,9 +99,11 @@ class EvalSample:
     """The scorer's score of the response."""
 
 
-def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
+def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool = True) -> Assets:
     """Materialise the embedded defaults: the synthetic dataset when no files are given, the tiny
-    warm-started model when no model path is given. Deterministic in ``cfg.seed``."""
+    warm-started model when no model path is given. Deterministic in ``cfg.seed``.
+    ``build_model=False``: no warm start (``model_path`` stays empty when none is given): a
+    trajectory that ran before takes its model from its record (``prepare_run``)."""
     rm = cfg.reward_model
     if rm.enable:  # not a one-label sequence classifier: fail before the data and the warm start
         check_reward_model(rm.path, rm.max_length)
@@ -122,6 +124,9 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print) -> Assets:
     validate_dataset_files([*train_files, *val_files], cfg)
     if cfg.model.path:
         model_path = cfg.model.path
+    elif not build_model:
+        return Assets(model_path="", train_files=train_files, val_files=val_files,
+                      reward_model_path=rm.path if rm.enable else "")
     else:
         model_path = os.path.join(workdir, "model")
         m = cfg.model

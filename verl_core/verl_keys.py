@@ -6,10 +6,11 @@ and a verl YAML config file are accepted as they are: each verl key either lands
 is checked (:data:`NO_EFFECT`: bookkeeping or memory placement that cannot change a result here),
 or is refused by name with the reason. A key at verl's default value (the vendored
 ``verl_defaults/ppo_trainer.yaml``) is accepted from a YAML file and changes nothing; any other
-verl key is refused, never silently ignored. Our own keys (``verl_core/config.py``) pass through.
+verl key is refused, never silently ignored. Our own keys (``RunConfig``'s sections: the
+``config.py`` beside each component, composed in ``verl_core/config.py``) pass through.
 
-What belongs here: key names and value transforms only. Range checks stay in ``config.py``
-(every translated value is validated there, naming our field).
+What belongs here: key names and value transforms only. Range checks stay in the sections'
+``__post_init__`` (every translated value is validated there, naming our field).
 """
 
 from __future__ import annotations
@@ -633,7 +634,7 @@ def _one_key(key: str, value, values: dict, defaults: dict, where: str, from_fil
             f"verl key {key}={value!r}{where} has no equivalent here (only verl's default "
             f"{defaults[key]!r} is accepted); docs/verl-keys.md lists what maps")
     raise ConfigError(f"unknown config key {key!r}{where}: neither ours "
-                      "(verl_core/config.py) nor verl's (verl_core/verl_defaults/"
+                      "(docs/options.md) nor verl's (verl_core/verl_defaults/"
                       "ppo_trainer.yaml)")
 
 

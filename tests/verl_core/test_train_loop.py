@@ -112,16 +112,21 @@ def test_the_same_workdir_resumes_bit_for_bit(tmp_path):
     then the same command with N steps in the same workdir. The second command starts from the
     checkpoint the first committed at its last step (no step is run twice: the run store's phase
     log has one rollout and one update per step), and ends with the same weights, bit for bit.
-    A third run of the same command finds the run complete and trains nothing."""
+    A third run of the same command finds the run complete and trains nothing. Only the first
+    command warm-starts the tiny model: the others take it from the run's asset record."""
     n = 4
     quiet = lambda *_: None  # noqa: E731
     straight = train(tiny_run(total_steps=n), str(tmp_path / "straight"), log=quiet)
     work = tmp_path / "resumed"
-    first = train(tiny_run(total_steps=n // 2), str(work), log=quiet)
+    first_logs: list[str] = []
+    first = train(tiny_run(total_steps=n // 2), str(work), log=first_logs.append)
     assert [h["step"] for h in first["history"]] == [1, 2]
     logs: list[str] = []
     resumed = train(tiny_run(total_steps=n), str(work), log=logs.append)
     assert f"resuming from the checkpoint of step {n // 2} in {work}" in logs
+    # the model comes from the run's record: the warm start ran once, in the first command
+    assert [line.startswith("warm start:") for line in first_logs].count(True) == 1
+    assert not any(line.startswith("warm start:") for line in logs), logs
     assert [h["step"] for h in resumed["history"]] == [3, 4]
     log = read_phase_log(str(work))
     for phase in ("rollout", "update"):

@@ -46,14 +46,14 @@ from verl_core.algorithms.utils import masked_mean, masked_sum
 
 def _option(default):
     # every option changes the loss, so it is part of a run's trajectory (the field metadata
-    # ``TRAJECTORY`` of config.py, which RunConfig.trajectory_hash reads)
+    # ``TRAJECTORY`` of config_fields.py, which RunConfig.trajectory_hash reads)
     return field(default=default, metadata={"trajectory": True})
 
 
 @dataclass(frozen=True)
 class PolicyLossOptions:
     """Hyper-parameters read by some losses only; defaults are verl's (``actor.yaml``,
-    ``rollout_correction.yaml``). ``AlgorithmConfig`` (config.py) inherits these fields, so
+    ``rollout_correction.yaml``). ``AlgorithmConfig`` (verl_core/config.py) inherits these fields, so
     they are ``algorithm.*`` config keys under the same names, declared once here."""
 
     clip_cov_ratio: float = _option(0.0002)

@@ -105,7 +105,7 @@ def index_assets(assets: Assets, storage_options: dict | None = None
         with fsspec.open(uri, "rb", **resolve_storage_options(uri, storage_options)) as f:
             return f.read()
 
-    model = folder(assets.model_path)
+    model = folder(assets.model_path) if assets.model_path else {}  # none built: see prepare_run
     train = [add(read(u)) for u in assets.train_files]
     val = [add(read(u)) for u in assets.val_files]
     index = {"model": model, "train": train, "val": val}
@@ -164,6 +164,11 @@ GIVEN_KINDS = ("model", "train", "val", "reward_model")
 def _record_doc(trajectory: str) -> str:
     # under assets/, a gc root folder: a recorded run's files are never collected
     return asset_record_doc(check_sha256(trajectory, "trajectory hash"))
+
+
+def has_record(store: RunStore, trajectory: str) -> bool:
+    """Whether ``trajectory`` recorded its assets when it first ran (:func:`record_assets`)."""
+    return store.has_json(_record_doc(trajectory))
 
 
 def check_pinned(store: RunStore, trajectory: str, given: tuple[str, ...],
