@@ -2,16 +2,14 @@
 (``trainer.balance_batch``): the packing as a pure function of lengths, and the update on the
 real tiny model equal to the fixed-micro-batch one."""
 import copy
-import os
 import random
-import subprocess
-import sys
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.gloo_workers import run_gloo_workers
 from tests.presets import tiny_run
 from tests.verl_core.training.test_ppo_update import _ragged, _rollout
 from verl_core.algorithms import micro_batch_weight
@@ -23,7 +21,6 @@ from verl_core.training.packing import (balanced_order, karmarkar_karp, narrow, 
 from verl_core.training.ppo import ppo_update
 from verl_core.verl_keys import parse_cli, to_ours
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
          "token-sum"]
 
@@ -174,26 +171,39 @@ def test_token_budget_update_equals_the_fixed_micro_batch_update(mode):
     # the update ran packed micro-batches: several, within the budget but the over-long row
     assert 2 < len(shapes) < N and sum(s[0] for s in shapes) == N
     assert all(n * width <= budget or n == 1 for n, width, _ in shapes)  # padding included
+    _assert_within_bound(model, batch, rows, one, packed, mode)
+
+
+def _critic(model):
+    """A value-head model on ``model``'s config, as ``load_critic`` builds it."""
+    from transformers import LlamaForTokenClassification
+
+    cfg = copy.deepcopy(model.config)
+    cfg.num_labels, cfg.classifier_dropout = 1, 0.0
+    torch.manual_seed(0)
+    return LlamaForTokenClassification(cfg).eval()
+
+
+def _with_value_targets(batch):
+    """``batch`` with random values and returns on its response tokens (a critic's inputs)."""
+    g = torch.Generator().manual_seed(1)
+    m = batch.response_mask
+    return batch.replace(values=torch.randn(m.shape, generator=g) * m,
+                         returns=torch.randn(m.shape, generator=g) * m)
+
+
+def _assert_within_bound(model, batch, rows, one, got, mode, *what) -> None:
+    """Every gradient of ``got`` within :func:`_bound` of the one-micro-batch ``one``."""
     for name, g in one.items():
-        diff = (packed[name] - g).abs()
+        diff = (got[name] - g).abs()
         assert bool((diff <= _bound(model, batch, rows, name, mode)).all()), \
-            (name, float(diff.max()))
+            (*what, name, float(diff.max()))
 
 
 def test_critic_update_with_a_token_budget_equals_the_fixed_one():
-    from transformers import LlamaForTokenClassification
-
     model, batch, budget = _budget_batch()
     N, mode = batch.num_rows, "token-mean"
-    cfg = copy.deepcopy(model.config)
-    cfg.num_labels, cfg.classifier_dropout = 1, 0.0  # as load_critic builds it
-    torch.manual_seed(0)
-    critic = LlamaForTokenClassification(cfg)
-    g = torch.Generator().manual_seed(1)
-    batch = batch.replace(values=torch.randn(batch.response_mask.shape, generator=g) *
-                          batch.response_mask,
-                          returns=torch.randn(batch.response_mask.shape, generator=g) *
-                          batch.response_mask)
+    critic, batch = _critic(model), _with_value_targets(batch)
     algo = AlgorithmConfig(loss_agg_mode=mode)
     [one] = _grads(copy.deepcopy(model), batch, algo, mini=N, micro=N,
                    critic=copy.deepcopy(critic))["critic"]
@@ -201,10 +211,7 @@ def test_critic_update_with_a_token_budget_equals_the_fixed_one():
                   critic=copy.deepcopy(critic))["critic"]
     [packed] = _grads(copy.deepcopy(model), batch, algo, mini=N, micro=4, max_token_len=budget,
                       critic=copy.deepcopy(critic))["critic"]
-    for name, g in one.items():
-        diff = (packed[name] - g).abs()
-        assert bool((diff <= _bound(critic, batch, rows, name, mode)).all()), \
-            (name, float(diff.max()))
+    _assert_within_bound(critic, batch, rows, one, packed, mode)
 
 
 # ------------------------------------------------------------------ W = 2 (FSDP2 over gloo)
@@ -240,14 +247,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 @pytest.mark.slow  # ~25 s on 2 cores: two FSDP2 processes, then the W = 1 references
 def test_two_workers_with_token_budgets_balancing_and_remove_padding_train_as_one(tmp_path):
     out = tmp_path / "w2.pt"
-    code = ("import sys; from tests.verl_core.training.test_dynamic_bsz import _worker; "
-            "_worker(int(sys.argv[1]), 2, sys.argv[2], sys.argv[3])")
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), f"file://{tmp_path / 'pg'}",
-                               str(out)], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs
+    run_gloo_workers("tests.verl_core.training.test_dynamic_bsz", "_worker", tmp_path, out)
     w2 = torch.load(out)
     alone = w2.pop("alone")
     assert len(set(alone)) > 1, alone  # the workers had to agree on a count
@@ -257,10 +257,7 @@ def test_two_workers_with_token_budgets_balancing_and_remove_padding_train_as_on
     rows = _grads(copy.deepcopy(model), batch, algo, mini=1, micro=1)["actor"]
     assert len(w2) == 3
     for how, got in w2.items():
-        for name, g in one.items():
-            diff = (got[name] - g).abs()
-            assert bool((diff <= _bound(model, batch, rows, name, "token-mean")).all()), \
-                (how, name, float(diff.max()))
+        _assert_within_bound(model, batch, rows, one, got, "token-mean", how)
 
 
 # ------------------------------------------------------------------ config

@@ -1,14 +1,11 @@
 """``model.dtype=bfloat16`` as verl trains: bf16 compute over float32 master weights and float32
 AdamW state, on one worker (``sharding.compute_in``) and on W (FSDP2's MixedPrecisionPolicy)."""
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.gloo_workers import run_gloo_workers
 from tests.standins import gsm8k_parquet, llama3_folder
 from tests.verl_core.training.test_ppo_update import _rollout
 from verl_core.config import AlgorithmConfig, ConfigError, OptimConfig, preset
@@ -21,7 +18,6 @@ from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.training.ppo import ppo_update
 from verl_core.verl_keys import to_ours
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 LR = 1e-6  # verl's actor learning rate
 
 
@@ -148,14 +144,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 def test_two_workers_train_as_one(tmp_path):
     out = tmp_path / "w2.pt"
-    code = ("import sys; from tests.verl_core.training.test_mixed_precision import _worker; "
-            "_worker(int(sys.argv[1]), 2, sys.argv[2], sys.argv[3])")
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), f"file://{tmp_path / 'pg'}",
-                               str(out)], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs
+    run_gloo_workers("tests.verl_core.training.test_mixed_precision", "_worker", tmp_path, out)
     w2 = torch.load(out)
     assert w2["shards"] == ["torch.float32"] and w2["moments"] == ["torch.float32"]
     model, batch = _rollout()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import tests.verl_core.training.test_dynamic_bsz as dyn
-from tests.verl_core.training.test_dynamic_bsz import MODES, _bound, _budget_batch, _grads
+from tests.verl_core.training.test_dynamic_bsz import (MODES, _assert_within_bound, _budget_batch,
+                                                    _critic, _grads, _with_value_targets)
 from tests.verl_core.training.test_ppo_update import _ragged, _rollout
 from verl_core.config import AlgorithmConfig
 from verl_core.training import forward
@@ -111,15 +112,6 @@ def test_packed_logprobs_and_entropy_equal_padded(which, attention, tmp_path, mo
     assert bool(((p_ent - ent).abs() <= ent_bound)[mask].all()), float((p_ent - ent).abs().max())
 
 
-def _critic(model):
-    from transformers import LlamaForTokenClassification
-
-    cfg = copy.deepcopy(model.config)
-    cfg.num_labels, cfg.classifier_dropout = 1, 0.0  # as load_critic builds it
-    torch.manual_seed(0)
-    return LlamaForTokenClassification(cfg).eval()
-
-
 def test_packed_values_equal_padded():
     """The critic's values: v = w·h + b, one dot product of length H after ``_chain``'s
     reductions: 2γ_n(|v| + Σ|w||h|) per token."""
@@ -204,21 +196,13 @@ def test_remove_padding_update_equals_the_padded_update(mode, budget, monkeypatc
     if budget:
         # within the budget, but the one row longer than it (alone)
         assert [s[2] for s in shapes if s[2] > max_tokens] == [int(row_tokens(batch).max())]
-    for name, g in one.items():
-        diff = (packed[name] - g).abs()
-        assert bool((diff <= _bound(model, batch, rows, name, mode)).all()), \
-            (name, float(diff.max()))
+    _assert_within_bound(model, batch, rows, one, packed, mode)
 
 
 def test_critic_update_with_remove_padding_equals_the_padded_one(monkeypatch):
     model, batch, max_tokens = _budget_batch()
     N, mode = batch.num_rows, "token-mean"
-    critic = _critic(model)
-    g = torch.Generator().manual_seed(1)
-    batch = batch.replace(values=torch.randn(batch.response_mask.shape, generator=g) *
-                          batch.response_mask,
-                          returns=torch.randn(batch.response_mask.shape, generator=g) *
-                          batch.response_mask)
+    critic, batch = _critic(model), _with_value_targets(batch)
     algo = AlgorithmConfig(loss_agg_mode=mode)
     [one] = _grads(copy.deepcopy(model), batch, algo, mini=N, micro=N,
                    critic=copy.deepcopy(critic))["critic"]
@@ -226,10 +210,7 @@ def test_critic_update_with_remove_padding_equals_the_padded_one(monkeypatch):
                   critic=copy.deepcopy(critic))["critic"]
     [packed] = _rp_grads(monkeypatch, copy.deepcopy(model), batch, algo, mini=N, micro=4,
                          max_token_len=max_tokens, critic=copy.deepcopy(critic))["critic"]
-    for name, g in one.items():
-        diff = (packed[name] - g).abs()
-        assert bool((diff <= _bound(critic, batch, rows, name, mode)).all()), \
-            (name, float(diff.max()))
+    _assert_within_bound(critic, batch, rows, one, packed, mode)
 
 
 def test_metrics_report_micro_batches_tokens_and_padding():

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,6 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import verl_core.training.forward as forward
+from tests.gloo_workers import run_gloo_workers
 from verl_core.algorithms.utils import entropy_from_logits, logprobs_from_logits
 from verl_core.rollout.base import SamplingParams
 from verl_core.rollout.hf import generate_with_cache
@@ -320,7 +318,6 @@ def test_a_forward_that_changes_the_head_output_takes_the_full_logits_path(stand
 
 
 # ------------------------------------------------------------ W = 2 workers (FSDP2 over gloo)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BLOCKS = (slice(0, 3), slice(3, 5))  # the 5 rows split unevenly, worker r gets BLOCKS[r]
 
 
@@ -375,14 +372,8 @@ def test_two_fsdp2_workers_give_the_values_and_gradients_of_one(standin_folders,
     to W = 1 bit for bit."""
     out = tmp_path / "w2.pt"
     folders = json.dumps({k: str(v) for k, v in standin_folders.items()})
-    code = ("import sys; from tests.verl_core.training.test_response_logits import _fsdp_worker; "
-            "_fsdp_worker(int(sys.argv[1]), 2, sys.argv[2], sys.argv[3], sys.argv[4])")
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), f"file://{tmp_path / 'pg'}",
-                               folders, str(out)], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs
+    run_gloo_workers("tests.verl_core.training.test_response_logits", "_fsdp_worker", tmp_path,
+                     folders, out)
     w2 = torch.load(out)
     monkeypatch.setattr(forward, "_CHUNK_ELEMENTS", forward._CHUNK_ELEMENTS)  # restored after
     for family, folder in standin_folders.items():

@@ -3,13 +3,11 @@ each of the update's three log-prob paths, the ``hf`` engine's ~0, and W = 2 equ
 import copy
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.gloo_workers import run_gloo_workers
 from tests.verl_core.training.test_ppo_update import _rollout
 from verl_core.algorithms import rollout_probs_diff
 from verl_core.config import AlgorithmConfig, OptimConfig
@@ -19,7 +17,6 @@ from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.training.ppo import ppo_update
 
 KEYS = ("max", "mean", "std")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_stats_by_hand_with_holes_in_the_mask():
@@ -151,14 +148,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 def test_two_workers_report_the_numbers_of_one(tmp_path):
     out = tmp_path / "w2.json"
-    code = ("import sys; from tests.verl_core.training.test_rollout_probs_diff import _worker; "
-            "_worker(int(sys.argv[1]), 2, sys.argv[2], sys.argv[3])")
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), f"file://{tmp_path / 'pg'}",
-                               str(out)], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs
+    run_gloo_workers("tests.verl_core.training.test_rollout_probs_diff", "_worker", tmp_path, out)
     w2 = json.loads(out.read_text())
     # W = 1 here with the workers' one thread: a float32 GEMM's rounding may depend on how many
     # threads split it (it does on AMD EPYC), and the comparison below is to float64 rounding

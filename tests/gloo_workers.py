@@ -1,0 +1,24 @@
+"""W real processes over gloo for the tests that compare W = 2 with one process: each runs a
+test module's worker function, ``fn(rank, world, init_method, *args)``, in a fresh Python with
+one thread, joined over a ``file://`` rendezvous (no port to collide on)."""
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_gloo_workers(module: str, fn: str, tmp_path, *args: str, world: int = 2,
+                     timeout_s: float = 300.0) -> None:
+    """``module.fn(rank, world, "file://<tmp_path>/pg", *args)`` in ``world`` processes; fails
+    with every worker's output when one exits non-zero. ``module``: its dotted name from the
+    repository root (``tests.verl_core.training.test_dynamic_bsz``)."""
+    code = (f"import sys; from {module} import {fn} as f; "
+            "f(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])")
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(world),
+                               f"file://{tmp_path / 'pg'}", *map(str, args)],
+                              env=env, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(world)]
+    logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
