@@ -16,6 +16,8 @@ LAYERS = {
     "verl_core.store": {"verl_core.errors", "verl_core.layout"},
     "verl_core.algorithms": {"verl_core.algorithms"},
     "verl_core.config_fields": set(),
+    # the tool host's child process imports this package: no torch, no engines (agent/__init__)
+    "verl_core.agent": {"verl_core.agent", "verl_core.errors"},
     **{f"verl_core.{c}.config": {"verl_core.config_fields"}
        for c in ("data", "models", "rollout", "reward", "training", "checkpoint", "guard")},
 }
@@ -25,9 +27,9 @@ every section without a circle."""
 NOT_ABOVE = ("verl_core.engine", "verl_core.phases", "verl_core.trainer", "verl_core.train",
              "verl_core.tasks")
 """What the building blocks below may not import: the engine and the drivers on top of it."""
-BLOCKS = ("verl_core.checkpoint", "verl_core.guard", "verl_core.data", "verl_core.models",
-          "verl_core.rollout", "verl_core.reward", "verl_core.training", "verl_core.config",
-          "verl_core.store", "verl_core.layout")
+BLOCKS = ("verl_core.agent", "verl_core.checkpoint", "verl_core.guard", "verl_core.data",
+          "verl_core.models", "verl_core.rollout", "verl_core.reward", "verl_core.training",
+          "verl_core.config", "verl_core.store", "verl_core.layout")
 
 
 def _module(path: pathlib.Path) -> str:
