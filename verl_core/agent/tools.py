@@ -21,9 +21,10 @@
 - :class:`CalculatorTool`: the built-in tool of the ``calculator`` task (exact arithmetic on
   the numbers and ``+ - * / ( )`` of an expression; no ``eval``).
 
-Not here yet (issue 25): the agent loop that generates, parses, calls and appends tool responses
-token-in/token-out; the stored turns; the ``calculator`` synthetic task; verl's ``multi_turn.*``
-keys stay refused until the loop exists.
+``agent/turns.py`` renders what a rollout appends after a turn (the tool responses and the next
+assistant header, as token ids of the model's own chat template). Not here yet (issue 25): the
+agent loop that generates, parses, calls and appends turns; the stored turns; the ``calculator``
+synthetic task; verl's ``multi_turn.*`` keys stay refused until the loop exists.
 """
 
 from __future__ import annotations
