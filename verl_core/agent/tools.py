@@ -22,9 +22,10 @@
   the numbers and ``+ - * / ( )`` of an expression; no ``eval``).
 
 ``agent/turns.py`` renders what a rollout appends after a turn (the tool responses and the next
-assistant header, as token ids of the model's own chat template). Not here yet (issue 25): the
-agent loop that generates, parses, calls and appends turns; the stored turns; the ``calculator``
-synthetic task; verl's ``multi_turn.*`` keys stay refused until the loop exists.
+assistant header, as token ids of the model's own chat template); ``rollout/multi_turn.py``
+samples the turns (the ``hf`` sampler). Not here yet (issue 25): the rollout phase that uses them
+and stores the turns, the vLLM engine's turns, the ``calculator`` synthetic task; verl's
+``multi_turn.*`` keys stay refused until the phase exists.
 """
 
 from __future__ import annotations

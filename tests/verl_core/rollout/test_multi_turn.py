@@ -1,0 +1,159 @@
+"""Multi-turn rollouts with tool calls (verl_core/rollout/multi_turn.py): the real sampler
+(``generate_with_cache``), the real tool host and the calculator, on the Qwen2.5 stand-in's chat
+template. The policy is a scripted causal LM (a torch module whose next-token distribution puts
+all its mass on the next token of its script for the current turn), so what it samples is known
+and every span of the response can be checked exactly."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from tests.standins import qwen_tokenizer
+from verl_core.agent.tools import CalculatorTool, ToolHost, load_tool_config
+from verl_core.agent.turns import observation_ids
+from verl_core.rollout import SamplingParams
+from verl_core.rollout.multi_turn import generate_turns
+
+TOOLS = [CalculatorTool.SCHEMA]
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
+
+
+class ScriptedLM(torch.nn.Module):
+    """Row r's turn k (the number of assistant headers in its context, less the prompt's) is
+    ``scripts[r][k]``: the model puts probability ~1 on its next token, so sampling at any
+    temperature draws it (log-prob ~0). It keeps each row's context itself, as a KV cache would."""
+
+    def __init__(self, tok, scripts: dict[int, list[list[int]]], prompts: list[list[int]]):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.V, self.scripts, self.prompts = len(tok), scripts, prompts
+        self.header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        self.ctx: list[list[int]] = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=True,
+                past_key_values=None, **_):
+        if input_ids.shape[1] > 1:  # prefill: the left-padded contexts
+            self.ctx = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask)]
+        else:
+            for c, t in zip(self.ctx, input_ids[:, 0].tolist()):
+                c.append(t)
+        logits = torch.full((len(self.ctx), 1, self.V), -1e4)
+        for i, c in enumerate(self.ctx):
+            h = len(self.header)
+            starts = [p for p in range(len(c) - h + 1) if c[p:p + h] == self.header]
+            [row] = [r for r, p in enumerate(self.prompts) if c[:len(p)] == p]
+            script = self.scripts[row][len(starts) - 1]
+            offset = len(c) - (starts[-1] + h)
+            logits[i, 0, script[min(offset, len(script) - 1)]] = 1e4
+        return SimpleNamespace(logits=logits + 0 * self.w)
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "calc.yaml"
+    path.write_text(yaml.safe_dump({"tools": [{
+        "class_name": "verl_core.agent.tools.CalculatorTool", "tool_schema": TOOLS[0]}]}))
+    with ToolHost(load_tool_config(str(path)), timeout_s=30.0) as h:
+        yield h
+
+
+def _setup(tok, turns_of_rows: list[list[str]]):
+    eot = tok("<|im_end|>", add_special_tokens=False)["input_ids"]
+    prompts, scripts = [], {}
+    for r, turns in enumerate(turns_of_rows):
+        chat = [{"role": "system", "content": f"row {r}"},
+                {"role": "user", "content": "What is 1234 * 5678?"}]
+        p = tok(tok.apply_chat_template(chat, tools=TOOLS, tokenize=False,
+                                        add_generation_prompt=True),
+                add_special_tokens=False)["input_ids"]
+        prompts.append(p)
+        scripts[r] = [tok(t, add_special_tokens=False)["input_ids"] + eot for t in turns]
+    return prompts, ScriptedLM(tok, scripts, prompts), scripts
+
+
+def _run(tok, host, turns_of_rows, budget=400, **kw):
+    prompts, model, scripts = _setup(tok, turns_of_rows)
+    out = generate_turns(model, tok, prompts, SamplingParams(temperature=1.0, max_new_tokens=budget,
+                                                             seed=3),
+                         host=host, tools=TOOLS, eos_token_ids=[tok.eos_token_id],
+                         pad_token_id=tok.pad_token_id, instance_prefix="t", **kw)
+    return out, scripts
+
+
+def test_a_tool_call_turn_then_an_answer_token_in_token_out(host):
+    tok = qwen_tokenizer()
+    out, scripts = _run(tok, host, [[CALL % "1234 * 5678", "#### 7006652"], ["#### 7000000"]])
+    obs = observation_ids(tok, [{"role": "tool", "content": "7006652"}], end_of_turn="<|im_end|>",
+                          tools=TOOLS)
+    ids, m = out.response_ids[0], out.response_mask[0]
+    a, b = len(scripts[0][0]), len(obs)
+    # the response is the sampled ids of turn 1, the template's ids of the tool response and the
+    # next header, and the sampled ids of turn 2, in that order; nothing else
+    assert ids[:a + b + len(scripts[0][1])].tolist() == scripts[0][0] + obs + scripts[0][1]
+    assert m.tolist()[:a + b + len(scripts[0][1])] == [1.0] * a + [0.0] * b + \
+        [1.0] * len(scripts[0][1])
+    assert not m[a + b + len(scripts[0][1]):].any()
+    lp = out.logprobs[0]
+    assert bool((lp[m == 0] == 0).all()) and bool((lp[m == 1].abs() < 1e-6).all())
+    [t1, t2] = out.turns[0]
+    assert t1["calls"] == [{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}]
+    assert t1["results"][0]["status"] == "ok" and t1["results"][0]["observation"] == "7006652"
+    assert t1["sampled"] == [0, a] and t1["appended"] == [a, a + b] and t2["calls"] == []
+    # the other row answered at once: one turn, no tool
+    assert len(out.turns[1]) == 1 and out.response_ids[1, :len(scripts[1][0])].tolist() == \
+        scripts[1][0]
+    assert out.tool_rewards == [0.0, 0.0]
+
+
+def test_a_bad_call_is_shown_to_the_model_and_the_turn_limit_holds(host):
+    tok = qwen_tokenizer()
+    bad = '<tool_call>{"name": "calculator", "arguments": {"expression": 12</tool_call>'
+    out, scripts = _run(tok, host, [[bad, CALL % "1 / 0", CALL % "2 + 2", "#### 4"]],
+                        max_assistant_turns=3)
+    t = out.turns[0]
+    assert len(t) == 3  # the third turn's call is not run: the limit ends the rollout
+    assert t[0]["results"][0]["status"] == "error" and "not valid JSON" in \
+        t[0]["results"][0]["observation"]
+    assert t[1]["results"][0]["observation"] == "error: division by zero"  # the tool's answer
+    assert t[2]["calls"] == [] and "appended" not in t[2]
+    m = out.response_mask[0]
+    assert int(m.sum()) == sum(len(s) for s in scripts[0][:3])
+
+
+def test_the_budget_counts_sampled_and_appended_tokens(host):
+    """verl's response_length bounds the whole response: a tool response that does not fit is
+    cut and the rollout ends; a turn cut by the budget (no end-of-turn token) runs no call."""
+    tok = qwen_tokenizer()
+    turns = [CALL % "1234 * 5678", "#### 7006652"]
+    a = len(tok(turns[0], add_special_tokens=False)["input_ids"]) + 1  # + <|im_end|>
+    b = len(observation_ids(tok, [{"role": "tool", "content": "7006652"}],
+                            end_of_turn="<|im_end|>", tools=TOOLS))
+    out, _ = _run(tok, host, [turns], budget=a + b // 2)
+    m = out.response_mask[0]
+    assert out.response_ids.shape[1] == a + b // 2 and int(m.sum()) == a
+    assert out.turns[0][0]["appended"] == [a, a + b // 2] and len(out.turns[0]) == 1
+    out, _ = _run(tok, host, [turns], budget=a - 5)
+    assert out.response_ids.shape[1] == a - 5 and int(out.response_mask[0].sum()) == a - 5
+    assert out.turns[0] == [{"sampled": [0, a - 5], "calls": [], "results": []}]
+    assert math.isclose(float(out.logprobs[0].sum()), 0.0, abs_tol=1e-3)
+
+
+def test_a_rows_tokens_depend_on_its_index_not_on_the_other_rows(host):
+    """The real tiny model at temperature 1 (one turn each: it writes no tool calls): rows 2..3
+    generated alone, as a worker's share, draw what they draw among all four rows."""
+    from verl_core.models import build_tiny_model
+
+    model, tok = build_tiny_model(seed=0)
+    prompts = [tok(q)["input_ids"] for q in ("12+7=", "3-1=", "29+30=", "40+2=")]
+    kw = dict(host=host, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
+    whole = generate_turns(model, tok, prompts, params, **kw)
+    part = generate_turns(model, tok, prompts[2:], params, rows=[2, 3], **kw)
+    T = part.response_ids.shape[1]
+    assert torch.equal(part.response_ids, whole.response_ids[2:, :T])
+    assert not whole.response_ids[2:, T:].ne(tok.pad_token_id).any()
+    other = generate_turns(model, tok, prompts, SamplingParams(temperature=1.0, max_new_tokens=6,
+                                                               seed=12), **kw)
+    assert not torch.equal(other.response_ids, whole.response_ids)

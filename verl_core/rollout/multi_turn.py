@@ -1,0 +1,177 @@
+"""Multi-turn rollouts with tool calls, token-in/token-out (issue 25, item 1; the ``hf`` engine's
+sampler). Not yet wired into the trainer: verl's ``multi_turn.*`` keys stay refused until the
+rollout phase stores the turns (item 4).
+
+Per row: sample an assistant turn; if it has tool calls (hermes, ``agent/tools.parse_hermes``),
+run them in the tool host (every row's calls of a turn in one concurrent batch), append the tool
+responses and the next assistant header as the chat template's ids (``agent/turns.py``), and
+sample again; stop at a turn without a call, at ``max_assistant_turns``, or when the response
+budget (``params.max_new_tokens``, all turns and tool responses together: verl's
+``response_length``) is spent. The sampled ids are kept exactly as sampled; ``response_mask`` is
+1 on them and 0 on the appended ids, whose log-probs are 0.
+
+Rows at different turns generate together, each from its own uniforms drawn from (seed, row,
+turn): a row's tokens depend neither on which other rows are still going nor on how the rows are
+split across workers (``rows``: each row's index in the whole batch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+
+import torch
+
+from verl_core.agent.tools import BadToolCall, Request, ToolHost, ToolResult, parse_hermes
+from verl_core.agent.turns import observation_ids, truncate_observation
+from verl_core.rollout.base import SamplingParams, resolve_stop_ids
+from verl_core.rollout.hf import generate_with_cache
+
+
+@dataclass(frozen=True)
+class MultiTurnOutput:
+    response_ids: torch.Tensor  # (N, T) long: sampled and appended ids, right-padded
+    response_mask: torch.Tensor  # (N, T) float32: 1 on sampled ids (EOS included), else 0
+    logprobs: torch.Tensor  # (N, T) float32: log p of each sampled id, 0 elsewhere
+    turns: list[list[dict]]
+    """Per row, per assistant turn: ``sampled`` and ``appended`` (start, end) spans of the
+    response, ``calls`` (name and arguments, or the parse error) and ``results`` (status, the
+    observation the model read, latency): what the store keeps so no tool is ever called again
+    for this rollout."""
+    tool_rewards: list[float]
+    """Per row: the tools' step rewards and ``calc_reward``, summed (for the scorer)."""
+
+
+def _turn_uniforms(seed: int, row: int, turn: int, n: int) -> torch.Tensor:
+    digest = hashlib.blake2b(f"{seed}:{row}:{turn}".encode(), digest_size=8).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return torch.rand(n, generator=g)
+
+
+def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), P), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), P), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, P - len(s):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate_turns(model, tokenizer, prompts: list[list[int]], params: SamplingParams, *,
+                   host: ToolHost, tools: list[dict] | None = None,
+                   rows: list[int] | None = None, max_assistant_turns: int = 5,
+                   max_tool_response_length: int = 256, truncate_side: str = "left",
+                   eos_token_ids=None, pad_token_id: int,
+                   instance_prefix: str = "") -> MultiTurnOutput:
+    """Multi-turn rollouts of the ``prompts`` (each a list of token ids, chat template applied,
+    generation prompt included). ``tools``: the schemas the template shows (the prompts were
+    rendered with them). ``instance_prefix`` makes the tool instances of this rollout unique
+    (the step's seed and phase)."""
+    n, budget = len(prompts), params.max_new_tokens
+    rows = list(range(n)) if rows is None else list(rows)
+    stop = set(resolve_stop_ids(eos_token_ids))
+    device = next(model.parameters()).device
+    resp: list[list[int]] = [[] for _ in range(n)]
+    mask: list[list[float]] = [[] for _ in range(n)]
+    logp: list[list[float]] = [[] for _ in range(n)]
+    turns: list[list[dict]] = [[] for _ in range(n)]
+    rewards = [0.0] * n
+    created: set[tuple[int, str]] = set()
+    done = [False] * n
+    for k in range(max_assistant_turns):
+        active = [i for i in range(n) if not done[i]]
+        if not active:
+            break
+        T = max(budget - len(resp[i]) for i in active)
+        ids, m = _left_pad([prompts[i] + resp[i] for i in active], pad_token_id)
+        u = torch.stack([_turn_uniforms(params.seed, rows[i], k, budget)[:T] for i in active])
+        out = generate_with_cache(model, ids.to(device), m.to(device), u.to(device),
+                                  replace(params, max_new_tokens=T), eos_token_ids=list(stop),
+                                  pad_token_id=pad_token_id)
+        calls_of: dict[int, list] = {}
+        for j, i in enumerate(active):
+            got = int(out.response_mask[j].sum())
+            take = min(got, budget - len(resp[i]))
+            sampled = out.response_ids[j, :take].tolist()
+            start = len(resp[i])
+            resp[i] += sampled
+            mask[i] += [1.0] * take
+            logp[i] += out.logprobs[j, :take].tolist()
+            turns[i].append({"sampled": [start, len(resp[i])], "calls": [], "results": []})
+            ended = take > 0 and sampled[-1] in stop
+            calls = parse_hermes(tokenizer.decode(sampled, skip_special_tokens=False)) \
+                if ended else []
+            if not calls or k == max_assistant_turns - 1 or len(resp[i]) >= budget:
+                done[i] = True
+                continue
+            calls_of[i] = calls
+        if not calls_of:
+            continue
+        results = _run_calls(host, calls_of, rows, instance_prefix, created)
+        for i, calls in calls_of.items():
+            turn = turns[i][-1]
+            texts = []
+            for c, r in zip(calls, results[i]):
+                text = truncate_observation(r.observation(), tokenizer,
+                                            max_tool_response_length, truncate_side)
+                turn["calls"].append({"error": c.error, "text": c.text}
+                                     if isinstance(c, BadToolCall)
+                                     else {"name": c.name, "arguments": c.arguments})
+                turn["results"].append({"status": r.status, "observation": text,
+                                        "latency_s": r.latency_s})
+                rewards[i] += r.reward
+                texts.append({"role": "tool", "content": text})
+            eot = tokenizer.convert_ids_to_tokens(resp[i][-1])
+            appended = observation_ids(tokenizer, texts, end_of_turn=eot, tools=tools)
+            room = budget - len(resp[i])
+            start = len(resp[i])
+            resp[i] += appended[:room]
+            mask[i] += [0.0] * min(room, len(appended))
+            logp[i] += [0.0] * min(room, len(appended))
+            turn["appended"] = [start, len(resp[i])]
+            if len(appended) >= room:  # no room left to answer: the budget is spent
+                done[i] = True
+    _release(host, created, instance_prefix, rewards, rows)
+    T = max(1, max(len(r) for r in resp))
+    pad = lambda xs, v: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731
+    return MultiTurnOutput(
+        response_ids=torch.tensor(pad(resp, pad_token_id), dtype=torch.long),
+        response_mask=torch.tensor(pad(mask, 0.0), dtype=torch.float32),
+        logprobs=torch.tensor(pad(logp, 0.0), dtype=torch.float32),
+        turns=turns, tool_rewards=rewards)
+
+
+def _instance(prefix: str, row: int, tool: str) -> str:
+    return f"{prefix}:{row}:{tool}"
+
+
+def _run_calls(host: ToolHost, calls_of: dict[int, list], rows: list[int], prefix: str,
+               created: set) -> dict[int, list[ToolResult]]:
+    """Every row's calls of this turn, in two concurrent batches: the tool instances a row
+    calls for the first time are created, then every call runs. A parse error is its own
+    result (nothing runs)."""
+    fresh = sorted({(i, c.name) for i, calls in calls_of.items() for c in calls
+                    if not isinstance(c, BadToolCall) and c.name in host.names} - created)
+    if fresh:
+        host.run([Request("create", name, _instance(prefix, rows[i], name)) for i, name in fresh])
+        created.update(fresh)
+    todo = [(i, c) for i, calls in calls_of.items() for c in calls
+            if not isinstance(c, BadToolCall)]
+    answers = iter(host.run([Request("execute", c.name, _instance(prefix, rows[i], c.name),
+                                     {"parameters": c.arguments}) for i, c in todo]))
+    return {i: [ToolResult("error", error=c.error) if isinstance(c, BadToolCall)
+                else next(answers) for c in calls] for i, calls in calls_of.items()}
+
+
+def _release(host: ToolHost, created: set, prefix: str, rewards: list[float],
+             rows: list[int]) -> None:
+    if not created:
+        return
+    order = sorted(created)
+    got = host.run([Request("calc_reward", name, _instance(prefix, rows[i], name))
+                    for i, name in order])
+    for (i, _), r in zip(order, got):
+        rewards[i] += r.reward if r.status == "ok" else 0.0
+    host.run([Request("release", name, _instance(prefix, rows[i], name)) for i, name in order])
