@@ -42,6 +42,26 @@ class MultiTurnOutput:
     """Per row: the tools' step rewards and ``calc_reward``, summed (for the scorer)."""
 
 
+def turn_metrics(out: MultiTurnOutput) -> dict[str, float]:
+    """verl's ``num_turns/min|max|mean`` (assistant turns per response), and per response the
+    tool calls made (``tool_calls/mean``), those that failed (``tool_calls/errors``: the tool
+    raised or refused its call, or the call did not parse) or timed out
+    (``tool_calls/timeouts``); ``response/observation_fraction``: the share of the responses'
+    tokens that were appended, not sampled."""
+    n = max(1, len(out.turns))
+    turns = [len(t) for t in out.turns] or [0]
+    results = [r for t in out.turns for turn in t for r in turn["results"]]
+    appended = sum(e - s for t in out.turns for turn in t for s, e in [turn.get("appended",
+                                                                                (0, 0))])
+    sampled = float(out.response_mask.sum())
+    return {"num_turns/min": float(min(turns)), "num_turns/max": float(max(turns)),
+            "num_turns/mean": sum(turns) / n,
+            "tool_calls/mean": len(results) / n,
+            "tool_calls/errors": float(sum(r["status"] == "error" for r in results)),
+            "tool_calls/timeouts": float(sum(r["status"] == "timeout" for r in results)),
+            "response/observation_fraction": appended / max(1.0, appended + sampled)}
+
+
 def _turn_uniforms(seed: int, row: int, turn: int, n: int) -> torch.Tensor:
     digest = hashlib.blake2b(f"{seed}:{row}:{turn}".encode(), digest_size=8).digest()
     g = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))

@@ -14,7 +14,7 @@ from tests.standins import qwen_tokenizer
 from verl_core.agent.tools import CalculatorTool, ToolHost, load_tool_config
 from verl_core.agent.turns import observation_ids
 from verl_core.rollout import SamplingParams
-from verl_core.rollout.multi_turn import generate_turns
+from verl_core.rollout.multi_turn import generate_turns, turn_metrics
 
 TOOLS = [CalculatorTool.SCHEMA]
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
@@ -120,6 +120,11 @@ def test_a_bad_call_is_shown_to_the_model_and_the_turn_limit_holds(host):
     assert t[2]["calls"] == [] and "appended" not in t[2]
     m = out.response_mask[0]
     assert int(m.sum()) == sum(len(s) for s in scripts[0][:3])
+    got = turn_metrics(out)
+    appended = sum(turn["appended"][1] - turn["appended"][0] for turn in t[:2])
+    assert got == {"num_turns/min": 3.0, "num_turns/max": 3.0, "num_turns/mean": 3.0,
+                   "tool_calls/mean": 2.0, "tool_calls/errors": 1.0, "tool_calls/timeouts": 0.0,
+                   "response/observation_fraction": appended / (appended + int(m.sum()))}
 
 
 def test_the_budget_counts_sampled_and_appended_tokens(host):
