@@ -65,27 +65,26 @@ class RolloutConfig:
     def __post_init__(self):
         _check_types("rollout", self)
         _one_of("rollout", "engine", self.engine, {"hf", "vllm"})
-        if self.engine == "vllm" and self.temperature > 2.0:
-            _fail("rollout", "temperature", self.temperature,
-                  "vLLM accepts temperatures in [0, 2]; lower it or use rollout.engine='hf'")
-        _positive("rollout", self, "n", "max_new_tokens", "micro_batch_size")
-        _non_negative("rollout", self, "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            _fail("rollout", "top_p", self.top_p, "must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1:
-            _fail("rollout", "top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        _positive("rollout", self, "n", "max_new_tokens", "micro_batch_size", "cpu_kv_cache_gib",
+                  "val_n")
+        for prefix in ("", "val_"):  # the rollout's sampling, then the evaluation's
+            self._check_sampling(prefix)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             _fail("rollout", "gpu_memory_utilization", self.gpu_memory_utilization,
                   "must be in (0, 1]")
-        _positive("rollout", self, "cpu_kv_cache_gib", "val_n")
-        _non_negative("rollout", self, "val_temperature")
-        if not 0.0 < self.val_top_p <= 1.0:
-            _fail("rollout", "val_top_p", self.val_top_p, "must be in (0, 1]")
-        if self.val_top_k == 0 or self.val_top_k < -1:
-            _fail("rollout", "val_top_k", self.val_top_k, "must be -1 (disabled) or >= 1")
         if self.val_n > 1 and not (self.val_do_sample and self.val_temperature > 0):
             _fail("rollout", "val_n", self.val_n, "greedy evaluation gives one response per "
                   "prompt; set val_do_sample=True and val_temperature > 0 to draw several")
-        if self.engine == "vllm" and self.val_temperature > 2.0:
-            _fail("rollout", "val_temperature", self.val_temperature,
+
+    def _check_sampling(self, prefix: str) -> None:
+        """``{prefix}temperature``, ``top_p`` and ``top_k``: one set of rules for both."""
+        temperature = getattr(self, f"{prefix}temperature")
+        if self.engine == "vllm" and temperature > 2.0:
+            _fail("rollout", f"{prefix}temperature", temperature,
                   "vLLM accepts temperatures in [0, 2]; lower it or use rollout.engine='hf'")
+        _non_negative("rollout", self, f"{prefix}temperature")
+        top_p, top_k = getattr(self, f"{prefix}top_p"), getattr(self, f"{prefix}top_k")
+        if not 0.0 < top_p <= 1.0:
+            _fail("rollout", f"{prefix}top_p", top_p, "must be in (0, 1]")
+        if top_k == 0 or top_k < -1:
+            _fail("rollout", f"{prefix}top_k", top_k, "must be -1 (disabled) or >= 1")
