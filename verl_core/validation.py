@@ -501,7 +501,7 @@ def batch_frame(batch: "Batch", rows: np.ndarray) -> pd.DataFrame:
     import torch
 
     idx = torch.as_tensor(rows, dtype=torch.long)
-    mask = batch.response_mask[idx] > 0  # (n, T)
+    mask = batch.response_attn[idx] > 0  # (n, T): every real token (multi-turn: tools' too)
     cols: dict[str, Any] = {
         "uid": [batch.uid[i] for i in rows.tolist()],
         "prompt_length": batch.prompt_mask[idx].sum(-1).numpy(),
@@ -581,7 +581,7 @@ def validate_batch(batch: "Batch", stage: str, cfg: "RunConfig", *,
         field = checked[:-len("_nonfinite")] if checked.endswith("_nonfinite") else ""
         if field in _TOKEN_FIELDS:
             v = getattr(batch, field)[i]
-            m = batch.response_mask[i] > 0
+            m = batch.response_attn[i] > 0
             bad = (~v.isfinite() & m).nonzero().flatten().tolist()
             return f"{head}: {v[bad[0]].item()} at token {bad[0]}" + \
                 (f" (+{len(bad) - 1} more)" if len(bad) > 1 else "")

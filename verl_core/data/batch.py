@@ -55,14 +55,30 @@ class Batch:
     baseline_response_mask: Optional[torch.Tensor] = None  # (N, T_b) float32, 1 on generated tokens
     baseline_score: Optional[torch.Tensor] = None  # (N,) float32, the greedy response's score
     sum_pi_squared: Optional[torch.Tensor] = None  # (N, T) float32, Σ_v π_v² of the rollout policy
+    # multi-turn rollouts (issue 25): 1 on every real response token, the sampled ones and the
+    # tool responses and template tokens appended between turns (``response_mask``'s holes);
+    # None when every real token was sampled (then it equals ``response_mask``)
+    response_attention_mask: Optional[torch.Tensor] = None  # (N, T) float32
+    # multi-turn: per row, the turns (``rollout/multi_turn.MultiTurnOutput.turns``) and the
+    # tools' summed rewards, {"turns": [...], "tool_reward": float}: what replay reads instead
+    # of calling a tool again
+    turns: Optional[list] = None  # (N,) of dicts
 
     @property
     def num_rows(self) -> int:
         return self.response_ids.shape[0]
 
     @property
-    def response_lengths(self) -> torch.Tensor:  # (N,) long
-        return self.response_mask.sum(-1).long()
+    def response_attn(self) -> torch.Tensor:
+        """(N, T) float32: 1 on every real response token, the tokens the model reads (the
+        attention mask's response part, verl's ``attention_mask[:, P:]``). A multi-turn row's
+        loss mask (``response_mask``) has holes where this has ones."""
+        return self.response_mask if self.response_attention_mask is None \
+            else self.response_attention_mask
+
+    @property
+    def response_lengths(self) -> torch.Tensor:  # (N,) long: real response tokens
+        return self.response_attn.sum(-1).long()
 
     def replace(self, **changes) -> "Batch":
         return dataclasses.replace(self, **changes)
@@ -178,8 +194,10 @@ def _decode_shared(texts: list[str]) -> list[dict]:
 
 
 def batch_to_table(batch: Batch) -> pa.Table:
-    """One row per response; token columns are unpadded lists (float32 stays float32)."""
-    resp = _Kept(batch.response_mask)
+    """One row per response; token columns are unpadded lists (float32 stays float32). A
+    multi-turn batch keeps every real response token (``response_attn``) and its loss mask as
+    a list column of its own (``response_mask``), and each row's turns as JSON."""
+    resp = _Kept(batch.response_attn)
     cols = {
         "uid": pa.array(batch.uid, pa.string()),
         "group": pa.array(batch.group.numpy(), pa.int64()),
@@ -193,6 +211,10 @@ def batch_to_table(batch: Batch) -> pa.Table:
         v = getattr(batch, name)
         if v is not None:
             cols[name] = resp.array(v.float(), pa.float32())
+    if batch.response_attention_mask is not None:
+        cols["response_mask"] = resp.array(batch.response_mask, pa.int8())
+    if batch.turns is not None:
+        cols["turns"] = pa.array([_JSON.encode(t) for t in batch.turns], pa.string())
     if batch.score is not None:
         cols["score"] = pa.array(batch.score.float().numpy(), pa.float32())
     if batch.baseline_response_ids is not None:  # lengths carry the mask, as for response_ids
@@ -218,6 +240,12 @@ def table_to_batch(table: pa.Table) -> Batch:
     response_ids, response_mask, resp = _ids_and_mask(table.column("response_ids"), pad_id,
                                                       np.float32)
     kw = {}
+    if "response_mask" in table.column_names:  # multi-turn: the loss mask has holes
+        kw["response_attention_mask"] = response_mask
+        offsets, values = _list_parts(table.column("response_mask"))
+        response_mask = torch.from_numpy(resp.padded(values, 0, np.float32))
+    if "turns" in table.column_names:
+        kw["turns"] = [json.loads(t) for t in table.column("turns").to_pylist()]
     for name in _TOKEN_COLS:
         if name in table.column_names:
             offsets, values = _list_parts(table.column(name))

@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 __all__ = ["FilterGroupsExhaustedError", "GroupFilter", "kept_groups", "gen_batch_indices",
            "metric_values", "concat_batches", "dynamic_rollout"]
 
-_TOKEN_FIELDS = ("response_ids", "response_mask", "response_logprobs", "ref_logprobs", "values",
-                 "advantages", "returns", "sum_pi_squared")
+_TOKEN_FIELDS = ("response_ids", "response_mask", "response_attention_mask", "response_logprobs",
+                 "ref_logprobs", "values", "advantages", "returns", "sum_pi_squared")
 _BASELINE_FIELDS = ("baseline_response_ids", "baseline_response_mask")
 
 
@@ -180,7 +180,7 @@ def _trim_columns(batch: Batch) -> Batch:
     """Drop the trailing token columns that are padding in every row (as one generation of these
     rows would have returned them)."""
     changes = {}
-    for fields, mask in ((_TOKEN_FIELDS, batch.response_mask),
+    for fields, mask in ((_TOKEN_FIELDS, batch.response_attn),
                          (_BASELINE_FIELDS, batch.baseline_response_mask)):
         if mask is None:
             continue
@@ -247,7 +247,7 @@ def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, d
     if not early_inputs:
         batch = trainer.model_inputs(batch)
     metrics = _merge_metrics(rollout_metrics)
-    lengths = batch.response_mask.sum(-1)  # (N,) of the trained rows, as verl's data metrics
+    lengths = batch.response_lengths.float()  # (N,) of the trained rows, as verl's data metrics
     metrics.update({
         "rollout/tokens_per_s": sum(float(p.response_mask.sum()) for p in parts)
         / max(metrics["rollout/time_s"], 1e-9),

@@ -23,7 +23,7 @@ TIMING = TIMING_DETECTORS
 def batch_signals(batch: Batch) -> dict[str, float]:
     """The step's deterministic signals as the batch holds them (reward, response length,
     advantages), named like the phase metrics so the detectors' history lines up."""
-    out = {"response_length/mean": float(batch.response_mask.sum()) / max(batch.num_rows, 1)}
+    out = {"response_length/mean": float(batch.response_attn.sum()) / max(batch.num_rows, 1)}
     if batch.score is not None:
         out["reward/mean"] = float(batch.score.double().mean())
     if batch.advantages is not None:

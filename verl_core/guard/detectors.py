@@ -376,16 +376,17 @@ def nonfinite_counts(batch) -> dict[str, int]:
     """Non-finite (NaN, +-inf) entries per floating-point tensor column of a
     :class:`~verl_core.data.batch.Batch` present in it: ``score``/``baseline_score`` (N,) whole;
     ``response_logprobs``, ``ref_logprobs``, ``values``, ``advantages``, ``returns``,
-    ``sum_pi_squared`` (N, T) only under ``response_mask`` (padding holds whatever it holds);
-    the masks themselves whole. Columns the batch does not hold are left out; 0 means clean."""
-    mask = batch.response_mask.bool()  # (N, T)
+    ``sum_pi_squared`` (N, T) only on real response tokens (``response_attn``: padding holds
+    whatever it holds); the masks themselves whole. Columns the batch does not hold are left
+    out; 0 means clean."""
+    mask = batch.response_attn.bool()  # (N, T)
     out = {}
     for f in dataclasses.fields(batch):
         x = getattr(batch, f.name)
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             continue
         bad = ~torch.isfinite(x)
-        if f.name != "response_mask" and x.shape == mask.shape:
+        if f.name not in ("response_mask", "response_attention_mask") and x.shape == mask.shape:
             bad = bad & mask  # (N, T): generated tokens only
         out[f.name] = int(bad.sum())
     return out

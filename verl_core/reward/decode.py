@@ -7,6 +7,11 @@ decoded with special tokens KEPT as their text. Stripping them instead (``skip_s
 score as ``112``. A special token before the first EOS is flagged: rule scorers count such a
 response as a wrong answer; custom scorers see the token's text (e.g. ``1<pad>12``) and decide.
 
+A multi-turn response (issue 25: assistant turns with tool responses and template tokens
+between them) is scored as verl's agent loop scores it: every real token, decoded with special
+tokens skipped (the template's turn markers go, the role names and tool responses stay). It is
+flagged when a special token other than an EOS lies inside a span the policy sampled.
+
 No torch import (custom-scorer workers import this package): tensors are read with ``tolist``.
 """
 
@@ -47,17 +52,30 @@ def special_token_ids(tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def decode_responses(tokenizer, response_ids, response_mask=None) -> DecodedResponses:
+def _rows(x):
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+def decode_responses(tokenizer, response_ids, response_mask=None,
+                     sampled_mask=None) -> DecodedResponses:
     """Decode N generated responses for scoring.
 
     ``response_ids``: (N, T) ids, right-padded (a tensor or nested lists); ``response_mask``:
     (N, T), nonzero on generated tokens (EOS included); None when every id was generated.
+    ``sampled_mask`` (N, T): multi-turn responses (module docstring), ``response_mask`` then
+    being nonzero on every real token and this on the sampled ones.
     """
-    rows = response_ids.tolist() if hasattr(response_ids, "tolist") else list(response_ids)
-    masks = (response_mask.tolist() if hasattr(response_mask, "tolist") else response_mask) \
-        if response_mask is not None else [None] * len(rows)
+    rows = _rows(response_ids)
+    masks = _rows(response_mask) if response_mask is not None else [None] * len(rows)
     stop = frozenset(stop_token_ids(tokenizer))
     special = special_token_ids(tokenizer)
+    if sampled_mask is not None:
+        kept = [[int(t) for t, m in zip(ids, mask) if m] for ids, mask in zip(rows, masks)]
+        flags = [any(int(t) in special and int(t) not in stop
+                     for t, s in zip(ids, smask) if s)
+                 for ids, smask in zip(rows, _rows(sampled_mask))]
+        return DecodedResponses(texts=tokenizer.batch_decode(kept, skip_special_tokens=True),
+                                special_token=flags)
     kept: list[list[int]] = []
     flags: list[bool] = []
     for ids, mask in zip(rows, masks):

@@ -368,7 +368,7 @@ def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, *,
     model.eval()
     layout = padding_layout(model, remove_padding)
     out = _by_micro_batch(lambda mb: response_logprobs(
-        model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+        model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_attn,
         temperature, packed=layout == "packed")[0], batch, micro_batch_size, max_token_len, dp,
         layout)
     model.train(was_training)
@@ -391,8 +391,8 @@ def batched_sum_pi_squared(model, batch, temperature: float, micro_batch_size: i
 
     def one(mb):
         (sq,) = _rows_through_head(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                   mb.response_mask, sum_pi_sq, layout == "packed")
-        return sq * mb.response_mask
+                                   mb.response_attn, sum_pi_sq, layout == "packed")
+        return sq * mb.response_attn
 
     was_training = model.training
     model.eval()
@@ -409,7 +409,7 @@ def batched_values(critic, batch, micro_batch_size: int, *, max_token_len: int =
     critic.eval()
     layout = padding_layout(critic, remove_padding)
     out = _by_micro_batch(lambda mb: critic_values(critic, mb.prompt_ids, mb.prompt_mask,
-                                                   mb.response_ids, mb.response_mask,
+                                                   mb.response_ids, mb.response_attn,
                                                    layout == "packed"),
                           batch, micro_batch_size, max_token_len, dp, layout)
     critic.train(was_training)

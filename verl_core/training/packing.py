@@ -40,7 +40,7 @@ from verl_core.training.dist import SINGLE, DataParallel
 def row_tokens(batch: Batch) -> torch.Tensor:
     """(N,) long: real tokens of each row, prompt + response, the count verl's token budget
     measures (its ``attention_mask.sum``)."""
-    return (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).long()
+    return (batch.prompt_mask.sum(-1) + batch.response_attn.sum(-1)).long()
 
 
 def karmarkar_karp(lengths: list[int], k: int, equal_size: bool = False) -> list[list[int]]:
@@ -128,7 +128,7 @@ def token_micro_batches(rows: torch.Tensor, batch: Batch, max_tokens: int,
     largest any worker needs), since under FSDP2 each forward is a collective; each worker's rows
     are equally many, so that number is always reachable."""
     prompt = batch.prompt_mask[rows].sum(-1).long().tolist()
-    response = batch.response_mask[rows].sum(-1).long().tolist()
+    response = batch.response_attn[rows].sum(-1).long().tolist()
     parts = _packed(prompt, response, max_tokens, 1)
     if dp.distributed:  # every worker sees the same counts and decides alike
         parts = _packed(prompt, response, max_tokens, max(dp.gather_objects(len(parts))))
@@ -186,10 +186,11 @@ def narrow(mb: Batch) -> Batch:
     rows packed by tokens pay for their own padding only, not the batch's longest response.
     A right-padded position never enters a real position's causal attention, so nothing else
     changes (``seq-mean-token-sum-norm`` must then be given the full width as its C)."""
-    width = max(int(mb.response_mask.sum(-1).max()) if mb.num_rows else 0, 1)
+    width = max(int(mb.response_lengths.max()) if mb.num_rows else 0, 1)
     if width >= mb.response_ids.shape[1]:
         return mb
     cut = {name: getattr(mb, name)[:, :width] for name in ("response_ids", "response_mask",
+                                                           "response_attention_mask",
                                                            *_TOKEN_COLS)
            if getattr(mb, name) is not None}
     return mb.replace(**cut)

@@ -229,8 +229,10 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                 width = mask.shape[1]  # the micro-batch's response columns (narrowed: <= T)
                 weight = micro_batch_weight(mask, mini_mask, algo.loss_agg_mode)
                 need_entropy = algo.entropy_coeff > 0
+                # the forward reads every real token (a multi-turn row's tool responses too);
+                # the losses read the sampled ones (``mask``)
                 logp, entropy = response_logprobs(actor, mb.prompt_ids, mb.prompt_mask,
-                                                  mb.response_ids, mask, temperature,
+                                                  mb.response_ids, mb.response_attn, temperature,
                                                   with_entropy=need_entropy,
                                                   packed=layout == "packed")
                 pg_loss, pg_metrics = policy_loss(
@@ -280,7 +282,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                     weight = micro_batch_weight(mb.response_mask, batch.response_mask[mini],
                                                 algo.loss_agg_mode)
                     vpreds = critic_values(critic, mb.prompt_ids, mb.prompt_mask,
-                                           mb.response_ids, mb.response_mask,
+                                           mb.response_ids, mb.response_attn,
                                            packed=critic_layout == "packed")
                     vf_loss, vf_metrics = value_loss(
                         vpreds, mb.values, mb.returns, mb.response_mask,

@@ -32,10 +32,11 @@ def _lengths(n=64, seed=0):
 
 
 def _masks(prompt, response):
-    """What the packing reads of a batch: its prompt and response masks, from lengths."""
+    """What the packing reads of a batch: its prompt mask and its real response tokens, from
+    lengths."""
     def mask(lengths):
         return (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).float()
-    return SimpleNamespace(prompt_mask=mask(prompt), response_mask=mask(response))
+    return SimpleNamespace(prompt_mask=mask(prompt), response_attn=mask(response))
 
 
 def test_every_micro_batch_fits_the_budget_and_an_overlong_row_is_alone():
