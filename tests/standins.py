@@ -16,6 +16,8 @@ breaks a trainer written against one tokenizer:
   ``generation_config``.
 - ``chat_template=None`` on either gives the "tokenizer without a chat template" family.
 - ``gsm8k_rows``: rows exactly as verl's ``examples/data_preprocess/gsm8k.py`` writes them.
+- ``scripted_chat``/``ScriptedLM``: chat prompts and a policy whose samples are scripted, per
+  row and turn, for multi-turn rollouts (the tests' and ``bench/agent.py``'s).
 
 Heads are 2 of 32 so vLLM's CPU attention kernel accepts them (it has head sizes 32, 64, 80, ...).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -215,3 +218,60 @@ def folder_eos_ids(folder) -> list[int]:
     """The EOS list of a folder's ``generation_config.json`` (what verl/vLLM stop at)."""
     eos = json.loads((Path(folder) / "generation_config.json").read_text())["eos_token_id"]
     return eos if isinstance(eos, list) else [eos]
+
+
+class ScriptedLM(torch.nn.Module):
+    """A causal LM whose samples are known, for multi-turn rollouts: row r's turn k (the number
+    of assistant headers in its context, less the prompt's) is ``scripts[r][k]``, and the model
+    puts probability ~1 on that script's next token, so sampling at any temperature draws it
+    (log-prob ~0); past a script's end it repeats its last token. It keeps each row's context
+    itself, as a KV cache would: the prefill (the left-padded contexts) finds each row and its
+    headers, a decode step appends one token."""
+
+    def __init__(self, tok, scripts: dict[int, list[list[int]]], prompts: list[list[int]]):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.V, self.scripts, self.prompts = len(tok), scripts, prompts
+        self.header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        self.ctx: list[list[int]] = []
+        self.rows: list[int] = []  # per context: its row (the prompt it starts with)
+        self.starts: list[list[int]] = []  # per context: where its assistant headers start
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=True,
+                past_key_values=None, **_):
+        h = len(self.header)
+        if input_ids.shape[1] > 1:  # prefill: the left-padded contexts
+            self.ctx = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask)]
+            self.rows = [next(r for r, p in enumerate(self.prompts) if c[:len(p)] == p)
+                         for c in self.ctx]
+            self.starts = [[p for p in range(len(c) - h + 1) if c[p:p + h] == self.header]
+                           for c in self.ctx]
+        else:
+            for c, s, t in zip(self.ctx, self.starts, input_ids[:, 0].tolist()):
+                c.append(t)
+                if c[-h:] == self.header:
+                    s.append(len(c) - h)
+        logits = torch.full((len(self.ctx), 1, self.V), -1e4)
+        for i, (c, row, s) in enumerate(zip(self.ctx, self.rows, self.starts)):
+            script = self.scripts[row][len(s) - 1]
+            offset = len(c) - (s[-1] + h)
+            logits[i, 0, script[min(offset, len(script) - 1)]] = 1e4
+        return SimpleNamespace(logits=logits + 0 * self.w)
+
+
+def scripted_chat(tok, turns_of_rows: list[list[str]], tools: list[dict],
+                  question: str = "What is 1234 * 5678?"):
+    """``(prompts, model, scripts)`` for multi-turn rollouts on ``tok``'s chat template (the
+    Qwen2.5 stand-in's): row r's prompt is a system turn ``row r`` (so the rows differ) and the
+    user's ``question``, rendered with ``tools`` and the generation prompt; the model
+    (:class:`ScriptedLM`) writes ``turns_of_rows[r][k]`` then ``<|im_end|>`` as its turn k."""
+    eot = tok("<|im_end|>", add_special_tokens=False)["input_ids"]
+    prompts, scripts = [], {}
+    for r, turns in enumerate(turns_of_rows):
+        chat = [{"role": "system", "content": f"row {r}"}, {"role": "user", "content": question}]
+        p = tok(tok.apply_chat_template(chat, tools=tools, tokenize=False,
+                                        add_generation_prompt=True),
+                add_special_tokens=False)["input_ids"]
+        prompts.append(p)
+        scripts[r] = [tok(t, add_special_tokens=False)["input_ids"] + eot for t in turns]
+    return prompts, ScriptedLM(tok, scripts, prompts), scripts

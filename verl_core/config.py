@@ -55,7 +55,8 @@ __all__ = [
     "TIMING_DETECTORS", "TrackingConfig", "ValidationConfig", "VALIDATION_MODES",
     # the run, overrides, presets
     "RunConfig", "SECTIONS", "MOVED_KEYS", "effective_line", "typed_overrides", "with_overrides",
-    "DEMO_TEMPERATURE", "USER_MODEL_DEFAULTS", "grpo_preset", "ppo_preset", "preset",
+    "CALCULATOR_DEFAULTS", "DEMO_TEMPERATURE", "USER_MODEL_DEFAULTS", "grpo_preset",
+    "ppo_preset", "preset",
 ]
 
 
@@ -436,6 +437,16 @@ class RunConfig:
                   f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses "
                   "within a group; use rollout.n >= 2")
         self._check_dapo()
+        if (not self.data.train_files and self.data.synthetic_task == "calculator"
+                and not self.rollout.multi_turn):
+            _fail("data", "synthetic_task", "calculator",
+                  "is answered with the calculator tool: set rollout.multi_turn=True and "
+                  "rollout.tool_config_path=builtin:calculator (the presets set them with "
+                  "data.synthetic_task=calculator)")
+        if self.rollout.multi_turn and self.algorithm.estimator_traits.needs_greedy_baseline:
+            _fail("algorithm", "adv_estimator", self.algorithm.adv_estimator,
+                  "its greedy baseline response is single-turn and cannot score a multi-turn "
+                  "rollout (rollout.multi_turn=True); use grpo, rloo, gae or another estimator")
         bounds = self.validation.score_bounds  # a timed-out call scores reward.timeout_score
         if bounds and not bounds[0] <= self.reward.timeout_score <= bounds[1]:
             _fail("validation", "score_range", self.validation.score_range,
@@ -655,10 +666,30 @@ steps. The batch sizes stay ours (64 prompts x 8 samples, mini-batch 32; verl's 
 cluster sizes): set ``data.train_batch_size``/``actor.ppo_mini_batch_size`` for your hardware."""
 
 
+CALCULATOR_DEFAULTS: dict[str, object] = {
+    "rollout.multi_turn": True,
+    "rollout.tool_config_path": "builtin:calculator",
+    "rollout.max_assistant_turns": 2,
+    "rollout.max_new_tokens": 112,
+    "data.max_prompt_length": 16,
+    "model.warmup_sft_steps": 600,
+    "model.warmup_target_accuracy": 1.0,
+}
+"""The calculator task's settings (``data.synthetic_task=calculator`` with the tiny model), for
+fields the overrides leave unset: multi-turn rollouts with the built-in calculator, a call turn
+and an answer turn (the warm start's call ``<tool_call>{"name":"calculator","arguments":
+{"expression":"1234*5678"}}</tool_call><eos>`` is 84 characters, the tool's response up to 10,
+the answer up to 9: 103; 112 leaves room), and prompts of ``<bos>`` + ``1234*5678=`` (prompt
+and response fit the tiny model's 128 positions)."""
+
+
 def _model_aware(base: RunConfig, overrides: dict) -> dict:
     """``overrides`` plus the defaults the model decides, for fields they leave unset: verl's
-    (:data:`USER_MODEL_DEFAULTS`) with ``model.path``, else the demo's temperature; and the
-    micro-batch fitted to the mini-batch (:func:`_fitted_micro_batch`)."""
+    (:data:`USER_MODEL_DEFAULTS`) with ``model.path``, else the demo's temperature; the
+    calculator task's (:data:`CALCULATOR_DEFAULTS`); and the micro-batch fitted to the
+    mini-batch (:func:`_fitted_micro_batch`)."""
+    if overrides.get("data.synthetic_task") == "calculator":
+        overrides = {**CALCULATOR_DEFAULTS, **overrides}
     if overrides.get("model.path"):
         out = {**USER_MODEL_DEFAULTS, **overrides}
     elif "rollout.temperature" in overrides:

@@ -174,15 +174,37 @@ WATCH_FIELDS = ("prompt", "response", "ground_truth", "score")
 """What :func:`sample_lines` prints of a held-out sample, in verl's reward manager's order."""
 
 
-def visible_text(tokenizer, ids, mask=None) -> str:
+OBSERVATION_MARKS = ("«", "»")
+"""What :func:`visible_text` puts around the ids a multi-turn rollout appended (the tools'
+responses and the template's tokens between turns), which the loss skips."""
+
+
+def _as_list(x) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+def visible_text(tokenizer, ids, mask=None, sampled=None) -> str:
     """Token ids decoded as the model read or wrote them: padding (``mask`` 0) stripped, special
     tokens kept, so a doubled BOS, a missing EOS or a pad inside the text shows at once.
-    ``ids``, ``mask``: (L,) (a tensor or a list; ``mask`` None: every id is kept)."""
-    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    if mask is not None:
-        mask = mask.tolist() if hasattr(mask, "tolist") else list(mask)
-        ids = [t for t, m in zip(ids, mask) if m]
-    return tokenizer.decode([int(t) for t in ids], skip_special_tokens=False)
+    ``ids``, ``mask``: (L,) (a tensor or a list; ``mask`` None: every id is kept). ``sampled``
+    (L,): a multi-turn response's loss mask; the spans at 0 are marked with
+    :data:`OBSERVATION_MARKS`."""
+    ids = [int(t) for t in _as_list(ids)]
+    keep = _as_list(mask) if mask is not None else [1] * len(ids)
+    if sampled is None:
+        return tokenizer.decode([t for t, m in zip(ids, keep) if m], skip_special_tokens=False)
+    runs: list[tuple[bool, list[int]]] = []  # (sampled?, ids) of consecutive kept ids
+    for t, m, s in zip(ids, keep, _as_list(sampled)):
+        if not m:
+            continue
+        if runs and runs[-1][0] == bool(s):
+            runs[-1][1].append(t)
+        else:
+            runs.append((bool(s), [t]))
+    left, right = OBSERVATION_MARKS
+    return "".join(tokenizer.decode(r, skip_special_tokens=False) if s
+                   else left + tokenizer.decode(r, skip_special_tokens=False) + right
+                   for s, r in runs)
 
 
 def sample_lines(sample: Mapping) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import random
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -23,6 +24,8 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from verl_core import report
+from verl_core.agent.tools import ToolConfigError, ToolHost, tool_entries
+from verl_core.agent.turns import observation_ids
 from verl_core.algorithms import (apply_kl_penalty, get_advantage_estimator, make_kl_controller,
                                   outcome_to_token_rewards)
 from verl_core.algorithms.utils import masked_mean
@@ -31,16 +34,18 @@ from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, encode_prompts
 from verl_core.data.dataset import PromptRow, load_prompt_rows, render_prompt
 from verl_core.data.sampler import ResumableSampler
-from verl_core.data.synthetic import write_arithmetic_dataset
+from verl_core.data.synthetic import write_arithmetic_dataset, write_calculator_dataset
 from verl_core.models import build_tiny_model, load_causal_lm, load_critic, load_tokenizer
 from verl_core.models.loading import precision_line
-from verl_core.models.tokenizer import build_char_tokenizer
+from verl_core.models.tokenizer import CHAR_CHAT_TEMPLATE, build_char_tokenizer
 from verl_core.reward.decode import decode_responses, stop_token_ids
 from verl_core.reward.manager import RewardScorer
 from verl_core.reward.model import RewardModel, check_finite, check_reward_model
 from verl_core.reward.overlong import OverlongBuffer
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.base import GenerationOutput, concat_outputs
+from verl_core.rollout.multi_turn import (MultiTurnOutput, concat_turn_outputs, generate_turns,
+                                          turn_metrics)
 from verl_core.training.forward import batched_logprobs, batched_sum_pi_squared, batched_values
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.optim import make_optimizer, make_scheduler
@@ -107,8 +112,14 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
     rm = cfg.reward_model
     if rm.enable:  # not a one-label sequence classifier: fail before the data and the warm start
         check_reward_model(rm.path, rm.max_length)
+    calculator = not cfg.data.train_files and cfg.data.synthetic_task == "calculator"
     if cfg.data.train_files:
         train_files, val_files = cfg.data.train_file_list, cfg.data.val_file_list
+    elif calculator:
+        train, val = write_calculator_dataset(
+            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
+            val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
+        train_files, val_files = [train], [val]
     else:
         train, val = write_arithmetic_dataset(
             os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
@@ -117,9 +128,13 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
         train_files, val_files = [train], [val]
     # Every file is checked (rows, columns, prompt lengths) before any model work: a bad row must
     # not cost a warm start first. The tiny model's tokenizer is the character one.
-    tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer()
-    rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length, cfg.data.truncation)
-    load_checked_rows(tok, val_files, cfg.data.max_prompt_length, cfg.data.truncation)
+    # the tiny model's tokenizer is the character one (with a chat template for tool turns)
+    template = CHAR_CHAT_TEMPLATE if calculator else None
+    tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer(template)
+    schemas = check_tools(cfg, tok)
+    rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length, cfg.data.truncation,
+                             schemas)
+    load_checked_rows(tok, val_files, cfg.data.max_prompt_length, cfg.data.truncation, schemas)
     # the GX suite, every row; without the tokenizer: the prompt lengths were checked just above
     validate_dataset_files([*train_files, *val_files], cfg)
     if cfg.model.path:
@@ -131,17 +146,29 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
         model_path = os.path.join(workdir, "model")
         m = cfg.model
         model, tok = build_tiny_model(hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,
-                                      heads=m.tiny_heads, seed=cfg.seed)
-        prompts = [render_prompt(r, tok) for r in rows]
-        probe = _AccuracyProbe(model, tok, rows[:256], prompts[:256], cfg)
-        t0 = time.perf_counter()
-        losses = supervised_warm_start(
-            model, tok, prompts, [r.ground_truth for r in rows],
-            steps=m.warmup_sft_steps, batch_size=m.warmup_sft_batch_size, lr=m.warmup_sft_lr,
-            seed=derive_seed(cfg.seed, 0, "sft"), max_prompt_length=cfg.data.max_prompt_length,
-            truncation=cfg.data.truncation,
-            stop_fn=(lambda: probe() >= m.warmup_target_accuracy)
-            if m.warmup_target_accuracy < 1.0 else None)
+                                      heads=m.tiny_heads, seed=cfg.seed, chat_template=template)
+        prompts = [render_prompt(r, tok, schemas) for r in rows]
+        host = ToolHost(tool_entries(cfg.rollout.tool_config_path),
+                        timeout_s=cfg.rollout.tool_timeout_s) if schemas else None
+        try:
+            probe = _AccuracyProbe(model, tok, rows[:256], prompts[:256], cfg, host, schemas)
+            t0 = time.perf_counter()
+            if calculator:
+                targets = {"responses": calculator_transcripts(
+                    tok, rows, schemas, derive_seed(cfg.seed, 0, "sft-tools"),
+                    m.warmup_tool_fraction)}
+            else:
+                targets = {"answers": [r.ground_truth for r in rows]}
+            losses = supervised_warm_start(
+                model, tok, prompts, **targets,
+                steps=m.warmup_sft_steps, batch_size=m.warmup_sft_batch_size,
+                lr=m.warmup_sft_lr, seed=derive_seed(cfg.seed, 0, "sft"),
+                max_prompt_length=cfg.data.max_prompt_length, truncation=cfg.data.truncation,
+                stop_fn=(lambda: probe() >= m.warmup_target_accuracy)
+                if m.warmup_target_accuracy < 1.0 else None)
+        finally:
+            if host is not None:
+                host.close()
         if losses:
             acc = "" if probe.last != probe.last else f", train-slice accuracy {probe.last:.3f}"
             log(f"warm start: {len(losses)} SFT steps in {time.perf_counter() - t0:.1f}s, "
@@ -151,6 +178,39 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
     log(precision_line(model_path, cfg.model.dtype))
     return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
                   reward_model_path=rm.path if rm.enable else "")
+
+
+def decoded(tokenizer, batch: Batch):
+    """The batch's responses as scorers see them (``reward/decode.py``; a multi-turn row's whole
+    transcript)."""
+    multi = batch.response_attention_mask is not None
+    return decode_responses(tokenizer, batch.response_ids, batch.response_attn,
+                            sampled_mask=batch.response_mask if multi else None)
+
+
+def turn_extra_info(infos: list[dict], turns: list[dict]) -> list[dict]:
+    """Each multi-turn row's ``extra_info`` as verl's reward managers give it to a scorer: the
+    row's own, plus ``num_turns`` (assistant turns) and ``tool_rewards`` (each call's step
+    reward, then each tool's ``calc_reward``)."""
+    return [{**(info or {}), "num_turns": len(t["turns"]), "tool_rewards": list(t["tool_rewards"])}
+            for info, t in zip(infos, turns)]
+
+
+def check_tools(cfg: RunConfig, tokenizer) -> list[dict] | None:
+    """``rollout.multi_turn``: the tools' schemas (what prompts show the model), after building
+    every tool once in a tool host, so a class that cannot be imported or built is refused
+    before any work, naming it; None without multi-turn rollouts."""
+    rc = cfg.rollout
+    if not rc.multi_turn:
+        return None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ToolConfigError("rollout.multi_turn=True needs a model whose tokenizer has a chat "
+                              "template (it renders the tool calls' responses between turns); "
+                              "this one has none: set model.path to a chat model")
+    entries = tool_entries(rc.tool_config_path)
+    with ToolHost(entries, timeout_s=rc.tool_timeout_s):
+        pass
+    return [e.schema for e in entries]
 
 
 def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
@@ -174,7 +234,7 @@ def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
     the model's score is the score and the scorer is not called (verl 0.9 without a custom reward
     function); ``"add"``: score = scorer's + model's. Adds ``reward/model_mean`` (and
     ``reward/rule_mean`` when added)."""
-    dec = decode_responses(tokenizer, batch.response_ids, batch.response_mask)
+    dec = decoded(tokenizer, batch)
     rule, timeouts = None, 0
     if model_scores is None or combine == "add":
         res = scorer.score(batch.data_source, dec.texts, batch.ground_truth, batch.extra_info,
@@ -185,7 +245,7 @@ def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
     if details is not None:
         details.update(score=score, acc=_acc(res.extras, score) if rule is not None else score)
     if overlong is not None and rule is not None:
-        penalty, overlong_metrics = overlong.penalty(batch.response_mask)  # (N,)
+        penalty, overlong_metrics = overlong.penalty(batch.response_attn)  # (N,)
         score = score + penalty
     n = max(1, batch.num_rows)
     metrics = {"reward/mean": float(score.mean()), "reward/max": float(score.max()),
@@ -296,13 +356,42 @@ def compute_advantages(batch: Batch, algo) -> tuple[Batch, dict]:
     return batch.replace(advantages=adv, returns=ret, meta=meta), metrics
 
 
-class _AccuracyProbe:
-    """Greedy accuracy of ``model`` on a fixed slice of training prompts (rule scorer)."""
+CALCULATOR_CALL = '<tool_call>{{"name":"calculator","arguments":{{"expression":"{}"}}}}</tool_call>'
+"""The call the calculator task's warm start teaches (hermes, compact JSON)."""
 
-    def __init__(self, model, tok, rows, prompts, cfg: RunConfig):
+
+def calculator_transcripts(tok, rows: list[PromptRow], tools: list[dict] | None,
+                           seed: int, tool_fraction: float) -> list[tuple[list[int], list[float]]]:
+    """The calculator task's warm-start responses, (ids, loss mask) per row, built as a
+    rollout builds them (``rollout/multi_turn.py``): a call turn, the tool's response as the
+    chat template's ids (mask 0), the answer turn; or, for the rows a seeded draw leaves out
+    (``model.warmup_tool_fraction``), the answer alone."""
+    rng, eos = random.Random(seed), tok.eos_token_id
+    out = []
+    for r in rows:
+        answer = tok(r.ground_truth, add_special_tokens=False)["input_ids"] + [eos]
+        if rng.random() >= tool_fraction:
+            out.append((answer, [1.0] * len(answer)))
+            continue
+        e = r.extra_info
+        call = tok(CALCULATOR_CALL.format(f"{e['a']}{e['op']}{e['b']}"),
+                   add_special_tokens=False)["input_ids"] + [eos]
+        obs = observation_ids(tok, [{"role": "tool", "content": r.ground_truth}],
+                              end_of_turn=tok.eos_token, tools=tools)
+        out.append((call + obs + answer, [1.0] * len(call) + [0.0] * len(obs)
+                    + [1.0] * len(answer)))
+    return out
+
+
+class _AccuracyProbe:
+    """Greedy accuracy of ``model`` on a fixed slice of training prompts (rule scorer); with a
+    tool ``host``, of multi-turn rollouts."""
+
+    def __init__(self, model, tok, rows, prompts, cfg: RunConfig, host=None, tools=None):
         self.ids, self.mask = encode_prompts(tok, prompts, cfg.data.max_prompt_length,
                                              truncation=cfg.data.truncation)
-        self.rows, self.tok = rows, tok
+        self.rows, self.tok, self.model, self.host, self.tools = rows, tok, model, host, tools
+        self.rc = cfg.rollout
         self.engine = make_engine("hf", model=model, eos_token_ids=stop_token_ids(tok),
                                   pad_token_id=tok.pad_token_id)
         self.params = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
@@ -310,8 +399,22 @@ class _AccuracyProbe:
         self.last = float("nan")
 
     def __call__(self) -> float:
-        out = self.engine.generate(self.ids, self.mask, self.params)
-        dec = decode_responses(self.tok, out.response_ids, out.response_mask)
+        if self.host is not None:
+            rc = self.rc
+            out = generate_turns(
+                self.model, self.tok, [i[m.bool()].tolist() for i, m in zip(self.ids, self.mask)],
+                self.params, host=self.host, tools=self.tools,
+                max_assistant_turns=rc.max_assistant_turns, max_user_turns=rc.max_user_turns,
+                max_parallel_calls=rc.max_parallel_calls,
+                max_tool_response_length=rc.max_tool_response_length,
+                truncate_side=rc.tool_response_truncate_side, budget_s=rc.tool_budget_s,
+                eos_token_ids=stop_token_ids(self.tok), pad_token_id=self.tok.pad_token_id,
+                instance_prefix="probe")
+            dec = decode_responses(self.tok, out.response_ids, out.attention_mask,
+                                   sampled_mask=out.response_mask)
+        else:
+            out = self.engine.generate(self.ids, self.mask, self.params)
+            dec = decode_responses(self.tok, out.response_ids, out.response_mask)
         res = self.scorer.score([r.data_source for r in self.rows], dec.texts,
                                 [r.ground_truth for r in self.rows],
                                 special_token=dec.special_token)
@@ -319,21 +422,22 @@ class _AccuracyProbe:
         return self.last
 
 
-def encode_rows(tokenizer, rows: list[PromptRow], max_len: int, truncation: str = "error"):
-    texts = [render_prompt(r, tokenizer) for r in rows]
+def encode_rows(tokenizer, rows: list[PromptRow], max_len: int, truncation: str = "error",
+                tools: list[dict] | None = None):
+    texts = [render_prompt(r, tokenizer, tools) for r in rows]
     return encode_prompts(tokenizer, texts, max_len, names=[f"dataset row {r.index}" for r in rows],
                           truncation=truncation)
 
 
 def load_checked_rows(tokenizer, files: list[str], max_len: int,
-                      truncation: str = "error") -> list[PromptRow]:
+                      truncation: str = "error", tools: list[dict] | None = None) -> list[PromptRow]:
     """:func:`load_prompt_rows` (same rows, same indices) plus the prompt-length check, file by
     file so that an over-long prompt is named by its file and 0-based row (with ``truncation``
     ``error``; otherwise such a prompt is cut when it is encoded)."""
     rows: list[PromptRow] = []
     for path in files:
         part = load_prompt_rows([path])  # indices 0.. within this file
-        encode_prompts(tokenizer, [render_prompt(r, tokenizer) for r in part], max_len,
+        encode_prompts(tokenizer, [render_prompt(r, tokenizer, tools) for r in part], max_len,
                        names=[f"{path}: row {r.index} (0-based), column 'prompt'" for r in part],
                        truncation=truncation)
         start = len(rows)
@@ -353,10 +457,18 @@ class RLTrainer:
         self.tokenizer = tok = load_tokenizer(assets.model_path)
         self.train_rows = load_prompt_rows(assets.train_files)
         self.val_rows = load_prompt_rows(assets.val_files)
+        # rollout.multi_turn: the tools (their schemas in every prompt), in a host process
+        self.tool_schemas = self.tool_host = None
+        if cfg.rollout.multi_turn:
+            entries = tool_entries(cfg.rollout.tool_config_path)
+            self.tool_schemas = [e.schema for e in entries]
+            self.tool_host = ToolHost(entries, timeout_s=cfg.rollout.tool_timeout_s)
         self.train_prompt_ids, self.train_prompt_mask = encode_rows(
-            tok, self.train_rows, cfg.data.max_prompt_length, cfg.data.truncation)
+            tok, self.train_rows, cfg.data.max_prompt_length, cfg.data.truncation,
+            self.tool_schemas)
         self.val_prompt_ids, self.val_prompt_mask = encode_rows(
-            tok, self.val_rows, cfg.data.max_prompt_length, cfg.data.truncation)
+            tok, self.val_rows, cfg.data.max_prompt_length, cfg.data.truncation,
+            self.tool_schemas)
         self.sampler = ResumableSampler(len(self.train_rows), cfg.data.train_batch_size, cfg.seed,
                                         shuffle=cfg.data.shuffle)
         algo = cfg.algorithm
@@ -430,6 +542,8 @@ class RLTrainer:
 
     def close(self):
         self.scorer.close()
+        if self.tool_host is not None:
+            self.tool_host.close()
 
     # ------------------------------------------------------------------ state
     def state(self, *, with_optimizer: bool = True) -> tuple[dict, dict]:
@@ -567,6 +681,39 @@ class RLTrainer:
                                    first_row=int(mine[0]), total_rows=n)
         return concat_outputs(self.dp.gather_objects(out), self.tokenizer.pad_token_id)
 
+    def _generate_turns(self, prompt_ids, prompt_mask, params: SamplingParams,
+                        rows: list[int], rows_data: list[PromptRow], phase: str,
+                        split: bool = True) -> MultiTurnOutput:
+        """Multi-turn rollouts (``rollout.multi_turn``, :func:`generate_turns`) of the N
+        prompts; ``rows`` (N,): each one's row index in the phase's whole batch (its random
+        draws), ``rows_data`` (N,) the dataset rows (verl's ``extra_info.tools_kwargs``). With
+        W > 1 and ``split`` each worker runs its block and the blocks are gathered (a
+        collective); ``split=False``: this worker runs all N."""
+        self._sync_rollout_weights()
+        rc, n = self.cfg.rollout, prompt_ids.shape[0]
+        split = split and self.dp.distributed
+        mine = self.dp.block(torch.arange(n)).tolist() if split else list(range(n))
+        was_training = self.rollout_model.training
+        self.rollout_model.eval()
+        try:
+            out = generate_turns(
+                self.rollout_model, self.tokenizer,
+                [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in mine], params,
+                host=self.tool_host, tools=self.tool_schemas, rows=[rows[i] for i in mine],
+                max_assistant_turns=rc.max_assistant_turns, max_user_turns=rc.max_user_turns,
+                max_parallel_calls=rc.max_parallel_calls,
+                max_tool_response_length=rc.max_tool_response_length,
+                truncate_side=rc.tool_response_truncate_side,
+                tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
+                budget_s=rc.tool_budget_s, eos_token_ids=stop_token_ids(self.tokenizer),
+                pad_token_id=self.tokenizer.pad_token_id,
+                instance_prefix=f"{phase}:{params.seed}")
+        finally:
+            self.rollout_model.train(was_training)
+        if split:
+            out = concat_turn_outputs(self.dp.gather_objects(out), self.tokenizer.pad_token_id)
+        return out
+
     def _generate_greedy(self, prompt_ids, prompt_mask) -> GenerationOutput:
         """One greedy (argmax) response per prompt row: (B, T_b). With W > 1 the rows are padded
         to a multiple of W with copies of the last one (greedy decoding draws nothing, so the
@@ -611,36 +758,47 @@ class RLTrainer:
         params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                                 max_new_tokens=rc.max_new_tokens,
                                 seed=derive_seed(self.cfg.seed, step, phase))
+        rows = [self.train_rows[i] for i in rows_idx.tolist()]
         t0 = time.perf_counter()
-        out = self._generate(self.train_prompt_ids[rows_idx], self.train_prompt_mask[rows_idx],
-                             params)
+        extra, metrics, infos = {}, {}, [r.extra_info for r in rows]
+        if rc.multi_turn:
+            out = self._generate_turns(self.train_prompt_ids[rows_idx],
+                                       self.train_prompt_mask[rows_idx], params,
+                                       list(range(len(rows))), rows, phase)
+            extra = {"response_attention_mask": out.attention_mask,
+                     "turns": [{"turns": t, "tool_rewards": r}
+                               for t, r in zip(out.turns, out.tool_rewards)]}
+            metrics.update(turn_metrics(out))
+            infos = turn_extra_info(infos, extra["turns"])
+        else:
+            out = self._generate(self.train_prompt_ids[rows_idx],
+                                 self.train_prompt_mask[rows_idx], params)
         dt = time.perf_counter() - t0
         traits = self.cfg.algorithm.estimator_traits
-        extra, metrics = {}, {}
         if traits.needs_greedy_baseline:
             t1 = time.perf_counter()
             greedy = self._generate_greedy(self.train_prompt_ids[idx], self.train_prompt_mask[idx])
             prompt_of_row = torch.arange(len(idx)).repeat_interleave(G)  # (N,) row -> prompt b
-            extra = {"baseline_response_ids": greedy.response_ids[prompt_of_row],  # (N, T_b)
-                     "baseline_response_mask": greedy.response_mask[prompt_of_row]}
+            extra.update({"baseline_response_ids": greedy.response_ids[prompt_of_row],  # (N, T_b)
+                          "baseline_response_mask": greedy.response_mask[prompt_of_row]})
             metrics["rollout/greedy_time_s"] = time.perf_counter() - t1
             metrics["rollout/greedy_length_mean"] = float(greedy.response_mask.sum()) / len(idx)
-        rows = [self.train_rows[i] for i in rows_idx.tolist()]
         batch = Batch(
             prompt_ids=self.train_prompt_ids[rows_idx], prompt_mask=self.train_prompt_mask[rows_idx],
             response_ids=out.response_ids, response_mask=out.response_mask,
             response_logprobs=out.logprobs,
             group=torch.arange(len(idx)).repeat_interleave(G),
             uid=[str(r.index) for r in rows], ground_truth=[r.ground_truth for r in rows],
-            data_source=[r.data_source for r in rows], extra_info=[r.extra_info for r in rows],
+            data_source=[r.data_source for r in rows], extra_info=infos,
             pad_id=self.tokenizer.pad_token_id,
             meta={"step": step, "kl_coef": self.kl_ctrl.value}, **extra)
-        tokens = float(out.response_mask.sum())
+        tokens = float(out.response_mask.sum())  # sampled
+        lengths = batch.response_lengths  # (N,) every real token (multi-turn: tools' too)
         return batch, {"rollout/time_s": dt, "rollout/tokens_per_s": tokens / max(dt, 1e-9),
-                       "response_length/mean": tokens / batch.num_rows,
+                       "response_length/mean": float(lengths.sum()) / batch.num_rows,
                        # verl's: the share of responses cut at rollout.max_new_tokens
                        "response_length/clip_ratio": float(
-                           (out.response_mask.sum(-1) >= rc.max_new_tokens).float().mean()),
+                           (lengths >= rc.max_new_tokens).float().mean()),
                        # 1: the engine gave its memory back for the update (vLLM's sleep mode)
                        "rollout/memory_released": float(self.engine.releases_memory), **metrics}
 
@@ -690,7 +848,7 @@ class RLTrainer:
             return score_batch(batch, self.scorer, self.tokenizer, overlong=overlong,
                                details=details)
         t0 = time.perf_counter()
-        texts = decode_responses(self.tokenizer, batch.response_ids, batch.response_mask).texts
+        texts = decoded(self.tokenizer, batch).texts
         scores = self.model_scores(batch.uid, texts)  # (N,)
         baseline = None
         if batch.baseline_response_ids is not None:
@@ -813,16 +971,29 @@ class RLTrainer:
             mask = self.val_prompt_mask[s:e].repeat_interleave(k, 0)
             # each response draws what it would in one call over all n x k rows: the numbers
             # do not depend on the worker count or val_batch_size
-            out = self.engine.generate(ids, mask, params, first_row=s * k, total_rows=n * k) \
-                if sampled else self.engine.generate(ids, mask, params)
-            dec = decode_responses(self.tokenizer, out.response_ids, out.response_mask)
+            sampled_mask = None
+            if rc.multi_turn:
+                out = self._generate_turns(
+                    ids, mask, params, list(range(s * k, e * k)),
+                    [row for row in self.val_rows[s:e] for _ in range(k)], "val", split=False)
+                real = out.attention_mask  # (n, T) every real token, tools' responses too
+                sampled_mask = out.response_mask
+                dec = decode_responses(self.tokenizer, out.response_ids, real,
+                                       sampled_mask=out.response_mask)
+            else:
+                out = self.engine.generate(ids, mask, params, first_row=s * k,
+                                           total_rows=n * k) \
+                    if sampled else self.engine.generate(ids, mask, params)
+                real = out.response_mask
+                dec = decode_responses(self.tokenizer, out.response_ids, out.response_mask)
             for i in range(min(len(ids), n_samples - len(shown))):  # as the model saw them
                 shown.append((report.visible_text(self.tokenizer, ids[i], mask[i]),
-                              report.visible_text(self.tokenizer, out.response_ids[i],
-                                                  out.response_mask[i])))
+                              report.visible_text(self.tokenizer, out.response_ids[i], real[i],
+                                                  None if sampled_mask is None
+                                                  else sampled_mask[i])))
             texts += dec.texts
             special += dec.special_token
-            lengths += out.response_mask.sum(-1).tolist()
+            lengths += real.sum(-1).tolist()
         rows = [row for row in self.val_rows[lo:hi] for _ in range(k)]
         res = self.scorer.score([r.data_source for r in rows], texts,
                                 [r.ground_truth for r in rows], [r.extra_info for r in rows],

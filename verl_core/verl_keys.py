@@ -358,6 +358,15 @@ VERL_TO_OURS: dict[str, Transform] = {
     "data.filter_overlong_prompts": _filter_overlong,
     **{R + f"val_kwargs.{n}": _to(f"rollout.val_{n}") for n in (
         "do_sample", "temperature", "top_p", "top_k", "n")},
+    # multi-turn rollouts with tools (verl's null limits are our 0; data.tool_config_path is
+    # verl's interpolation of the rollout's)
+    R + "multi_turn.enable": _to("rollout.multi_turn"),
+    R + "multi_turn.tool_config_path": _to("rollout.tool_config_path"),
+    "data.tool_config_path": _to("rollout.tool_config_path"),
+    **{R + f"multi_turn.{n}": _to(f"rollout.{n}", lambda v: v or 0, skip_none=False)
+       for n in ("max_assistant_turns", "max_user_turns")},
+    **{R + f"multi_turn.{n}": _to(f"rollout.{n}") for n in (
+        "max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")},
     # model, reward
     "actor_rollout_ref.model.path": _to("model.path"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": _to("model.gradient_checkpointing"),
@@ -520,6 +529,19 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
                                    "and memory only; the sampled tokens are the same)"),
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": (
         _is(1), "no sequence parallelism: each worker holds whole sequences"),
+    R + "multi_turn.format": (_is("hermes"), "tool calls are parsed in the hermes format "
+                              "(<tool_call>{...}</tool_call>, what Qwen2.5/Qwen3 emit) only"),
+    R + "multi_turn.tokenization_sanity_check_mode": (
+        _any, "nothing is re-tokenised here to check: the sampled ids are kept as sampled and "
+              "the tool responses appended as the chat template's ids"),
+    R + "multi_turn.use_inference_chat_template": (
+        _is(False), "the chat template is used as the model ships it, in rollout and training "
+                    "alike"),
+    R + "agent.num_workers": (_any, "verl's agent-loop worker count: here the tool host runs "
+                              "every row's calls of a turn concurrently"),
+    R + "agent.default_agent_loop": (
+        _is("single_turn_agent", "tool_agent"),
+        "the loop follows rollout.multi_turn (verl's multi_turn.enable): tool_agent when on"),
 }
 """verl keys that change nothing here while their value is accepted (else refused with the
 reason)."""
@@ -530,9 +552,12 @@ REFUSED: dict[str, str] = {
     "actor_rollout_ref.model.lora_alpha": _LORA,
     "actor_rollout_ref.model.target_modules": _LORA,
     "actor_rollout_ref.model.lora_adapter_path": _LORA,
-    R + "multi_turn.": "multi-turn rollouts with tool calls are not offered yet (tracked in "
-                       "issue 25: verl's agent loop)",
-    R + "agent.": "agent loops are not offered yet (tracked in issue 25)",
+    R + "multi_turn.interaction_config_path": "simulated-user interactions are not offered: "
+                                              "multi-turn rollouts here are tool calls",
+    R + "multi_turn.num_repeat_rollouts": "not offered: each prompt's rollout.n responses are "
+                                          "sampled afresh",
+    R + "agent.": "custom agent loops are not offered: rollout.multi_turn "
+                  "(multi_turn.enable) runs verl's tool agent loop",
     "actor_rollout_ref.model.trust_remote_code": "a model folder's own Python code is never run "
                                                  "here (only architectures transformers ships "
                                                  "load; the folder is checked before loading)",

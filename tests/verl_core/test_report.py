@@ -149,3 +149,18 @@ def test_the_data_validation_reports_are_in_the_report(tracked_run, finalize_htm
         assert f"{stage} batch of step 0: passed" in section, stage
     assert "expect_column_max_to_be_between" in section
     assert not FETCHES.search(section)
+
+
+def test_a_multi_turn_response_shows_its_appended_spans_marked():
+    from verl_core.models.tokenizer import CHAR_CHAT_TEMPLATE, build_char_tokenizer
+    tok = build_char_tokenizer(CHAR_CHAT_TEMPLATE)
+    call = tok("<tool_call>x</tool_call>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    obs = tok(">42\n", add_special_tokens=False)["input_ids"]
+    answer = tok("42", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids = call + obs + answer + [tok.pad_token_id] * 3
+    real = [1] * (len(ids) - 3) + [0] * 3
+    sampled = [1] * len(call) + [0] * len(obs) + [1] * len(answer) + [0] * 3
+    left, right = report.OBSERVATION_MARKS
+    assert report.visible_text(tok, ids, real, sampled) == \
+        f"<tool_call>x</tool_call><eos>{left}>42\n{right}42<eos>"
+    assert report.visible_text(tok, ids, real) == "<tool_call>x</tool_call><eos>>42\n42<eos>"

@@ -137,8 +137,12 @@ def test_mapped_values_build_a_valid_config():
     ("trainer.default_local_dir=/ckpt",
      r"default_local_dir='/ckpt' cannot apply here: the run store .*--workdir"),
     # a verl key with no table entry: refused unless at verl's default
-    ("actor_rollout_ref.rollout.multi_turn.enable=True",
-     r"multi_turn.enable=True cannot apply here: multi-turn .*issue 25"),
+    ("actor_rollout_ref.rollout.multi_turn.interaction_config_path=/i.yaml",
+     r"interaction_config_path='/i.yaml' cannot apply here: simulated-user interactions"),
+    ("actor_rollout_ref.rollout.multi_turn.format=gpt-oss",
+     r"multi_turn.format='gpt-oss' cannot apply here: .*hermes"),
+    ("actor_rollout_ref.rollout.agent.agent_loop_config_path=/a.yaml",
+     r"agent_loop_config_path='/a.yaml' cannot apply here: custom agent loops"),
     ("actor_rollout_ref.rollout.mode=sync",
      r"rollout.mode='sync' has no equivalent here \(only verl's default 'async'"),
     ("trainer.resume_from_path=/x", r"resume_from_path.*only with trainer.resume_mode"),
@@ -153,7 +157,20 @@ def test_refused_by_name_with_the_reason(cli, match):
 
 
 def test_verl_default_value_is_accepted_on_the_command_line():
-    assert to_ours({"actor_rollout_ref.rollout.multi_turn.enable": False}) == {}
+    assert to_ours({"actor_rollout_ref.rollout.multi_turn.interaction_config_path": None}) == {}
+
+
+def test_verl_multi_turn_keys_map_onto_the_rollout():
+    m = "actor_rollout_ref.rollout.multi_turn."
+    got = to_ours(parse_cli(shlex.split(
+        f"{m}enable=True {m}tool_config_path=/t.yaml {m}max_assistant_turns=null "
+        f"{m}max_user_turns=3 {m}max_parallel_calls=2 {m}max_tool_response_length=64 "
+        f"{m}tool_response_truncate_side=left {m}format=hermes "
+        f"{m}tokenization_sanity_check_mode=disable data.tool_config_path=/t.yaml")))
+    assert got == {"rollout.multi_turn": True, "rollout.tool_config_path": "/t.yaml",
+                   "rollout.max_assistant_turns": 0, "rollout.max_user_turns": 3,
+                   "rollout.max_parallel_calls": 2, "rollout.max_tool_response_length": 64,
+                   "rollout.tool_response_truncate_side": "left"}
 
 
 def test_verl_key_and_ours_for_one_field_must_agree():

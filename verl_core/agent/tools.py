@@ -23,9 +23,7 @@
 
 ``agent/turns.py`` renders what a rollout appends after a turn (the tool responses and the next
 assistant header, as token ids of the model's own chat template); ``rollout/multi_turn.py``
-samples the turns (the ``hf`` sampler). Not here yet (issue 25): the rollout phase that uses them
-and stores the turns, the vLLM engine's turns, the ``calculator`` synthetic task; verl's
-``multi_turn.*`` keys stay refused until the phase exists.
+samples the turns (the ``hf`` sampler), which the rollout phase runs with ``rollout.multi_turn``.
 """
 
 from __future__ import annotations
@@ -105,6 +103,19 @@ def load_tool_config(path: str) -> list[ToolEntry]:
         seen[name] = i
         out.append(ToolEntry(cls.strip(), dict(config), schema))
     return out
+
+
+BUILTIN_CALCULATOR = "builtin:calculator"
+"""``rollout.tool_config_path`` of the built-in calculator (:class:`CalculatorTool`), the
+``calculator`` task's tool, with no YAML to write."""
+
+
+def tool_entries(path: str) -> list[ToolEntry]:
+    """The tools ``rollout.tool_config_path`` names: :data:`BUILTIN_CALCULATOR` or a verl tool
+    YAML (:func:`load_tool_config`)."""
+    if path == BUILTIN_CALCULATOR:
+        return [ToolEntry(f"{__name__}.CalculatorTool", {}, CalculatorTool.SCHEMA)]
+    return load_tool_config(path)
 
 
 def _check_schema(where: str, schema: Any) -> None:
@@ -320,7 +331,8 @@ async def _run(tools: dict, op: str, name: str, instance_id: str, kwargs: dict) 
             jsonschema.validate(kwargs["parameters"], params)
         except jsonschema.ValidationError as e:
             return ToolResult("error", error=f"{name}: bad arguments: {e.message}")
-        out = await _maybe_await(tool.execute(instance_id, kwargs["parameters"]))
+        extra = {k: v for k, v in kwargs.items() if k != "parameters"}  # execute_kwargs
+        out = await _maybe_await(tool.execute(instance_id, kwargs["parameters"], **extra))
         if not (isinstance(out, tuple) and len(out) == 3):
             return ToolResult("error", error=f"{name}: execute returned "
                                              f"{type(out).__name__}, not (response, reward, "
@@ -409,9 +421,14 @@ class ToolHost:
             raise ToolConfigError(msg)
         self._proc, self._conn = proc, parent
 
-    def run(self, requests: list[Request]) -> list[ToolResult]:
+    def run(self, requests: list[Request], timeout_s: float | None = None) -> list[ToolResult]:
         """Send every request at once; each answer, or ``timeout`` for those not answered within
-        ``timeout_s`` of the send (the host is then replaced: see the module's docstring)."""
+        ``timeout_s`` of the send (the host is then replaced: see the module's docstring).
+        ``timeout_s``: a shorter deadline for this batch (what is left of a rollout's budget;
+        at 0 nothing is sent and every request times out)."""
+        if timeout_s is not None and timeout_s <= 0:
+            return [ToolResult("timeout", error="rollout's tool_budget_s (spent)")
+                    for _ in requests]
         self.start()
         ids = {}
         for r in requests:
@@ -419,7 +436,8 @@ class ToolHost:
             ids[self._next_id] = len(ids)
             self._conn.send((self._next_id, r.op, r.tool, r.instance_id, dict(r.kwargs)))
         out: list[ToolResult | None] = [None] * len(requests)
-        deadline = time.monotonic() + self.timeout_s
+        limit = self.timeout_s if timeout_s is None else min(self.timeout_s, timeout_s)
+        deadline = time.monotonic() + limit
         left = len(requests)
         while left:
             wait = deadline - time.monotonic()
@@ -436,8 +454,8 @@ class ToolHost:
             self._kill()
             self.restarts += 1
             out = [r if r is not None else
-                   ToolResult("timeout", error=f"tool_timeout_s={self.timeout_s:g}s",
-                              latency_s=self.timeout_s) for r in out]
+                   ToolResult("timeout", error=f"tool_timeout_s={limit:g}s",
+                              latency_s=limit) for r in out]
         return out  # type: ignore[return-value]
 
     def _kill(self) -> None:

@@ -66,7 +66,10 @@ class DataConfig:
     shuffle: bool = in_trajectory(True)
     """Shuffle the training prompts each epoch (seeded by ``run.seed``)."""
     synthetic_task: str = in_trajectory("arithmetic")
-    """Synthetic verifiable task generated when ``train_files`` is empty."""
+    """Synthetic verifiable task generated when ``train_files`` is empty: ``arithmetic``
+    (``12+7=``, answered at once) or ``calculator`` (3-4 digit sums and products, with the
+    built-in calculator tool in multi-turn rollouts; the presets then set
+    :data:`~verl_core.config.CALCULATOR_DEFAULTS`)."""
     synthetic_train_size: int = in_trajectory(3000)
     """Rows in the generated training split."""
     synthetic_val_size: int = in_trajectory(500)
@@ -84,11 +87,12 @@ class DataConfig:
         _non_negative("data", self, "gen_batch_size")
         _positive("data", self, "train_batch_size", "val_batch_size", "max_prompt_length",
                   "synthetic_train_size", "synthetic_val_size", "synthetic_max_operand")
-        _one_of("data", "synthetic_task", self.synthetic_task, {"arithmetic"})
+        _one_of("data", "synthetic_task", self.synthetic_task, {"arithmetic", "calculator"})
         _one_of("data", "truncation", self.truncation, set(TRUNCATIONS))
         m = self.synthetic_max_operand
         unique = (m + 1) ** 2 + (m + 1) * (m + 2) // 2  # a+b, and a-b with a >= b
-        if not self.train_files and self.synthetic_train_size + self.synthetic_val_size > unique:
+        if (not self.train_files and self.synthetic_task == "arithmetic"
+                and self.synthetic_train_size + self.synthetic_val_size > unique):
             _fail("data", "synthetic_train_size", self.synthetic_train_size,
                   f"+ synthetic_val_size={self.synthetic_val_size} exceeds the {unique} unique "
                   f"problems with synthetic_max_operand={m}; raise synthetic_max_operand")

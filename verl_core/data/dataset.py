@@ -281,16 +281,20 @@ def prompt_text(prompt) -> str:
 
 # ---------------------------------------------------------------- rendering
 def render_prompt(messages: Iterable[Mapping[str, str]] | Iterable[Message] | PromptRow,
-                  tokenizer=None) -> str:
+                  tokenizer=None, tools: list[dict] | None = None) -> str:
     """Prompt text for the policy.
 
     With a tokenizer that has a chat template: ``apply_chat_template(..., tokenize=False,
-    add_generation_prompt=True)``. Otherwise the message contents joined by newlines (the tiny
-    model has no template, so ``[{"role": "user", "content": "12+7="}]`` renders as ``12+7=``).
+    add_generation_prompt=True)``, showing the ``tools`` (their schemas: multi-turn rollouts)
+    when given. Otherwise the message contents joined by newlines (the tiny model has no
+    template, so ``[{"role": "user", "content": "12+7="}]`` renders as ``12+7=``).
     """
     if isinstance(messages, PromptRow):
         messages = messages.messages
     chat = [m if isinstance(m, Mapping) else {"role": m[0], "content": m[1]} for m in messages]
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        if tools:
+            return tokenizer.apply_chat_template(chat, tools=tools, tokenize=False,
+                                                 add_generation_prompt=True)
         return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     return "\n".join(m["content"] for m in chat)

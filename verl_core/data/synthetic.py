@@ -9,6 +9,13 @@ exactly verifiable by :mod:`verl_core.reward.arithmetic`. One row::
     reward_model  {"style": "rule", "ground_truth": "19"}
     extra_info    {"split": "train", "index": 0, "a": 12, "b": 7, "op": "+"}
 
+The calculator task (``data.synthetic_task=calculator``, issue 25): the same rows for products of
+two 4-digit numbers with an 8-digit result (``4321*5678=`` -> ``24534638``, ``data_source
+"synthetic/calculator"``), too large for the tiny model to compute in its head; with the
+built-in calculator tool (``rollout.multi_turn``) it can look them up. Every prompt, call, tool
+response and answer then has one length, so the tiny model's warm start learns to copy at fixed
+offsets in a few hundred steps (with 3-8 digit results it had not after 2,000).
+
 What belongs here: enumerating problems and writing the files. Reading and validation live in
 ``dataset.py``. Run ``python -m verl_core.data.synthetic OUT_DIR`` to write the default splits.
 """
@@ -25,11 +32,15 @@ import pyarrow.parquet as pq
 
 from verl_core.store import resolve_storage_options
 
-__all__ = ["DATA_SOURCE", "OPS", "arithmetic_problems", "arithmetic_rows",
-           "write_arithmetic_dataset"]
+__all__ = ["DATA_SOURCE", "CALCULATOR_DATA_SOURCE", "OPS", "arithmetic_problems",
+           "arithmetic_rows", "calculator_problems", "write_arithmetic_dataset",
+           "write_calculator_dataset"]
 
 DATA_SOURCE = "synthetic/arithmetic"
 """``data_source`` of every generated row (``reward.scorer=auto`` routes it to arithmetic)."""
+CALCULATOR_DATA_SOURCE = "synthetic/calculator"
+"""``data_source`` of the calculator task's rows (``reward.scorer=auto``: the calculator
+scorer, which reads the response's last line)."""
 
 OPS: dict[str, Callable[[int, int], int]] = {
     "+": lambda a, b: a + b,
@@ -71,11 +82,29 @@ def arithmetic_problems(max_operand: int, ops: str = "+-") -> list[Problem]:
     return out
 
 
-def arithmetic_rows(problems: list[Problem], split: str) -> list[dict]:
+CALCULATOR_OPERANDS = (3163, 9999)
+"""The calculator task's operand range: 3163 x 3163 is the smallest product with 8 digits."""
+
+
+def calculator_problems(count: int, seed: int) -> list[Problem]:
+    """``count`` distinct products ``a*b`` of operands in :data:`CALCULATOR_OPERANDS` (8-digit
+    results), drawn with ``random.Random(seed)``, in draw order."""
+    rng, seen, out = random.Random(seed), set(), []
+    lo, hi = CALCULATOR_OPERANDS
+    while len(out) < count:
+        p = (rng.randint(lo, hi), "*", rng.randint(lo, hi))
+        if p not in seen:
+            seen.add(p)
+            out.append((p[0], p[1], p[2], OPS[p[1]](p[0], p[2])))
+    return out
+
+
+def arithmetic_rows(problems: list[Problem], split: str,
+                    data_source: str = DATA_SOURCE) -> list[dict]:
     """verl-layout rows for ``problems``; ``extra_info.index`` is the row's position."""
     return [
         {
-            "data_source": DATA_SOURCE,
+            "data_source": data_source,
             "prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(ans)},
@@ -108,14 +137,31 @@ def write_arithmetic_dataset(out_dir: str, *, train_size: int, val_size: int, ma
     random.Random(seed).shuffle(order)
     val = [problems[j] for j in order[:val_size]]
     train = [problems[j] for j in order[val_size:val_size + train_size]]
+    return _write_splits(out_dir, train, val, DATA_SOURCE, storage_options)
 
+
+def write_calculator_dataset(out_dir: str, *, train_size: int, val_size: int, seed: int,
+                             storage_options: dict | None = None) -> tuple[str, str]:
+    """The calculator task's ``train.parquet`` and ``val.parquet`` under ``out_dir``: the first
+    ``val_size`` of :func:`calculator_problems` held out, the next ``train_size`` for training
+    (disjoint). Returns ``(train_path, val_path)``."""
+    if train_size <= 0 or val_size < 0:
+        raise ValueError(f"train_size={train_size}, val_size={val_size}: need train_size > 0 "
+                         "and val_size >= 0")
+    problems = calculator_problems(train_size + val_size, seed)
+    return _write_splits(out_dir, problems[val_size:], problems[:val_size],
+                         CALCULATOR_DATA_SOURCE, storage_options)
+
+
+def _write_splits(out_dir: str, train: list[Problem], val: list[Problem], data_source: str,
+                  storage_options: dict | None) -> tuple[str, str]:
     fs, root = fsspec.core.url_to_fs(out_dir,
                                      **resolve_storage_options(out_dir, storage_options))
     fs.makedirs(root, exist_ok=True)
     paths = []
     for split, probs in (("train", train), ("val", val)):
         path = f"{root.rstrip('/')}/{split}.parquet"
-        table = pa.Table.from_pylist(arithmetic_rows(probs, split), schema=_SCHEMA)
+        table = pa.Table.from_pylist(arithmetic_rows(probs, split, data_source), schema=_SCHEMA)
         with fs.open(path, "wb") as f:
             pq.write_table(table, f)
         # return the caller's spelling (a URI stays a URI; a local path stays a path)

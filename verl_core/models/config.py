@@ -12,6 +12,12 @@ from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of
                                      in_trajectory)
 
 
+def _calculator_task(run) -> bool:
+    """The calculator task's warm start reads ``warmup_tool_fraction``; elsewhere it does
+    nothing, and the run hashes as before it existed."""
+    return not run.data.train_files and run.data.synthetic_task == "calculator"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The policy (and reference/critic initialisation)."""
@@ -37,6 +43,11 @@ class ModelConfig:
     """Learning rate of the supervised warm start."""
     warmup_sft_batch_size: int = in_trajectory(64)
     """Batch size of the supervised warm start."""
+    warmup_tool_fraction: float = in_trajectory(0.2, when=_calculator_task)
+    """The calculator task: the share of the warm start's transcripts that call the tool; the
+    others answer at once (the true answer, which the tiny model cannot compute). At 0.2 the
+    warm-started model rarely calls (greedy: ~4% of held-out prompts) but copies the tool's
+    answer when it does: RL has to find that the tool pays, and ``tool_calls/mean`` shows it."""
     dtype: str = in_trajectory("float32")
     """Compute dtype for training: float32, or bfloat16 (bf16 matmuls over float32 master weights
     and float32 AdamW state, as verl's FSDP mixed precision; the reference model and the rollout
@@ -50,6 +61,8 @@ class ModelConfig:
                   "warmup_sft_batch_size")
         _non_negative("model", self, "warmup_sft_steps")
         _positive("model", self, "warmup_sft_lr")
+        if not 0.0 <= self.warmup_tool_fraction <= 1.0:
+            _fail("model", "warmup_tool_fraction", self.warmup_tool_fraction, "must be in [0, 1]")
         if not 0.0 < self.warmup_target_accuracy <= 1.0:
             _fail("model", "warmup_target_accuracy", self.warmup_target_accuracy,
                   "must be in (0, 1]")

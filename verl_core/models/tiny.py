@@ -13,10 +13,10 @@ from verl_core.models.tokenizer import build_char_tokenizer
 
 
 def build_tiny_model(*, hidden_size: int = 64, layers: int = 2, heads: int = 2,
-                     max_positions: int = 128, seed: int = 0):
+                     max_positions: int = 128, seed: int = 0, chat_template: str | None = None):
     """Return ``(model, tokenizer)``: a randomly initialised Llama-style model (seeded) and the
-    character tokenizer it was sized for."""
-    tok = build_char_tokenizer()
+    character tokenizer it was sized for (with ``chat_template``, for multi-turn tasks)."""
+    tok = build_char_tokenizer(chat_template)
     cfg = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=hidden_size,

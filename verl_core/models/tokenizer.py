@@ -17,8 +17,23 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 CHARS = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")  # 96 incl. space and \n
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """Return a fast tokenizer: one token per character, <bos>/<eos>/<pad>/<unk> specials.
+CHAR_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}{{ m['content'] }}{{ eos_token }}"
+    "{%- elif m['role'] == 'tool' -%}{{ '>' + m['content'] + '\\n' }}"
+    "{%- else -%}{{ m['content'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}")
+"""The tiny model's chat template for multi-turn rollouts (the calculator task): as short as a
+character model needs. ``<bos>``, then: a user message is its text; an assistant turn ends with ``<eos>``; a tool
+response is ``>`` + its text + a newline, after which the next turn (the answer's line)
+starts. No generation prompt, no system text, and the tools' schemas are not shown (the warm
+start teaches the one tool's call)."""
+
+
+def build_char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """Return a fast tokenizer: one token per character, <bos>/<eos>/<pad>/<unk> specials, and
+    ``chat_template`` (None: no template; prompts are their messages' text).
 
     Prompts are left-padded (generation appends on the right)."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -40,4 +55,6 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+    if chat_template:
+        fast.chat_template = chat_template
     return fast

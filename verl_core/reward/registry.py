@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from verl_core.reward import arithmetic, gsm8k
+from verl_core.reward import arithmetic, calculator, gsm8k
 
 __all__ = ["RULE_SCORERS", "DATA_SOURCE_SCORERS", "RULE_SCORE_RANGES", "register_rule_scorer",
            "default_compute_score", "UnknownDataSourceError"]
@@ -49,6 +49,8 @@ def register_rule_scorer(name: str, fn: RuleScorer, data_sources: tuple[str, ...
 
 register_rule_scorer("arithmetic", arithmetic.compute_score, ("synthetic/arithmetic",),
                      score_range=(0.0, 1.0))  # 1 for the exact answer, else 0
+register_rule_scorer("calculator", calculator.compute_score, ("synthetic/calculator",),
+                     score_range=(0.0, 1.0))  # 1 for the exact last line, else 0
 register_rule_scorer("gsm8k", gsm8k.compute_score, ("openai/gsm8k", "gsm8k"),
                      score_range=(0.0, 1.0))  # registered with score=1, format_score=0
 

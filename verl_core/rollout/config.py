@@ -12,6 +12,15 @@ from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of
                                      in_trajectory, not_in_trajectory)
 
 
+def _multi_turn_on(run) -> bool:
+    """``rollout.multi_turn`` off: the multi-turn fields do nothing, and the run hashes as
+    before they existed."""
+    return run.rollout.multi_turn
+
+
+_TRUNCATE_SIDES = {"left", "right", "middle"}
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """Sampling of responses."""
@@ -61,6 +70,33 @@ class RolloutConfig:
     free_cache_engine: bool = in_trajectory(True)
     """vLLM only: sleep after each generation (KV cache freed, weights offloaded to CPU) so
     training gets the GPU memory back; False keeps vLLM resident."""
+    multi_turn: bool = in_trajectory(False, when=_multi_turn_on)
+    """Multi-turn rollouts with tool calls (verl's ``multi_turn.enable``,
+    ``rollout/multi_turn.py``, docs/agent.md): a response is assistant turns and the tools'
+    responses between them, ``max_new_tokens`` tokens in all; the loss reads the sampled
+    tokens only. Needs ``tool_config_path``."""
+    tool_config_path: str = in_trajectory("", when=_multi_turn_on)
+    """verl's tool YAML (``multi_turn.tool_config_path``): ``tools: [{class_name, config,
+    tool_schema}]``, ``class_name`` a dotted ``module.Class`` or ``path/to/file.py:Class``;
+    ``builtin:calculator`` names the built-in calculator."""
+    max_assistant_turns: int = in_trajectory(0, when=_multi_turn_on)
+    """Most assistant turns per response; 0: until a turn makes no call or the budget is spent
+    (verl's null)."""
+    max_user_turns: int = in_trajectory(0, when=_multi_turn_on)
+    """Most tool-response turns per response (verl counts them as user turns); 0: no limit."""
+    max_parallel_calls: int = in_trajectory(1, when=_multi_turn_on)
+    """Tool calls of one turn that run (the first ones; verl's default 1); the rest are
+    dropped."""
+    max_tool_response_length: int = in_trajectory(256, when=_multi_turn_on)
+    """A tool's response is cut to this many tokens (verl's marks show the cut)."""
+    tool_response_truncate_side: str = in_trajectory("middle", when=_multi_turn_on)
+    """Which part of a long tool response is dropped: ``left``, ``right`` or ``middle``."""
+    tool_timeout_s: float = in_trajectory(30.0, when=_multi_turn_on)
+    """A tool call that takes longer gives the model a timeout observation (counted in
+    ``tool_calls/timeouts``); the tool host is replaced."""
+    tool_budget_s: float = in_trajectory(600.0, when=_multi_turn_on)
+    """Wall time a rollout phase may spend in tool calls; past it every further call gives a
+    timeout observation at once (the phase, and the run, go on)."""
 
     def __post_init__(self):
         _check_types("rollout", self)
@@ -72,9 +108,25 @@ class RolloutConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             _fail("rollout", "gpu_memory_utilization", self.gpu_memory_utilization,
                   "must be in (0, 1]")
+        self._check_multi_turn()
         if self.val_n > 1 and not (self.val_do_sample and self.val_temperature > 0):
             _fail("rollout", "val_n", self.val_n, "greedy evaluation gives one response per "
                   "prompt; set val_do_sample=True and val_temperature > 0 to draw several")
+
+    def _check_multi_turn(self) -> None:
+        _non_negative("rollout", self, "max_assistant_turns", "max_user_turns")
+        _positive("rollout", self, "max_parallel_calls", "max_tool_response_length",
+                  "tool_timeout_s", "tool_budget_s")
+        _one_of("rollout", "tool_response_truncate_side", self.tool_response_truncate_side,
+                _TRUNCATE_SIDES)
+        if not self.multi_turn:
+            return
+        if not self.tool_config_path:
+            _fail("rollout", "tool_config_path", "", "rollout.multi_turn=True needs the tools: "
+                  "a verl tool YAML (or builtin:calculator)")
+        if self.engine != "hf":
+            _fail("rollout", "engine", self.engine, "multi-turn rollouts run on the hf engine "
+                  "(the vllm engine samples single turns only, for now); set rollout.engine=hf")
 
     def _check_sampling(self, prefix: str) -> None:
         """``{prefix}temperature``, ``top_p`` and ``top_k``: one set of rules for both."""

@@ -1,12 +1,11 @@
-"""Multi-turn rollouts with tool calls, token-in/token-out (issue 25, item 1; the ``hf`` engine's
-sampler). Not yet wired into the trainer: verl's ``multi_turn.*`` keys stay refused until the
-rollout phase stores the turns (item 4).
+"""Multi-turn rollouts with tool calls, token-in/token-out (issue 25; the ``hf`` engine's
+sampler, run by the rollout phase with ``rollout.multi_turn``, whose batch stores the turns).
 
 Per row: sample an assistant turn; if it has tool calls (hermes, ``agent/tools.parse_hermes``),
 run them in the tool host (every row's calls of a turn in one concurrent batch), append the tool
 responses and the next assistant header as the chat template's ids (``agent/turns.py``), and
-sample again; stop at a turn without a call, at ``max_assistant_turns``, or when the response
-budget (``params.max_new_tokens``, all turns and tool responses together: verl's
+sample again; stop at a turn without a call, at ``max_assistant_turns`` or ``max_user_turns``
+(tool-response turns, as verl counts them), or when the response budget (``params.max_new_tokens``, all turns and tool responses together: verl's
 ``response_length``) is spent. The sampled ids are kept exactly as sampled; ``response_mask`` is
 1 on them and 0 on the appended ids, whose log-probs are 0.
 
@@ -18,6 +17,7 @@ split across workers (``rows``: each row's index in the whole batch).
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,14 +32,32 @@ from verl_core.rollout.hf import generate_with_cache
 class MultiTurnOutput:
     response_ids: torch.Tensor  # (N, T) long: sampled and appended ids, right-padded
     response_mask: torch.Tensor  # (N, T) float32: 1 on sampled ids (EOS included), else 0
+    attention_mask: torch.Tensor  # (N, T) float32: 1 on every real id (sampled and appended)
     logprobs: torch.Tensor  # (N, T) float32: log p of each sampled id, 0 elsewhere
     turns: list[list[dict]]
     """Per row, per assistant turn: ``sampled`` and ``appended`` (start, end) spans of the
     response, ``calls`` (name and arguments, or the parse error) and ``results`` (status, the
     observation the model read, latency): what the store keeps so no tool is ever called again
     for this rollout."""
-    tool_rewards: list[float]
-    """Per row: the tools' step rewards and ``calc_reward``, summed (for the scorer)."""
+    tool_rewards: list[list[float]]
+    """Per row: each call's step reward, in order, then each tool instance's ``calc_reward``
+    (what the scorer reads as ``extra_info["tool_rewards"]``, as verl's reward managers)."""
+
+
+def concat_turn_outputs(parts: list[MultiTurnOutput], pad_token_id: int) -> MultiTurnOutput:
+    """The rows of ``parts`` in order (W > 1: the workers' blocks), right-padded to the
+    widest."""
+    T = max(p.response_ids.shape[1] for p in parts)
+
+    def cat(name, value):
+        return torch.cat([torch.nn.functional.pad(getattr(p, name),
+                                                  (0, T - getattr(p, name).shape[1]),
+                                                  value=value) for p in parts])
+    return MultiTurnOutput(
+        response_ids=cat("response_ids", pad_token_id), response_mask=cat("response_mask", 0.0),
+        attention_mask=cat("attention_mask", 0.0), logprobs=cat("logprobs", 0.0),
+        turns=[t for p in parts for t in p.turns],
+        tool_rewards=[r for p in parts for r in p.tool_rewards])
 
 
 def turn_metrics(out: MultiTurnOutput) -> dict[str, float]:
@@ -78,29 +96,50 @@ def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
+class _Deadline:
+    """The rollout's budget for tool calls (``rollout.tool_budget_s``): each turn's calls run
+    under the tool timeout or what is left of the budget, whichever is less; once it is spent,
+    calls time out at once."""
+
+    def __init__(self, budget_s: float | None):
+        self.end = None if budget_s is None else time.monotonic() + budget_s
+
+    def left(self) -> float | None:
+        return None if self.end is None else max(0.0, self.end - time.monotonic())
+
+
 @torch.no_grad()
 def generate_turns(model, tokenizer, prompts: list[list[int]], params: SamplingParams, *,
                    host: ToolHost, tools: list[dict] | None = None,
                    rows: list[int] | None = None, max_assistant_turns: int = 5,
+                   max_user_turns: int = 0, max_parallel_calls: int = 0,
                    max_tool_response_length: int = 256, truncate_side: str = "left",
+                   tools_kwargs: list[dict] | None = None, budget_s: float | None = None,
                    eos_token_ids=None, pad_token_id: int,
                    instance_prefix: str = "") -> MultiTurnOutput:
     """Multi-turn rollouts of the ``prompts`` (each a list of token ids, chat template applied,
     generation prompt included). ``tools``: the schemas the template shows (the prompts were
-    rendered with them). ``instance_prefix`` makes the tool instances of this rollout unique
-    (the step's seed and phase)."""
+    rendered with them). ``max_assistant_turns`` / ``max_user_turns`` / ``max_parallel_calls``
+    (the calls of a turn that run): 0 is no limit. ``tools_kwargs``: per row, verl's
+    ``extra_info["tools_kwargs"]`` (``{tool: {"create_kwargs": {...}, "execute_kwargs":
+    {...}}}``). ``budget_s``: the tool calls' wall-time budget (:class:`_Deadline`).
+    ``instance_prefix`` makes the tool instances of this rollout unique (the step's seed and
+    phase)."""
     n, budget = len(prompts), params.max_new_tokens
     rows = list(range(n)) if rows is None else list(rows)
+    kwargs_of = [dict(k or {}) for k in tools_kwargs] if tools_kwargs is not None else [{}] * n
     stop = set(resolve_stop_ids(eos_token_ids))
     device = next(model.parameters()).device
     resp: list[list[int]] = [[] for _ in range(n)]
     mask: list[list[float]] = [[] for _ in range(n)]
     logp: list[list[float]] = [[] for _ in range(n)]
     turns: list[list[dict]] = [[] for _ in range(n)]
-    rewards = [0.0] * n
+    rewards: list[list[float]] = [[] for _ in range(n)]
     created: set[tuple[int, str]] = set()
     done = [False] * n
-    for k in range(max_assistant_turns):
+    deadline = _Deadline(budget_s)
+    last = max_assistant_turns or budget  # every turn samples at least one token
+    for k in range(last):
         active = [i for i in range(n) if not done[i]]
         if not active:
             break
@@ -123,13 +162,17 @@ def generate_turns(model, tokenizer, prompts: list[list[int]], params: SamplingP
             ended = take > 0 and sampled[-1] in stop
             calls = parse_hermes(tokenizer.decode(sampled, skip_special_tokens=False)) \
                 if ended else []
-            if not calls or k == max_assistant_turns - 1 or len(resp[i]) >= budget:
+            if max_parallel_calls:
+                calls = calls[:max_parallel_calls]
+            if (not calls or k == last - 1 or len(resp[i]) >= budget
+                    or max_user_turns and k >= max_user_turns):
                 done[i] = True
                 continue
             calls_of[i] = calls
         if not calls_of:
             continue
-        results = _run_calls(host, calls_of, rows, instance_prefix, created)
+        results = _run_calls(host, calls_of, rows, instance_prefix, created, kwargs_of,
+                             deadline)
         for i, calls in calls_of.items():
             turn = turns[i][-1]
             texts = []
@@ -140,8 +183,8 @@ def generate_turns(model, tokenizer, prompts: list[list[int]], params: SamplingP
                                      if isinstance(c, BadToolCall)
                                      else {"name": c.name, "arguments": c.arguments})
                 turn["results"].append({"status": r.status, "observation": text,
-                                        "latency_s": r.latency_s})
-                rewards[i] += r.reward
+                                        "reward": r.reward, "latency_s": r.latency_s})
+                rewards[i].append(r.reward)
                 texts.append({"role": "tool", "content": text})
             eot = tokenizer.convert_ids_to_tokens(resp[i][-1])
             appended = observation_ids(tokenizer, texts, end_of_turn=eot, tools=tools)
@@ -159,6 +202,8 @@ def generate_turns(model, tokenizer, prompts: list[list[int]], params: SamplingP
     return MultiTurnOutput(
         response_ids=torch.tensor(pad(resp, pad_token_id), dtype=torch.long),
         response_mask=torch.tensor(pad(mask, 0.0), dtype=torch.float32),
+        attention_mask=torch.tensor(pad([[1.0] * len(r) for r in resp], 0.0),
+                                    dtype=torch.float32),
         logprobs=torch.tensor(pad(logp, 0.0), dtype=torch.float32),
         turns=turns, tool_rewards=rewards)
 
@@ -167,25 +212,37 @@ def _instance(prefix: str, row: int, tool: str) -> str:
     return f"{prefix}:{row}:{tool}"
 
 
+def _tool_kwargs(kwargs_of: list[dict], i: int, tool: str, key: str) -> dict:
+    """verl's ``extra_info["tools_kwargs"][tool][key]`` of row ``i`` (``create_kwargs`` or
+    ``execute_kwargs``), {} when absent."""
+    got = (kwargs_of[i].get(tool) or {}).get(key) or {}
+    return dict(got) if isinstance(got, dict) else {}
+
+
 def _run_calls(host: ToolHost, calls_of: dict[int, list], rows: list[int], prefix: str,
-               created: set) -> dict[int, list[ToolResult]]:
+               created: set, kwargs_of: list[dict],
+               deadline: _Deadline) -> dict[int, list[ToolResult]]:
     """Every row's calls of this turn, in two concurrent batches: the tool instances a row
     calls for the first time are created, then every call runs. A parse error is its own
     result (nothing runs)."""
     fresh = sorted({(i, c.name) for i, calls in calls_of.items() for c in calls
                     if not isinstance(c, BadToolCall) and c.name in host.names} - created)
     if fresh:
-        host.run([Request("create", name, _instance(prefix, rows[i], name)) for i, name in fresh])
+        host.run([Request("create", name, _instance(prefix, rows[i], name),
+                          _tool_kwargs(kwargs_of, i, name, "create_kwargs"))
+                  for i, name in fresh], timeout_s=deadline.left())
         created.update(fresh)
     todo = [(i, c) for i, calls in calls_of.items() for c in calls
             if not isinstance(c, BadToolCall)]
     answers = iter(host.run([Request("execute", c.name, _instance(prefix, rows[i], c.name),
-                                     {"parameters": c.arguments}) for i, c in todo]))
+                                     {"parameters": c.arguments,
+                                      **_tool_kwargs(kwargs_of, i, c.name, "execute_kwargs")})
+                             for i, c in todo], timeout_s=deadline.left()))
     return {i: [ToolResult("error", error=c.error) if isinstance(c, BadToolCall)
                 else next(answers) for c in calls] for i, calls in calls_of.items()}
 
 
-def _release(host: ToolHost, created: set, prefix: str, rewards: list[float],
+def _release(host: ToolHost, created: set, prefix: str, rewards: list[list[float]],
              rows: list[int]) -> None:
     if not created:
         return
@@ -193,5 +250,5 @@ def _release(host: ToolHost, created: set, prefix: str, rewards: list[float],
     got = host.run([Request("calc_reward", name, _instance(prefix, rows[i], name))
                     for i, name in order])
     for (i, _), r in zip(order, got):
-        rewards[i] += r.reward if r.status == "ok" else 0.0
+        rewards[i].append(r.reward if r.status == "ok" else 0.0)
     host.run([Request("release", name, _instance(prefix, rows[i], name)) for i, name in order])

@@ -26,19 +26,39 @@ def encode_responses(tokenizer, answers: list[str]) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def supervised_warm_start(model, tokenizer, prompts: list[str], answers: list[str], *, steps: int,
-                          batch_size: int, lr: float, seed: int, max_prompt_length: int = 64,
-                          truncation: str = "error", stop_fn=None,
-                          check_every: int = 20) -> list[float]:
+def encode_transcripts(responses: list[tuple[list[int], list[float]]],
+                       pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi-turn responses as (ids, loss mask) pairs, right-padded: (ids (n, T), real-token
+    mask (n, T), loss mask (n, T)), both masks float32."""
+    ids = pad_right([np.asarray(i, np.int64) for i, _ in responses], pad_id, torch.long)
+    real = pad_right([np.ones(len(i), np.float32) for i, _ in responses], 0.0, torch.float32)
+    loss = pad_right([np.asarray(m, np.float32) for _, m in responses], 0.0, torch.float32)
+    return ids, real, loss
+
+
+def supervised_warm_start(model, tokenizer, prompts: list[str], answers: list[str] | None = None,
+                          *, steps: int, batch_size: int, lr: float, seed: int,
+                          max_prompt_length: int = 64, truncation: str = "error",
+                          stop_fn=None, check_every: int = 20,
+                          responses: list[tuple[list[int], list[float]]] | None = None
+                          ) -> list[float]:
     """Train ``model`` in place on (prompt -> answer EOS) for at most ``steps`` AdamW steps
     (constant LR after a short warmup). If ``stop_fn`` is given it is called every
     ``check_every`` steps and training stops once it returns True (used to stop at partial
-    accuracy). Returns the loss per step (token-mean NLL of the answer tokens)."""
+    accuracy). Returns the loss per step (token-mean NLL of the answer tokens).
+
+    ``responses`` instead of ``answers``: multi-turn transcripts, each (ids, loss mask): the
+    model reads every id and learns the mask-1 ones (its own turns, not the tools'
+    responses)."""
     if steps == 0:
         return []
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length,
                                              truncation=truncation)
-    resp_ids, resp_mask = encode_responses(tokenizer, answers)
+    if responses is None:
+        resp_ids, resp_mask = encode_responses(tokenizer, answers)
+        loss_mask = resp_mask
+    else:
+        resp_ids, resp_mask, loss_mask = encode_transcripts(responses, tokenizer.pad_token_id)
     cfg = OptimConfig(lr=lr, warmup_steps=min(10, steps), lr_schedule="constant",
                       weight_decay=0.0)
     opt = make_optimizer(model.parameters(), cfg, lr)
@@ -49,9 +69,9 @@ def supervised_warm_start(model, tokenizer, prompts: list[str], answers: list[st
     model.train()
     for _ in range(steps):
         rows = torch.randint(0, n, (batch_size,), generator=gen)
-        mask = resp_mask[rows]
+        mask = loss_mask[rows]
         logp, _ = response_logprobs(model, prompt_ids[rows], prompt_mask[rows], resp_ids[rows],
-                                    mask)
+                                    resp_mask[rows])
         loss = -(logp * mask).sum() / mask.sum()  # token-mean NLL
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,16 +1,15 @@
 """Multi-turn rollouts with tool calls (verl_core/rollout/multi_turn.py): the real sampler
 (``generate_with_cache``), the real tool host and the calculator, on the Qwen2.5 stand-in's chat
-template. The policy is a scripted causal LM (a torch module whose next-token distribution puts
-all its mass on the next token of its script for the current turn), so what it samples is known
-and every span of the response can be checked exactly."""
+template. The policy is a scripted causal LM (``tests.standins.ScriptedLM``: a torch module whose
+next-token distribution puts all its mass on the next token of its script for the current turn),
+so what it samples is known and every span of the response can be checked exactly."""
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
 
-from tests.standins import qwen_tokenizer
+from tests.standins import qwen_tokenizer, scripted_chat
 from verl_core.agent.tools import CalculatorTool, ToolHost, load_tool_config
 from verl_core.agent.turns import observation_ids
 from verl_core.rollout import SamplingParams
@@ -18,36 +17,6 @@ from verl_core.rollout.multi_turn import generate_turns, turn_metrics
 
 TOOLS = [CalculatorTool.SCHEMA]
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
-
-
-class ScriptedLM(torch.nn.Module):
-    """Row r's turn k (the number of assistant headers in its context, less the prompt's) is
-    ``scripts[r][k]``: the model puts probability ~1 on its next token, so sampling at any
-    temperature draws it (log-prob ~0). It keeps each row's context itself, as a KV cache would."""
-
-    def __init__(self, tok, scripts: dict[int, list[list[int]]], prompts: list[list[int]]):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.V, self.scripts, self.prompts = len(tok), scripts, prompts
-        self.header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-        self.ctx: list[list[int]] = []
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=True,
-                past_key_values=None, **_):
-        if input_ids.shape[1] > 1:  # prefill: the left-padded contexts
-            self.ctx = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask)]
-        else:
-            for c, t in zip(self.ctx, input_ids[:, 0].tolist()):
-                c.append(t)
-        logits = torch.full((len(self.ctx), 1, self.V), -1e4)
-        for i, c in enumerate(self.ctx):
-            h = len(self.header)
-            starts = [p for p in range(len(c) - h + 1) if c[p:p + h] == self.header]
-            [row] = [r for r, p in enumerate(self.prompts) if c[:len(p)] == p]
-            script = self.scripts[row][len(starts) - 1]
-            offset = len(c) - (starts[-1] + h)
-            logits[i, 0, script[min(offset, len(script) - 1)]] = 1e4
-        return SimpleNamespace(logits=logits + 0 * self.w)
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +28,8 @@ def host(tmp_path_factory):
         yield h
 
 
-def _setup(tok, turns_of_rows: list[list[str]]):
-    eot = tok("<|im_end|>", add_special_tokens=False)["input_ids"]
-    prompts, scripts = [], {}
-    for r, turns in enumerate(turns_of_rows):
-        chat = [{"role": "system", "content": f"row {r}"},
-                {"role": "user", "content": "What is 1234 * 5678?"}]
-        p = tok(tok.apply_chat_template(chat, tools=TOOLS, tokenize=False,
-                                        add_generation_prompt=True),
-                add_special_tokens=False)["input_ids"]
-        prompts.append(p)
-        scripts[r] = [tok(t, add_special_tokens=False)["input_ids"] + eot for t in turns]
-    return prompts, ScriptedLM(tok, scripts, prompts), scripts
-
-
 def _run(tok, host, turns_of_rows, budget=400, **kw):
-    prompts, model, scripts = _setup(tok, turns_of_rows)
+    prompts, model, scripts = scripted_chat(tok, turns_of_rows, TOOLS)
     out = generate_turns(model, tok, prompts, SamplingParams(temperature=1.0, max_new_tokens=budget,
                                                              seed=3),
                          host=host, tools=TOOLS, eos_token_ids=[tok.eos_token_id],
@@ -104,7 +59,7 @@ def test_a_tool_call_turn_then_an_answer_token_in_token_out(host):
     # the other row answered at once: one turn, no tool
     assert len(out.turns[1]) == 1 and out.response_ids[1, :len(scripts[1][0])].tolist() == \
         scripts[1][0]
-    assert out.tool_rewards == [0.0, 0.0]
+    assert out.tool_rewards == [[0.0, 0.0], []]  # the call's step reward, calc_reward; no tool
 
 
 def test_a_bad_call_is_shown_to_the_model_and_the_turn_limit_holds(host):

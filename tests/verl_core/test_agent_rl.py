@@ -1,0 +1,274 @@
+"""Multi-turn RL with tool calls end to end (issue 25), on the calculator task: the tiny model,
+warm-started briefly on call transcripts, its real multi-turn rollouts through the real tool
+host, the trainer's forward, the store, the plain loop and SIGKILL. Nothing is mocked: what the
+model samples is whatever it samples, and the checks hold for any sample (every row's spans are
+checked against the chat template's ids of the observations the batch stores)."""
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from tests.gloo_workers import run_gloo_workers
+from tests.presets import TINY, tiny_run
+from verl_core.agent.tools import ToolConfigError
+from verl_core.agent.turns import observation_ids
+from verl_core.data.batch import batch_from_parquet_bytes, batch_to_parquet_bytes
+from verl_core.runlog import read_phase_log
+from verl_core.train import train
+from verl_core.trainer import RLTrainer, prepare_assets
+from verl_core.training.dist import init_process_group
+from verl_core.training.forward import batched_logprobs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+# the calculator task at the tiny run's sizes; 100 warm-start steps on 64 transcripts that all
+# call the tool teach the call's format (the model then calls in most rows, sampled or greedy)
+CALC = {**TINY, "data.synthetic_task": "calculator", "model.warmup_sft_steps": 100,
+        "model.warmup_tool_fraction": 1.0}
+
+
+@pytest.fixture(scope="module")
+def calc(tmp_path_factory):
+    """(config, assets) of the calculator task, prepared once for the module."""
+    cfg = tiny_run(**CALC)
+    return cfg, prepare_assets(cfg, str(tmp_path_factory.mktemp("calc")), log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def rolled(calc):
+    """A trainer and its step-1 rollout batch (reference log-probs and all)."""
+    cfg, assets = calc
+    trainer = RLTrainer(cfg, assets)
+    try:
+        batch, metrics = trainer.rollout(1)
+        yield trainer, batch, metrics
+    finally:
+        trainer.close()
+
+
+def test_the_batch_is_the_sampled_ids_and_the_templates_ids_of_each_observation(rolled):
+    trainer, batch, metrics = rolled
+    tok = trainer.tokenizer
+    assert batch.turns is not None and batch.response_attention_mask is not None
+    calls = 0
+    for i, row in enumerate(batch.turns):
+        real = int(batch.response_attention_mask[i].sum())
+        ids = batch.response_ids[i, :real].tolist()
+        assert not batch.response_attention_mask[i, real:].any()  # right-padded
+        expected_mask = [0.0] * real
+        pos = 0
+        for turn in row["turns"]:
+            s, e = turn["sampled"]
+            assert s == pos  # turns follow each other with nothing in between
+            expected_mask[s:e] = [1.0] * (e - s)
+            pos = e
+            if "appended" in turn:
+                a, b = turn["appended"]
+                assert a == e
+                obs = observation_ids(tok, [{"role": "tool", "content": r["observation"]}
+                                            for r in turn["results"]],
+                                      end_of_turn=tok.eos_token, tools=trainer.tool_schemas)
+                assert ids[a:b] == obs[:b - a]  # the template's ids, cut only at the budget
+                calls += len(turn["results"])
+                pos = b
+        assert pos == real
+        assert batch.response_mask[i, :real].tolist() == expected_mask
+        # rollout log-probs exist for sampled tokens only
+        assert not batch.response_logprobs[i][batch.response_mask[i] == 0].any()
+    assert calls > 0  # the warm start taught the call: some rows made one
+    assert metrics["num_turns/mean"] > 1 and metrics["tool_calls/mean"] == calls / batch.num_rows
+    assert metrics["response/observation_fraction"] > 0
+
+
+def test_the_trainers_log_probs_equal_the_rollouts_on_sampled_tokens(rolled):
+    trainer, batch, _ = rolled
+    logp = batched_logprobs(trainer.actor, batch, trainer.cfg.rollout.temperature, 8)
+    sampled = batch.response_mask.bool()
+    # Same float32 weights and kernels, other shapes (the sampler decodes against a KV cache,
+    # prefilling each turn's context; the trainer runs whole sequences): each logit differs by
+    # the rounding of its dot products, at most n·u·|terms| with u = 2^-24 and n the chained
+    # terms, 2 x layers x (hidden + 4 x hidden) = 1280 for the tiny model, relative to the
+    # largest logit magnitude; |Δ log-softmax| <= 2 max|Δ logit|.
+    cfg = trainer.actor.config
+    n = 2 * cfg.num_hidden_layers * (cfg.hidden_size + cfg.intermediate_size)
+    with torch.no_grad():
+        from verl_core.training.forward import response_logits
+        biggest = float(response_logits(trainer.actor, batch.prompt_ids, batch.prompt_mask,
+                                        batch.response_ids, batch.response_attn).abs().max())
+    bound = 2 * n * 2.0 ** -24 * biggest / trainer.cfg.rollout.temperature
+    diff = (logp - batch.response_logprobs)[sampled].abs().max().item()
+    assert diff <= bound, (diff, bound)
+    # and the trainer reads the observations: without them the sampled tokens after a tool's
+    # response are predicted from another context
+    blind = batched_logprobs(trainer.actor, batch.replace(response_attention_mask=None),
+                             trainer.cfg.rollout.temperature, 8)
+    after = sampled & (batch.response_mask.cumsum(-1) < torch.arange(
+        1, batch.response_mask.shape[1] + 1))  # sampled tokens that follow a hole
+    assert after.any()
+    assert (blind - batch.response_logprobs)[after].abs().max().item() > 1000 * bound
+
+
+def test_a_multi_turn_batch_round_trips_through_parquet(rolled):
+    _, batch, _ = rolled
+    back = batch_from_parquet_bytes(batch_to_parquet_bytes(batch))
+    T = back.response_ids.shape[1]
+    assert T == int(batch.response_attention_mask.sum(-1).max())
+    for name in ("response_ids", "response_mask", "response_attention_mask",
+                 "response_logprobs", "ref_logprobs"):
+        a, b = getattr(batch, name), getattr(back, name)
+        if a is not None:
+            assert torch.equal(a[:, :T], b), name
+    assert back.turns == batch.turns and back.extra_info == batch.extra_info
+
+
+def test_an_update_on_a_multi_turn_batch_scores_the_transcripts_last_line(rolled):
+    trainer, batch, _ = rolled
+    scored, metrics = trainer.reward(batch)
+    from verl_core.reward.calculator import compute_score
+    from verl_core.trainer import decoded
+    texts = decoded(trainer.tokenizer, batch).texts
+    assert scored.score.tolist() == [compute_score(t, g) for t, g in
+                                     zip(texts, batch.ground_truth)]
+    # the scorer saw verl's extra fields of a multi-turn row
+    assert all(set(e) >= {"num_turns", "tool_rewards"} for e in scored.extra_info)
+
+
+def test_a_tool_class_that_cannot_be_built_is_refused_before_any_work(tmp_path):
+    bad = tmp_path / "broken_tool.py"
+    bad.write_text("raise ImportError('no such backend')\n")
+    conf = tmp_path / "tools.yaml"
+    conf.write_text(yaml.safe_dump({"tools": [{
+        "class_name": f"{bad}:Broken", "config": {},
+        "tool_schema": {"type": "function", "function": {
+            "name": "broken", "description": "d", "parameters": {"type": "object"}}}}]}))
+    cfg = tiny_run(**{**CALC, "rollout.tool_config_path": str(conf)})
+    work = tmp_path / "work"
+    with pytest.raises(ToolConfigError, match=r"broken_tool\.py.*no such backend"):
+        prepare_assets(cfg, str(work), log=lambda *_: None)
+    assert not (work / "model").exists()  # no warm start was paid for
+
+
+# ------------------------------------------------------------------ W = 2 equals W = 1
+def _worker(rank: int, world: int, init: str, cfg_json: str, assets_json: str, out: str):
+    torch.set_num_threads(1)
+    from verl_core.config import RunConfig
+    from verl_core.trainer import Assets
+    dp = init_process_group("gloo", init, rank, world, 120.0)
+    cfg = RunConfig.from_dict(json.loads(cfg_json))
+    trainer = RLTrainer(cfg, Assets(**json.loads(assets_json)), dp)
+    batch, metrics = trainer.rollout(1)
+    trainer.close()
+    if rank == 0:
+        torch.save({"batch": batch_to_parquet_bytes(batch), "metrics": metrics}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_two_workers_roll_out_the_batch_of_one(calc, rolled, tmp_path):
+    cfg, assets = calc
+    _, batch, metrics = rolled
+    out = tmp_path / "w2.pt"
+    run_gloo_workers("tests.verl_core.test_agent_rl", "_worker", tmp_path,
+                     json.dumps(cfg.to_dict()), json.dumps(dataclasses.asdict(assets)), out)
+    got = torch.load(out, weights_only=False)
+    w2 = batch_from_parquet_bytes(got["batch"])
+    w1 = batch_from_parquet_bytes(batch_to_parquet_bytes(batch))
+    # each worker samples its block of rows with the draws the whole batch gives those rows, and
+    # runs their tool calls: the same tokens, turns and calls
+    assert torch.equal(w2.response_ids, w1.response_ids)
+    assert torch.equal(w2.response_mask, w1.response_mask)
+    assert torch.equal(w2.response_attention_mask, w1.response_attention_mask)
+    assert _same_turns(w2.turns, w1.turns)
+    # log-probs of a block of 16 rows, not 32: float32 rounding of other GEMM shapes only
+    assert (w2.response_logprobs - w1.response_logprobs).abs().max() <= 1e-5
+    assert got["metrics"]["tool_calls/mean"] == metrics["tool_calls/mean"]
+
+
+def _same_turns(a, b) -> bool:
+    """Turns equal but for the calls' measured latencies."""
+    def strip(rows):
+        return [[{**t, "results": [{k: v for k, v in r.items() if k != "latency_s"}
+                                   for r in t["results"]]} for t in row["turns"]]
+                for row in rows]
+    return strip(a) == strip(b)
+
+
+# ------------------------------------------------------------------ SIGKILL mid-rollout
+# the calculator, hanging (after writing a marker) at the call after HANG_AFTER of them
+HANGING = """
+import asyncio, os
+from verl_core.agent.tools import CalculatorTool
+
+
+class HangingCalculator(CalculatorTool):
+    calls = 0
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        HangingCalculator.calls += 1
+        after = os.environ.get("HANG_AFTER")
+        if after and HangingCalculator.calls > int(after):
+            open(os.environ["HANG_MARKER"], "w").close()
+            await asyncio.sleep(3600)
+        return await super().execute(instance_id, parameters, **kwargs)
+"""
+
+
+def _sha256(model_folder: str) -> str:
+    with open(os.path.join(model_folder, "model.safetensors"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_a_sigkill_in_the_middle_of_a_multi_turn_rollout_resumes_bit_identical(tmp_path,
+                                                                               monkeypatch):
+    (tmp_path / "hanging.py").write_text(HANGING)
+    conf = tmp_path / "tools.yaml"
+    from verl_core.agent.tools import CalculatorTool
+    conf.write_text(yaml.safe_dump({"tools": [{
+        "class_name": f"{tmp_path / 'hanging.py'}:HangingCalculator",
+        "tool_schema": CalculatorTool.SCHEMA}]}))
+    over = {**CALC, "rollout.tool_config_path": str(conf), "total_steps": 3,
+            "checkpoint.checkpoint_interval": 1, "val_before_train": False}
+    monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))  # one warm start for all
+
+    # 1. undisturbed
+    ref = train(tiny_run(**over), str(tmp_path / "ref"), log=lambda *_: None)
+    per_step = [round(h["tool_calls/mean"] * 32) for h in ref["history"]]  # 8 prompts x 4
+    assert per_step[1] >= 1, per_step  # the second step's rollout calls the tool
+
+    # 2. the same run; SIGKILL while a call of the second step's rollout runs (its first turn
+    #    sampled; the phase log counts steps from 0)
+    work, marker = tmp_path / "work", tmp_path / "hung"
+    cmd = [sys.executable, "-m", "verl_core.train", "--workdir", str(work)]
+    for k, v in over.items():
+        cmd += ["--set", f"{k}={v}"]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True,
+                            env={**env, "HANG_AFTER": str(per_step[0]), "HANG_MARKER": str(marker)})
+    deadline = time.time() + 600
+    while not marker.exists():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline, "the run never reached step 2's tool calls"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its tool host
+    proc.wait(timeout=60)
+    before = [(r["phase"], r["step"]) for r in read_phase_log(str(work))]
+    assert ("update", 0) in before and ("rollout", 1) not in before
+
+    # 3. the same command again: resumes at the second step's rollout, ends with the undisturbed weights
+    done = subprocess.run(cmd + ["--summary-json", str(tmp_path / "s.json")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "resuming from the checkpoint of step" in done.stdout
+    got = json.loads((tmp_path / "s.json").read_text())
+    assert _sha256(got["final_model"]) == _sha256(ref["final_model"])
+    first = got["history"][0]["step"]
+    for key in ("tool_calls/mean", "num_turns/mean", "reward/mean"):  # the same rollouts
+        assert [h[key] for h in got["history"]] == [h[key] for h in ref["history"][first - 1:]]
