@@ -672,15 +672,16 @@ CALCULATOR_DEFAULTS: dict[str, object] = {
     "rollout.max_assistant_turns": 2,
     "rollout.max_new_tokens": 112,
     "data.max_prompt_length": 16,
-    "model.warmup_sft_steps": 600,
+    "model.warmup_sft_steps": 400,
     "model.warmup_target_accuracy": 1.0,
 }
 """The calculator task's settings (``data.synthetic_task=calculator`` with the tiny model), for
-fields the overrides leave unset: multi-turn rollouts with the built-in calculator, a call turn
+fields the overrides leave unset: multi-turn rollouts with the built-in calculator; a call turn
 and an answer turn (the warm start's call ``<tool_call>{"name":"calculator","arguments":
-{"expression":"1234*5678"}}</tool_call><eos>`` is 84 characters, the tool's response up to 10,
-the answer up to 9: 103; 112 leaves room), and prompts of ``<bos>`` + ``1234*5678=`` (prompt
-and response fit the tiny model's 128 positions)."""
+{"expression":"4321*5678"}}</tool_call><eos>`` is 84 tokens, the tool's response 10, the answer
+9: 103, and 112 leaves room); prompts of ``<bos>`` + ``4321*5678=`` (prompt and response fit the
+tiny model's 128 positions); the two-part warm start of ``model.warmup_mixed_steps``, without the
+early stop (the warm-started model answers without the tool when greedy, by design)."""
 
 
 def _model_aware(base: RunConfig, overrides: dict) -> dict:

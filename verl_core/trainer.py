@@ -153,19 +153,24 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
         try:
             probe = _AccuracyProbe(model, tok, rows[:256], prompts[:256], cfg, host, schemas)
             t0 = time.perf_counter()
-            if calculator:
-                targets = {"responses": calculator_transcripts(
-                    tok, rows, schemas, derive_seed(cfg.seed, 0, "sft-tools"),
-                    m.warmup_tool_fraction)}
-            else:
-                targets = {"answers": [r.ground_truth for r in rows]}
-            losses = supervised_warm_start(
-                model, tok, prompts, **targets,
-                steps=m.warmup_sft_steps, batch_size=m.warmup_sft_batch_size,
-                lr=m.warmup_sft_lr, seed=derive_seed(cfg.seed, 0, "sft"),
-                max_prompt_length=cfg.data.max_prompt_length, truncation=cfg.data.truncation,
-                stop_fn=(lambda: probe() >= m.warmup_target_accuracy)
-                if m.warmup_target_accuracy < 1.0 else None)
+            # the calculator task: every transcript calls the tool, then a mixed part in which
+            # most answer at once (model.warmup_mixed_steps)
+            parts = [(m.warmup_sft_steps, 1.0, "sft"), (m.warmup_mixed_steps,
+                                                        m.warmup_tool_fraction, "sft-mixed")] \
+                if calculator else [(m.warmup_sft_steps, None, "sft")]
+            losses = []
+            for steps, fraction, phase in parts:
+                targets = {"answers": [r.ground_truth for r in rows]} if fraction is None else \
+                    {"responses": calculator_transcripts(
+                        tok, rows, schemas, derive_seed(cfg.seed, 0, phase + "-tools"), fraction)}
+                losses += supervised_warm_start(
+                    model, tok, prompts, **targets,
+                    steps=steps, batch_size=m.warmup_sft_batch_size,
+                    lr=m.warmup_sft_lr, seed=derive_seed(cfg.seed, 0, phase),
+                    max_prompt_length=cfg.data.max_prompt_length,
+                    truncation=cfg.data.truncation,
+                    stop_fn=(lambda: probe() >= m.warmup_target_accuracy)
+                    if m.warmup_target_accuracy < 1.0 else None)
         finally:
             if host is not None:
                 host.close()

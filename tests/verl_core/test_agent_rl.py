@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 # the calculator task at the tiny run's sizes; 100 warm-start steps on 64 transcripts that all
 # call the tool teach the call's format (the model then calls in most rows, sampled or greedy)
 CALC = {**TINY, "data.synthetic_task": "calculator", "model.warmup_sft_steps": 100,
-        "model.warmup_tool_fraction": 1.0}
+        "model.warmup_mixed_steps": 0}
 
 
 @pytest.fixture(scope="module")

@@ -352,3 +352,32 @@ def test_every_section_is_homed_and_exported():
     homed = {n for names in _HOMES.values() for n in names}
     assert {cls.__name__ for cls in SECTIONS.values()} <= homed
     assert all(hasattr(verl_core.config, n) for n in verl_core.config.__all__)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"rollout.multi_turn": True}, r"rollout.tool_config_path='': rollout.multi_turn=True needs"),
+    ({"rollout.multi_turn": True, "rollout.tool_config_path": "t.yaml",
+      "rollout.engine": "vllm"}, r"rollout.engine='vllm': multi-turn rollouts run on the hf"),
+    ({"rollout.multi_turn": True, "rollout.tool_config_path": "t.yaml",
+      "algorithm.adv_estimator": "remax"}, r"adv_estimator='remax': its greedy baseline"),
+    ({"rollout.tool_response_truncate_side": "top"}, r"tool_response_truncate_side='top'"),
+    ({"rollout.max_parallel_calls": 0}, r"rollout.max_parallel_calls=0"),
+    ({"model.warmup_tool_fraction": 1.5}, r"model.warmup_tool_fraction=1.5: must be in \[0, 1\]"),
+])
+def test_multi_turn_settings_are_checked(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        preset("grpo", **overrides)
+
+
+def test_the_calculator_task_brings_its_settings_and_needs_the_tool():
+    cfg = preset("grpo", **{"data.synthetic_task": "calculator"})
+    assert cfg.rollout.multi_turn and cfg.rollout.tool_config_path == "builtin:calculator"
+    assert cfg.rollout.max_new_tokens == 112 and cfg.data.max_prompt_length == 16
+    # set afterwards, without the preset's settings: refused with the fix
+    with pytest.raises(ConfigError, match=r"synthetic_task='calculator': is answered with the "
+                                          r"calculator tool: set rollout.multi_turn=True"):
+        with_overrides(preset("grpo"), {"data.synthetic_task": "calculator"})
+    # the multi-turn fields do not change the hash of a run that does not use them
+    assert preset("grpo").trajectory_hash() == preset(
+        "grpo", **{"rollout.max_user_turns": 3, "model.warmup_tool_fraction": 0.5}
+    ).trajectory_hash()

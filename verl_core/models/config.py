@@ -43,11 +43,18 @@ class ModelConfig:
     """Learning rate of the supervised warm start."""
     warmup_sft_batch_size: int = in_trajectory(64)
     """Batch size of the supervised warm start."""
-    warmup_tool_fraction: float = in_trajectory(0.2, when=_calculator_task)
-    """The calculator task: the share of the warm start's transcripts that call the tool; the
-    others answer at once (the true answer, which the tiny model cannot compute). At 0.2 the
-    warm-started model rarely calls (greedy: ~4% of held-out prompts) but copies the tool's
-    answer when it does: RL has to find that the tool pays, and ``tool_calls/mean`` shows it."""
+    warmup_mixed_steps: int = in_trajectory(40, when=_calculator_task)
+    """The calculator task's warm start runs in two parts: ``warmup_sft_steps`` steps on
+    transcripts that all call the tool (the call, then the tool's answer copied), then this many
+    on transcripts of which ``warmup_tool_fraction`` call it and the rest answer at once (the
+    true answer, which the tiny model cannot compute). Copying is learnt abruptly (0 -> 100% of
+    held-out calls between steps 300 and 350 at the defaults) and only when every transcript
+    teaches it; the short mixed part then makes calling rare: the model can use the tool but
+    seldom does, RL has to find that it pays, and ``tool_calls/mean`` shows it."""
+    warmup_tool_fraction: float = in_trajectory(0.1, when=_calculator_task)
+    """The share of the mixed part's transcripts that call the tool (``warmup_mixed_steps``).
+    At 0.1 the warm-started model never calls greedily and calls in ~9% of samples at the
+    demo's temperature, copying the answer in ~92% of those."""
     dtype: str = in_trajectory("float32")
     """Compute dtype for training: float32, or bfloat16 (bf16 matmuls over float32 master weights
     and float32 AdamW state, as verl's FSDP mixed precision; the reference model and the rollout
@@ -59,7 +66,7 @@ class ModelConfig:
         _check_types("model", self)
         _positive("model", self, "tiny_hidden_size", "tiny_layers", "tiny_heads",
                   "warmup_sft_batch_size")
-        _non_negative("model", self, "warmup_sft_steps")
+        _non_negative("model", self, "warmup_sft_steps", "warmup_mixed_steps")
         _positive("model", self, "warmup_sft_lr")
         if not 0.0 <= self.warmup_tool_fraction <= 1.0:
             _fail("model", "warmup_tool_fraction", self.warmup_tool_fraction, "must be in [0, 1]")
