@@ -672,7 +672,7 @@ CALCULATOR_DEFAULTS: dict[str, object] = {
     "rollout.max_assistant_turns": 2,
     "rollout.max_new_tokens": 112,
     "data.max_prompt_length": 16,
-    "model.warmup_sft_steps": 400,
+    "model.warmup_sft_steps": 800,
     "model.warmup_target_accuracy": 1.0,
 }
 """The calculator task's settings (``data.synthetic_task=calculator`` with the tiny model), for

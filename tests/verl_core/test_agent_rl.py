@@ -7,15 +7,14 @@ import dataclasses
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import yaml
 
+from tests.crash import kill_at_marker
 from tests.gloo_workers import run_gloo_workers
 from tests.presets import TINY, tiny_run
 from verl_core.agent.tools import ToolConfigError
@@ -252,13 +251,7 @@ def test_a_sigkill_in_the_middle_of_a_multi_turn_rollout_resumes_bit_identical(t
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True,
                             env={**env, "HANG_AFTER": str(per_step[0]), "HANG_MARKER": str(marker)})
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.time() < deadline, "the run never reached step 2's tool calls"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its tool host
-    proc.wait(timeout=60)
+    kill_at_marker(proc, marker, "the second step's tool calls")  # the trainer, its tool host
     before = [(r["phase"], r["step"]) for r in read_phase_log(str(work))]
     assert ("update", 0) in before and ("rollout", 1) not in before
 

@@ -6,12 +6,11 @@ did)."""
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
+from tests.crash import kill_at_marker
 from tests.presets import TINY, tiny_run
 from verl_core.runlog import read_phase_log
 from verl_core.train import train
@@ -67,13 +66,7 @@ def test_dynamic_sampling_resumes_bit_identical_after_sigkill(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, env={**env, **hang}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     marker = faults / "rollout-2.entered"
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.time() < deadline, "the run never reached the rollout of step 2"
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+    kill_at_marker(proc, marker, "the rollout of step 2", poll_s=0.5)
     before = [(r["phase"], r["step"]) for r in read_phase_log(str(work))]
     assert ("update", 1) in before and ("rollout", 2) not in before
 
