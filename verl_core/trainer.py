@@ -201,6 +201,15 @@ def turn_extra_info(infos: list[dict], turns: list[dict]) -> list[dict]:
             for info, t in zip(infos, turns)]
 
 
+def turn_limits(rc) -> dict:
+    """:func:`generate_turns`' limits from the ``rollout`` section (one place for the rollout
+    phase, the evaluation and the warm start's probe)."""
+    return dict(max_assistant_turns=rc.max_assistant_turns, max_user_turns=rc.max_user_turns,
+                max_parallel_calls=rc.max_parallel_calls,
+                max_tool_response_length=rc.max_tool_response_length,
+                truncate_side=rc.tool_response_truncate_side, budget_s=rc.tool_budget_s)
+
+
 def check_tools(cfg: RunConfig, tokenizer) -> list[dict] | None:
     """``rollout.multi_turn``: the tools' schemas (what prompts show the model), after building
     every tool once in a tool host, so a class that cannot be imported or built is refused
@@ -405,14 +414,9 @@ class _AccuracyProbe:
 
     def __call__(self) -> float:
         if self.host is not None:
-            rc = self.rc
             out = generate_turns(
                 self.model, self.tok, [i[m.bool()].tolist() for i, m in zip(self.ids, self.mask)],
-                self.params, host=self.host, tools=self.tools,
-                max_assistant_turns=rc.max_assistant_turns, max_user_turns=rc.max_user_turns,
-                max_parallel_calls=rc.max_parallel_calls,
-                max_tool_response_length=rc.max_tool_response_length,
-                truncate_side=rc.tool_response_truncate_side, budget_s=rc.tool_budget_s,
+                self.params, host=self.host, tools=self.tools, **turn_limits(self.rc),
                 eos_token_ids=stop_token_ids(self.tok), pad_token_id=self.tok.pad_token_id,
                 instance_prefix="probe")
             dec = decode_responses(self.tok, out.response_ids, out.attention_mask,
@@ -705,12 +709,8 @@ class RLTrainer:
                 self.rollout_model, self.tokenizer,
                 [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in mine], params,
                 host=self.tool_host, tools=self.tool_schemas, rows=[rows[i] for i in mine],
-                max_assistant_turns=rc.max_assistant_turns, max_user_turns=rc.max_user_turns,
-                max_parallel_calls=rc.max_parallel_calls,
-                max_tool_response_length=rc.max_tool_response_length,
-                truncate_side=rc.tool_response_truncate_side,
                 tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
-                budget_s=rc.tool_budget_s, eos_token_ids=stop_token_ids(self.tokenizer),
+                **turn_limits(rc), eos_token_ids=stop_token_ids(self.tokenizer),
                 pad_token_id=self.tokenizer.pad_token_id,
                 instance_prefix=f"{phase}:{params.seed}")
         finally:
