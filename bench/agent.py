@@ -42,7 +42,7 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tests.standins import qwen_tokenizer, scripted_chat  # noqa: E402
+from tests.standins import hf_engine, qwen_tokenizer, scripted_chat  # noqa: E402
 from verl_core.agent.tools import ToolHost, load_tool_config  # noqa: E402
 from verl_core.rollout import SamplingParams  # noqa: E402
 from verl_core.rollout.multi_turn import generate_turns  # noqa: E402
@@ -119,6 +119,7 @@ def main() -> None:
     budget = sum(len(s) for s in scripts[0]) + 200  # the scripts and two tool responses fit
     params = SamplingParams(temperature=1.0, max_new_tokens=budget, seed=0)
     calls = 2 * args.rows
+    engine = hf_engine(model, tok)
 
     with tempfile.TemporaryDirectory() as folder:
         with open(os.path.join(folder, "sleep_tool.py"), "w") as f:
@@ -136,9 +137,8 @@ def main() -> None:
                 for name, host in hosts.items():
                     spent[name][0] = 0.0
                     t0 = time.perf_counter()
-                    out = generate_turns(model, tok, prompts, params, host=host, tools=[SCHEMA],
-                                         eos_token_ids=[tok.eos_token_id],
-                                         pad_token_id=tok.pad_token_id, instance_prefix="bench")
+                    out = generate_turns(engine, tok, prompts, params, host=host,
+                                         tools=[SCHEMA], instance_prefix="bench")
                     dt = time.perf_counter() - t0
                     results = [r for t in out.turns for turn in t for r in turn["results"]]
                     assert len(results) == calls and all(len(t) == 3 for t in out.turns), \

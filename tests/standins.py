@@ -259,6 +259,13 @@ class ScriptedLM(torch.nn.Module):
         return SimpleNamespace(logits=logits + 0 * self.w)
 
 
+def hf_engine(model, tok):
+    """The ``hf`` rollout engine sampling ``model``, stopping on ``tok``'s EOS."""
+    from verl_core.rollout import make_engine
+    return make_engine("hf", model=model, eos_token_ids=[tok.eos_token_id],
+                       pad_token_id=tok.pad_token_id)
+
+
 def scripted_chat(tok, turns_of_rows: list[list[str]], tools: list[dict],
                   question: str = "What is 1234 * 5678?"):
     """``(prompts, model, scripts)`` for multi-turn rollouts on ``tok``'s chat template (the

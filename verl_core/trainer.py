@@ -415,10 +415,9 @@ class _AccuracyProbe:
     def __call__(self) -> float:
         if self.host is not None:
             out = generate_turns(
-                self.model, self.tok, [i[m.bool()].tolist() for i, m in zip(self.ids, self.mask)],
-                self.params, host=self.host, tools=self.tools, **turn_limits(self.rc),
-                eos_token_ids=stop_token_ids(self.tok), pad_token_id=self.tok.pad_token_id,
-                instance_prefix="probe")
+                self.engine, self.tok,
+                [i[m.bool()].tolist() for i, m in zip(self.ids, self.mask)], self.params,
+                host=self.host, tools=self.tools, **turn_limits(self.rc), instance_prefix="probe")
             dec = decode_responses(self.tok, out.response_ids, out.attention_mask,
                                    sampled_mask=out.response_mask)
         else:
@@ -702,19 +701,12 @@ class RLTrainer:
         rc, n = self.cfg.rollout, prompt_ids.shape[0]
         split = split and self.dp.distributed
         mine = self.dp.block(torch.arange(n)).tolist() if split else list(range(n))
-        was_training = self.rollout_model.training
-        self.rollout_model.eval()
-        try:
-            out = generate_turns(
-                self.rollout_model, self.tokenizer,
-                [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in mine], params,
-                host=self.tool_host, tools=self.tool_schemas, rows=[rows[i] for i in mine],
-                tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
-                **turn_limits(rc), eos_token_ids=stop_token_ids(self.tokenizer),
-                pad_token_id=self.tokenizer.pad_token_id,
-                instance_prefix=f"{phase}:{params.seed}")
-        finally:
-            self.rollout_model.train(was_training)
+        out = generate_turns(
+            self.engine, self.tokenizer,
+            [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in mine], params,
+            host=self.tool_host, tools=self.tool_schemas, rows=[rows[i] for i in mine],
+            tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
+            **turn_limits(rc), instance_prefix=f"{phase}:{params.seed}")
         if split:
             out = concat_turn_outputs(self.dp.gather_objects(out), self.tokenizer.pad_token_id)
         return out
@@ -968,7 +960,7 @@ class RLTrainer:
                                 seed=derive_seed(self.cfg.seed, step, "val"))
         n, W, r = self.val_prompt_ids.shape[0], self.dp.size, self.dp.rank
         lo, hi = n * r // W, n * (r + 1) // W  # no collectives in decoding: shares may differ
-        texts, special, lengths, shown = [], [], [], []
+        texts, special, lengths, shown, infos = [], [], [], [], []
         step_rows = self.cfg.data.val_batch_size
         for s in range(lo, hi, step_rows):
             e = min(s + step_rows, hi)
@@ -977,10 +969,14 @@ class RLTrainer:
             # each response draws what it would in one call over all n x k rows: the numbers
             # do not depend on the worker count or val_batch_size
             sampled_mask = None
+            chunk = [row for row in self.val_rows[s:e] for _ in range(k)]
             if rc.multi_turn:
-                out = self._generate_turns(
-                    ids, mask, params, list(range(s * k, e * k)),
-                    [row for row in self.val_rows[s:e] for _ in range(k)], "val", split=False)
+                out = self._generate_turns(ids, mask, params, list(range(s * k, e * k)), chunk,
+                                           "val", split=False)
+                # the scorer sees verl's num_turns and tool_rewards, as in the rollout phase
+                infos += turn_extra_info([row.extra_info for row in chunk],
+                                         [{"turns": t, "tool_rewards": r}
+                                          for t, r in zip(out.turns, out.tool_rewards)])
                 real = out.attention_mask  # (n, T) every real token, tools' responses too
                 sampled_mask = out.response_mask
                 dec = decode_responses(self.tokenizer, out.response_ids, real,
@@ -991,6 +987,7 @@ class RLTrainer:
                     if sampled else self.engine.generate(ids, mask, params)
                 real = out.response_mask
                 dec = decode_responses(self.tokenizer, out.response_ids, out.response_mask)
+                infos += [row.extra_info for row in chunk]
             for i in range(min(len(ids), n_samples - len(shown))):  # as the model saw them
                 shown.append((report.visible_text(self.tokenizer, ids[i], mask[i]),
                               report.visible_text(self.tokenizer, out.response_ids[i], real[i],
@@ -1001,8 +998,7 @@ class RLTrainer:
             lengths += real.sum(-1).tolist()
         rows = [row for row in self.val_rows[lo:hi] for _ in range(k)]
         res = self.scorer.score([r.data_source for r in rows], texts,
-                                [r.ground_truth for r in rows], [r.extra_info for r in rows],
-                                special_token=special)
+                                [r.ground_truth for r in rows], infos, special_token=special)
         scores = [s for part in self.dp.gather_objects(list(res.scores)) for s in part]
         lengths = [x for part in self.dp.gather_objects(lengths) for x in part]
         samples = [EvalSample(prompt=prompt, response=response, ground_truth=row.ground_truth,

@@ -54,7 +54,12 @@ def rolled(calc):
 
 
 def test_the_batch_is_the_sampled_ids_and_the_templates_ids_of_each_observation(rolled):
-    trainer, batch, metrics = rolled
+    _assert_spans(*rolled)
+
+
+def _assert_spans(trainer, batch, metrics):
+    """Every row: sampled spans and the chat template's ids of each stored observation, back to
+    back; the loss mask 1 exactly on the sampled spans; log-probs on sampled tokens only."""
     tok = trainer.tokenizer
     assert batch.turns is not None and batch.response_attention_mask is not None
     calls = 0
@@ -88,7 +93,10 @@ def test_the_batch_is_the_sampled_ids_and_the_templates_ids_of_each_observation(
 
 
 def test_the_trainers_log_probs_equal_the_rollouts_on_sampled_tokens(rolled):
-    trainer, batch, _ = rolled
+    _assert_trainer_agrees(*rolled[:2])
+
+
+def _assert_trainer_agrees(trainer, batch):
     logp = batched_logprobs(trainer.actor, batch, trainer.cfg.rollout.temperature, 8)
     sampled = batch.response_mask.bool()
     bound = _rounding_bound(trainer, batch)
@@ -144,6 +152,24 @@ def test_an_update_on_a_multi_turn_batch_scores_the_transcripts_last_line(rolled
     assert all(set(e) >= {"num_turns", "tool_rewards"} for e in scored.extra_info)
 
 
+def test_the_evaluation_scores_multi_turn_transcripts_with_verls_extra_fields(rolled):
+    trainer, _, _ = rolled
+    seen, score = [], trainer.scorer.score
+
+    def recording(sources, texts, truths, infos=None, **kw):  # the real scorer, its inputs kept
+        seen.extend(infos or [])
+        return score(sources, texts, truths, infos, **kw)
+
+    trainer.scorer.score = recording
+    try:
+        metrics, samples = trainer.evaluate_with_samples(2, step=1)
+    finally:
+        trainer.scorer.score = score
+    assert len(seen) == len(trainer.val_rows)
+    assert all(e["num_turns"] >= 1 and isinstance(e["tool_rewards"], list) for e in seen)
+    assert 0.0 <= metrics["val/accuracy"] <= 1.0 and len(samples) == 2
+
+
 def test_a_tool_class_that_cannot_be_built_is_refused_before_any_work(tmp_path):
     bad = tmp_path / "broken_tool.py"
     bad.write_text("raise ImportError('no such backend')\n")
@@ -175,8 +201,10 @@ def _worker(rank: int, world: int, init: str, cfg_json: str, assets_json: str, o
 
 
 def test_two_workers_roll_out_the_batch_of_one(calc, rolled, tmp_path):
-    cfg, assets = calc
-    trainer, batch, metrics = rolled
+    _assert_two_workers_roll_out_the_batch_of_one(calc[0], calc[1], *rolled, tmp_path)
+
+
+def _assert_two_workers_roll_out_the_batch_of_one(cfg, assets, trainer, batch, metrics, tmp_path):
     out = tmp_path / "w2.pt"
     run_gloo_workers("tests.verl_core.test_agent_rl", "_worker", tmp_path,
                      json.dumps(cfg.to_dict()), json.dumps(dataclasses.asdict(assets)), out)
@@ -193,6 +221,37 @@ def test_two_workers_roll_out_the_batch_of_one(calc, rolled, tmp_path):
     diff = (w2.response_logprobs - w1.response_logprobs).abs().max().item()
     assert diff <= _rounding_bound(trainer, batch), diff
     assert got["metrics"]["tool_calls/mean"] == metrics["tool_calls/mean"]
+
+
+# ------------------------------------------------------------------ the vllm engine
+@pytest.fixture(scope="module")
+def rolled_vllm(calc):
+    """The same trainer and rollout with ``rollout.engine=vllm`` (vLLM's CPU backend in
+    .venv-vllm, or CUDA), on the same warm-started model."""
+    cfg, assets = calc
+    cfg = tiny_run(**CALC, **{"rollout.engine": "vllm"})
+    trainer = RLTrainer(cfg, assets)
+    try:
+        batch, metrics = trainer.rollout(1)
+        yield cfg, trainer, batch, metrics
+    finally:
+        trainer.close()
+
+
+@pytest.mark.vllm
+def test_on_vllm_the_batch_is_the_sampled_ids_and_the_templates_ids_and_the_trainer_agrees(
+        rolled_vllm):
+    _, trainer, batch, metrics = rolled_vllm
+    assert type(trainer.engine).__name__ == "VLLMEngine"
+    _assert_spans(trainer, batch, metrics)
+    _assert_trainer_agrees(trainer, batch)
+
+
+@pytest.mark.vllm
+def test_on_vllm_two_workers_roll_out_the_batch_of_one(calc, rolled_vllm, tmp_path):
+    cfg, trainer, batch, metrics = rolled_vllm
+    _assert_two_workers_roll_out_the_batch_of_one(cfg, calc[1], trainer, batch, metrics,
+                                                  tmp_path)
 
 
 def _same_turns(a, b) -> bool:

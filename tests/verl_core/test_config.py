@@ -357,8 +357,6 @@ def test_every_section_is_homed_and_exported():
 @pytest.mark.parametrize("overrides, match", [
     ({"rollout.multi_turn": True}, r"rollout.tool_config_path='': rollout.multi_turn=True needs"),
     ({"rollout.multi_turn": True, "rollout.tool_config_path": "t.yaml",
-      "rollout.engine": "vllm"}, r"rollout.engine='vllm': multi-turn rollouts run on the hf"),
-    ({"rollout.multi_turn": True, "rollout.tool_config_path": "t.yaml",
       "algorithm.adv_estimator": "remax"}, r"adv_estimator='remax': its greedy baseline"),
     ({"rollout.tool_response_truncate_side": "top"}, r"tool_response_truncate_side='top'"),
     ({"rollout.max_parallel_calls": 0}, r"rollout.max_parallel_calls=0"),

@@ -23,7 +23,8 @@
 
 ``agent/turns.py`` renders what a rollout appends after a turn (the tool responses and the next
 assistant header, as token ids of the model's own chat template); ``rollout/multi_turn.py``
-samples the turns (the ``hf`` sampler), which the rollout phase runs with ``rollout.multi_turn``.
+samples the turns on either rollout engine, which the rollout phase runs with
+``rollout.multi_turn``.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ filtering, so with top_p=1/top_k=-1 they equal what the trainer recomputes).
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -49,6 +50,33 @@ def concat_outputs(parts: list[GenerationOutput], pad_id: int) -> GenerationOutp
                             logprobs=logp[:, :T])
 
 
+def cut_to_limits(out: GenerationOutput, limits: Sequence[int], pad_id: int) -> GenerationOutput:
+    """``out`` with row i cut after its first ``limits[i]`` tokens (ids padded, mask and
+    log-probs 0 beyond), trailing all-padding columns trimmed: what sampling each row with its
+    own ``max_new_tokens`` gives (a row's tokens depend on its own draws only)."""
+    T = out.response_ids.shape[1]
+    keep = torch.arange(T)[None, :] < torch.tensor(list(limits))[:, None]  # (N, T)
+    mask = out.response_mask * keep
+    return concat_outputs([GenerationOutput(
+        response_ids=torch.where(keep, out.response_ids, torch.full_like(out.response_ids, pad_id)),
+        response_mask=mask, logprobs=out.logprobs * keep)], pad_id)
+
+
+def check_rows(n: int, params: SamplingParams, first_row: int, total_rows: int | None,
+               row_seeds: Sequence[int] | None, row_limits: Sequence[int] | None) -> None:
+    """The row arguments of :meth:`RolloutEngine.generate`, refused when they do not fit the
+    ``n`` prompts."""
+    if total_rows is not None and first_row + n > total_rows:
+        raise ValueError(f"rows {first_row}..{first_row + n - 1} are outside a batch of "
+                         f"{total_rows}")
+    for name, got in (("row_seeds", row_seeds), ("row_limits", row_limits)):
+        if got is not None and len(got) != n:
+            raise ValueError(f"{name} has {len(got)} entries for {n} prompts")
+    if row_limits is not None and not all(0 < k <= params.max_new_tokens for k in row_limits):
+        raise ValueError(f"row_limits must be in [1, max_new_tokens={params.max_new_tokens}]: "
+                         f"{list(row_limits)}")
+
+
 def resolve_stop_ids(eos_token_ids: Iterable[int] | None = None,
                      eos_token_id: int | None = None) -> tuple[int, ...]:
     """The ids that end a response (sorted, distinct): ``eos_token_ids`` (the model's resolved
@@ -79,13 +107,27 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  params: SamplingParams, *, first_row: int = 0,
-                 total_rows: int | None = None) -> GenerationOutput:
+                 total_rows: int | None = None, row_seeds: Sequence[int] | None = None,
+                 row_limits: Sequence[int] | None = None) -> GenerationOutput:
         """prompt_ids, prompt_mask: (n, P) left-padded. Deterministic for a given params.seed.
 
         ``first_row``/``total_rows``: these n rows are rows ``first_row..`` of a batch of
         ``total_rows`` (default: the whole batch); each row's sample is the one a single call
         over the whole batch would draw, so W workers each generating a block sample what one
-        worker would (up to float rounding)."""
+        worker would (up to float rounding).
+
+        ``row_seeds`` (n,): each row draws from its own seed instead (``params.seed`` and the
+        row offsets are then unused): a row's sample depends on its seed and prompt only, which
+        is what multi-turn rollouts need, their rows at different turns generating together.
+        ``row_limits`` (n,): each row's own ``max_new_tokens`` (each at most
+        ``params.max_new_tokens``)."""
+
+    @contextlib.contextmanager
+    def held(self):
+        """Several :meth:`generate` calls in a row (the turns of multi-turn rollouts): an engine
+        that releases its memory after each call (:attr:`releases_memory`) keeps it until the
+        block ends instead."""
+        yield self
 
     @abc.abstractmethod
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -124,9 +124,6 @@ class RolloutConfig:
         if not self.tool_config_path:
             _fail("rollout", "tool_config_path", "", "rollout.multi_turn=True needs the tools: "
                   "a verl tool YAML (or builtin:calculator)")
-        if self.engine != "hf":
-            _fail("rollout", "engine", self.engine, "multi-turn rollouts run on the hf engine "
-                  "(the vllm engine samples single turns only, for now); set rollout.engine=hf")
 
     def _check_sampling(self, prefix: str) -> None:
         """``{prefix}temperature``, ``top_p`` and ``top_k``: one set of rules for both."""

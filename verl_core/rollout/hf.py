@@ -10,12 +10,14 @@ micro-batch it lands in, and the whole rollout is reproducible under ``params.se
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache
 
-from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams,
-                                    concat_outputs, register_engine, resolve_stop_ids)
+from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, check_rows,
+                                    concat_outputs, cut_to_limits, register_engine,
+                                    resolve_stop_ids)
 from verl_core.training.forward import takes_logits_to_keep
 
 
@@ -119,15 +121,24 @@ class HFEngine(RolloutEngine):
         self.model.load_state_dict(state_dict)
 
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams, *, first_row: int = 0,
-                 total_rows: int | None = None) -> GenerationOutput:
+                 total_rows: int | None = None, row_seeds=None,
+                 row_limits=None) -> GenerationOutput:
+        n = prompt_ids.shape[0]
+        check_rows(n, params, first_row, total_rows, row_seeds, row_limits)
+        if row_limits is not None:  # sample to the longest limit, cut each row at its own
+            params = replace(params, max_new_tokens=max(row_limits, default=1))
+        if row_seeds is not None:  # each row its own draws
+            uniforms = torch.stack([
+                torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s))
+                for s in row_seeds]) if n else torch.zeros((0, params.max_new_tokens))
+        else:
+            g = torch.Generator().manual_seed(params.seed)
+            # (total, T) draws of the whole batch; these rows use theirs: (n, T)
+            uniforms = torch.rand((total_rows or n, params.max_new_tokens), generator=g)
+            uniforms = uniforms[first_row:first_row + n]
         was_training = self.model.training
         self.model.eval()
         device = next(self.model.parameters()).device
-        n = prompt_ids.shape[0]
-        g = torch.Generator().manual_seed(params.seed)
-        # (total, T) draws of the whole batch; these rows use theirs: (n, T)
-        uniforms = torch.rand((total_rows or n, params.max_new_tokens), generator=g)
-        uniforms = uniforms[first_row:first_row + n]
         outs = []
         for s in range(0, prompt_ids.shape[0], self.micro_batch_size):
             sl = slice(s, s + self.micro_batch_size)
@@ -138,7 +149,8 @@ class HFEngine(RolloutEngine):
                 uniforms[sl].to(device), params, eos_token_ids=self.eos_token_ids,
                 pad_token_id=self.pad_token_id))
         self.model.train(was_training)
-        return concat_outputs(outs, self.pad_token_id)
+        out = concat_outputs(outs, self.pad_token_id)
+        return out if row_limits is None else cut_to_limits(out, row_limits, self.pad_token_id)
 
 
 @register_engine("hf")

@@ -1,16 +1,18 @@
-"""Multi-turn rollouts with tool calls, token-in/token-out (issue 25; the ``hf`` engine's
-sampler, run by the rollout phase with ``rollout.multi_turn``, whose batch stores the turns).
+"""Multi-turn rollouts with tool calls, token-in/token-out (issue 25; on either rollout engine,
+``hf`` or ``vllm``, run by the rollout phase with ``rollout.multi_turn``, whose batch stores the
+turns).
 
 Per row: sample an assistant turn; if it has tool calls (hermes, ``agent/tools.parse_hermes``),
 run them in the tool host (every row's calls of a turn in one concurrent batch), append the tool
 responses and the next assistant header as the chat template's ids (``agent/turns.py``), and
 sample again; stop at a turn without a call, at ``max_assistant_turns`` or ``max_user_turns``
-(tool-response turns, as verl counts them), or when the response budget (``params.max_new_tokens``, all turns and tool responses together: verl's
-``response_length``) is spent. The sampled ids are kept exactly as sampled; ``response_mask`` is
+(tool-response turns, as verl counts them), or when the response budget
+(``params.max_new_tokens``, all turns and tool responses together: verl's ``response_length``)
+is spent. The sampled ids are kept exactly as sampled; ``response_mask`` is
 1 on them and 0 on the appended ids, whose log-probs are 0.
 
-Rows at different turns generate together, each from its own uniforms drawn from (seed, row,
-turn): a row's tokens depend neither on which other rows are still going nor on how the rows are
+Rows at different turns generate together (one engine call per turn), each from its own seed,
+a hash of (seed, row, turn) (the engine's ``row_seeds``): a row's tokens depend neither on which other rows are still going nor on how the rows are
 split across workers (``rows``: each row's index in the whole batch).
 """
 
@@ -18,14 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from verl_core.agent.tools import BadToolCall, Request, ToolHost, ToolResult, parse_hermes
 from verl_core.agent.turns import observation_ids, truncate_observation
-from verl_core.rollout.base import SamplingParams, resolve_stop_ids
-from verl_core.rollout.hf import generate_with_cache
+from verl_core.rollout.base import RolloutEngine, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,11 @@ def turn_metrics(out: MultiTurnOutput) -> dict[str, float]:
             "response/observation_fraction": appended / max(1.0, appended + sampled)}
 
 
-def _turn_uniforms(seed: int, row: int, turn: int, n: int) -> torch.Tensor:
+def turn_seed(seed: int, row: int, turn: int) -> int:
+    """The seed of row ``row``'s draws in assistant turn ``turn`` (a 63-bit hash): the row's
+    index in the whole batch, not in a worker's block, and not which other rows still run."""
     digest = hashlib.blake2b(f"{seed}:{row}:{turn}".encode(), digest_size=8).digest()
-    g = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-    return torch.rand(n, generator=g)
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,27 +111,40 @@ class _Deadline:
 
 
 @torch.no_grad()
-def generate_turns(model, tokenizer, prompts: list[list[int]], params: SamplingParams, *,
-                   host: ToolHost, tools: list[dict] | None = None,
+def generate_turns(engine: RolloutEngine, tokenizer, prompts: list[list[int]],
+                   params: SamplingParams, *, host: ToolHost, tools: list[dict] | None = None,
                    rows: list[int] | None = None, max_assistant_turns: int = 5,
                    max_user_turns: int = 0, max_parallel_calls: int = 0,
                    max_tool_response_length: int = 256, truncate_side: str = "left",
                    tools_kwargs: list[dict] | None = None, budget_s: float | None = None,
-                   eos_token_ids=None, pad_token_id: int,
                    instance_prefix: str = "") -> MultiTurnOutput:
     """Multi-turn rollouts of the ``prompts`` (each a list of token ids, chat template applied,
-    generation prompt included). ``tools``: the schemas the template shows (the prompts were
-    rendered with them). ``max_assistant_turns`` / ``max_user_turns`` / ``max_parallel_calls``
-    (the calls of a turn that run): 0 is no limit. ``tools_kwargs``: per row, verl's
-    ``extra_info["tools_kwargs"]`` (``{tool: {"create_kwargs": {...}, "execute_kwargs":
-    {...}}}``). ``budget_s``: the tool calls' wall-time budget (:class:`_Deadline`).
-    ``instance_prefix`` makes the tool instances of this rollout unique (the step's seed and
-    phase)."""
+    generation prompt included) sampled by ``engine`` (``hf`` or ``vllm``; its EOS set ends a
+    turn, its pad id pads the output). ``tools``: the schemas the template shows (the prompts
+    were rendered with them). ``max_assistant_turns`` / ``max_user_turns`` /
+    ``max_parallel_calls`` (the calls of a turn that run): 0 is no limit. ``tools_kwargs``: per
+    row, verl's ``extra_info["tools_kwargs"]`` (``{tool: {"create_kwargs": {...},
+    "execute_kwargs": {...}}}``). ``budget_s``: the tool calls' wall-time budget
+    (:class:`_Deadline`). ``instance_prefix`` makes the tool instances of this rollout unique
+    (the step's seed and phase)."""
+    with engine.held():
+        return _generate_turns(engine, tokenizer, prompts, params, host=host, tools=tools,
+                               rows=rows, max_assistant_turns=max_assistant_turns,
+                               max_user_turns=max_user_turns,
+                               max_parallel_calls=max_parallel_calls,
+                               max_tool_response_length=max_tool_response_length,
+                               truncate_side=truncate_side, tools_kwargs=tools_kwargs,
+                               budget_s=budget_s, instance_prefix=instance_prefix)
+
+
+def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
+                    max_assistant_turns, max_user_turns, max_parallel_calls,
+                    max_tool_response_length, truncate_side, tools_kwargs, budget_s,
+                    instance_prefix) -> MultiTurnOutput:
     n, budget = len(prompts), params.max_new_tokens
     rows = list(range(n)) if rows is None else list(rows)
     kwargs_of = [dict(k or {}) for k in tools_kwargs] if tools_kwargs is not None else [{}] * n
-    stop = set(resolve_stop_ids(eos_token_ids))
-    device = next(model.parameters()).device
+    stop, pad_id = set(engine.eos_token_ids), engine.pad_token_id
     resp: list[list[int]] = [[] for _ in range(n)]
     mask: list[list[float]] = [[] for _ in range(n)]
     logp: list[list[float]] = [[] for _ in range(n)]
@@ -143,16 +158,14 @@ def generate_turns(model, tokenizer, prompts: list[list[int]], params: SamplingP
         active = [i for i in range(n) if not done[i]]
         if not active:
             break
-        T = max(budget - len(resp[i]) for i in active)
-        ids, m = _left_pad([prompts[i] + resp[i] for i in active], pad_token_id)
-        u = torch.stack([_turn_uniforms(params.seed, rows[i], k, budget)[:T] for i in active])
-        out = generate_with_cache(model, ids.to(device), m.to(device), u.to(device),
-                                  replace(params, max_new_tokens=T), eos_token_ids=list(stop),
-                                  pad_token_id=pad_token_id)
+        ids, m = _left_pad([prompts[i] + resp[i] for i in active], pad_id)
+        # each row samples what is left of its budget, from its own (row, turn) seed
+        out = engine.generate(ids, m, params,
+                              row_seeds=[turn_seed(params.seed, rows[i], k) for i in active],
+                              row_limits=[budget - len(resp[i]) for i in active])
         calls_of: dict[int, list] = {}
         for j, i in enumerate(active):
-            got = int(out.response_mask[j].sum())
-            take = min(got, budget - len(resp[i]))
+            take = int(out.response_mask[j].sum())
             sampled = out.response_ids[j, :take].tolist()
             start = len(resp[i])
             resp[i] += sampled
@@ -200,7 +213,7 @@ def generate_turns(model, tokenizer, prompts: list[list[int]], params: SamplingP
     T = max(1, max(len(r) for r in resp))
     pad = lambda xs, v: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731
     return MultiTurnOutput(
-        response_ids=torch.tensor(pad(resp, pad_token_id), dtype=torch.long),
+        response_ids=torch.tensor(pad(resp, pad_id), dtype=torch.long),
         response_mask=torch.tensor(pad(mask, 0.0), dtype=torch.float32),
         attention_mask=torch.tensor(pad([[1.0] * len(r) for r in resp], 0.0),
                                     dtype=torch.float32),

@@ -46,14 +46,15 @@ in-place weight load, NCCL) are what ``bench/gpu_check.py`` checks on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 
 import torch
 
 from verl_core.errors import PermanentError
-from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, register_engine,
-                                    resolve_stop_ids)
+from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, check_rows,
+                                    register_engine, resolve_stop_ids)
 
 EXTENSION = "verl_core.rollout.vllm_ext.WeightSyncExtension"
 MAX_TEMPERATURE = 2.0
@@ -124,7 +125,7 @@ def head_size(config) -> int:
     return int(hd) if hd else config.hidden_size // config.num_attention_heads
 
 
-def row_seeds(seed: int, first_row: int, n: int) -> list[int]:
+def row_seeds_of(seed: int, first_row: int, n: int) -> list[int]:
     """Per-row sampling seeds of rows ``first_row .. first_row + n - 1`` of a batch: a 63-bit
     hash of (``seed``, global row index), so a row's seed does not depend on the block it is
     generated in."""
@@ -200,6 +201,7 @@ class VLLMEngine(RolloutEngine):
         self.free_cache_engine = free_cache_engine and self.sleep_supported
         self.releases_memory = self.free_cache_engine
         self._sleep_level = 0  # 0 awake; 1 weights on CPU; 2 weights discarded
+        self._held = False  # inside held(): generate does not sleep after each call
         kwargs = dict(
             model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
             max_model_len=max_model_len,
@@ -254,6 +256,18 @@ class VLLMEngine(RolloutEngine):
         """0 awake; 1 asleep with the weights on CPU; 2 asleep with the weights discarded."""
         return self._sleep_level
 
+    @contextlib.contextmanager
+    def held(self):
+        """Stay awake across the :meth:`generate` calls of the block (one wake, one sleep for
+        all the turns of a multi-turn rollout, not one per turn)."""
+        held, self._held = self._held, True
+        try:
+            yield self
+        finally:
+            self._held = held
+            if self.free_cache_engine and not held:
+                self.sleep(level=1)
+
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory for training: level 1 offloads the weights to CPU (restored on
         wake), level 2 discards them (the next :meth:`load_weights` must bring them back, or
@@ -307,7 +321,8 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams, *, first_row: int = 0,
-                 total_rows: int | None = None) -> GenerationOutput:
+                 total_rows: int | None = None, row_seeds=None,
+                 row_limits=None) -> GenerationOutput:
         if params.temperature > MAX_TEMPERATURE:
             raise ValueError(f"rollout.temperature={params.temperature}: vLLM accepts "
                              f"temperatures in [0, {MAX_TEMPERATURE}]; lower it or use "
@@ -319,22 +334,22 @@ class VLLMEngine(RolloutEngine):
                              "before filtering")
         prompts = unpad_prompts(prompt_ids, prompt_mask)
         n = len(prompts)
-        if total_rows is not None and first_row + n > total_rows:
-            raise ValueError(f"rows {first_row}..{first_row + n - 1} are outside a batch of "
-                             f"{total_rows}")
+        check_rows(n, params, first_row, total_rows, row_seeds, row_limits)
+        seeds = row_seeds if row_seeds is not None else row_seeds_of(params.seed, first_row, n)
+        limits = row_limits if row_limits is not None else [params.max_new_tokens] * n
         TokensPrompt, VSamplingParams = self._vllm.TokensPrompt, self._vllm.SamplingParams
         greedy = params.temperature == 0
         sampling = [VSamplingParams(
             n=1, temperature=params.temperature,
             top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy or params.top_k < 0 else params.top_k,  # vLLM: 0 disables
-            max_tokens=params.max_new_tokens, logprobs=0,  # 0: only the sampled token's
+            max_tokens=limit, logprobs=0,  # 0: only the sampled token's
             seed=None if greedy else s, stop_token_ids=list(self.eos_token_ids),
-            detokenize=False) for s in row_seeds(params.seed, first_row, n)]
+            detokenize=False) for s, limit in zip(seeds, limits)]
         self.wake()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
                                  use_tqdm=False)
-        if self.free_cache_engine:
+        if self.free_cache_engine and not self._held:
             self.sleep(level=1)
         token_ids, logprobs = [], []
         for o in outs:

@@ -92,3 +92,9 @@ def test_top_k_and_top_p_filtering():
     u = torch.linspace(0, 0.999, 50)
     toks, _ = sample_tokens(logits.expand(50, 4), u, SamplingParams(temperature=1.0, top_k=2))
     assert set(toks.tolist()) == {0, 1}
+
+
+def test_rows_draw_from_their_own_seeds_and_stop_at_their_own_limits(setup):
+    from tests.engine_contract import assert_rows_draw_from_their_own_seeds_and_limits
+    model, tok, ids, mask, eng = setup
+    assert_rows_draw_from_their_own_seeds_and_limits(eng, ids, mask, tok.pad_token_id)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from tests.standins import qwen_tokenizer, scripted_chat
+from tests.standins import hf_engine, qwen_tokenizer, scripted_chat
 from verl_core.agent.tools import CalculatorTool, ToolHost, load_tool_config
 from verl_core.agent.turns import observation_ids
 from verl_core.rollout import SamplingParams
@@ -30,10 +30,9 @@ def host(tmp_path_factory):
 
 def _run(tok, host, turns_of_rows, budget=400, **kw):
     prompts, model, scripts = scripted_chat(tok, turns_of_rows, TOOLS)
-    out = generate_turns(model, tok, prompts, SamplingParams(temperature=1.0, max_new_tokens=budget,
-                                                             seed=3),
-                         host=host, tools=TOOLS, eos_token_ids=[tok.eos_token_id],
-                         pad_token_id=tok.pad_token_id, instance_prefix="t", **kw)
+    out = generate_turns(hf_engine(model, tok), tok, prompts,
+                         SamplingParams(temperature=1.0, max_new_tokens=budget, seed=3),
+                         host=host, tools=TOOLS, instance_prefix="t", **kw)
     return out, scripts
 
 
@@ -107,13 +106,14 @@ def test_a_rows_tokens_depend_on_its_index_not_on_the_other_rows(host):
 
     model, tok = build_tiny_model(seed=0)
     prompts = [tok(q)["input_ids"] for q in ("12+7=", "3-1=", "29+30=", "40+2=")]
-    kw = dict(host=host, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    kw = dict(host=host)
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
-    whole = generate_turns(model, tok, prompts, params, **kw)
-    part = generate_turns(model, tok, prompts[2:], params, rows=[2, 3], **kw)
+    engine = hf_engine(model, tok)
+    whole = generate_turns(engine, tok, prompts, params, **kw)
+    part = generate_turns(engine, tok, prompts[2:], params, rows=[2, 3], **kw)
     T = part.response_ids.shape[1]
     assert torch.equal(part.response_ids, whole.response_ids[2:, :T])
     assert not whole.response_ids[2:, T:].ne(tok.pad_token_id).any()
-    other = generate_turns(model, tok, prompts, SamplingParams(temperature=1.0, max_new_tokens=6,
+    other = generate_turns(engine, tok, prompts, SamplingParams(temperature=1.0, max_new_tokens=6,
                                                                seed=12), **kw)
     assert not torch.equal(other.response_ids, whole.response_ids)

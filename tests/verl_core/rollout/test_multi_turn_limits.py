@@ -5,7 +5,7 @@ execute_kwargs) and the rollout's tool-time budget, with the scripted policy of
 import pytest
 import yaml
 
-from tests.standins import qwen_tokenizer, scripted_chat
+from tests.standins import hf_engine, qwen_tokenizer, scripted_chat
 from verl_core.agent.tools import ToolHost, load_tool_config
 from verl_core.rollout import SamplingParams
 from verl_core.rollout.multi_turn import generate_turns
@@ -55,10 +55,9 @@ def host(tmp_path_factory):
 def _run(host, turns_of_rows, **kw):
     tok = qwen_tokenizer()
     prompts, model, _ = scripted_chat(tok, turns_of_rows, TOOLS)
-    return generate_turns(model, tok, prompts, SamplingParams(temperature=1.0,
-                                                              max_new_tokens=400, seed=1),
-                          host=host, tools=TOOLS, eos_token_ids=[tok.eos_token_id],
-                          pad_token_id=tok.pad_token_id, instance_prefix="lim", **kw)
+    return generate_turns(hf_engine(model, tok), tok, prompts,
+                          SamplingParams(temperature=1.0, max_new_tokens=400, seed=1),
+                          host=host, tools=TOOLS, instance_prefix="lim", **kw)
 
 
 def test_tools_kwargs_reach_create_and_execute_and_rewards_are_kept_per_call(host):

@@ -13,7 +13,7 @@ from verl_core.config import ConfigError, RolloutConfig, preset
 from verl_core.models import build_tiny_model
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.hf import HFEngine
-from verl_core.rollout.vllm import (VLLMUnavailableError, filters_tokens, row_seeds,
+from verl_core.rollout.vllm import (VLLMUnavailableError, filters_tokens, row_seeds_of,
                                     to_generation_output, unpad_prompts)
 from verl_core.verl_keys import to_ours
 
@@ -65,11 +65,11 @@ def test_unpad_prompts_drops_left_padding():
 
 
 def test_row_seeds_depend_on_the_global_row_only():
-    whole = row_seeds(7, 0, 10)
+    whole = row_seeds_of(7, 0, 10)
     # worker blocks (rows 0-3, 4-6, 7-9) get the seeds the whole batch gives those rows
-    assert row_seeds(7, 0, 4) + row_seeds(7, 4, 3) + row_seeds(7, 7, 3) == whole
+    assert row_seeds_of(7, 0, 4) + row_seeds_of(7, 4, 3) + row_seeds_of(7, 7, 3) == whole
     assert len(set(whole)) == 10 and all(0 <= s < 2**63 for s in whole)
-    assert set(row_seeds(8, 0, 10)).isdisjoint(whole)
+    assert set(row_seeds_of(8, 0, 10)).isdisjoint(whole)
 
 
 def test_output_is_right_padded_with_eos_in_the_mask():

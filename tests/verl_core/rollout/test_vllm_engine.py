@@ -110,6 +110,14 @@ def test_row_blocks_at_their_offsets_draw_what_one_call_draws(setup):
     assert torch.equal(parts.response_ids, whole.response_ids)
 
 
+def test_rows_draw_from_their_own_seeds_and_stop_at_their_own_limits(setup):
+    """What multi-turn rollouts rely on (rows at different turns, each with its (row, turn)
+    seed and what is left of its budget)."""
+    from tests.engine_contract import assert_rows_draw_from_their_own_seeds_and_limits
+    model, tok, ids, mask, eng, _ = setup
+    assert_rows_draw_from_their_own_seeds_and_limits(eng, ids, mask, tok.pad_token_id)
+
+
 def test_a_weight_refresh_changes_greedy_samples_and_refreshing_back_restores_them(setup):
     model, tok, ids, mask, eng, state = setup
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
