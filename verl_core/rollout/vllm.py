@@ -214,6 +214,13 @@ class VLLMEngine(RolloutEngine):
             # ignore the folder's generation_config.json: our sampling parameters are explicit,
             # and its EOS list is already in eos_token_ids (the stop set, below)
             generation_config="vllm")
+        if self.on_cpu:
+            # vLLM 0.32's CPU backend fails a seeded request whose prefill is split over two
+            # scheduler steps (it rewinds the request's generator by an offset, which CPU
+            # generators lack: "CPU Generator does not use offset"); a batch whose prompts
+            # outgrow one step's token budget (multi-turn rollouts' later turns) hits it.
+            # Without chunked prefill a prompt is always prefilled in one step.
+            kwargs["enable_chunked_prefill"] = False
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             # W > 1 trainer workers already form a torch.distributed group: each runs its own

@@ -118,6 +118,20 @@ def test_rows_draw_from_their_own_seeds_and_stop_at_their_own_limits(setup):
     assert_rows_draw_from_their_own_seeds_and_limits(eng, ids, mask, tok.pad_token_id)
 
 
+def test_a_seeded_batch_larger_than_one_scheduler_step_samples(setup):
+    """Prompts whose prefill outgrows one scheduler step (256 rows of ~57 tokens: ~14k tokens),
+    sampled with per-row seeds: what the later turns of a multi-turn rollout send. vLLM 0.32's
+    CPU backend failed this with chunked prefill ("CPU Generator does not use offset")."""
+    model, tok, _, _, eng, _ = setup
+    enc = tok([f"{i:03d}+{i:03d}=" * 7 for i in range(256)], return_tensors="pt", padding=True)
+    assert int(enc.attention_mask.sum()) > 8192
+    p = SamplingParams(temperature=1.0, max_new_tokens=4, seed=2)
+    out = eng.generate(enc.input_ids, enc.attention_mask, p, row_seeds=list(range(256)))
+    again = eng.generate(enc.input_ids[:4], enc.attention_mask[:4], p, row_seeds=list(range(4)))
+    assert out.response_ids.shape[0] == 256
+    assert torch.equal(again.response_ids, out.response_ids[:4, :again.response_ids.shape[1]])
+
+
 def test_a_weight_refresh_changes_greedy_samples_and_refreshing_back_restores_them(setup):
     model, tok, ids, mask, eng, state = setup
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
