@@ -44,6 +44,8 @@ from verl_core.reward.model import RewardModel, check_finite, check_reward_model
 from verl_core.reward.overlong import OverlongBuffer
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.base import GenerationOutput, concat_outputs
+from verl_core.models.lora import (apply_lora, check_lora, lora_meta, meta_model, model_state,
+                                   reference_of, split_state)
 from verl_core.rollout.multi_turn import (MultiTurnOutput, concat_turn_outputs, generate_turns,
                                           turn_metrics)
 from verl_core.training.forward import batched_logprobs, batched_sum_pi_squared, batched_values
@@ -138,6 +140,7 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
     # the GX suite, every row; without the tokenizer: the prompt lengths were checked just above
     validate_dataset_files([*train_files, *val_files], cfg)
     if cfg.model.path:
+        check_lora(cfg.model, meta_model(cfg.model.path))  # model.lora_*: before any work
         model_path = cfg.model.path
     elif not build_model:
         return Assets(model_path="", train_files=train_files, val_files=val_files,
@@ -147,6 +150,7 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
         m = cfg.model
         model, tok = build_tiny_model(hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,
                                       heads=m.tiny_heads, seed=cfg.seed, chat_template=template)
+        check_lora(m, model)  # model.lora_*: before the warm start
         prompts = [render_prompt(r, tok, schemas) for r in rows]
         host = ToolHost(tool_entries(cfg.rollout.tool_config_path),
                         timeout_s=cfg.rollout.tool_timeout_s) if schemas else None
@@ -488,6 +492,11 @@ class RLTrainer:
         if cfg.model.gradient_checkpointing:  # renamed in transformers 5.x; the old name warns
             enable = getattr(self.actor, "activation_checkpointing_enable", None)
             (enable or self.actor.gradient_checkpointing_enable)()
+        # model.lora_rank: PEFT adapters on the float32 policy, the base frozen; the reference
+        # is then the policy with its adapters off (no second copy), models/lora.py
+        self.lora = cfg.model.lora_rank > 0
+        if self.lora:
+            self.actor = apply_lora(self.actor, cfg.model, derive_seed(cfg.seed, 0, "lora-init"))
         # with W > 1 workers the actor is sharded (FSDP2) and rollout runs on a full copy of it,
         # refreshed from the shards after every change (verl's hybrid engine, colocated)
         self.rollout_model = self.actor
@@ -496,7 +505,7 @@ class RLTrainer:
         sharding.train_in(self.actor, compute, distributed=dp.distributed)
         self._rollout_stale = False
         self.ref = None
-        if algo.uses_reference:
+        if algo.uses_reference and not self.lora:
             self.ref = load_causal_lm(assets.model_path, cfg.model.dtype).requires_grad_(False)
             if dp.distributed:
                 sharding.shard(self.ref)
@@ -563,12 +572,14 @@ class RLTrainer:
         checkpoint holds the same groups whatever W wrote it and loads on any W. The data position
         and every phase's randomness are functions of (seed, step), so the step is enough for
         them; rank 0's global RNG state is saved anyway for code that uses it."""
-        groups = {"policy": self._model_state(self.actor)}
+        groups = self._policy_groups()
         if self.dp.rank == 0:
             groups["rng"] = capture_rng_state()
         meta = {"kl_ctrl": self.kl_ctrl.state_dict(), "sampler": self.sampler.state_dict(),
                 "hf_config": self.actor.config.to_dict(), "guard": dict(self.guard),
                 "metrics_history": [dict(h) for h in self.history]}
+        if self.lora:  # what an export rebuilds the adapters with
+            meta["lora"] = lora_meta(self.actor)
         # an optimizer that never stepped has no state to save (and asking torch for its state
         # dict would create one: a zero-gradient step); a resume then starts it fresh too
         if with_optimizer and self.actor_optimizer.state:
@@ -589,6 +600,15 @@ class RLTrainer:
 
         return get_model_state_dict(model)
 
+    def _policy_groups(self) -> dict:
+        """``{"policy": the actor's state}``; a LoRA actor's is its adapters, and its frozen
+        base goes to ``base``, a shared group (stored once per run, linked by later saves)."""
+        state = self._model_state(self.actor)
+        if not self.lora:
+            return {"policy": state}
+        adapters, base = split_state(self.actor, state)
+        return {"policy": adapters, "base": base}
+
     @staticmethod
     def _optim_state(model, optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -601,7 +621,7 @@ class RLTrainer:
         so a resume never holds a second copy. After a failed load they may hold a partial mix:
         the caller loads another checkpoint or rebuilds. Optimizer views (W > 1 only) give the
         optimizer zero-initialised moments first (torch's way); the load overwrites them."""
-        out = {"policy": self._model_state(self.actor)}
+        out = {"policy": self._policy_groups()["policy"]}
         if self.critic is not None:
             out["critic"] = self._model_state(self.critic)
         if self.dp.distributed:
@@ -639,7 +659,21 @@ class RLTrainer:
         from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                              set_optimizer_state_dict)
 
-        set_model_state_dict(model, weights)  # W > 1: the loaded shards (in place already)
+        if model is self.actor and self.lora:  # the adapters; the base is the assets' own
+            from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+            got = set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
+            # everything but the adapters (tied weights appear once as parameters, under every
+            # name in the state dict)
+            frozen = set(model.state_dict()) - {n for n, p in model.named_parameters()
+                                                if p.requires_grad}
+            wrong = sorted(set(got.missing_keys) - frozen) + sorted(got.unexpected_keys)
+            if wrong:
+                raise ValueError(f"this checkpoint's policy is not this run's LoRA adapters "
+                                 f"(missing or unexpected: {wrong[:5]}); resume it with the "
+                                 "model.lora_* settings that wrote it")
+        else:
+            set_model_state_dict(model, weights)  # W > 1: the loaded shards (in place already)
         if optim_state is None:  # no stale moments from whatever this trainer held before
             optimizer.state.clear()
         elif all(isinstance(k, int) for k in optim_state.get("state", {})):
@@ -670,11 +704,11 @@ class RLTrainer:
         An engine with its own copy of the weights (vllm) then gets them from the rollout
         model."""
         if self._rollout_stale:
-            if self.dp.distributed:
-                self.rollout_model.load_state_dict(
-                    sharding.full_model_state(self.actor, rank0_only=False))
+            if self.dp.distributed:  # a LoRA policy's merged (W + s B A) into the plain copy
+                self.rollout_model.load_state_dict(model_state(
+                    self.actor, sharding.full_model_state(self.actor, rank0_only=False)))
             if self.engine.owns_weights:
-                self.engine.load_weights(self.rollout_model.state_dict())
+                self.engine.load_weights(model_state(self.rollout_model))
         self._rollout_stale = False
 
     def _generate(self, prompt_ids, prompt_mask, params: SamplingParams):
@@ -814,11 +848,14 @@ class RLTrainer:
         def gathered(local):
             return in_row_order(order, self.dp.gather_rows(local))
 
-        if self.ref is not None:
-            batch = batch.replace(ref_logprobs=gathered(batched_logprobs(
-                self.ref, part, self.cfg.rollout.temperature or 1.0, micro, dp=self.dp,
-                max_token_len=actor_cfg.token_budget("ref_log_prob_max_token_len_per_gpu"),
-                remove_padding=actor_cfg.use_remove_padding)))
+        if self.cfg.algorithm.uses_reference:
+            ref = self.ref if self.ref is not None else self.actor
+            with reference_of(ref):  # LoRA: the policy with its adapters off
+                ref_lp = batched_logprobs(
+                    ref, part, self.cfg.rollout.temperature or 1.0, micro, dp=self.dp,
+                    max_token_len=actor_cfg.token_budget("ref_log_prob_max_token_len_per_gpu"),
+                    remove_padding=actor_cfg.use_remove_padding)
+            batch = batch.replace(ref_logprobs=gathered(ref_lp))
         if self.critic is not None:
             batch = batch.replace(values=gathered(batched_values(
                 self.critic, part, micro, dp=self.dp,

@@ -131,6 +131,12 @@ def _to(target: str, fn=lambda v: v, skip_none: bool = True) -> Transform:
     return t
 
 
+def _module_names(value) -> str:
+    """verl's module list (or ``all-linear``) -> ``model.target_modules``' comma-separated
+    string."""
+    return value if isinstance(value, str) else ",".join(str(v) for v in value)
+
+
 def _files(value):
     return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
 
@@ -370,6 +376,11 @@ VERL_TO_OURS: dict[str, Transform] = {
     # model, reward
     "actor_rollout_ref.model.path": _to("model.path"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": _to("model.gradient_checkpointing"),
+    "actor_rollout_ref.model.lora_rank": _to("model.lora_rank"),
+    "actor_rollout_ref.model.lora_alpha": _to("model.lora_alpha", float),
+    "actor_rollout_ref.model.target_modules": _to("model.target_modules", _module_names),
+    "actor_rollout_ref.model.exclude_modules": _to("model.exclude_modules", _module_names),
+    "actor_rollout_ref.model.lora_adapter_path": _to("model.lora_adapter_path"),
     "custom_reward_function.path": _reward_path,
     "custom_reward_function.name": _reward_name,
     "reward_model.model.path": _to("reward_model.path"),
@@ -546,12 +557,9 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
 """verl keys that change nothing here while their value is accepted (else refused with the
 reason)."""
 
-_LORA = "LoRA is not offered yet (tracked in issue 28: adapters with PEFT)"
 REFUSED: dict[str, str] = {
-    "actor_rollout_ref.model.lora_rank": _LORA,
-    "actor_rollout_ref.model.lora_alpha": _LORA,
-    "actor_rollout_ref.model.target_modules": _LORA,
-    "actor_rollout_ref.model.lora_adapter_path": _LORA,
+    "critic.model.lora_rank": "LoRA on the critic is not offered: the critic trains fully "
+                              "(actor_rollout_ref.model.lora_rank adapts the policy)",
     R + "multi_turn.interaction_config_path": "simulated-user interactions are not offered: "
                                               "multi-turn rollouts here are tool calls",
     R + "multi_turn.num_repeat_rollouts": "not offered: each prompt's rollout.n responses are "

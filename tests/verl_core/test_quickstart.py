@@ -70,7 +70,7 @@ def test_quickstart_translates_with_verl_defaults(quickstart):
 
 
 def test_every_refused_key_of_a_command_is_named_in_one_error(quickstart):
-    bad = [*quickstart, "actor_rollout_ref.model.lora_rank=32",
+    bad = [*quickstart, "critic.model.lora_rank=32",
            "actor_rollout_ref.rollout.multi_turn.interaction_config_path=/i.yaml",
            "actor_rollout_ref.model.trust_remote_code=True",
            "critic.model.path=/elsewhere"]
@@ -78,7 +78,7 @@ def test_every_refused_key_of_a_command_is_named_in_one_error(quickstart):
         run_config("", "", parse_cli(bad))
     msg = str(e.value)
     assert msg.startswith("4 config keys cannot apply:")
-    for reason in ("lora_rank=32 cannot apply here: LoRA is not offered yet (tracked in issue 28",
+    for reason in ("critic.model.lora_rank=32 cannot apply here: LoRA on the critic is not offered",
                    "interaction_config_path='/i.yaml' cannot apply here: simulated-user",
                    "trust_remote_code=True cannot apply here: a model folder's own Python code",
                    "critic.model.path='/elsewhere': the critic starts from the actor's model"):

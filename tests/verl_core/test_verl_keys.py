@@ -127,7 +127,7 @@ def test_mapped_values_build_a_valid_config():
     ("trainer.total_epochs=0", r"trainer.total_epochs=0: must be a positive integer"),
     ("actor_rollout_ref.model.path=/m critic.model.path=/other",
      r"critic.model.path='/other': the critic starts from the actor's model"),
-    ("actor_rollout_ref.model.lora_rank=32", r"lora_rank=32 cannot apply here: LoRA .*issue 28"),
+    ("critic.model.lora_rank=32", r"lora_rank=32 cannot apply here: LoRA on the critic"),
     ("actor_rollout_ref.model.trust_remote_code=True",
      r"trust_remote_code=True cannot apply here: a model folder's own Python code is never run"),
     (f"{A}use_dynamic_bsz=True critic.use_dynamic_bsz=False",

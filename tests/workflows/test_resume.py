@@ -48,6 +48,13 @@ def test_sigkill_mid_vllm_rollout_then_rerun_resumes_bit_identical(tmp_path):
     _sigkill_mid_rollout_then_rerun(tmp_path, {"rollout.engine": "vllm"}, cache_hit_run=False)
 
 
+def test_sigkill_mid_lora_rollout_then_rerun_resumes_bit_identical(tmp_path):
+    """The same with LoRA adapters (PEFT) and a KL loss against the base: the checkpoint holds
+    the adapters (the base a shared group), lineage replay re-applies the adapters' update."""
+    _sigkill_mid_rollout_then_rerun(tmp_path, {"model.lora_rank": 4, "algorithm.use_kl_loss": True},
+                                    cache_hit_run=False)
+
+
 def _sigkill_mid_rollout_then_rerun(tmp_path, overrides: dict, cache_hit_run: bool = True):
     # 1. uninterrupted reference run; eval_every=2 also evaluates inside the loop (after step 2)
     ev = {"eval_every": 2, **overrides}

@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="weights' dtype (default: the dtype the run's model folder stores)")
     sp.add_argument("--overwrite", action="store_true")
+    sp.add_argument("--merge", action="store_true",
+                    help="a LoRA checkpoint: write the merged full model (W + s B A), not the "
+                         "PEFT adapter folder")
     sp = sub.add_parser("gc", help="delete objects no checkpoint, asset, lineage or pending "
                                    "phase output names")
     sp.add_argument("store")
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                 p.error("export takes <store> <ref> <out> or <manifest-uri> <out>")
             ref = _resolve(m, ref)
             dtype = getattr(torch, a.dtype) if a.dtype else None
-            info = export_hf(m, ref, out, group=a.group, dtype=dtype, overwrite=a.overwrite)
+            info = export_hf(m, ref, out, group=a.group, dtype=dtype, overwrite=a.overwrite,
+                             merge=a.merge)
             print(f"exported {info.name} (step {info.step}) to {out}")
             return 0
         if a.cmd == "lease":

@@ -31,6 +31,7 @@ model) just before the marker: a crash mid-upload leaves a folder without ``conf
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -219,6 +220,10 @@ def folder_export_dtype(folder: str) -> Optional[str]:
     return dtype if dtype in _EXPORT_DTYPES else None
 
 
+ADAPTER_FOLDER = "adapter"
+"""Where a LoRA run's final model folder keeps its adapters (a PEFT adapter folder)."""
+
+
 def export_trained(model: Any, folder: str, source: str,
                    state: Optional[dict[str, torch.Tensor]] = None) -> None:
     """The trained ``model`` as a Hugging Face folder faithful to the user's model folder
@@ -226,10 +231,16 @@ def export_trained(model: Any, folder: str, source: str,
     weights once): the plain loop's ``final_model`` and the workflow's finalize. ``state``: the
     full state dict when ``model`` is sharded (gathered on this rank); default
     ``model.state_dict()``."""
+    from verl_core.models.lora import is_lora, model_state, write_adapter
+
     os.makedirs(folder, exist_ok=True)
-    write_hf_folder(folder, model.state_dict() if state is None else state,
-                    model.config.to_dict(), model_folder_files(source),
-                    dtype=folder_export_dtype(source))
+    full = model.state_dict() if state is None else state
+    # a LoRA policy: the merged model (W + s B A: what vLLM and from_pretrained load), and its
+    # adapters as PEFT writes them in adapter/ (PeftModel.from_pretrained(base, folder/adapter))
+    write_hf_folder(folder, model_state(model, full), model.config.to_dict(),
+                    model_folder_files(source), dtype=folder_export_dtype(source))
+    if is_lora(model):
+        write_adapter(model, full, os.path.join(folder, ADAPTER_FOLDER), base=source)
 
 
 def _write_weights(state: dict[str, torch.Tensor], folder: str, max_shard_bytes: int) -> list[str]:
@@ -263,7 +274,8 @@ def _write_weights(state: dict[str, torch.Tensor], folder: str, max_shard_bytes:
 
 def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_dir: str, *,
               group: str = "policy", dtype: Optional[torch.dtype] = None,
-              max_shard_bytes: int = 5 << 30, overwrite: bool = False) -> CheckpointInfo:
+              max_shard_bytes: int = 5 << 30, overwrite: bool = False,
+              merge: bool = False) -> CheckpointInfo:
     """Write checkpoint ``ref`` (``latest``, ``auto``, a name …) of ``manager`` as a HF folder.
 
     Args:
@@ -272,6 +284,9 @@ def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_di
             run's model folder stored them in (:func:`stored_export_dtype`), else as saved.
         max_shard_bytes: split ``model.safetensors`` above this size (HF's default is 5 GB).
         overwrite: replace an existing non-empty ``out_dir``.
+        merge: a LoRA checkpoint (``meta["lora"]``): write the merged full model. Without it a
+            LoRA checkpoint exports as a PEFT adapter folder (``adapter_config.json``,
+            ``adapter_model.safetensors``) for ``PeftModel.from_pretrained`` on the base.
     Returns the exported checkpoint's info. Every object read is verified.
     """
     if not isinstance(manager, CheckpointManager):
@@ -288,21 +303,39 @@ def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_di
     if not isinstance(config, dict):
         raise CorruptObjectError(f"checkpoint {info.name} has no meta['hf_config']; save with "
                                  "meta={'hf_config': model.config.to_dict(), ...} to export it")
+    lora = meta.get("lora") if group == "policy" else None
+    if lora is not None:  # the adapters; the frozen base is the shared group "base"
+        from verl_core.models.lora import adapter_weights, merged_state, write_adapter_files
+        full = {**manager.load(ref, groups=["base"])[0]["base"], **state}
+        if not merge:  # a PEFT adapter folder
+            with _assembled(out_dir, info, manager) as tmp:
+                write_adapter_files(tmp, adapter_weights(full), lora)
+            return info
+        state = merged_state(full, lora)
     if dtype is None:
         dtype = stored_export_dtype(manager.store)
     tokenizer_files = load_tokenizer_files(manager.store)
+    gen = meta.get("hf_generation_config")
+    if isinstance(gen, dict) and "generation_config.json" not in tokenizer_files:
+        tokenizer_files = {**tokenizer_files, "generation_config.json":
+                           json.dumps(_jsonable(gen), indent=2, sort_keys=True).encode()}
+    with _assembled(out_dir, info, manager) as tmp:
+        write_hf_folder(tmp, state, config, tokenizer_files, dtype=dtype,
+                        max_shard_bytes=max_shard_bytes)
+    return info
 
+
+@contextlib.contextmanager
+def _assembled(out_dir: str, info: CheckpointInfo, manager: CheckpointManager):
+    """A temporary sibling folder for an export of checkpoint ``info`` to fill; on success the
+    provenance file and the completion marker are added and it is renamed to ``out_dir``
+    (replacing it), on failure removed."""
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        gen = meta.get("hf_generation_config")
-        if isinstance(gen, dict) and "generation_config.json" not in tokenizer_files:
-            tokenizer_files = {**tokenizer_files, "generation_config.json":
-                               json.dumps(_jsonable(gen), indent=2, sort_keys=True).encode()}
-        write_hf_folder(tmp, state, config, tokenizer_files, dtype=dtype,
-                        max_shard_bytes=max_shard_bytes)
+        yield tmp
         with open(os.path.join(tmp, "verl_checkpoint.json"), "w") as f:
             json.dump({"store": manager.store.uri, "checkpoint": info.name, "step": info.step,
                        "config_hash": info.config_hash, "package_version": info.package_version},
@@ -314,7 +347,6 @@ def export_hf(manager: Union[CheckpointManager, RunStore, str], ref: str, out_di
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return info
 
 
 # ---------------------------------------------------------------------- completion marker

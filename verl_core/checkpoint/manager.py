@@ -126,6 +126,9 @@ __all__ = ["CheckpointManager", "CheckpointInfo", "SaveHandle", "open_checkpoint
 MANIFEST_FORMAT = "verl-checkpoint/2"
 MANIFEST_FORMATS = ("verl-checkpoint/1", MANIFEST_FORMAT)
 """Formats :meth:`CheckpointManager.load` reads; saves write the last one."""
+SHARED_GROUPS = ("reference", "base")
+"""Groups stored once per run and linked by later saves: the frozen reference model, and a
+LoRA policy's frozen base weights (``models/lora.py``)."""
 DEFAULT_HASH = "blake3"
 """Algorithm that names a new checkpoint's objects (``CheckpointManager(hash_algo=...)``):
 BLAKE3 hashes ~2.5x faster than sha256 with SHA-NI on these CPUs, which took verified loads from
@@ -321,7 +324,7 @@ class CheckpointManager:
     # ====================================================================== saving
     def save(self, step: int, groups: Mapping[str, Any], meta: Optional[Mapping] = None, *,
              config_hash: str = "",
-             shared_groups: Sequence[str] = ("reference",)) -> CheckpointInfo:
+             shared_groups: Sequence[str] = SHARED_GROUPS) -> CheckpointInfo:
         """Save one checkpoint from this process and make it ``latest`` once verified
         (:meth:`save_distributed` with ``dp=SINGLE``).
 
@@ -342,7 +345,7 @@ class CheckpointManager:
     def save_distributed(self, step: int, state: Mapping[str, Any],
                          meta: Optional[Mapping] = None, *, config_hash: str = "",
                          dp: DataParallel = SINGLE,
-                         shared_groups: Sequence[str] = ("reference",)) -> CheckpointInfo:
+                         shared_groups: Sequence[str] = SHARED_GROUPS) -> CheckpointInfo:
         """Save one checkpoint from every worker of ``dp`` (a collective: every rank calls it with
         the same step) and return the committed :class:`CheckpointInfo`, the same on every rank.
 
@@ -362,7 +365,7 @@ class CheckpointManager:
     def async_save_distributed(self, step: int, state: Mapping[str, Any],
                                meta: Optional[Mapping] = None, *, config_hash: str = "",
                                dp: DataParallel = SINGLE,
-                               shared_groups: Sequence[str] = ("reference",)) -> SaveHandle:
+                               shared_groups: Sequence[str] = SHARED_GROUPS) -> SaveHandle:
         """:meth:`save_distributed` in the background: returns once every tensor is copied to CPU
         memory (buffers reused from one save to the next), so training may change the state right
         away; ``handle.wait()`` returns the :class:`CheckpointInfo` or raises the save's error.

@@ -30,7 +30,7 @@ import torch
 
 from verl_core.checkpoint.hf_export import export_trained, store_tokenizer
 from verl_core.checkpoint.local_tier import Replicator, open_local_store
-from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
+from verl_core.checkpoint.manager import SHARED_GROUPS, CheckpointManager, open_checkpoint
 from verl_core.store import NotFoundError, RunStore, is_sha256, sha256_hex
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
@@ -64,8 +64,9 @@ _REJECTED = (CorruptObjectError, UnsafeManifestError, CheckpointNotFoundError, N
 
 
 def _needed(info) -> list[str]:
-    """The groups a resume reads: all but the reference model, which the assets rebuild."""
-    return [g for g in info.groups if g != "reference"]
+    """The groups a resume reads: all but the frozen ones (the reference model, a LoRA
+    policy's base), which the assets rebuild."""
+    return [g for g in info.groups if g not in SHARED_GROUPS]
 
 
 PENDING_PHASES = ("rollout", "reward", "advantage")

@@ -18,6 +18,12 @@ def _calculator_task(run) -> bool:
     return not run.data.train_files and run.data.synthetic_task == "calculator"
 
 
+def _lora_on(run) -> bool:
+    """``model.lora_rank`` 0: the other LoRA fields do nothing, and the run hashes as before
+    they existed."""
+    return run.model.lora_rank > 0
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The policy (and reference/critic initialisation)."""
@@ -61,6 +67,24 @@ class ModelConfig:
     copy are held in bf16). A bf16 checkpoint is still loaded into float32 masters."""
     gradient_checkpointing: bool = in_trajectory(False)
     """Recompute activations in backward to save memory (large models)."""
+    lora_rank: int = in_trajectory(0, when=_lora_on)
+    """LoRA adapters of this rank on the policy (verl's ``actor_rollout_ref.model.lora_rank``;
+    0: full fine-tuning). Trained with PEFT (``verl_core/models/lora.py``): the base weights are
+    frozen, the reference model is the policy with its adapters off, checkpoints hold the
+    adapters and their optimizer state (the frozen base once per run), ``docs/lora.md``."""
+    lora_alpha: float = in_trajectory(16.0, when=_lora_on)
+    """LoRA's scale numerator: adapters add ``lora_alpha / lora_rank`` x B A (verl's
+    ``lora_alpha``)."""
+    target_modules: str = in_trajectory("all-linear", when=_lora_on)
+    """The modules that get adapters: ``all-linear`` (every linear layer but the output head),
+    or comma-separated module names or name suffixes (``q_proj,v_proj``; verl's list)."""
+    exclude_modules: str = in_trajectory("", when=_lora_on)
+    """Comma-separated module names or suffixes to leave without adapters (verl's
+    ``exclude_modules``)."""
+    lora_adapter_path: str = in_trajectory("", when=_lora_on)
+    """Start from this PEFT adapter folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``) instead of fresh adapters; its rank, alpha and targets are
+    the adapter's own and must match ``lora_rank`` (verl's ``lora_adapter_path``)."""
 
     def __post_init__(self):
         _check_types("model", self)
@@ -77,3 +101,10 @@ class ModelConfig:
             _fail("model", "tiny_hidden_size", self.tiny_hidden_size,
                   f"must be divisible by model.tiny_heads={self.tiny_heads}")
         _one_of("model", "dtype", self.dtype, {"float32", "bfloat16"})
+        if self.lora_rank < 0:
+            _fail("model", "lora_rank", self.lora_rank, "must be >= 0 (0: full fine-tuning)")
+        if self.lora_rank:
+            _positive("model", self, "lora_alpha")
+            if not self.target_modules.strip():
+                _fail("model", "target_modules", self.target_modules,
+                      "name the modules to adapt, or all-linear")

@@ -146,6 +146,27 @@ def test_ppo_with_critic_and_reference_on_two_workers_trains_like_one(tmp_path, 
     WORKERS.release_all()
 
 
+def test_lora_on_two_workers_trains_like_one_and_resumes_on_one(tmp_path, local_ray):
+    """LoRA adapters (PEFT) over FSDP2 shards with a KL loss against the base (the policy with
+    its adapters off): W = 2 samples W = 1's tokens (its rollout copy holds the merged weights)
+    and its checkpoint (the adapters; the base a shared group) resumes on one worker to W = 1's
+    weights."""
+    (local_ray[1] / "update-rank1-1.attempts").write_text("1")  # the kill test's fault: spent
+    over = {"model.lora_rank": 4, "algorithm.use_kl_loss": True}
+    one = _run(tmp_path / "w1", "r", 1, **over)
+    w1 = _final(one, STEPS)
+    WORKERS.release_all()
+    _run(tmp_path / "w2", "r", 2, stop=2, **over)
+    WORKERS.release_all()
+    spec = prepare_run(_cfg(1, **over), str(tmp_path / "w2"), "r", log_fn=lambda *_: None)
+    assert spec.start_step == 2  # resumes from the W = 2 checkpoint
+    _phases(spec, 2, STEPS)
+    assert _same_tokens(_sampled_tokens(tmp_path / "w2" / "r"),
+                        _sampled_tokens(tmp_path / "w1" / "r"))
+    assert _max_diff(_final(spec, STEPS), w1) <= ATOL
+    WORKERS.release_all()
+
+
 @pytest.mark.vllm
 def test_vllm_on_two_workers_samples_the_tokens_of_one_and_trains_like_one(tmp_path, local_ray):
     """rollout.engine=vllm (vLLM's CPU backend in .venv-vllm, or CUDA): each worker builds its
