@@ -243,3 +243,17 @@ def test_on_vllm_the_rollout_samples_the_adapted_policy(tmp_path):
         assert (batch.ref_logprobs - batch.response_logprobs)[m].abs().max().item() > 1e-2
     finally:
         trainer.close()
+
+
+def test_an_adapter_of_another_base_model_is_refused_naming_its_shapes(tmp_path):
+    import peft
+    from verl_core.models import build_tiny_model
+
+    other, _ = build_tiny_model(hidden_size=32, heads=2, layers=2, seed=0)
+    peft.get_peft_model(other, peft.LoraConfig(r=4, target_modules="all-linear")).save_pretrained(
+        tmp_path / "other")
+    cfg = tiny_run(**{**LORA, "model.lora_adapter_path": str(tmp_path / "other")})
+    with pytest.raises(LoRAConfigError, match=r"lora_A.weight has shape \[4, \d+\], but .* needs "
+                       r"\[4, \d+\]: an adapter made for another base"):
+        prepare_assets(cfg, str(tmp_path / "w"), log=lambda *_: None)
+    assert not (tmp_path / "w" / "model").exists()
