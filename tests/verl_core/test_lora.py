@@ -59,9 +59,15 @@ def test_lora_settings_that_cannot_apply_are_refused_before_the_warm_start(tmp_p
 def run(tmp_path_factory):
     """A 3-step LoRA run with a KL loss (the plain loop), and its store."""
     work = tmp_path_factory.mktemp("lora")
-    os.environ.setdefault("VERL_ASSET_CACHE", str(work / "assets"))
     summary = train(tiny_run(**LORA), str(work / "store"), log=lambda *_: None)
     return summary, work
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """The LoRA runs' assets (data, warm-started model), prepared once for the module."""
+    return prepare_assets(tiny_run(**LORA), str(tmp_path_factory.mktemp("assets")),
+                          log=lambda *_: None)
 
 
 def _base_path(summary) -> str:
@@ -84,9 +90,8 @@ def test_only_the_adapted_layers_change_and_the_reference_is_the_base(run):
     assert 0 <= kls[0] < kls[-1]
 
 
-def test_the_reference_log_probs_are_the_base_models(tmp_path):
+def test_the_reference_log_probs_are_the_base_models(assets):
     cfg = tiny_run(**LORA)
-    assets = prepare_assets(cfg, str(tmp_path), log=lambda *_: None)
     trainer = RLTrainer(cfg, assets)
     try:
         assert trainer.ref is None  # no second copy of the base
@@ -173,11 +178,11 @@ def test_the_exports_load_with_peft_and_give_the_trained_model(run, tmp_path):
     assert (adapted - plain).abs().max().item() > 1e-3  # the adapters did something
 
 
-def test_a_run_starts_from_an_exported_adapter(run, tmp_path):
+def test_a_run_starts_from_an_exported_adapter(run, assets, tmp_path):
     summary, _ = run
     adapter = os.path.join(summary["final_model"], "adapter")
     cfg = tiny_run(**{**LORA, "model.lora_adapter_path": adapter})
-    trainer = RLTrainer(cfg, prepare_assets(cfg, str(tmp_path), log=lambda *_: None))
+    trainer = RLTrainer(cfg, assets)
     try:
         got = {k.replace(".default.", "."): v for k, v in trainer.actor.state_dict().items()
                if ".lora_" in k}
@@ -218,7 +223,7 @@ def test_a_sigkill_after_the_first_checkpoint_resumes_bit_identical(run, tmp_pat
 
 
 @pytest.mark.vllm
-def test_on_vllm_the_rollout_samples_the_adapted_policy(tmp_path):
+def test_on_vllm_the_rollout_samples_the_adapted_policy(assets):
     """``rollout.engine=vllm`` with LoRA: vLLM is loaded with the merged weights (W + s B A)
     when the adapters change. With adapters far from 0, the rollout's log-probs equal the
     trainer's (PEFT's forward) within the bound of the plain vLLM loop test (both float32
@@ -227,7 +232,7 @@ def test_on_vllm_the_rollout_samples_the_adapted_policy(tmp_path):
     from verl_core.training.forward import batched_logprobs
 
     cfg = tiny_run(**{**LORA, "rollout.engine": "vllm"})
-    trainer = RLTrainer(cfg, prepare_assets(cfg, str(tmp_path), log=lambda *_: None))
+    trainer = RLTrainer(cfg, assets)
     try:
         assert type(trainer.engine).__name__ == "VLLMEngine"
         with torch.no_grad():
