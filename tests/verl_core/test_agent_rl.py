@@ -296,7 +296,7 @@ def test_a_sigkill_in_the_middle_of_a_multi_turn_rollout_resumes_bit_identical(t
     conf.write_text(yaml.safe_dump({"tools": [{
         "class_name": f"{tmp_path / 'hanging.py'}:HangingCalculator",
         "tool_schema": CalculatorTool.SCHEMA}]}))
-    over = {**CALC, "rollout.tool_config_path": str(conf), "total_steps": 3,
+    over = {**CALC, "rollout.tool_config_path": str(conf), "total_steps": 2,
             "checkpoint.checkpoint_interval": 1, "val_before_train": False}
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))  # one warm start for all
 
