@@ -26,6 +26,13 @@ PARITY = textwrap.dedent('''
 ''')
 
 
+def _latest_step(work) -> int:
+    try:
+        return json.loads((work / "latest.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
 def _over(scorer) -> dict:
     return {**TINY, "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 2,
             "algorithm.filter_groups_enable": True, "data.gen_batch_size": 4,
@@ -66,7 +73,11 @@ def test_dynamic_sampling_resumes_bit_identical_after_sigkill(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, env={**env, **hang}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     marker = faults / "rollout-2.entered"
-    kill_at_marker(proc, marker, "the rollout of step 2", poll_s=0.5)
+    # the checkpoint of step 2 commits in the background (checkpoint.async_save) while the
+    # rollout hangs: kill once it has, so the resume starts from it (under load it once lagged
+    # the marker, and the resume re-ran the update of step 1 from checkpoint 1)
+    kill_at_marker(proc, marker, "the rollout of step 2", poll_s=0.5,
+                   also=lambda: _latest_step(work) >= 2)
     before = [(r["phase"], r["step"]) for r in read_phase_log(str(work))]
     assert ("update", 1) in before and ("rollout", 2) not in before
 
