@@ -231,7 +231,8 @@ def export_trained(model: Any, folder: str, source: str,
     weights once): the plain loop's ``final_model`` and the workflow's finalize. ``state``: the
     full state dict when ``model`` is sharded (gathered on this rank); default
     ``model.state_dict()``."""
-    from verl_core.models.lora import is_lora, model_state, write_adapter
+    from verl_core.models.lora import adapter_weights, is_lora, lora_meta, model_state
+    from verl_core.models.lora import write_adapter_files
 
     os.makedirs(folder, exist_ok=True)
     full = model.state_dict() if state is None else state
@@ -240,7 +241,8 @@ def export_trained(model: Any, folder: str, source: str,
     write_hf_folder(folder, model_state(model, full), model.config.to_dict(),
                     model_folder_files(source), dtype=folder_export_dtype(source))
     if is_lora(model):
-        write_adapter(model, full, os.path.join(folder, ADAPTER_FOLDER), base=source)
+        write_adapter_files(os.path.join(folder, ADAPTER_FOLDER), adapter_weights(full),
+                            lora_meta(model), base=source)
 
 
 def _write_weights(state: dict[str, torch.Tensor], folder: str, max_shard_bytes: int) -> list[str]:

@@ -211,24 +211,6 @@ def lora_meta(model) -> dict:
             "exclude_modules": names(conf.exclude_modules), "use_rslora": bool(conf.use_rslora)}
 
 
-def write_adapter(model, state: dict, folder: str, *, base: str = "") -> None:
-    """The adapters of LoRA policy ``model`` as a PEFT adapter folder (``adapter_config.json``,
-    ``adapter_model.safetensors``: what ``PeftModel.from_pretrained(base_model, folder)`` and
-    ``model.lora_adapter_path`` load). ``state``: its full state dict (gathered when sharded).
-    ``base``: the base model's folder, recorded as ``base_model_name_or_path``."""
-    import dataclasses
-
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    weights = get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER)
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
-              os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-    conf = dataclasses.replace(model.peft_config[ADAPTER], base_model_name_or_path=base or None)
-    conf.save_pretrained(folder)
-
-
 def meta_model(path: str):
     """The causal LM of the Hugging Face folder ``path`` built on the meta device from its
     config (structure and shapes, no memory): what :func:`check_lora` checks against."""
@@ -249,8 +231,8 @@ def meta_scale(meta: dict) -> float:
 def adapter_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A LoRA policy's state dict -> its adapters under the names PEFT saves them with (the
     adapter's name dropped: ``...q_proj.lora_A.weight``). By hand because an export from a
-    checkpoint has no model to give PEFT's ``get_peft_model_state_dict``; the tests load the
-    result with ``PeftModel.from_pretrained``."""
+    checkpoint has no model to give PEFT's ``get_peft_model_state_dict`` (one way for both
+    exports); the tests load the result with ``PeftModel.from_pretrained``."""
     return {k.replace(f".{ADAPTER}.", "."): v for k, v in state.items() if ".lora_" in k}
 
 
