@@ -437,6 +437,7 @@ class RunConfig:
                   f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses "
                   "within a group; use rollout.n >= 2")
         self._check_dapo()
+        self._check_staleness()
         if (not self.data.train_files and self.data.synthetic_task == "calculator"
                 and not self.rollout.multi_turn):
             _fail("data", "synthetic_task", "calculator",
@@ -451,6 +452,28 @@ class RunConfig:
         if bounds and not bounds[0] <= self.reward.timeout_score <= bounds[1]:
             _fail("validation", "score_range", self.validation.score_range,
                   f"must contain reward.timeout_score={self.reward.timeout_score}")
+
+    def _check_staleness(self) -> None:
+        """``rollout.max_staleness`` > 0 (one-step off-policy) against the other sections."""
+        s = self.rollout.max_staleness
+        if not s:
+            return
+        algo = self.algorithm
+        if not algo.rollout_is and not algo.old_logp_from_rollout:
+            _fail("rollout", "max_staleness", s,
+                  "samples with weights one update older than the ones the update starts from; "
+                  "the update must correct for that behaviour policy: set "
+                  "algorithm.rollout_is=token (truncated importance sampling, verl's "
+                  "rollout_correction.rollout_is) or algorithm.policy_loss=bypass_mode")
+        if self.trainer.world_size > 1:
+            _fail("rollout", "max_staleness", s,
+                  f"is built for one worker so far (trainer.nnodes x n_gpus_per_node = "
+                  f"{self.trainer.world_size}): the background rollout would run collectives "
+                  "beside FSDP's; use rollout.max_staleness=0 with several workers")
+        if algo.filter_groups_enable:
+            _fail("rollout", "max_staleness", s,
+                  "with algorithm.filter_groups_enable (DAPO's dynamic sampling) is not offered: "
+                  "its rounds of sampling depend on each other's scores")
 
     def _check_dapo(self) -> None:
         """DAPO's dynamic sampling and overlong buffer against the other sections."""

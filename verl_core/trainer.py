@@ -12,6 +12,7 @@ state dicts (:meth:`RLTrainer.state`, :meth:`RLTrainer.load_state`); ``checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -500,10 +501,16 @@ class RLTrainer:
         # with W > 1 workers the actor is sharded (FSDP2) and rollout runs on a full copy of it,
         # refreshed from the shards after every change (verl's hybrid engine, colocated)
         self.rollout_model = self.actor
-        if dp.distributed:
+        # rollout.max_staleness > 0: rollout samples from its own copy, the behaviour policy,
+        # which takes the actor's weights only when told (snapshot_behaviour), so it can sample
+        # step t + 1 with the weights of step t while update t changes the actor
+        self.max_staleness = cfg.rollout.max_staleness
+        if dp.distributed or self.max_staleness:
             self.rollout_model = load_causal_lm(assets.model_path, cfg.model.dtype)
         sharding.train_in(self.actor, compute, distributed=dp.distributed)
         self._rollout_stale = False
+        self._engine_stale = False  # max_staleness: the engine's own copy (vllm) is not current
+        self._actor_engine = None  # max_staleness with hf: evaluation samples the actor itself
         self.ref = None
         if algo.uses_reference and not self.lora:
             self.ref = load_causal_lm(assets.model_path, cfg.model.dtype).requires_grad_(False)
@@ -544,6 +551,8 @@ class RLTrainer:
                                   max_model_len=cfg.data.max_prompt_length
                                   + cfg.rollout.max_new_tokens,
                                   dtype=cfg.model.dtype, seed=cfg.seed)
+        if self.max_staleness:
+            self.snapshot_behaviour()  # a LoRA policy's merged weights, else the same copy
         self.scorer = RewardScorer.from_config(cfg.reward)
         # reward_model.enable: a frozen scorer next to the policy, a full copy on every worker
         # (not FSDP-sharded: each worker scores its share of the rows on its own)
@@ -587,6 +596,8 @@ class RLTrainer:
             meta["scheduler"] = self.actor_scheduler.state_dict()
         if self.ref is not None:  # a "shared" group: stored once per run, linked by later saves
             groups["reference"] = self._model_state(self.ref)
+        if self.max_staleness:  # the weights the next rollout samples with (one update older)
+            groups["behaviour"] = self._model_state(self.rollout_model)
         if self.critic is not None:
             groups["critic"] = self._model_state(self.critic)
             if with_optimizer and self.critic_optimizer.state:
@@ -622,6 +633,8 @@ class RLTrainer:
         the caller loads another checkpoint or rebuilds. Optimizer views (W > 1 only) give the
         optimizer zero-initialised moments first (torch's way); the load overwrites them."""
         out = {"policy": self._policy_groups()["policy"]}
+        if self.max_staleness:
+            out["behaviour"] = self._model_state(self.rollout_model)
         if self.critic is not None:
             out["critic"] = self._model_state(self.critic)
         if self.dp.distributed:
@@ -646,6 +659,14 @@ class RLTrainer:
                              groups.get("critic_optimizer"))
             if "critic_optimizer" in groups:
                 self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
+        if self.max_staleness:
+            if "behaviour" in groups:
+                from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+                set_model_state_dict(self.rollout_model, groups["behaviour"])
+                self._engine_stale = True
+            else:  # an on-policy run's checkpoint: the first rollout samples its own state
+                self.snapshot_behaviour()
         self._rollout_stale = True
         self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
         self.sampler.load_state_dict(meta["sampler"])
@@ -698,11 +719,24 @@ class RLTrainer:
                     g["initial_lr"] *= factor
             sched.base_lrs = [b * factor for b in sched.base_lrs]
 
+    def snapshot_behaviour(self) -> None:
+        """``rollout.max_staleness``: the rollout model (the behaviour policy) takes the actor's
+        current weights (a LoRA policy's merged), and so does an engine with its own copy. The
+        worker calls it at the state the next rollout samples from (``RunWorker._snap``)."""
+        self.rollout_model.load_state_dict(model_state(self.actor))
+        self._engine_stale = True
+
     def _sync_rollout_weights(self) -> None:
         """W > 1: copy the current weights from the FSDP shards into the rollout model (an
         all-gather, no round trip through the store). A collective: every worker calls it.
         An engine with its own copy of the weights (vllm) then gets them from the rollout
-        model."""
+        model. With ``rollout.max_staleness`` the rollout model changes only by
+        :meth:`snapshot_behaviour` (or a load): the engine follows it."""
+        if self.max_staleness:
+            if self._engine_stale and self.engine.owns_weights:
+                self.engine.load_weights(model_state(self.rollout_model))
+            self._engine_stale = False
+            return
         if self._rollout_stale:
             if self.dp.distributed:  # a LoRA policy's merged (W + s B A) into the plain copy
                 self.rollout_model.load_state_dict(model_state(
@@ -723,20 +757,43 @@ class RLTrainer:
                                    first_row=int(mine[0]), total_rows=n)
         return concat_outputs(self.dp.gather_objects(out), self.tokenizer.pad_token_id)
 
+    @contextlib.contextmanager
+    def _policy_engine(self):
+        """The engine that samples the current policy (the evaluation's): the rollout engine,
+        except with ``rollout.max_staleness``, where that one holds the behaviour policy: then an
+        ``hf`` engine over the actor, or the rollout engine (vllm) given the actor's weights
+        until the next rollout gives it the behaviour policy's back."""
+        if not self.max_staleness:
+            self._sync_rollout_weights()
+            yield self.engine
+        elif self.engine.owns_weights:
+            self.engine.load_weights(model_state(self.actor))
+            self._engine_stale = True
+            yield self.engine
+        else:
+            if self._actor_engine is None:
+                self._actor_engine = make_engine(
+                    "hf", model=self.actor, eos_token_ids=stop_token_ids(self.tokenizer),
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    micro_batch_size=self.cfg.rollout.micro_batch_size)
+            yield self._actor_engine
+
     def _generate_turns(self, prompt_ids, prompt_mask, params: SamplingParams,
                         rows: list[int], rows_data: list[PromptRow], phase: str,
-                        split: bool = True) -> MultiTurnOutput:
+                        split: bool = True, engine=None) -> MultiTurnOutput:
         """Multi-turn rollouts (``rollout.multi_turn``, :func:`generate_turns`) of the N
         prompts; ``rows`` (N,): each one's row index in the phase's whole batch (its random
         draws), ``rows_data`` (N,) the dataset rows (verl's ``extra_info.tools_kwargs``). With
         W > 1 and ``split`` each worker runs its block and the blocks are gathered (a
-        collective); ``split=False``: this worker runs all N."""
-        self._sync_rollout_weights()
+        collective); ``split=False``: this worker runs all N. ``engine``: another engine than
+        the rollout's (the evaluation's, :meth:`_policy_engine`)."""
+        if engine is None:
+            self._sync_rollout_weights()
         rc, n = self.cfg.rollout, prompt_ids.shape[0]
         split = split and self.dp.distributed
         mine = self.dp.block(torch.arange(n)).tolist() if split else list(range(n))
         out = generate_turns(
-            self.engine, self.tokenizer,
+            engine or self.engine, self.tokenizer,
             [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in mine], params,
             host=self.tool_host, tools=self.tool_schemas, rows=[rows[i] for i in mine],
             tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
@@ -762,13 +819,19 @@ class RLTrainer:
                                 logprobs=out.logprobs[:B, :T])
 
     # ------------------------------------------------------------------ phases
-    def prompt_indices(self, step: int) -> list[int]:
-        """Dataset indices of step ``step``'s prompts: a pure function of (seed, step)."""
+    def prompt_indices(self, step: int, *, keep_position: bool = False) -> list[int]:
+        """Dataset indices of step ``step``'s prompts: a pure function of (seed, step). The
+        sampler is left after them (what a checkpoint records), unless ``keep_position`` (the
+        background rollout of the next step, ``RunWorker``: the state stays the current step's)."""
         bpe = self.sampler.batches_per_epoch
         B = self.cfg.data.train_batch_size
-        self.sampler.load_state_dict({**self.sampler.state_dict(), "epoch": step // bpe,
+        before = self.sampler.state_dict()
+        self.sampler.load_state_dict({**before, "epoch": step // bpe,
                                       "position": (step % bpe) * B})
-        return self.sampler.next_batch()
+        idx = self.sampler.next_batch()
+        if keep_position:
+            self.sampler.load_state_dict(before)
+        return idx
 
     def rollout(self, step: int) -> tuple[Batch, dict]:
         """Sample G responses for each of the B prompts of ``step`` (:meth:`sample`), then the
@@ -987,7 +1050,10 @@ class RLTrainer:
     def evaluate_with_samples(self, n_samples: int, step: int = 0) -> tuple[dict, list[EvalSample]]:
         """:meth:`evaluate`, plus the first ``n_samples`` held-out responses as decoded (for the
         reports; with W > 1, from this worker's share)."""
-        self._sync_rollout_weights()
+        with self._policy_engine() as engine:
+            return self._evaluate_with(engine, n_samples, step)
+
+    def _evaluate_with(self, engine, n_samples: int, step: int) -> tuple[dict, list[EvalSample]]:
         rc = self.cfg.rollout
         sampled = rc.val_do_sample and rc.val_temperature > 0  # verl: do_sample at 0 is greedy
         k = rc.val_n if sampled else 1  # responses per prompt, adjacent (as rollout.n's)
@@ -1009,7 +1075,7 @@ class RLTrainer:
             chunk = [row for row in self.val_rows[s:e] for _ in range(k)]
             if rc.multi_turn:
                 out = self._generate_turns(ids, mask, params, list(range(s * k, e * k)), chunk,
-                                           "val", split=False)
+                                           "val", split=False, engine=engine)
                 # the scorer sees verl's num_turns and tool_rewards, as in the rollout phase
                 infos += turn_extra_info([row.extra_info for row in chunk],
                                          [{"turns": t, "tool_rewards": r}
@@ -1019,9 +1085,8 @@ class RLTrainer:
                 dec = decode_responses(self.tokenizer, out.response_ids, real,
                                        sampled_mask=out.response_mask)
             else:
-                out = self.engine.generate(ids, mask, params, first_row=s * k,
-                                           total_rows=n * k) \
-                    if sampled else self.engine.generate(ids, mask, params)
+                out = engine.generate(ids, mask, params, first_row=s * k, total_rows=n * k) \
+                    if sampled else engine.generate(ids, mask, params)
                 real = out.response_mask
                 dec = decode_responses(self.tokenizer, out.response_ids, out.response_mask)
                 infos += [row.extra_info for row in chunk]

@@ -56,21 +56,47 @@ def test_sigkill_mid_lora_rollout_then_rerun_resumes_bit_identical(tmp_path):
                                     cache_hit_run=False, plain_ref=True)
 
 
+def test_off_policy_sigkill_mid_rollout_resumes_and_attached_mode_trains_alike(tmp_path):
+    """``rollout.max_staleness=1`` (issue 27): the worker (a Ray actor) samples step 3 in the
+    background while update 2 runs. Killed in the rollout phase of step 3, the background batch
+    dies with it; the re-run rebuilds the behaviour policy (the checkpoint of step 2 holds it,
+    the replay of update 2 snapshots the next) and samples step 3 again: the plain loop's
+    weights. Then ``cluster.mode=attached`` (a detached worker on a long-lived cluster) trains
+    the same weights."""
+    from tests.ray_nodes import RayNodes
+
+    ev = {"eval_every": 2, "rollout.max_staleness": 1, "algorithm.rollout_is": "token"}
+    ref_sha = _plain_reference_sha(tmp_path, ev)
+    _sigkill_and_rerun(tmp_path, ev, ref_sha, None, False)
+    nodes = RayNodes(tmp_path / "ray", num_cpus=2)
+    try:
+        attached = run(ppo_cmd(tmp_path / "w3", overrides={**ev, "cluster.mode": "attached"}),
+                       flyte_env(tmp_path / "c", RAY_ADDRESS=nodes.address))
+    finally:
+        nodes.stop()
+    assert _final_weights_sha(_summary(attached.stdout)) == ref_sha
+
+
+def _plain_reference_sha(tmp_path, ev: dict) -> str:
+    """The plain loop, in this process, on the config the workflow builds from ppo_cmd's options
+    (TINY + ``ev``): the same phases, the same weights (no pyflyte launch to pay for); the
+    sha-256 of its final model file. Its phase log is its own (it checkpoints on its own
+    schedule), so only the weights are compared."""
+    from tasks.prepare import build_config
+    from verl_core.train import train
+
+    cfg = build_config("grpo", "", "", "", 4, 8, 4, json.dumps({**TINY, **ev}))
+    summary = train(cfg, str(tmp_path / "plain"), log=lambda *_: None)
+    with open(os.path.join(summary["final_model"], "model.safetensors"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def _sigkill_mid_rollout_then_rerun(tmp_path, overrides: dict, cache_hit_run: bool = True,
                                     plain_ref: bool = False):
     # 1. uninterrupted reference run; eval_every=2 also evaluates inside the loop (after step 2)
     ev = {"eval_every": 2, **overrides}
     if plain_ref:
-        # the plain loop, in this process, on the config the workflow builds from ppo_cmd's
-        # options: the same phases, the same weights (no pyflyte launch to pay for); its phase
-        # log is its own (it checkpoints on its own schedule), so only the weights are compared
-        from tasks.prepare import build_config
-        from verl_core.train import train
-
-        cfg = build_config("grpo", "", "", "", 4, 8, 4, json.dumps({**TINY, **ev}))
-        summary = train(cfg, str(tmp_path / "plain"), log=lambda *_: None)
-        with open(os.path.join(summary["final_model"], "model.safetensors"), "rb") as f:
-            _sigkill_and_rerun(tmp_path, ev, hashlib.sha256(f.read()).hexdigest(), None, False)
+        _sigkill_and_rerun(tmp_path, ev, _plain_reference_sha(tmp_path, ev), None, False)
         return
     ref = run(ppo_cmd(tmp_path / "ref-store", overrides=ev), flyte_env(tmp_path / "a"))
     ref_sha = _final_weights_sha(_summary(ref.stdout))

@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -57,6 +58,22 @@ CLOSE_REPLICATION_TIMEOUT_S = 60.0
 
 class StateUnavailableError(PermanentError):
     """The state a phase asks for can be neither found nor rebuilt."""
+
+
+class StaleBatchError(PermanentError):
+    """An update's batch was sampled with weights further behind than ``rollout.max_staleness``
+    allows (or ahead of them)."""
+
+
+@dataclasses.dataclass
+class Prefetch:
+    """``rollout.max_staleness``: the rollout of ``step`` sampling in a background thread (from
+    the behaviour policy, the state after ``version`` updates) while the update runs."""
+
+    step: int
+    version: int
+    thread: threading.Thread
+    box: dict  # "out": (batch, metrics), or "error"; "span": (start, end) perf_counter times
 
 
 # what makes one checkpoint unusable (not the store): the worker then tries an older one
@@ -136,6 +153,12 @@ class RunWorker:
                 keep_every=c.keep_every or None, gc_grace_s=c.gc_grace_s)
             self.replicator = Replicator(self.local_ckpt, self.ckpt)
         self._pending_save = None  # the SaveHandle of a background checkpoint write
+        # rollout.max_staleness: the state the behaviour policy (the trainer's rollout model)
+        # holds: the step before the live one (the state after a rollback: the live one); and
+        # the next step's rollout when it is sampling in the background (docs/async.md)
+        self.behaviour_step = 0
+        self._prefetch: Prefetch | None = None
+        self._sampler = None  # rollout.async_mode=process: the SamplerProcess (started lazily)
         self.trainer = RLTrainer(self.cfg, self.assets, dp)
         if self.leader and not self.store.has_json(TOKENIZER_DOC):  # once per run (export)
             store_tokenizer(self.store, self.assets.model_path)  # the user's files, as given
@@ -181,9 +204,11 @@ class RunWorker:
         the initial model of the assets (step 0)."""
         spec = self.cfg.checkpoint.resume_from_checkpoint
         with self._changing_state():
+            self._drop_prefetch()
+            self._close_sampler()  # it shares the weights of the trainer that goes now
             self.trainer.close()
             self.trainer = RLTrainer(self.cfg, self.assets, self.dp)
-            self.step = 0
+            self.step = self.behaviour_step = 0
             self.applied = None
             if spec not in ("auto", "none", ""):
                 mgr, ref = open_checkpoint(spec, self.store.storage_options)
@@ -200,6 +225,7 @@ class RunWorker:
         manifest (``load_distributed`` compares every worker's choice and refuses to restore if
         they differ, naming each worker and manifest hash)."""
         needed = _needed(info)
+        self._drop_prefetch()  # it samples from the weights this load replaces
         if self.dp.distributed:
             state = self.trainer.load_targets(groups=needed)
             meta, _ = mgr.load_distributed(info.name, state, dp=self.dp, groups=list(state))
@@ -209,6 +235,7 @@ class RunWorker:
                                        out=self.trainer.load_targets(groups=needed))
         self.trainer.load_state(groups, meta)
         self.step = info.step
+        self.behaviour_step = int(meta.get("behaviour_step", info.step))
         self.applied = None
 
     def _tiers(self) -> list[CheckpointManager]:
@@ -290,6 +317,7 @@ class RunWorker:
                         "(lineage %s); rebuilding it from the store", step,
                         self._lineage(step - 1))
             self._live_valid = False
+        self._drop_prefetch()  # the state changes: a background rollout of it is void
         # Going forward, a checkpoint past the in-memory state saves replaying up to it.
         ahead = (self._live_valid and step > self.step
                  and self._load_checkpoint(max_step=step, min_step=self.step))
@@ -330,10 +358,12 @@ class RunWorker:
         if action == "update":
             batch = self.batch(s, "advantage", doc["batch"])
             with self._changing_state():
+                self._snap(s)  # the behaviour policy of the rollout after it
                 self.trainer.update(batch, s)
                 self.step = s + 1
         elif action == "skip":
             self.trainer.guard = dict(doc["guard"])
+            self._snap(s)
             self.step = s + 1
         elif action == "rollback":
             self._roll_back(s, int(doc["to"]), doc["guard"])
@@ -354,6 +384,9 @@ class RunWorker:
             if factor != 1.0:
                 self.trainer.scale_lr(factor)
             self.step = s + 1
+            # max_staleness: the next rollout samples the rolled-back weights (lag 0); what was
+            # sampling from the discarded ones was dropped when the state was rebuilt
+            self._snap(s + 1)
 
     def _has_lineage(self, start: int, stop: int) -> bool:
         return all(self.store.has_json(self._lineage(s)) for s in range(start, stop))
@@ -375,12 +408,137 @@ class RunWorker:
         """The rollout batch of ``step`` from the state after ``step`` updates: the trainer's
         rollout, or with ``algorithm.filter_groups_enable`` DAPO's dynamic sampling (scored
         already), which starts at the generation batch where the previous step's ended
-        (:meth:`_gen_cursor`)."""
+        (:meth:`_gen_cursor`). With ``rollout.max_staleness`` the responses come from the
+        behaviour policy (:meth:`_sample_behind`)."""
+        if self.cfg.rollout.max_staleness:
+            return self._sample_behind(step)
         if not self.cfg.algorithm.filter_groups_enable:
-            return self.trainer.rollout(step)
+            batch, metrics = self.trainer.rollout(step)
+            return batch, {**metrics, "rollout/staleness": 0.0}
         from verl_core.engine.dynamic_sampling import dynamic_rollout
 
-        return dynamic_rollout(self.trainer, step, self._gen_cursor(step))
+        batch, metrics = dynamic_rollout(self.trainer, step, self._gen_cursor(step))
+        return batch, {**metrics, "rollout/staleness": 0.0}
+
+    # ------------------------------------------------------------------ off-policy rollout
+    def _sample_behind(self, step: int) -> tuple[Batch, dict]:
+        """``rollout.max_staleness``: the rollout of ``step`` sampled by the behaviour policy
+        (the state after ``self.behaviour_step`` updates: ``step - 1``, or ``step`` at the start
+        and after a rollback), taken from the background thread that update ``step - 1``
+        started when there is one (:meth:`_start_prefetch`), else sampled now; the same bytes
+        either way (every draw is seeded by (seed, step, row)). Then, at the live state, what
+        the later phases need from a model (reference log-probs, critic values: ``model_inputs``)
+        and the KL coefficient. ``meta["policy_version"]`` records the behaviour's step."""
+        t = self.trainer
+        got = self._take_prefetch(step)
+        idx = t.prompt_indices(step)  # the sampler's position after this step, either way
+        if got is None:
+            batch, metrics = t.sample(step, idx)
+            metrics["rollout/prefetched"] = 0.0
+        else:
+            batch, metrics = got
+        batch = batch.replace(meta={**batch.meta, "kl_coef": t.kl_ctrl.value,
+                                    "policy_version": self.behaviour_step})
+        metrics["rollout/staleness"] = float(step - self.behaviour_step)
+        return t.model_inputs(batch), metrics
+
+    def _snap(self, version: int) -> None:
+        """``rollout.max_staleness``: the behaviour policy takes the live weights, the state
+        after ``version`` updates (a background rollout of the weights it held is dropped)."""
+        if not self.cfg.rollout.max_staleness:
+            return
+        self._drop_prefetch()
+        self.trainer.snapshot_behaviour()
+        self.behaviour_step = version
+
+    def _start_prefetch(self, step: int) -> None:
+        """Start sampling the rollout of ``step`` from the behaviour policy in a background
+        thread (the update of ``step - 1`` runs meanwhile on the actor, another copy). It only
+        reads the behaviour model, the prompts and the tool host, and draws only from its own
+        seeded generators; the prompts are chosen here, so the sampler is not touched there."""
+        idx = self.trainer.prompt_indices(step, keep_position=True)
+        box: dict = {}
+        sample, version = self.trainer.sample, self.behaviour_step
+        if self.cfg.rollout.async_mode == "process":
+            if self._sampler is None:
+                from verl_core.engine.sampler_process import SamplerProcess
+
+                self._sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
+                                               self.trainer.rollout_model)
+            sampler = self._sampler
+
+            def sample(step, idx):
+                return sampler.sample(step, idx, version)
+
+        def body():
+            t0 = time.perf_counter()
+            try:
+                batch, metrics = sample(step, idx)
+                box["out"] = (batch, {**metrics, "rollout/prefetched": 1.0})
+            except BaseException as e:  # noqa: BLE001 - reported where the rollout is taken
+                box["error"] = e
+            box["span"] = (t0, time.perf_counter())
+
+        thread = threading.Thread(target=body, name=f"verl-rollout-step-{step}", daemon=True)
+        self._prefetch = Prefetch(step=step, version=self.behaviour_step, thread=thread, box=box)
+        thread.start()
+
+    def _take_prefetch(self, step: int) -> tuple[Batch, dict] | None:
+        """The background rollout of ``step`` from the behaviour policy the worker holds now,
+        waited for; None when there is none (or it failed: the phase samples again, and raises
+        if that fails too)."""
+        p = self._prefetch
+        if p is None or p.step != step or p.version != self.behaviour_step:
+            self._drop_prefetch()
+            return None
+        self._prefetch = None
+        t0 = time.perf_counter()
+        p.thread.join()
+        if "error" in p.box:
+            log.warning("the background rollout of step %d failed (%s); sampling it again",
+                        step, p.box["error"])
+            if self._sampler is not None and not self._sampler.proc.is_alive():
+                self._close_sampler()  # the next background rollout starts a new one
+            return None
+        batch, metrics = p.box["out"]
+        start, end = p.box["span"]
+        # the overlap, as the phase timeline shows it: how long the phase waited for the
+        # background rollout, and how much of it ran before the phase asked
+        metrics["rollout/prefetch_wait_s"] = time.perf_counter() - t0
+        metrics["rollout/prefetch_ahead_s"] = max(0.0, min(end, t0) - start)
+        return batch, metrics
+
+    def _drop_prefetch(self) -> None:
+        """Wait for a background rollout and discard it (the state it belongs to is changing,
+        or it is for another step). A thread cannot be stopped half-way; it only ever reads the
+        behaviour model, which is why it is waited for before that changes."""
+        p, self._prefetch = self._prefetch, None
+        if p is not None:
+            p.thread.join()
+
+    def _close_sampler(self) -> None:
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.close()
+
+    def _quiesce(self) -> None:
+        """Wait for a background rollout to finish, keeping it: before a phase that shares
+        what it uses (the tool host, an engine holding its own weights: the evaluation)."""
+        if self._prefetch is not None:
+            self._prefetch.thread.join()
+
+    def _check_lag(self, step: int, batch: Batch, ref: str) -> None:
+        """The batch of update ``step`` was sampled with weights at most
+        ``rollout.max_staleness`` updates behind (its ``meta["policy_version"]``; an on-policy
+        batch's version is its step), never ahead."""
+        allowed = self.cfg.rollout.max_staleness
+        version = int(batch.meta.get("policy_version", batch.meta.get("step", step)))
+        if not 0 <= step - version <= allowed:
+            raise StaleBatchError(
+                f"update {step}: its batch {ref[:12]} was sampled with the weights of step "
+                f"{version} (policy version {version}), {step - version} updates behind the "
+                f"weights it updates (step {step}); rollout.max_staleness={allowed} allows "
+                f"0..{allowed}. The batch is not this run's rollout of step {step}: {RECOVER}")
 
     def _gen_cursor(self, step: int) -> int:
         """Generation batches (of DAPO's dynamic sampling) the steps before ``step`` consumed:
@@ -508,8 +666,17 @@ class RunWorker:
         self.ensure_state(step)
         t0 = time.perf_counter()
         batch = self.batch(step, "advantage", batch_ref)
-        if self.dp.distributed:  # VERL_FAULTS drills: a worker hanging (or killed) mid-update
-            maybe_inject(f"update-rank{self.dp.rank}", step)
+        self._check_lag(step, batch, batch_ref)
+        if self.cfg.rollout.max_staleness:
+            # the state now is the behaviour policy of the next rollout: sample it in the
+            # background while the update runs. Until the update is recorded the live state is
+            # not trusted (a retry or a failure rebuilds it, with its behaviour policy)
+            self._live_valid = False
+            self._snap(step)
+            if step + 1 < self.cfg.total_steps:
+                self._start_prefetch(step + 1)
+        # VERL_FAULTS drills: a worker hanging (or killed) mid-update (one worker: rank 0)
+        maybe_inject(f"update-rank{self.dp.rank}", step)
         g, can_roll_back = self.cfg.guard, step > self.base_step
         # the guard state and history of the step being decided (the update changes both)
         before, history = dict(self.trainer.guard), list(self.trainer.history)
@@ -531,6 +698,7 @@ class RunWorker:
             self._live_valid = False  # the update may have run: rebuild the state before it
             self.ensure_state(step)
             self.trainer.guard = dict(guard)
+            self._snap(step)
             self.step = step + 1
             record.update(action="skip", guard=guard)
             outcome = "skipped"
@@ -600,6 +768,8 @@ class RunWorker:
         # W > 1: every worker writes its own shards (DCP), rank 0 commits the manifest
         groups, meta = self.trainer.state(with_optimizer=self.cfg.checkpoint.save_optimizer_state)
         meta["step"] = step
+        if self.cfg.rollout.max_staleness:  # the step its "behaviour" group's weights are of
+            meta["behaviour_step"] = self.behaviour_step
         saver = self.local_ckpt or self.ckpt  # the local tier commits first when there is one
         if self.cfg.checkpoint.async_save and not sync:
             done = self._pending_save = saver.async_save_distributed(
@@ -698,6 +868,7 @@ class RunWorker:
         ``rollout.val_*`` say, seeded by ``step``); the first
         :data:`EVAL_SAMPLES` responses go to the store for the reports (:func:`eval_samples_doc`)."""
         self.ensure_state(step)
+        self._quiesce()  # the tool host and a vllm engine are shared with the evaluation
         metrics, samples = self.trainer.evaluate_with_samples(EVAL_SAMPLES, step)
         if self.leader:
             self.store.put_json(eval_samples_doc(self.trajectory_hash, step),
@@ -733,6 +904,8 @@ class RunWorker:
 
     def close(self):
         try:
+            self._drop_prefetch()
+            self._close_sampler()
             self.wait_checkpoints()
             if self.replicator is not None:  # best effort: finalize already waited for the last
                 self.replicator.close(timeout_s=CLOSE_REPLICATION_TIMEOUT_S)

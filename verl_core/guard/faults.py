@@ -28,8 +28,10 @@ except ``permanent`` and ``hang`` which default to every time). Kinds:
                   it; it must be refused (the phase fails if it is not)
 
 Phases: the task-level names (``rollout``, ``reward``, ``advantage``, ``update``, ``checkpoint``,
-``evaluate``, ``finalize``), plus ``update-rank<r>`` inside worker r of a worker group, in the
-middle of its update (after the batch is read, before the optimizer steps).
+``evaluate``, ``finalize``), plus ``update-rank<r>`` inside worker r of a worker group (0 with
+one worker), in the middle of its update (after the batch is read and, with
+``rollout.max_staleness``, the next step's rollout started in the background; before the
+optimizer steps).
 
 Where they fire, all from here: a phase task calls :func:`maybe_inject` at its start (each worker
 of a group at ``update-rank<r>``); the in-code kinds at the named points of :data:`HOOKS`

@@ -18,7 +18,14 @@ def _multi_turn_on(run) -> bool:
     return run.rollout.multi_turn
 
 
+def _staleness_on(run) -> bool:
+    """``rollout.max_staleness`` 0: on-policy, and the run hashes as before the field existed."""
+    return run.rollout.max_staleness > 0
+
+
 _TRUNCATE_SIDES = {"left", "right", "middle"}
+MAX_STALENESS = 1
+"""The largest ``rollout.max_staleness`` offered (docs/async.md)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,18 @@ class RolloutConfig:
     """A tool's response is cut to this many tokens (verl's marks show the cut)."""
     tool_response_truncate_side: str = in_trajectory("middle", when=_multi_turn_on)
     """Which part of a long tool response is dropped: ``left``, ``right`` or ``middle``."""
+    max_staleness: int = in_trajectory(0, when=_staleness_on)
+    """Updates the rollout may lag behind the update that consumes its batch (docs/async.md):
+    0 samples step t with the weights after t updates (on-policy, the default); 1 samples step
+    t with the weights after t - 1 updates (one-step off-policy), so the worker samples step
+    t + 1 in the background while update t runs. Every batch records the version it was sampled
+    with (``meta["policy_version"]``); the update refuses one that lags by more. Needs the
+    behaviour-policy correction (``algorithm.rollout_is`` or ``policy_loss=bypass_mode``)."""
+    async_mode: str = not_in_trajectory("thread")
+    """Where the background rollout of ``max_staleness`` runs: ``thread`` (a thread of the
+    worker, sampling from its behaviour copy) or ``process`` (a sampler process of its own,
+    whose behaviour weights are the worker's, in shared memory: no interpreter lock shared with
+    the update). The same batches either way (docs/async.md)."""
     tool_timeout_s: float = in_trajectory(30.0, when=_multi_turn_on)
     """A tool call that takes longer gives the model a timeout observation (counted in
     ``tool_calls/timeouts``); the tool host is replaced."""
@@ -109,6 +128,12 @@ class RolloutConfig:
             _fail("rollout", "gpu_memory_utilization", self.gpu_memory_utilization,
                   "must be in (0, 1]")
         self._check_multi_turn()
+        _non_negative("rollout", self, "max_staleness")
+        _one_of("rollout", "async_mode", self.async_mode, {"thread", "process"})
+        if self.max_staleness > MAX_STALENESS:
+            _fail("rollout", "max_staleness", self.max_staleness,
+                  f"at most {MAX_STALENESS} is offered (one-step off-policy: step t samples with "
+                  "the weights after t - 1 updates); a deeper pipeline is not built yet")
         if self.val_n > 1 and not (self.val_do_sample and self.val_temperature > 0):
             _fail("rollout", "val_n", self.val_n, "greedy evaluation gives one response per "
                   "prompt; set val_do_sample=True and val_temperature > 0 to draw several")

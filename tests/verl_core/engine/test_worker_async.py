@@ -1,0 +1,233 @@
+"""One-step off-policy rollout (``rollout.max_staleness=1``, issue 27) at the worker level, on
+the real tiny model: the rollout of step t samples with the weights of step t - 1 in a background
+thread while update t - 1 runs, every batch records that version, the update refuses a batch
+outside the allowed lag, and checkpoints + lineage replay rebuild the behaviour policy exactly
+(a rollout re-sampled by a fresh worker is the same object, byte for byte)."""
+import hashlib
+import json
+
+import pytest
+import torch
+
+from tests.presets import TINY, tiny_run
+from verl_core.config import ConfigError
+from verl_core.engine.assets import publish_assets
+from verl_core.engine.worker import RunWorker, StaleBatchError, get_batch, put_batch
+from verl_core.store import RunStore
+from verl_core.trainer import compute_advantages, prepare_assets, score_batch
+
+STEPS = 5
+ASYNC = {**TINY, "model.warmup_sft_steps": 400, "model.warmup_target_accuracy": 0.2,
+         "rollout.max_staleness": 1, "algorithm.rollout_is": "token",
+         "algorithm.use_kl_loss": True, "total_steps": STEPS,
+         "checkpoint.checkpoint_interval": 2, "checkpoint.async_save": False}
+
+
+def _cfg(**over):
+    return tiny_run(**{**ASYNC, **over})
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"rollout.max_staleness": 2}, r"rollout.max_staleness=2: at most 1 is offered"),
+    ({"rollout.max_staleness": -1}, r"rollout.max_staleness=-1: must be >= 0"),
+    ({"algorithm.rollout_is": ""}, r"rollout.max_staleness=1: .*set algorithm.rollout_is=token"),
+    ({"trainer.n_gpus_per_node": 2}, r"rollout.max_staleness=1: is built for one worker"),
+    ({"algorithm.filter_groups_enable": True},
+     r"rollout.max_staleness=1: with algorithm.filter_groups_enable"),
+])
+def test_settings_the_off_policy_rollout_cannot_honour_are_refused(over, match):
+    with pytest.raises(ConfigError, match=match):
+        _cfg(**over)
+
+
+def test_staleness_0_is_the_run_it_was():
+    # the default: the field changes nothing, not even the trajectory hash (cache keys, lineage
+    # and checkpoint names of runs from before it existed)
+    assert tiny_run(**{"rollout.max_staleness": 0}).trajectory_hash() == \
+        tiny_run().trajectory_hash()
+    assert _cfg().trajectory_hash() != _cfg(**{"rollout.max_staleness": 0}).trajectory_hash()
+    # bypass_mode is the other correction offered
+    assert _cfg(**{"algorithm.rollout_is": "", "algorithm.policy_loss": "bypass_mode"})
+
+
+def _weights_sha(worker) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(worker.trainer.actor.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _worker(uri, cfg, index):
+    return RunWorker(uri, json.dumps(cfg.to_dict()), index)
+
+
+def _step(worker, step) -> tuple[str, dict, str]:
+    """One step as the workflow's phases run it; the rollout batch, its metrics and the
+    advantaged batch that update ``step`` read."""
+    ref, metrics = worker.rollout(step)
+    batch = get_batch(worker.store, ref)
+    batch, _ = score_batch(batch, worker.trainer.scorer, worker.trainer.tokenizer)
+    batch, _ = compute_advantages(batch, worker.cfg.algorithm)
+    adv = put_batch(worker.store, batch)
+    worker.update(step, adv)
+    worker.checkpoint(step + 1)
+    return ref, metrics, adv
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return prepare_assets(_cfg(), str(tmp_path_factory.mktemp("assets")), log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, assets):
+    """Five steps of staleness 1 by one worker: the rollout refs, their metrics, the
+    advantaged batches and the weights after each step."""
+    uri = str(tmp_path_factory.mktemp("store"))
+    cfg = _cfg()
+    index = publish_assets(RunStore(uri), assets)
+    w = _worker(uri, cfg, index)
+    refs, metrics, advs, shas = [], [], [], [_weights_sha(w)]
+    for s in range(STEPS):
+        ref, m, adv = _step(w, s)
+        refs.append(ref), metrics.append(m), advs.append(adv), shas.append(_weights_sha(w))
+    w.close()
+    return uri, cfg, index, refs, metrics, advs, shas
+
+
+def test_each_rollout_samples_one_update_behind_in_the_background(run):
+    uri, _, _, refs, metrics, _, shas = run
+    st = RunStore(uri)
+    assert len(set(shas)) == STEPS + 1  # every update moved the weights
+    for s, (ref, m) in enumerate(zip(refs, metrics)):
+        batch = get_batch(st, ref)
+        assert batch.meta["step"] == s and batch.meta["policy_version"] == max(0, s - 1)
+        assert m["rollout/staleness"] == (0.0 if s == 0 else 1.0)
+        # step 0 has no update before it to overlap; every later one was sampled while the
+        # update before it ran, and taken from that background thread
+        assert m["rollout/prefetched"] == (0.0 if s == 0 else 1.0), (s, m)
+        if s:
+            assert m["rollout/prefetch_ahead_s"] > 0.0 and m["rollout/prefetch_wait_s"] >= 0.0
+
+
+def test_the_background_rollout_is_what_the_previous_state_samples(run, assets):
+    # a fresh worker at the state of step t - 1, sampling step t in the foreground: the same
+    # tokens and log-probs, bit for bit, as the background thread's (the draws are seeded by
+    # (seed, step, row), the behaviour copy is the state of step t - 1); the state of step t
+    # gives other log-probs, so the batch really is one update old
+    uri, cfg, index, refs, *_ = run
+    st = RunStore(uri)
+    w = _worker(uri, cfg, index)
+    try:
+        for t in (1, 3):
+            stored = get_batch(st, refs[t])
+            w.ensure_state(t - 1)
+            w.trainer.snapshot_behaviour()
+            again, _ = w.trainer.sample(t, w.trainer.prompt_indices(t))
+            assert torch.equal(again.response_ids, stored.response_ids)
+            assert torch.equal(again.response_logprobs, stored.response_logprobs)
+            w.ensure_state(t)
+            w.trainer.snapshot_behaviour()
+            on_policy, _ = w.trainer.sample(t, w.trainer.prompt_indices(t))
+            assert not torch.equal(on_policy.response_logprobs, stored.response_logprobs)
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("step", [2, 3])
+def test_a_fresh_worker_rebuilds_the_behaviour_policy_and_resamples_the_same_batch(run, step):
+    # step 2: the checkpoint of step 2 holds the behaviour policy (the state of step 1);
+    # step 3: that checkpoint + the replay of update 2, which snapshots the state of step 2.
+    # Either way the rollout (sampled in the foreground now) is the stored object, and the
+    # weights after the remaining updates are the run's
+    uri, cfg, index, refs, _, advs, shas = run
+    w = _worker(uri, cfg, index)
+    try:
+        ref, m = w.rollout(step)
+        assert ref == refs[step] and m["rollout/prefetched"] == 0.0
+        assert w.replayed == step - 2  # from the checkpoint of step 2
+        for s in range(step, STEPS):
+            if s > step:
+                assert w.rollout(s)[0] == refs[s]
+            w.update(s, advs[s])
+            assert _weights_sha(w) == shas[s + 1]
+    finally:
+        w.close()
+
+
+def test_an_update_refuses_a_batch_outside_the_allowed_lag(run):
+    uri, cfg, index, refs, _, advs, _ = run
+    st = RunStore(uri)
+    w = _worker(uri, cfg, index)
+    try:
+        w.ensure_state(3)
+        good = get_batch(st, advs[3])
+        for version, lag in ((1, 2), (4, -1)):
+            bad = put_batch(st, good.replace(meta={**good.meta, "policy_version": version}))
+            with pytest.raises(StaleBatchError,
+                               match=rf"update 3: its batch {bad[:12]} was sampled with the "
+                                     rf"weights of step {version} .*{lag} updates behind.*"
+                                     r"rollout.max_staleness=1 allows 0..1"):
+                w.update(3, bad)
+    finally:
+        w.close()
+
+
+def test_a_sampler_process_samples_the_same_batches_and_a_killed_one_is_replaced(run, assets,
+                                                                                tmp_path):
+    # rollout.async_mode=process: the background rollout in a sampler process of its own, its
+    # behaviour weights the worker's (shared memory). The same bytes as the thread's; a sampler
+    # killed by SIGKILL costs the step its background rollout (sampled again in the foreground,
+    # the same bytes), and the next update starts a new one
+    import os
+    import signal
+
+    refs = run[3]
+    cfg = _cfg(**{"rollout.async_mode": "process"})
+    uri = str(tmp_path / "store")
+    w = _worker(uri, cfg, publish_assets(RunStore(uri), assets))
+    try:
+        got = []
+        for s in range(4):
+            if s == 2:
+                sampler = w._sampler
+                os.kill(sampler.proc.pid, signal.SIGKILL)
+                sampler.proc.join(30)
+            ref, m, _ = _step(w, s)
+            got.append((ref, m["rollout/prefetched"]))
+        assert [r for r, _ in got] == refs[:4]
+        assert [p for _, p in got] == [0.0, 1.0, 1.0, 0.0] or \
+            [p for _, p in got] == [0.0, 1.0, 0.0, 1.0]
+        assert w._sampler is not None and w._sampler is not sampler and w._sampler.proc.is_alive()
+    finally:
+        w.close()
+
+
+@pytest.mark.vllm
+def test_on_vllm_the_background_rollout_and_the_evaluation_each_get_their_weights(assets,
+                                                                                  tmp_path):
+    # vLLM holds one copy of the weights: the background rollout needs the behaviour policy's,
+    # the evaluation between two steps the actor's. Each gets its own (the engine reloads when
+    # the other used it), and a fresh worker resampling step 2 from the store gets the same
+    # object, byte for byte
+    cfg = _cfg(**{"rollout.engine": "vllm"})
+    uri = str(tmp_path / "store")
+    index = publish_assets(RunStore(uri), assets)
+    w = _worker(uri, cfg, index)
+    try:
+        refs, evals = [], []
+        for s in range(3):
+            ref, m, _ = _step(w, s)
+            refs.append(ref)
+            assert m["rollout/staleness"] == min(s, 1) and m["rollout/prefetched"] == min(s, 1)
+            evals.append(w.evaluate(s + 1))  # the actor's weights, between two steps
+        assert get_batch(w.store, refs[2]).meta["policy_version"] == 1
+    finally:
+        w.close()
+    fresh = _worker(uri, cfg, index)
+    try:
+        assert fresh.rollout(2)[0] == refs[2]
+        assert fresh.evaluate(2) == evals[1]  # the state of step 2, evaluated as the live one
+    finally:
+        fresh.close()
