@@ -1,0 +1,189 @@
+"""Step time with ``rollout.max_staleness`` 0 (on-policy) and 1 (one-step off-policy: the worker
+samples step t + 1 in the background while update t runs; in a thread of the worker, or in a
+sampler process of its own: ``rollout.async_mode``), in one run (issue 27).
+
+Tasks, each on the tiny model warm-started once (the same assets for both stalenesses):
+
+- ``arithmetic``: the default task (single-turn, no I/O);
+- ``calculator 100 ms``: the calculator tool task (multi-turn), the tool answering after a
+  100 ms wait (an I/O-bound tool: a search, a sandbox): verl's ``BaseTool`` contract, a class
+  written to a temp folder that wraps the built-in calculator and sleeps first.
+
+Each (task, staleness) runs ``--steps`` steps through the run worker's phases as the workflow
+calls them (``RunWorker.rollout``, the light reward and advantage phases, ``RunWorker.update``,
+``RunWorker.checkpoint`` every 2 steps), on a fresh store, with ``num_threads`` intra-op threads
+per phase (``--threads``; 1: the rollout thread and the update can each have one of this
+machine's 2 cores, the colocated CPU analogue of a rollout GPU beside a training GPU). The step
+time is the median wall time of steps 2.. (step 0 has no update before it to overlap, and step 1
+of the process mode waits for its sampler process to start). Then the phase timeline of one step
+of the I/O task, every way: the overlap is visible. The two background modes sample the same
+tokens with the same log-probs (asserted).
+
+    python bench/async.py                  # 7 steps each, 1 thread
+    python bench/async.py --steps 8 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from verl_core.agent.tools import CalculatorTool  # noqa: E402
+from verl_core.config import preset  # noqa: E402
+from verl_core.engine.assets import publish_assets  # noqa: E402
+from verl_core.engine.worker import RunWorker, get_batch, put_batch  # noqa: E402
+from verl_core.store import RunStore  # noqa: E402
+from verl_core.trainer import compute_advantages, prepare_assets, score_batch  # noqa: E402
+
+DELAY_S = 0.1
+TOOL_FILE = '''
+import asyncio
+
+from verl_core.agent.tools import CalculatorTool
+
+
+class SlowCalculator(CalculatorTool):
+    """The built-in calculator, answering after ``config["delay_s"]`` (an I/O-bound tool)."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(float(self.config["delay_s"]))
+        return await super().execute(instance_id, parameters, **kwargs)
+'''
+SIZES = {"data.train_batch_size": 16, "rollout.n": 4, "actor.ppo_mini_batch_size": 8,
+         "data.synthetic_train_size": 512}
+"""The calculator task's batch (16 prompts x 4; its responses are ~100 tokens); the default task
+runs at the preset's sizes (64 prompts x 8, 8 tokens)."""
+
+
+def task_overrides(task: str, folder: str) -> dict:
+    if task == "arithmetic":
+        return {"model.warmup_sft_steps": 200, "model.warmup_target_accuracy": 1.0}
+    tool = os.path.join(folder, "slow_calculator.py")
+    with open(tool, "w") as f:
+        f.write(TOOL_FILE)
+    path = os.path.join(folder, "slow_calculator.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump({"tools": [{"class_name": f"{tool}:SlowCalculator",
+                                   "config": {"delay_s": DELAY_S},
+                                   "tool_schema": CalculatorTool.SCHEMA}]}, f)
+    # every warm-start transcript calls the tool, so the rollouts do
+    return {"data.synthetic_task": "calculator", "rollout.tool_config_path": path,
+            "model.warmup_sft_steps": 400, "model.warmup_mixed_steps": 0}
+
+
+MODES = {"staleness 0": {"rollout.max_staleness": 0},
+         "staleness 1, thread": {"rollout.max_staleness": 1, "rollout.async_mode": "thread"},
+         "staleness 1, process": {"rollout.max_staleness": 1, "rollout.async_mode": "process"}}
+
+
+def run_one(cfg, assets, steps: int, uri: str) -> tuple[list[float], dict, list[str]]:
+    """``steps`` steps of ``cfg`` on a fresh store: each step's wall time, the phase timeline
+    of step 3 (seconds from the start of update 2), and the rollout batches."""
+    index = publish_assets(RunStore(uri), assets)
+    w = RunWorker(uri, json.dumps(cfg.to_dict()), index)
+    walls, spans, background, refs = [], {}, None, []
+    try:
+        for s in range(steps):
+            t0 = time.perf_counter()
+            a = time.perf_counter()
+            ref, _ = w.rollout(s)
+            refs.append(get_batch(w.store, ref))
+            spans[("rollout", s)] = (a, time.perf_counter())
+            a = time.perf_counter()
+            batch = get_batch(w.store, ref)
+            batch, _ = score_batch(batch, w.trainer.scorer, w.trainer.tokenizer)
+            batch, _ = compute_advantages(batch, cfg.algorithm)
+            adv = put_batch(w.store, batch)
+            spans[("reward + advantage", s)] = (a, time.perf_counter())
+            a = time.perf_counter()
+            w.update(s, adv)
+            spans[("update", s)] = (a, time.perf_counter())
+            if s == 2 and w._prefetch is not None:  # the rollout of step 3, sampling meanwhile
+                background = w._prefetch
+            a = time.perf_counter()
+            w.checkpoint(s + 1)
+            spans[("checkpoint", s + 1)] = (a, time.perf_counter())
+            walls.append(time.perf_counter() - t0)
+    finally:
+        w.close()
+    origin = spans[("update", 2)][0]
+    timeline = {"update 2": spans[("update", 2)], "checkpoint 3": spans[("checkpoint", 3)]}
+    if background is not None:
+        timeline["rollout 3 sampling (background)"] = background.box["span"]
+    timeline["rollout 3 phase"] = spans[("rollout", 3)]
+    timeline["reward + advantage 3"] = spans[("reward + advantage", 3)]
+    timeline["update 3"] = spans[("update", 3)]
+    return walls, {k: (a - origin, b - origin) for k, (a, b) in timeline.items()}, refs
+
+
+def bars(timeline: dict, width: int = 60) -> list[str]:
+    end = max(b for _, b in timeline.values())
+    out = []
+    for name, (a, b) in timeline.items():
+        i, j = round(a / end * width), max(round(b / end * width), round(a / end * width) + 1)
+        out.append(f"  {name:<34} |{' ' * i}{'#' * (j - i)}{' ' * (width - j)}| "
+                   f"{a * 1000:6.0f} - {b * 1000:6.0f} ms")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tasks", default="arithmetic,calculator 100 ms")
+    args = ap.parse_args()
+    rows, timelines = [], {}
+    with tempfile.TemporaryDirectory(prefix="verl-bench-async-") as root:
+        for task in args.tasks.split(","):
+            name = task.split()[0]
+            over = {**(SIZES if name != "arithmetic" else {}),
+                    **task_overrides(name, root), "data.synthetic_val_size": 16,
+                    "val_before_train": False, "total_steps": args.steps,
+                    "num_threads": args.threads, "checkpoint.checkpoint_interval": 2,
+                    "algorithm.rollout_is": "token"}
+            t0 = time.perf_counter()
+            assets = prepare_assets(preset("grpo", **over), os.path.join(root, name),
+                                    log=lambda *_: None)
+            print(f"[{task}] warm start {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            step_s, batches = {}, {}
+            for k, (mode, extra) in enumerate(MODES.items()):
+                cfg = preset("grpo", **{**over, **extra})
+                walls, timelines[(task, mode)], batches[mode] = run_one(
+                    cfg, assets, args.steps, os.path.join(root, f"{name}-store-{k}"))
+                step_s[mode] = statistics.median(walls[2:])
+                print(f"[{task}] {mode}: steps {[round(x, 2) for x in walls]}", file=sys.stderr)
+            # the background rollouts sampled the same tokens with the same log-probs (a
+            # multi-turn batch also stores each tool call's measured latency: not compared)
+            thread, proc = batches["staleness 1, thread"], batches["staleness 1, process"]
+            assert all(torch.equal(a.response_ids, b.response_ids)
+                       and torch.equal(a.response_logprobs, b.response_logprobs)
+                       for a, b in zip(thread, proc)), "the modes sampled different batches"
+            rows.append((task, step_s))
+    print(f"\n{args.threads} intra-op thread(s) per phase; median step time of steps "
+          f"2..{args.steps - 1}\n")
+    print("| task | " + " | ".join(f"{m}: step s" for m in MODES) + " | thread / 0 | process / 0 |")
+    print("|---|" + "---:|" * (len(MODES) + 2))
+    for task, t in rows:
+        base = t["staleness 0"]
+        print(f"| {task} | " + " | ".join(f"{t[m]:.2f}" for m in MODES)
+              + f" | {t['staleness 1, thread'] / base:.2f} | {t['staleness 1, process'] / base:.2f} |")
+    for (task, mode), timeline in timelines.items():
+        if task != rows[-1][0]:
+            continue
+        print(f"\nphase timeline, {task}, {mode} (from the start of update 2):")
+        print("\n".join(bars(timeline)))
+
+
+if __name__ == "__main__":
+    main()
