@@ -136,7 +136,8 @@ def test_store_check_uses_the_endpoint_of_VERL_S3_ENDPOINT(moto_s3, monkeypatch)
     assert s3.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0  # the probe cleaned up
 
 
-def test_a_stalled_store_is_unhealthy_within_the_deadline(moto_server_factory, tmp_path):
+def test_a_stalled_store_is_unhealthy_within_the_deadline(moto_server_factory, tmp_path,
+                                                           monkeypatch):
     """A SIGSTOPped S3 server accepts connections and never replies (botocore alone would wait
     minutes: read timeout x attempts, per call). In-process the report comes at the deadline
     (the checks run at once, so one deadline covers all of them); both probe spellings answer
@@ -156,6 +157,9 @@ def test_a_stalled_store_is_unhealthy_within_the_deadline(moto_server_factory, t
     healthy, t_healthy = probe(PROBE)  # the server answers: same command, same environment
     assert healthy.returncode == 0, healthy.stderr
     server.pause()
+    # the in-process report finds the server as the probes do (it read whatever endpoint an
+    # earlier test left in this process's environment before, or AWS's)
+    monkeypatch.setenv("VERL_S3_ENDPOINT", server.endpoint)
     try:
         t = time.monotonic()
         r = verl_core.health_report(f"s3://{bucket}/r", timeout_s=deadline)
