@@ -664,7 +664,7 @@ class RLTrainer:
                 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
                 set_model_state_dict(self.rollout_model, groups["behaviour"])
-                self._engine_stale = True
+                self.behaviour_changed()
             else:  # an on-policy run's checkpoint: the first rollout samples its own state
                 self.snapshot_behaviour()
         self._rollout_stale = True
@@ -724,6 +724,12 @@ class RLTrainer:
         current weights (a LoRA policy's merged), and so does an engine with its own copy. The
         worker calls it at the state the next rollout samples from (``RunWorker._snap``)."""
         self.rollout_model.load_state_dict(model_state(self.actor))
+        self.behaviour_changed()
+
+    def behaviour_changed(self) -> None:
+        """The rollout model's weights changed (a snapshot, a load, or another process's
+        snapshot of the shared weights: ``engine/sampler_process.py``): an engine with its own
+        copy (vllm) takes them before it samples next."""
         self._engine_stale = True
 
     def _sync_rollout_weights(self) -> None:

@@ -92,7 +92,8 @@ def _serve(conn, config_json: str, assets, shared: dict) -> None:
                 return
             _, step, idx, version = msg
             if version != loaded:  # an engine with its own copy (vllm) takes the new weights
-                trainer._engine_stale, loaded = True, version
+                trainer.behaviour_changed()
+                loaded = version
             try:
                 conn.send(("ok", trainer.sample(step, idx)))
             except Exception as e:  # noqa: BLE001 - the worker samples again and reports

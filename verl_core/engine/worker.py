@@ -414,11 +414,11 @@ class RunWorker:
             return self._sample_behind(step)
         if not self.cfg.algorithm.filter_groups_enable:
             batch, metrics = self.trainer.rollout(step)
-            return batch, {**metrics, "rollout/staleness": 0.0}
-        from verl_core.engine.dynamic_sampling import dynamic_rollout
+        else:
+            from verl_core.engine.dynamic_sampling import dynamic_rollout
 
-        batch, metrics = dynamic_rollout(self.trainer, step, self._gen_cursor(step))
-        return batch, {**metrics, "rollout/staleness": 0.0}
+            batch, metrics = dynamic_rollout(self.trainer, step, self._gen_cursor(step))
+        return batch, {**metrics, "rollout/staleness": 0.0}  # on-policy
 
     # ------------------------------------------------------------------ off-policy rollout
     def _sample_behind(self, step: int) -> tuple[Batch, dict]:
