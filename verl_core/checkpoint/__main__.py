@@ -51,43 +51,62 @@ def _resolve(m: CheckpointManager, ref: str) -> str:
     return name
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser; every option and positional carries a help text (the tests
+    walk these objects to keep it so)."""
     p = argparse.ArgumentParser(prog="python -m verl_core.checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
+    store_help = "run store: a folder or s3://bucket/prefix"
     sp = sub.add_parser("list", help="list checkpoints")
-    sp.add_argument("store")
+    sp.add_argument("store", help=store_help)
     sp = sub.add_parser("verify", help="verify checkpoints (re-hash every object)")
-    sp.add_argument("store")
-    sp.add_argument("refs", nargs="*")
+    sp.add_argument("store", help=store_help)
+    sp.add_argument("refs", nargs="*", metavar="ref",
+                    help="latest, auto, a step, <step>-<sha> or a sha prefix (default: every "
+                         "checkpoint)")
     sp.add_argument("--sizes-only", action="store_true", help="check presence and size only")
     sp.add_argument("--repair", action="store_true",
                     help="move damaged objects to quarantine/ so the next save writes them again")
     sp = sub.add_parser("export", help="export a checkpoint as a Hugging Face folder")
     sp.add_argument("args", nargs="+", metavar="ARG",
                     help="<store> <ref> <out> or <manifest> <out>")
-    sp.add_argument("--group", default="policy")
+    sp.add_argument("--group", default="policy",
+                    help="checkpoint group to export, one that list shows (default: policy, "
+                         "the trained model)")
     sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="weights' dtype (default: the dtype the run's model folder stores)")
-    sp.add_argument("--overwrite", action="store_true")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="replace a non-empty output folder (default: refuse)")
     sp.add_argument("--merge", action="store_true",
                     help="a LoRA checkpoint: write the merged full model (W + s B A), not the "
                          "PEFT adapter folder")
     sp = sub.add_parser("gc", help="delete objects no checkpoint, asset, lineage or pending "
                                    "phase output names")
-    sp.add_argument("store")
-    sp.add_argument("--grace-s", type=float, default=600.0)
+    sp.add_argument("store", help=store_help)
+    sp.add_argument("--grace-s", type=float, default=600.0, metavar="S",
+                    help="never delete an object younger than S seconds, so a writer that is "
+                         "still saving keeps its new objects (default: 600)")
     sp = sub.add_parser("lease", help="show (or --break) the run's single-writer lease")
-    sp.add_argument("store")
+    sp.add_argument("store", help=store_help)
     sp.add_argument("--break", dest="break_", action="store_true",
                     help="free the lease now, whoever holds it")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
         if a.cmd == "list":
             m = _manager(a.store)
             latest = m._latest_name()
-            for info in m.list_checkpoints():
+            infos = m.list_checkpoints()
+            if not infos:  # silence would read as "the command did nothing"
+                print(f"no checkpoints in {m.store.uri} (a run writes one every "
+                      "checkpoint.checkpoint_interval steps and at its last step)")
+            for info in infos:
                 when = (datetime.fromtimestamp(info.created, timezone.utc)
                         .strftime("%Y-%m-%d %H:%M:%S") if info.created else "?")
                 flag = "*" if info.name == latest else " "
@@ -98,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "verify":
             m = _manager(a.store)
             refs = a.refs or [i.name for i in m.list_checkpoints()]
+            if not refs:
+                print(f"no checkpoints in {m.store.uri} to verify")
             bad = 0
             for ref in refs:
                 ref = _resolve(m, ref)

@@ -1,9 +1,11 @@
-"""``python -m verl_core.checkpoint verify|export <store> latest`` when ``latest.json`` is missing
-or garbage: the newest checkpoint that verifies, named on stderr (issue 21 item 9), never "no
-latest checkpoint" while valid ones exist."""
+"""``python -m verl_core.checkpoint``: ``verify|export <store> latest`` when ``latest.json`` is
+missing or garbage is the newest checkpoint that verifies, named on stderr (issue 21 item 9), never
+"no latest checkpoint" while valid ones exist; every option says what it does and an empty store
+says it is empty (issue 38)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from verl_core.checkpoint import CheckpointNotFoundError
-from verl_core.checkpoint.__main__ import main as cli
+from verl_core.checkpoint.__main__ import main as cli, parser
 
 
 def _save(manager, model, step):
@@ -79,3 +81,25 @@ def test_no_checkpoint_to_fall_back_to_says_why(manager, store, tiny_llama, caps
     assert cli(["verify", store.root, "latest"]) == 2
     err = capsys.readouterr().err
     assert "latest.json is missing" in err and "none of its 1 checkpoint(s) verifies" in err
+
+
+def test_every_argument_of_every_subcommand_has_a_help_text():
+    # the parser objects, not the --help text: argparse prints an option without help too
+    subs = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subs.choices) == {"list", "verify", "export", "gc", "lease"}
+    missing = [f"{name} {a.option_strings[0] if a.option_strings else a.dest}"
+               for name, sp in subs.choices.items() for a in sp._actions
+               if not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
+    assert missing == []
+    for name, sp in subs.choices.items():
+        sp.format_help()  # a "%" in a help text would only fail here
+
+
+def test_list_and_verify_of_an_empty_store_say_it_is_empty(store, capsys):
+    store.incarnation_id  # a run store (store.json written) that holds no checkpoint yet
+    assert cli(["list", store.root]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and f"no checkpoints in {store.root} " in out
+    assert "checkpoint.checkpoint_interval" in out  # where the next one will come from
+    assert cli(["verify", store.root]) == 0
+    assert capsys.readouterr().out == f"no checkpoints in {store.root} to verify\n"
