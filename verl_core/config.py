@@ -23,6 +23,7 @@ bottom of this file.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import hashlib
 import json
@@ -55,6 +56,7 @@ __all__ = [
     "TIMING_DETECTORS", "TrackingConfig", "ValidationConfig", "VALIDATION_MODES",
     # the run, overrides, presets
     "RunConfig", "SECTIONS", "MOVED_KEYS", "effective_line", "typed_overrides", "with_overrides",
+    "dotted_keys", "did_you_mean",
     "CALCULATOR_DEFAULTS", "DEMO_TEMPERATURE", "USER_MODEL_DEFAULTS", "grpo_preset",
     "ppo_preset", "preset",
 ]
@@ -547,7 +549,8 @@ class RunConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for k, v in d.items():
             if k not in known:
-                raise ConfigError(f"unknown config key {k!r}; known: {', '.join(sorted(known))}")
+                raise ConfigError(f"unknown config key {k!r}; known: {', '.join(sorted(known))}"
+                                  f"{did_you_mean(str(k), known)}")
             if k in SECTIONS and not isinstance(v, dict):
                 raise ConfigError(f"config section {k!r}={v!r}: must be a mapping of its fields, "
                                   f"e.g. {{\"{k}\": {{...}}}}, or use dotted keys ({k}.<field>)")
@@ -557,8 +560,10 @@ class RunConfig:
                 for name in sorted(bad):
                     _refuse_moved(f"{k}.{name}")
                 if bad:
+                    near = "".join(did_you_mean(f"{k}.{name}", dotted_keys())
+                                   for name in sorted(bad))
                     raise ConfigError(f"unknown key(s) {sorted(bad)} in section {k!r}; "
-                                      f"known: {', '.join(sorted(sub_known))}")
+                                      f"known: {', '.join(sorted(sub_known))}{near}")
                 kw[k] = SECTIONS[k](**v)
             else:
                 kw[k] = v
@@ -610,6 +615,38 @@ MOVED_KEYS = {f"trainer.{n}": f"actor.{n}"
 ``actor`` (verl's ``actor_rollout_ref.actor``). The old name is refused naming the new one."""
 
 
+@functools.cache
+def dotted_keys() -> frozenset[str]:
+    """Every key :func:`with_overrides` takes: ``total_steps``, ``optim.lr`` …"""
+    return frozenset([n for n in _fields_of(RunConfig) if n not in SECTIONS] +
+                     [f"{s}.{n}" for s, c in SECTIONS.items() for n in _fields_of(c)])
+
+
+KEY_SYNONYMS = {"learning_rate": "lr", "max_steps": "total_steps", "num_generations": "n",
+                "max_completion_length": "max_new_tokens"}
+"""Field names other trainers (Hugging Face Trainer, trl) use for ours, which no string distance
+reaches (``learning_rate`` is nearer to ``min_lr_ratio`` than to ``lr``)."""
+
+
+def did_you_mean(key: str, known) -> str:
+    """``"; did you mean optim.lr?"`` for the key of ``known`` nearest to the unknown ``key``, or
+    "" when none is near. A key in a known section is matched against that section's fields
+    only: over whole keys, a long shared prefix (``trainer.`` of ``trainer.lr`` and
+    ``trainer.logger``) makes unrelated fields look near. A key in no known section is matched
+    whole (a misspelled section: ``optm.lr``)."""
+    parent, _, leaf = key.rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    siblings = [k[len(prefix):] for k in known
+                if k.startswith(prefix) and "." not in k[len(prefix):]]
+    if siblings:
+        near = [KEY_SYNONYMS[leaf]] if KEY_SYNONYMS.get(leaf) in siblings else \
+            difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+        near = [prefix + n for n in near]
+    else:
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    return f"; did you mean {near[0]}?" if near else ""
+
+
 def _refuse_moved(key: str) -> None:
     if key in MOVED_KEYS:
         raise ConfigError(f"config key {key!r} was renamed to {MOVED_KEYS[key]!r} (verl's "
@@ -629,7 +666,7 @@ def typed_overrides(overrides: dict[str, object]) -> dict[str, object]:
         section, _, name = str(key).rpartition(".")
         fields = _fields_of(SECTIONS[section] if section in SECTIONS else RunConfig)
         if section and section not in SECTIONS or name not in fields:
-            raise ConfigError(f"unknown config key {key!r}")
+            raise ConfigError(f"unknown config key {key!r}{did_you_mean(str(key), dotted_keys())}")
         kind, default = fields[name]
         out[key] = value if dataclasses.is_dataclass(kind) else \
             _checked(section or "run", name, kind, default, value)
@@ -648,10 +685,11 @@ def with_overrides(cfg: RunConfig, overrides: dict[str, object]) -> RunConfig:
         node = d
         for p in parts[:-1]:
             if p not in node or not isinstance(node[p], dict):
-                raise ConfigError(f"unknown config section {p!r} in override {key!r}")
+                raise ConfigError(f"unknown config section {p!r} in override {key!r}"
+                                  f"{did_you_mean(key, dotted_keys())}")
             node = node[p]
         if parts[-1] not in node:
-            raise ConfigError(f"unknown config key {key!r}")
+            raise ConfigError(f"unknown config key {key!r}{did_you_mean(key, dotted_keys())}")
         node[parts[-1]] = value
     return RunConfig.from_dict(d)
 

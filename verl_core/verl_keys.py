@@ -23,8 +23,8 @@ from typing import Callable
 
 import yaml
 
-from verl_core.config import (MOVED_KEYS, SECTIONS, ConfigError, RunConfig, _fields_of, preset,
-                              typed_overrides, with_overrides)
+from verl_core.config import (MOVED_KEYS, SECTIONS, ConfigError, RunConfig, _fields_of,
+                              did_you_mean, dotted_keys, preset, typed_overrides, with_overrides)
 
 DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "verl_defaults", "ppo_trainer.yaml")
 A = "actor_rollout_ref.actor."
@@ -668,7 +668,16 @@ def _one_key(key: str, value, values: dict, defaults: dict, where: str, from_fil
             f"{defaults[key]!r} is accepted); docs/verl-keys.md lists what maps")
     raise ConfigError(f"unknown config key {key!r}{where}: neither ours "
                       "(docs/options.md) nor verl's (verl_core/verl_defaults/"
-                      "ppo_trainer.yaml)")
+                      f"ppo_trainer.yaml){did_you_mean(key, known_keys())}")
+
+
+@functools.cache
+def known_keys() -> frozenset[str]:
+    """Every key a command or YAML file may name: ours and verl's (its defaults file and the
+    keys the tables map that it leaves out). verl's refused keys are here too: the near key's
+    own message then says why it cannot apply, which is the answer the user was after."""
+    verl = set(verl_defaults()) | set(VERL_TO_OURS) | set(NO_EFFECT)
+    return frozenset(dotted_keys() | verl - set(MOVED_KEYS))
 
 
 def is_verl_style(verl_config: str = "", overrides: dict | None = None) -> bool:

@@ -75,6 +75,28 @@ def test_overrides_and_round_trip():
         with_overrides(cfg, {"optim.lrr": 1.0})
 
 
+@pytest.mark.parametrize("key,near", [
+    ("optim.lrr", "optim.lr"),  # a typo: the nearest field of the section
+    ("optim.learning_rate", "optim.lr"),  # Hugging Face Trainer's name for it
+    ("rollout.temprature", "rollout.temperature"),
+    ("optm.lr", "optim.lr"),  # a misspelled section
+    ("seeed", "seed"),
+])
+def test_an_unknown_key_names_the_near_one(key, near):
+    for call in (lambda: with_overrides(RunConfig(), {key: 1.0}),
+                 lambda: typed_overrides({key: 1.0})):
+        with pytest.raises(ConfigError, match=rf"unknown config \w+ '.*; did you mean {near}\?$"):
+            call()
+
+
+@pytest.mark.parametrize("key", ["optim.zzz", "trainer.lr", "qqq.zzz", "zzz"])
+def test_an_unknown_key_with_nothing_near_gets_no_guess(key):
+    # trainer.lr: near trainer.logger as a whole string, but no trainer field is near "lr"
+    with pytest.raises(ConfigError, match="unknown config") as e:
+        with_overrides(RunConfig(), {key: 1.0})
+    assert "did you mean" not in str(e.value)
+
+
 def test_synthetic_sizes_checked_against_unique_problems():
     with pytest.raises(ConfigError, match="unique problems"):
         DataConfig(synthetic_max_operand=5, synthetic_train_size=100)

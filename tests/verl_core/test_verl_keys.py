@@ -8,7 +8,7 @@ import pytest
 
 from verl_core.config import ConfigError, RunConfig, preset, typed_overrides, with_overrides
 from verl_core.verl_keys import (DEFAULTS_FILE, NO_EFFECT, READ_WITH_GET, VERL_TO_OURS, load_yaml,
-                                 overrides_from, parse_cli, to_ours, verl_defaults)
+                                 overrides_from, parse_cli, run_config, to_ours, verl_defaults)
 
 A = "actor_rollout_ref.actor."
 
@@ -336,3 +336,26 @@ def test_verl_example_runs_two_steps_through_pyflyte(verl_example, tmp_path):
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("Summary(")][-1]
     table = pd.read_parquet(line.split("metrics_table='", 1)[1].split("'", 1)[0])
     assert table["step"].tolist() == [0, 1, 2]
+
+
+# both entry points' keys (the plain loop's --set, the workflow's --overrides) go through
+# run_config: a typo is answered with the nearest key of the same family, ours or verl's
+@pytest.mark.parametrize("key,near", [
+    ("optim.learning_rate", "optim.lr"),
+    (f"{A}optim.lrr", f"{A}optim.lr"),
+    (f"{A}optim.learning_rate", f"{A}optim.lr"),  # not ...optim.min_lr_ratio, nearer as a string
+    ("actor_rollout_ref.rollout.temprature", "actor_rollout_ref.rollout.temperature"),
+    ("trainer.totl_epochs", "trainer.total_epochs"),
+])
+def test_an_unknown_key_names_the_near_one_ours_or_verls(key, near):
+    with pytest.raises(ConfigError) as e:
+        run_config(overrides={key: 1e-4})
+    msg = str(e.value)
+    assert msg == (f"unknown config key '{key}': neither ours (docs/options.md) nor verl's "
+                   f"(verl_core/verl_defaults/ppo_trainer.yaml); did you mean {near}?")
+
+
+def test_an_unknown_key_with_nothing_near_gets_no_guess():
+    for key in ("zzz.qqq", f"{A}nope"):  # nope: no field of verl's actor is near it
+        with pytest.raises(ConfigError, match=rf"key '{key}': neither ours .*yaml\)$"):
+            run_config(overrides={key: 1})
