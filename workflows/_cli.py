@@ -1,11 +1,15 @@
-"""Dashed option names for ``pyflyte run`` (``--train-files`` as well as ``--train_files``).
+"""``pyflyte run``'s command line for our workflows: dashed option names, a help without the
+workflow's ``Args:`` block, and our errors as one line.
 
 flytekit derives each option's name from the Python input name, so only ``--train_files`` exists;
-our documented interface (and verl users' habits) use dashes. This wraps flytekit's option builder
-to add the dashed spelling as an alias. It only runs inside ``pyflyte run`` (the module is
-imported before the options are built) and leaves the serialized workflow untouched; if a
-flytekit upgrade moves the builder, the alias silently disappears and the underscore names keep
-working.
+our documented interface (and verl users' habits) use dashes. :func:`add_dashed_aliases` wraps
+flytekit's option builder to add the dashed spelling as an alias. Each option's help is the
+workflow docstring's ``Args:`` entry for it (flytekit reads Google-style docstrings with
+``docstring_parser``), so :func:`add_dashed_aliases` also drops that block from the command's own
+help, where it would repeat every option's text. These only run inside ``pyflyte run`` (the module
+is imported before the options are built) and leave the serialized workflow untouched; if a
+flytekit upgrade moves the builder, the alias and the trim silently disappear and the underscore
+names keep working.
 """
 
 from __future__ import annotations
@@ -29,6 +33,30 @@ def add_dashed_aliases() -> None:
 
     to_click_option._verl_dashed = True
     _run.to_click_option = to_click_option
+
+    create = _run.WorkflowCommand._create_command
+
+    def _create_command(self, ctx, entity_name, run_level_params, loaded_entity, *args, **kw):
+        cmd = create(self, ctx, entity_name, run_level_params, loaded_entity, *args, **kw)
+        doc = getattr(loaded_entity, "__doc__", None)
+        if doc and cmd.help and doc in cmd.help:
+            cmd.help = cmd.help.replace(doc, description(doc))
+        return cmd
+
+    _run.WorkflowCommand._create_command = _create_command
+
+
+def description(doc: str) -> str:
+    """A Google-style docstring without its sections (``Args:`` …): its summary and the
+    paragraphs after it, each a paragraph of its own (rich-click joins the lines of one
+    paragraph, and ran an ``Args:`` entry into the line before it)."""
+    from docstring_parser import ParseError, parse
+
+    try:
+        parsed = parse(doc)
+    except ParseError:  # flytekit read the same docstring already; never fail a run over help
+        return doc
+    return "\n\n".join(p for p in (parsed.short_description, parsed.long_description) if p)
 
 
 def one_line_errors() -> None:

@@ -66,18 +66,31 @@ def rl_run(spec: RunSpec) -> Summary:
 def ppo(algorithm: str = "", model: str = "", train_files: str = "", val_files: str = "",
         steps: int = 0, batch_size: int = 0, rollout_n: int = 0, run_name: str = "default",
         store: str = "", overrides: str = "", verl_config: str = "") -> Summary:
-    """Train a causal LM with RL.
+    """Train a causal LM with RL: configure, prepare, then the RL steps as cached phases.
 
-    algorithm: "" (grpo, or verl's default gae, i.e. ppo, for verl-style overrides) | grpo
-        | ppo (GAE + critic) | any advantage estimator registered in verl_core/algorithms
-        (``python -m verl_core.train --help`` lists them); see docs/algorithms.md
-    model: local Hugging Face folder ("" = tiny model, warm-started on the synthetic task)
-    train_files / val_files: comma-separated parquet files in verl's row layout ("" = synthetic)
-    steps, batch_size (prompts per step), rollout_n (samples per prompt): 0 = preset default
-    run_name: the same name continues the same run; store: local folder or s3://bucket/prefix
-    overrides: JSON object of dotted config keys, ours or verl's, e.g. '{"optim.lr": 1e-4}' or
-        '{"actor_rollout_ref.actor.optim.lr": 1e-6, "trainer.test_freq": 5}' (docs/verl-keys.md)
-    verl_config: a local verl YAML config file (read by configure; overrides win over it)
+    Re-running the same command skips every phase that finished. Algorithms: docs/algorithms.md;
+    config keys: docs/options.md and docs/verl-keys.md.
+
+    Args:
+        algorithm: grpo, ppo (GAE + critic) or any advantage estimator registered in
+            verl_core/algorithms (docs/algorithms.md lists them); "" = grpo, or
+            verl's default gae (ppo) with a verl_config or verl's keys in overrides
+        model: local Hugging Face folder; "" = a tiny Llama-style model, warm-started on the
+            synthetic arithmetic task
+        train_files: comma-separated parquet files in verl's row layout; "" = the synthetic
+            arithmetic task
+        val_files: comma-separated held-out parquet files; "" = the synthetic task's held-out
+            split (none when train_files is given)
+        steps: RL steps; 0 = the preset's (240)
+        batch_size: prompts per RL step; 0 = the preset's (64)
+        rollout_n: samples per prompt; 0 = the preset's (grpo 8, ppo 4)
+        run_name: the run's folder in the store; the same name continues the same run
+        store: local folder or s3://bucket/prefix holding the runs; "" = $VERL_STORE, else
+            ./runs under the current folder
+        overrides: JSON object of dotted config keys, ours or verl's, e.g. '{"optim.lr": 1e-4}'
+            or '{"actor_rollout_ref.actor.optim.lr": 1e-6}' (docs/verl-keys.md); "" = none
+        verl_config: a local verl YAML config file, read by configure (overrides win over it);
+            "" = none
     """
     spec = configure(algorithm=algorithm, model=model, train_files=train_files,
                      val_files=val_files, steps=steps, batch_size=batch_size, rollout_n=rollout_n,
