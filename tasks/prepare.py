@@ -7,7 +7,7 @@ import json
 from flytekit import task
 
 from tasks.common import RETRIES, cache_for, store_call
-from verl_core import verl_keys
+from verl_core import interrupt, verl_keys
 from verl_core.config import ConfigError, effective_line
 from verl_core.engine import workers
 from verl_core.guard import writer
@@ -43,6 +43,7 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
               overrides: str, verl_config: str = "") -> RunSpec:
     """Not cached: validates the options and reads the store's incarnation id every time, so a
     deleted store is noticed. Returns a partial spec (no assets yet)."""
+    interrupt.install()  # Ctrl-C: what was kept and how to continue (local runs only)
     cfg = build_config(algorithm, model, train_files, val_files, steps, batch_size, rollout_n,
                        overrides, verl_config)
     # the run header (this task is never cached, so every command prints it)
@@ -66,6 +67,7 @@ def prepare(spec: RunSpec) -> RunSpec:
     """Synthetic dataset + tiny warm-started model (or the given ones), validated and copied
     into the run store; the start step (auto-resume). Cached per store incarnation."""
     workers.start_local_ray()  # lean local Ray (no-op on a cluster or with RAY_ADDRESS)
+    interrupt.install()  # again: Ray's start may have put its own handlers in their place
     full = store_call("prepare", lambda: prepare_run(
         spec.config, spec.store.rsplit("/", 1)[0], spec.store.rsplit("/", 1)[1]))
     print(f"[verl] run store: {full.store} (start step {full.start_step})", flush=True)

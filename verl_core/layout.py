@@ -20,6 +20,8 @@ trajectory hash shortened by :func:`short_hash`::
     validation/<h>/<step:09d>-<stage>                   batch validation reports
     events/<h>/<step:09d>-<phase>-<detector>[-<signal>] guard events
     assets/<index id>, assets/trajectories/<hash>       asset indexes, the one a trajectory pinned
+    assets/warmstart/<key>                              the tiny model's warm start (in progress
+                                                        or finished), by the key of its inputs
     logs: phases, checkpoints, metrics-<h>              phase log, checkpoint events, step metrics
     paths: exports/<h12>-step<step:06d>/, metrics/<h12>.parquet   final export and metrics table
 """
@@ -140,6 +142,12 @@ def asset_index_doc(index_id: str) -> str:
 def asset_record_doc(trajectory: str) -> str:
     """The asset index a trajectory pinned when it first ran (the full hash, not the short)."""
     return f"assets/trajectories/{trajectory}"
+
+
+def warm_start_doc(key: str) -> str:
+    """The warm start with inputs ``key`` (``warmstart.py``): its saved state while it runs, its
+    model folder once finished. Under ``assets/``, a gc root: what it names is kept."""
+    return f"assets/warmstart/{key}"
 
 
 # ---------------------------------------------------------------------- garbage collection

@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Callable, TypeVar
 
-from verl_core import beat
+from verl_core import beat, interrupt
 from verl_core.errors import CorruptObjectError, TransientError
 from verl_core.checkpoint.hf_export import publish_export
 from verl_core.engine.assets import materialize_assets
@@ -249,6 +249,8 @@ def run_phase(spec: RunSpec, phase: str, step: int, body: Callable[..., T], *arg
     t0 = time.time()
     timeout = spec.config.guard.phase_timeout_s
     what = f"{phase} of step {step}"
+    interrupt.status(where=f"the {what}", kept="every finished phase and checkpoint",
+                     store=spec.store)
     beat()  # a phase started (the probe fails if none starts or ends for too long)
     for attempt in range(1, ATTEMPTS + 1):
         t = time.perf_counter()

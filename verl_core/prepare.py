@@ -10,6 +10,7 @@ import logging
 import os
 import tempfile
 
+from verl_core import interrupt
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
 from verl_core.config import ConfigError, RunConfig
 from verl_core.engine import cluster
@@ -43,7 +44,12 @@ def run_store_uri(store: str, run_name: str) -> str:
     return f"{base.rstrip('/')}/{run_name}"
 
 
-def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunSpec:
+def _say(*args) -> None:
+    """``print`` that reaches a piped console at once (the warm start's progress lines)."""
+    print(*args, flush=True)
+
+
+def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=_say) -> RunSpec:
     """Validate data and model, publish the assets into the run store, pick the start step.
 
     Every permanent check runs first, before the warm start and before anything is copied
@@ -52,6 +58,7 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     (:func:`~verl_core.engine.assets.check_pinned`), and generated assets come from the record,
     so the reference model is always the one the run started from."""
     uri = run_store_uri(store, run_name)
+    interrupt.status(where="the run's preparation", kept="nothing yet", store=uri)
     if cfg.cluster.mode == "attached":
         cluster.address(cfg.cluster)  # no cluster to attach to: refused before any work
     st = STORES.open(uri)
@@ -66,7 +73,7 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=print) -> RunS
     recorded = has_record(st, h)
     with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
         # checks every dataset file (rows, columns, prompt lengths) before the warm start
-        assets = prepare_assets(cfg, work, log=log_fn, build_model=not recorded)
+        assets = prepare_assets(cfg, work, log=log_fn, build_model=not recorded, store=st)
         indexed = index_assets(assets)
         index, _, sources = indexed
         given = tuple(k for k, on in zip(GIVEN_KINDS, (

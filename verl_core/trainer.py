@@ -58,6 +58,7 @@ from verl_core.training import sharding
 from verl_core.training.sft import supervised_warm_start
 from verl_core.threads import intra_op_threads
 from verl_core.validation import validate_dataset_files
+from verl_core.warmstart import WarmStart, warm_start_key
 from verl_core.guard import checks, faults
 from verl_core.guard.policy import GUARD_DEFAULTS
 
@@ -107,11 +108,14 @@ class EvalSample:
     """The scorer's score of the response."""
 
 
-def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool = True) -> Assets:
+def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool = True,
+                   store=None) -> Assets:
     """Materialise the embedded defaults: the synthetic dataset when no files are given, the tiny
     warm-started model when no model path is given. Deterministic in ``cfg.seed``.
     ``build_model=False``: no warm start (``model_path`` stays empty when none is given): a
-    trajectory that ran before takes its model from its record (``prepare_run``)."""
+    trajectory that ran before takes its model from its record (``prepare_run``). ``store``
+    (the run store): the warm start saves its progress there and resumes from it, and a
+    finished one with the same inputs is reused (``verl_core/warmstart.py``)."""
     rm = cfg.reward_model
     if rm.enable:  # not a one-label sequence classifier: fail before the data and the warm start
         check_reward_model(rm.path, rm.max_length)
@@ -130,7 +134,7 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
             seed=cfg.seed)
         train_files, val_files = [train], [val]
     # Every file is checked (rows, columns, prompt lengths) before any model work: a bad row must
-    # not cost a warm start first. The tiny model's tokenizer is the character one.
+    # not cost a warm start first.
     # the tiny model's tokenizer is the character one (with a chat template for tool turns)
     template = CHAR_CHAT_TEMPLATE if calculator else None
     tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer(template)
@@ -148,46 +152,77 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
                       reward_model_path=rm.path if rm.enable else "")
     else:
         model_path = os.path.join(workdir, "model")
-        m = cfg.model
-        model, tok = build_tiny_model(hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,
-                                      heads=m.tiny_heads, seed=cfg.seed, chat_template=template)
-        check_lora(m, model)  # model.lora_*: before the warm start
-        prompts = [render_prompt(r, tok, schemas) for r in rows]
-        host = ToolHost(tool_entries(cfg.rollout.tool_config_path),
-                        timeout_s=cfg.rollout.tool_timeout_s) if schemas else None
-        try:
-            probe = _AccuracyProbe(model, tok, rows[:256], prompts[:256], cfg, host, schemas)
-            t0 = time.perf_counter()
-            # the calculator task: every transcript calls the tool, then a mixed part in which
-            # most answer at once (model.warmup_mixed_steps)
-            parts = [(m.warmup_sft_steps, 1.0, "sft"), (m.warmup_mixed_steps,
-                                                        m.warmup_tool_fraction, "sft-mixed")] \
-                if calculator else [(m.warmup_sft_steps, None, "sft")]
-            losses = []
-            for steps, fraction, phase in parts:
-                targets = {"answers": [r.ground_truth for r in rows]} if fraction is None else \
-                    {"responses": calculator_transcripts(
-                        tok, rows, schemas, derive_seed(cfg.seed, 0, phase + "-tools"), fraction)}
-                losses += supervised_warm_start(
-                    model, tok, prompts, **targets,
-                    steps=steps, batch_size=m.warmup_sft_batch_size,
-                    lr=m.warmup_sft_lr, seed=derive_seed(cfg.seed, 0, phase),
-                    max_prompt_length=cfg.data.max_prompt_length,
-                    truncation=cfg.data.truncation,
-                    stop_fn=(lambda: probe() >= m.warmup_target_accuracy)
-                    if m.warmup_target_accuracy < 1.0 else None)
-        finally:
-            if host is not None:
-                host.close()
-        if losses:
-            acc = "" if probe.last != probe.last else f", train-slice accuracy {probe.last:.3f}"
-            log(f"warm start: {len(losses)} SFT steps in {time.perf_counter() - t0:.1f}s, "
-                f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{acc}")
-        model.save_pretrained(model_path, safe_serialization=True)
-        tok.save_pretrained(model_path)
+        model, tok = build_tiny_model(hidden_size=cfg.model.tiny_hidden_size,
+                                      layers=cfg.model.tiny_layers, heads=cfg.model.tiny_heads,
+                                      seed=cfg.seed, chat_template=template)
+        check_lora(cfg.model, model)  # model.lora_*: before the warm start
+        ws = WarmStart(store, warm_start_key(cfg, train_files, template), log,
+                       total_steps=cfg.model.warmup_sft_steps
+                       + (cfg.model.warmup_mixed_steps if calculator else 0),
+                       target=cfg.model.warmup_target_accuracy)
+        if not ws.reuse(model_path):
+            _warm_start(cfg, model, tok, rows, schemas, calculator, ws, log)
+            model.save_pretrained(model_path, safe_serialization=True)
+            tok.save_pretrained(model_path)
+            ws.finish(model_path, ws.steps_done, ws.accuracy)
     log(precision_line(model_path, cfg.model.dtype))
     return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
                   reward_model_path=rm.path if rm.enable else "")
+
+
+def _warm_start(cfg: RunConfig, model, tok, rows, schemas, calculator: bool, ws: WarmStart,
+                log) -> None:
+    """The tiny model's supervised warm start (``training/sft.py``), in its parts, resumed from
+    and saved through ``ws``; sets ``ws.steps_done`` and ``ws.accuracy``."""
+    m = cfg.model
+    prompts = [render_prompt(r, tok, schemas) for r in rows]
+    host = ToolHost(tool_entries(cfg.rollout.tool_config_path),
+                    timeout_s=cfg.rollout.tool_timeout_s) if schemas else None
+    try:
+        probe = _AccuracyProbe(model, tok, rows[:256], prompts[:256], cfg, host, schemas)
+        t0 = time.perf_counter()
+        # the calculator task: every transcript calls the tool, then a mixed part in which
+        # most answer at once (model.warmup_mixed_steps)
+        parts = [(m.warmup_sft_steps, 1.0, "sft"), (m.warmup_mixed_steps,
+                                                    m.warmup_tool_fraction, "sft-mixed")] \
+            if calculator else [(m.warmup_sft_steps, None, "sft")]
+        saved = ws.resume_point()
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+            probe.last = saved["probe_last"]
+        losses = list(saved["prior_losses"]) if saved is not None else []
+        first_part = saved["part"] if saved is not None else 0
+        for i, (steps, fraction, phase) in enumerate(parts):
+            if i < first_part:
+                continue
+            targets = {"answers": [r.ground_truth for r in rows]} if fraction is None else \
+                {"responses": calculator_transcripts(
+                    tok, rows, schemas, derive_seed(cfg.seed, 0, phase + "-tools"), fraction)}
+            prior = list(losses)
+
+            def on_step(part_losses, snapshot, i=i, prior=prior):
+                ws.after_step(len(prior) + len(part_losses), part_losses[-20:], probe.last,
+                              lambda: {"part": i, "prior_losses": prior, "inner": snapshot(),
+                                       "model": model.state_dict(), "probe_last": probe.last})
+
+            losses += supervised_warm_start(
+                model, tok, prompts, **targets,
+                steps=steps, batch_size=m.warmup_sft_batch_size,
+                lr=m.warmup_sft_lr, seed=derive_seed(cfg.seed, 0, phase),
+                max_prompt_length=cfg.data.max_prompt_length,
+                truncation=cfg.data.truncation,
+                stop_fn=(lambda: probe() >= m.warmup_target_accuracy)
+                if m.warmup_target_accuracy < 1.0 else None,
+                resume=saved["inner"] if saved is not None and i == first_part else None,
+                on_step=on_step)
+    finally:
+        if host is not None:
+            host.close()
+    ws.steps_done, ws.accuracy = len(losses), probe.last
+    if losses:
+        acc = "" if probe.last != probe.last else f", train-slice accuracy {probe.last:.3f}"
+        log(f"warm start: {len(losses)} SFT steps in {time.perf_counter() - t0:.1f}s, "
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{acc}")
 
 
 def decoded(tokenizer, batch: Batch):

@@ -30,6 +30,7 @@ def test_store_wide_names_are_unchanged():
     assert layout.group_doc("ref") == "shared/groups/ref"
     assert layout.inflight_doc("ab12") == "inflight/ab12"
     assert layout.asset_index_doc(SHA) == f"assets/{SHA}"
+    assert layout.warm_start_doc(SHA) == f"assets/warmstart/{SHA}"  # under a gc root folder
     assert (layout.LEASE_DOC, layout.LATEST_DOC, layout.COMPUTE_DOC, layout.TOKENIZER_DOC) == \
         ("lease", "latest", "compute", "shared/tokenizer")
     assert (layout.PHASE_LOG, layout.CHECKPOINT_LOG) == ("phases", "checkpoints")

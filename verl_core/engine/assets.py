@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import tempfile
 import threading
 
@@ -31,46 +30,13 @@ from verl_core.layout import asset_index_doc, asset_record_doc
 from verl_core.store import RunStore, check_sha256, resolve_storage_options, sha256_hex
 from verl_core.errors import PermanentError
 from verl_core.trainer import Assets
+from verl_core.local_cache import AssetCacheError, cache_root  # noqa: F401  (their home before)
 
 log = logging.getLogger(__name__)
 
 _COMPLETE = ".complete"  # written last into a filled entry: {relpath: [sha, size]}
 _VERIFIED: set[str] = set()  # cache entries re-hashed by this process
 _LOCK = threading.Lock()
-
-
-class AssetCacheError(PermanentError):
-    """The local asset cache folder is not private to this user."""
-
-
-def cache_root() -> str:
-    """``$VERL_ASSET_CACHE``, else ``$XDG_CACHE_HOME/verl-flyte/assets`` (``~/.cache/…``), else a
-    per-user folder in the system temp folder. Created with mode 0700."""
-    root = os.environ.get("VERL_ASSET_CACHE")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "verl-flyte", "assets")
-        try:
-            os.makedirs(root, mode=0o700, exist_ok=True)
-        except OSError:  # no writable home (some containers): a per-user temp folder
-            root = os.path.join(tempfile.gettempdir(), f"verl-assets-{os.getuid()}")
-    return _private_dir(root)
-
-
-def _private_dir(path: str) -> str:
-    """Create ``path`` (0700) or check an existing one: owned by us and not accessible to others.
-    A folder another user can write into could swap the weights a run trains on."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise AssetCacheError(f"asset cache {path} is not a plain folder; point VERL_ASSET_CACHE "
-                              "at a folder of your own")
-    if st.st_uid != os.getuid():
-        raise AssetCacheError(f"asset cache {path} belongs to uid {st.st_uid}, not to you (uid "
-                              f"{os.getuid()}); point VERL_ASSET_CACHE at a folder of your own")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)  # ours: make it private rather than refuse
-    return path
 
 
 def _files_under(folder: str) -> list[str]:

@@ -40,8 +40,8 @@ def supervised_warm_start(model, tokenizer, prompts: list[str], answers: list[st
                           *, steps: int, batch_size: int, lr: float, seed: int,
                           max_prompt_length: int = 64, truncation: str = "error",
                           stop_fn=None, check_every: int = 20,
-                          responses: list[tuple[list[int], list[float]]] | None = None
-                          ) -> list[float]:
+                          responses: list[tuple[list[int], list[float]]] | None = None,
+                          resume: dict | None = None, on_step=None) -> list[float]:
     """Train ``model`` in place on (prompt -> answer EOS) for at most ``steps`` AdamW steps
     (constant LR after a short warmup). If ``stop_fn`` is given it is called every
     ``check_every`` steps and training stops once it returns True (used to stop at partial
@@ -49,7 +49,14 @@ def supervised_warm_start(model, tokenizer, prompts: list[str], answers: list[st
 
     ``responses`` instead of ``answers``: multi-turn transcripts, each (ids, loss mask): the
     model reads every id and learns the mask-1 ones (its own turns, not the tools'
-    responses)."""
+    responses).
+
+    Resumable (``verl_core/warmstart.py`` checkpoints it): ``on_step(losses, snapshot)`` is
+    called after every step that did not end the run (its stop check included), ``snapshot()``
+    giving the loop's state beside the model's weights (optimizer, schedule, sampling generator,
+    the losses so far); ``resume``, such a snapshot, continues from it, the model holding the
+    weights saved with it. Resumed, the steps that follow are the uninterrupted run's, bit for
+    bit: every random draw comes from the restored generator."""
     if steps == 0:
         return []
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length,
@@ -66,8 +73,18 @@ def supervised_warm_start(model, tokenizer, prompts: list[str], answers: list[st
     gen = torch.Generator().manual_seed(seed)
     n = prompt_ids.shape[0]
     losses = []
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+        sched.load_state_dict(resume["scheduler"])
+        gen.set_state(resume["generator"])
+        losses = list(resume["losses"])
+
+    def snapshot() -> dict:
+        return {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "generator": gen.get_state(), "losses": list(losses)}
+
     model.train()
-    for _ in range(steps):
+    for _ in range(len(losses), steps):
         rows = torch.randint(0, n, (batch_size,), generator=gen)
         mask = loss_mask[rows]
         logp, _ = response_logprobs(model, prompt_ids[rows], prompt_mask[rows], resp_ids[rows],
@@ -84,5 +101,7 @@ def supervised_warm_start(model, tokenizer, prompts: list[str], answers: list[st
             if stop_fn():
                 break
             model.train()
+        if on_step is not None:
+            on_step(losses, snapshot)
     model.eval()
     return losses
