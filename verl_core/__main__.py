@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         from verl_core.checkpoint.__main__ import main as run
     if cmd == "health":
         return run(rest, prog="python -m verl_core health")
+    if cmd == "train":  # a program: Ctrl-C says what was kept (verl_core/interrupt.py)
+        return run(rest, handle_signals=True)
     return run(rest)
 
 

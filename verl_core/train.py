@@ -7,8 +7,9 @@ rollout -> reward -> advantage -> update (-> checkpoint where one is due), evalu
 ``eval_every`` steps and at the end, finalize. Each phase goes through
 :func:`~verl_core.phases.run_phase` (deadline, lease, local retries, phase log), and the run's
 worker is an in-process ``RunWorker``. The workdir is the run store: batches, lineage and
-checkpoints go there, so the same command with the same ``--workdir`` resumes from its newest
-checkpoint, and the guard's skips and rollbacks act as in the workflow. It is the library's own
+checkpoints go there (``<--store>/<--run-name>``: ``./runs/default`` unless told otherwise, the
+workflow's defaults), so the same command resumes from its newest checkpoint, and the guard's
+skips and rollbacks act as in the workflow. It is the library's own
 entry point and the baseline the Flyte workflow is measured against (``bench/orchestration.py``).
 """
 
@@ -16,46 +17,62 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from functools import partial
 
-import torch
-
-from verl_core import phases, runlog, verl_keys
-from verl_core.algorithms import ADVANTAGE_ESTIMATORS
-from verl_core.config import ConfigError, RunConfig, effective_line
-from verl_core.data.batch import PromptTooLongError
-from verl_core.data.dataset import DatasetError
-from verl_core.engine.workers import WORKERS
-from verl_core.guard.faults import FaultSpecError
-from verl_core.guard.lease import LeaseHeldError
-from verl_core.guard.writer import LEASES, release_lease
-from verl_core.models import ModelLoadError
-from verl_core.phases import run_phase
-from verl_core.prepare import prepare_run, run_store_uri
-from verl_core.report import sample_lines
-from verl_core.threads import intra_op_threads
-from verl_core.training.optim import optimizer_steps_line
-from verl_core.types import RunSpec, StepState
-from verl_core.validation import DataValidationError, RunInputError, clipped_responses_warning
-
-USER_ERRORS = (ConfigError, DatasetError, PromptTooLongError, ModelLoadError, LeaseHeldError,
-               DataValidationError, RunInputError, FaultSpecError)
-"""Wrong input (options, data files, model folder, a workdir another loop is writing): the CLI
-prints the message, which names the field or file and the fix, and exits 2; a traceback would
-only bury it."""
+# Only the standard library at import time: ``--help`` and a mistyped option are answered without
+# torch, transformers or flytekit (seconds each); the run imports them when it starts (``_lib``).
 
 
-def train(cfg: RunConfig, workdir: str, log=print) -> dict:
-    """Run ``cfg`` end to end in this process, with ``workdir`` as its run store (resumed from
-    its newest checkpoint of this trajectory if it has one). Returns a summary: the held-out
-    accuracy at the start and the end of this invocation, the run's first and last training
-    reward, the final model's folder, and the metrics of each step this invocation ran."""
+def user_errors() -> tuple[type, ...]:
+    """Wrong input (options, data files, model folder, a store another loop is writing): the CLI
+    prints the message, which names the field or file and the fix, and exits 2; a traceback would
+    only bury it."""
+    from verl_core.config import ConfigError
+    from verl_core.data.batch import PromptTooLongError
+    from verl_core.data.dataset import DatasetError
+    from verl_core.guard.faults import FaultSpecError
+    from verl_core.guard.lease import LeaseHeldError
+    from verl_core.models import ModelLoadError
+    from verl_core.validation import DataValidationError, RunInputError
+
+    return (ConfigError, DatasetError, PromptTooLongError, ModelLoadError, LeaseHeldError,
+            DataValidationError, RunInputError, FaultSpecError)
+
+
+def __getattr__(name: str):
+    if name == "USER_ERRORS":  # the tuple, built on first use (it imports torch)
+        return user_errors()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _say(*args) -> None:
+    print(*args, flush=True)  # a piped console sees each line when it is written
+
+
+def train(cfg, workdir: str = "", log=_say, *, store: str = "", run_name: str = "default"
+          ) -> dict:
+    """Run ``cfg`` (a :class:`~verl_core.config.RunConfig`) end to end in this process, in the run
+    store ``<store>/<run_name>`` (``store`` "": ``$VERL_STORE``, else ``./runs``), or in the
+    folder ``workdir`` as the run store when given; resumed from its newest checkpoint of this
+    trajectory if it has one. Returns a summary: the held-out accuracy at the start and the end
+    of this invocation, the run's first and last training reward, the final model's folder, and
+    the metrics of each step this invocation ran."""
+    import torch
+
+    from verl_core import runlog
+    from verl_core.config import ConfigError, effective_line
+    from verl_core.engine.workers import WORKERS
+    from verl_core.guard.writer import LEASES, release_lease
+    from verl_core.prepare import prepare_run, run_store_uri
+    from verl_core.threads import intra_op_threads
+    from verl_core.training.optim import optimizer_steps_line
+
     if cfg.trainer.world_size > 1:
         raise ConfigError(
             f"trainer.nnodes x trainer.n_gpus_per_node = {cfg.trainer.world_size}: the plain loop "
@@ -64,7 +81,10 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
             f"{cfg.trainer.n_gpus_per_node}}}'")
     t_start = time.perf_counter()
     torch.set_num_threads(intra_op_threads(cfg))  # 0: this host's CPUs (verl_core.threads)
-    root, name = _run_store(workdir)
+    root, name = _run_store(workdir) if workdir else (store, run_name)
+    uri = run_store_uri(root, name)  # the run-name rule, before any work
+    if workdir:
+        os.makedirs(workdir, exist_ok=True)
     log(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}")
     log(effective_line(cfg))  # what differs from the defaults, once
     try:
@@ -74,7 +94,7 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
     except BaseException:
         # a failed prepare gives the lease up too (if it took it): its renewal thread would
         # keep another loop off the workdir for as long as this process lives
-        lease = LEASES.pop(os.path.join(root, name), cfg.guard.lease_ttl_s)
+        lease = LEASES.pop(uri, cfg.guard.lease_ttl_s)
         if lease is not None:
             lease.release()
         raise
@@ -103,14 +123,21 @@ def train(cfg: RunConfig, workdir: str, log=print) -> dict:
                 f"(+{summary['accuracy_gain']:.3f})" if start else
                 f"{summary['end_accuracy']:.3f} (no evaluation before training)")
     log(f"done: accuracy {accuracy}, reward {summary['first_reward']:.3f} -> "
-        f"{summary['last_reward']:.3f}, {summary['wall_s']:.0f}s, model: {out['final_model']}")
+        f"{summary['last_reward']:.3f}, {summary['wall_s']:.0f}s; final model: "
+        f"{out['final_model']}; metrics: {out['metrics_table']}; run store: {spec.store} (the "
+        "same command with more --steps continues it)")
     return summary
 
 
-def _run(spec: RunSpec, log) -> tuple[list[dict], dict[int, dict], dict]:
+def _run(spec, log) -> tuple[list[dict], dict[int, dict], dict]:
     """The phases of ``workflows/ppo.py``'s ``rl_run`` and ``train_chunk``, in their order.
     Returns the metrics of each step run (``timing/step_s``, ``step`` and, at an evaluation, its
     ``val/*`` added), the evaluations by step, and finalize's answer."""
+    from verl_core import phases, runlog
+    from verl_core.phases import run_phase
+    from verl_core.types import StepState
+    from verl_core.validation import clipped_responses_warning
+
     cfg, total = spec.config, spec.total_steps
     state, history, evals = StepState(step=spec.start_step), [], {}
     if cfg.val_before_train:  # verl's trainer.val_before_train=False skips it
@@ -148,10 +175,14 @@ def _run(spec: RunSpec, log) -> tuple[list[dict], dict[int, dict], dict]:
     return history, evals, out
 
 
-def _evaluate(spec: RunSpec, state: StepState, log) -> dict:
+def _evaluate(spec, state, log) -> dict:
     """The held-out metrics of ``state``; prints the first held-out row as verl's reward manager
     does (``[prompt]`` … ``[score]``, special tokens visible), so a doubled BOS or a missing EOS
     is seen at the first evaluation."""
+    from verl_core import phases, runlog
+    from verl_core.phases import run_phase
+    from verl_core.report import sample_lines
+
     metrics = run_phase(spec, "evaluate", state.step, phases.evaluate, spec, state)
     samples = runlog.eval_samples(spec, state.step)
     if samples:
@@ -162,6 +193,9 @@ def _evaluate(spec: RunSpec, state: StepState, log) -> dict:
 def _run_store(workdir: str) -> tuple[str, str]:
     """(store root, run name) that make ``workdir`` itself the run store: its folder name is
     the run's name (what the trackers show), so it is held to the run-name rule."""
+    from verl_core.config import ConfigError
+    from verl_core.prepare import run_store_uri
+
     path = os.path.abspath(workdir)
     root, name = os.path.split(path)
     try:
@@ -216,6 +250,8 @@ LOCAL_DIR = "trainer.default_local_dir"
 def _workdir(workdir: str, local_dir) -> str:
     """``--workdir``, or verl's ``trainer.default_local_dir`` in its place (they name one
     folder: the run store, where checkpoints go); both, naming different folders: refused."""
+    from verl_core.config import ConfigError
+
     if local_dir is None:
         return workdir
     if not isinstance(local_dir, str) or not local_dir or "${" in local_dir:
@@ -227,27 +263,64 @@ def _workdir(workdir: str, local_dir) -> str:
     return local_dir
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_core.train", description=__doc__.splitlines()[0])
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a mistyped option (Python 3.11's has none)."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            known = [o for o in self._option_string_actions if o.startswith("--")]
+            for word in message.split(":", 1)[1].split():
+                if word.startswith("--"):
+                    near = difflib.get_close_matches(word.split("=", 1)[0], known, n=1)
+                    if near:
+                        message += f" (did you mean {near[0]}?)"
+                        break
+        super().error(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The plain loop's options (the workflow's, under the same names, plus verl's overrides)."""
+    p = _Parser(prog="python -m verl_core.train", description=__doc__.splitlines()[0],
+                epilog="Interrupt with Ctrl-C at any time: the same command continues.")
     p.add_argument("--algorithm", default="",
                    help="grpo (default; verl's gae, i.e. ppo, for a verl-style command that "
-                        "names no algorithm.adv_estimator), ppo (GAE + critic), or an advantage "
-                        "estimator: " + ", ".join(ADVANTAGE_ESTIMATORS.names(include_aliases=True)))
+                        "names no algorithm.adv_estimator), ppo (GAE + critic), or any advantage "
+                        "estimator registered in verl_core/algorithms (rloo, reinforce_plus_plus, "
+                        "remax, gpg, ...; docs/algorithms.md lists them all)")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
-    p.add_argument("--model", default="", help="local HF model folder (default: tiny model)")
-    p.add_argument("--train-files", default="", help="comma-separated parquet files")
-    p.add_argument("--val-files", default="", help="comma-separated parquet files")
+    p.add_argument("--model", default="",
+                   help="a local Hugging Face folder (default: the tiny model, warm-started on "
+                        "the synthetic task)")
+    p.add_argument("--train-files", default="",
+                   help="comma-separated parquet files in verl's row layout (default: the "
+                        "synthetic task)")
+    p.add_argument("--val-files", default="",
+                   help="comma-separated parquet files (default: the synthetic task's held-out "
+                        "split)")
+    p.add_argument("--run-name", default="default",
+                   help="the same name continues the same run (default: %(default)s)")
+    p.add_argument("--store", default="",
+                   help="run store root: a local folder, an NFS mount or s3://bucket/prefix "
+                        "(default: $VERL_STORE, else ./runs); the run lives in STORE/RUN_NAME")
     p.add_argument("--workdir", default="",
-                   help="the run store: assets, batches, checkpoints, the final model (default: "
-                        "a new temporary folder); the same workdir resumes the run")
+                   help="instead of --store/--run-name: this folder is the run store (its "
+                        "name is the run's name); the same folder resumes the run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted config override, e.g. --set optim.lr=1e-4 (repeatable)")
     p.add_argument("--summary-json", default="", help="write the summary (with history) here")
-    p.add_argument("--config", default="", metavar="VERL_YAML",
+    p.add_argument("--verl-config", "--config", dest="verl_config", default="",
+                   metavar="VERL_YAML",
                    help="a verl YAML config file (docs/verl-keys.md); the overrides win over it")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="verl-style overrides, ours or verl's, e.g. trainer.test_freq=5 "
                         "actor_rollout_ref.actor.optim.lr=1e-6 (docs/verl-keys.md)")
+    return p
+
+
+def main(argv=None, *, handle_signals: bool | None = None) -> int:
+    """The command line. ``handle_signals`` (default: when ``argv`` is None, i.e. run as a
+    program): SIGINT/SIGTERM print what was kept and the continue command, and exit."""
+    p = build_parser()
     args = p.parse_intermixed_args(argv)
     given = {}
     for item in args.set:
@@ -255,17 +328,24 @@ def main(argv=None) -> int:
         if not sep:
             p.error(f"--set {item!r}: expected KEY=VALUE")
         given[key] = _parse_value(value)
+    if args.workdir and (args.store or args.run_name != "default"):
+        p.error("--workdir names the run store itself: give it, or --store/--run-name, not both")
+    from verl_core import interrupt, verl_keys
+
+    # Ctrl-C / SIGTERM: one line saying what was kept and how to continue, an exit within
+    # seconds (verl_core/interrupt.py); not for a caller's process that passed its own argv
+    if argv is None if handle_signals is None else handle_signals:
+        interrupt.install()
+    errors = user_errors()
     options = verl_keys.entry_options(steps=args.steps, model=args.model,
                                       train_files=args.train_files, val_files=args.val_files)
     try:
         given = {**verl_keys.parse_cli(args.overrides), **given}
         workdir = _workdir(args.workdir, given.pop(LOCAL_DIR, None))
         # the workflow's configure builds its config through the same door
-        cfg = verl_keys.run_config(args.algorithm, args.config, given, options)
-        workdir = workdir or tempfile.mkdtemp(prefix="verl-train-")
-        os.makedirs(workdir, exist_ok=True)
-        summary = train(cfg, workdir)
-    except USER_ERRORS as e:
+        cfg = verl_keys.run_config(args.algorithm, args.verl_config, given, options)
+        summary = train(cfg, workdir, store=args.store, run_name=args.run_name)
+    except errors as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
     if args.summary_json:
