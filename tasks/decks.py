@@ -54,6 +54,9 @@ def ours_first_and_announced() -> None:
         except OSError as e:  # as flytekit's own: a report that cannot be written fails nothing
             print(f"[verl] could not write the run report: {e}", flush=True)
             return
+        from flytekit.loggers import logger
+
+        logger.info(f"{task_name} task creates flyte deck html to file://{path}")  # as flytekit
         print(f"[verl] run report (Flyte Deck: reward, accuracy, KL, samples, guard events): "
               f"file://{path}", flush=True)
 

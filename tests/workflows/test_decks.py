@@ -37,6 +37,10 @@ def test_phase_tasks_write_decks_and_tensorboard(tmp_path):
         page = f.read()
     tabs = re.findall(r'<li onclick="handleLinkClick\(this\)">([^<]+)</li>', page)
     assert {"RL run", "Input", "Output", "Timeline"} <= set(tabs)
+    assert tabs[0] == "RL run"  # the page opens on the first tab: ours, not flytekit's Timeline
+    # the console names the report's page (flytekit logs it only at INFO)
+    assert f"[verl] run report (Flyte Deck: reward, accuracy, KL, samples, guard events): " \
+           f"file://{decks['finalize'][0]}" in out.stdout
     assert "Dependencies" not in tabs  # flytekit's pip-list deck costs two pip runs per task
     for panel in report.PANELS:  # every plot, drawn (the run recorded all but the entropy)
         body = page.split(f'data-panel="{panel.title}"', 1)[1].split("</figure>", 1)[0]
