@@ -3,6 +3,7 @@ interrupted with SIGINT through the plain loop and continued by the same command
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -153,7 +154,7 @@ def test_sigint_during_the_warm_start_then_the_same_command_resumes_it(tmp_path)
     assert m, out
     assert m.group(1) == m.group(2) and int(m.group(1)) > 0
     assert m.group(3) == str(tmp_path / "runs" / "r")
-    assert m.group(4).split()[1:] == cmd[1:]  # the same command (its interpreter, as run)
+    assert shlex.split(m.group(4))[1:] == cmd[1:]  # the same command (its interpreter, as run)
     assert "Traceback" not in out
     # a polling loop saves and exits at once: well inside interrupt.GRACE_S, never past it
     # by more than a process's exit (a generous bound for a loaded machine)
