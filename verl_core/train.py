@@ -223,6 +223,8 @@ def format_step(m: dict, total: int, step_seconds: Sequence[float]) -> str:
     step = int(m["step"])
     eta = eta_s(step_seconds, total - step)
     parts = [f"step {step}/{total}", f"reward={m.get('reward/mean', 0.0):.3f}"]
+    if "rollout/zero_variance_frac" in m:  # the share of groups with equal rewards: no signal
+        parts.append(f"flat={m['rollout/zero_variance_frac']:.2f}")
     if "response_length/mean" in m:
         parts.append(f"len={m['response_length/mean']:.1f}")
     for k, name in (("actor/pg_clipfrac", "clip"), ("actor/entropy", "ent"),

@@ -307,6 +307,8 @@ def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
                "reward/timeout_fraction": timeouts / n,
                "reward/special_token_fraction": sum(dec.special_token) / n}
     metrics.update(overlong_metrics)
+    # groups whose G scores are all equal (zero advantage): the guard's no_signal counts them
+    metrics.update(checks.zero_variance_groups(score, batch.group))
     if model_scores is not None:
         metrics["reward/model_mean"] = float(_combine(None, model_scores, "replace").mean())
         if rule is not None:

@@ -6,6 +6,7 @@ backward pass of an update (VERL_FAULTS ``nan_grad``), which the optimizer refus
 update's metrics report."""
 import json
 import math
+import re
 
 import pytest
 
@@ -81,3 +82,24 @@ def test_a_halt_policy_stops_the_plain_loop_with_the_report(tmp_path, nan_grad):
     # it committed: the lineage of update 0, which a re-run replays
     assert read_lease(RunStore(str(tmp_path / "w"))).released
     assert _lineage(tmp_path / "w", cfg, 0)["batch"]
+
+
+def test_no_learning_signal_is_said_then_halts_when_asked(tmp_path):
+    # no warm start: the untrained tiny model never writes an answer, every response scores 0,
+    # every group's rewards are equal: the step line counts it, and after no_signal_steps
+    # steps in a row the guard says so with the likely cause
+    over = {"model.warmup_sft_steps": 0, "guard.no_signal_steps": 2}
+    cfg, logs = tiny_run(total_steps=2, **over), []
+    summary = train(cfg, str(tmp_path / "w"), log=logs.append)
+    assert [h["rollout/zero_variance_frac"] for h in summary["history"]] == [1.0, 1.0]
+    assert [h["reward/mean"] for h in summary["history"]] == [0.0, 0.0]
+    [told] = [line for line in logs if " no_signal: " in line]
+    assert told.startswith("guard: step 1 no_signal: no learning signal: every group's rewards "
+                           "were equal") and "every response scored 0" in told, told
+    assert told.endswith("-> warn (logged)"), told
+    step_lines = [line for line in logs if re.match(r"step \d+/2 ", line)]
+    assert len(step_lines) == 2 and all(" flat=1.00 " in line for line in step_lines), logs
+    # halt: the run stops at that step with the same message
+    halt = tiny_run(total_steps=3, **over, **{"guard.no_signal_policy": "halt"})
+    with pytest.raises(GuardHaltError, match="no learning signal"):
+        train(halt, str(tmp_path / "h"), log=lambda *_: None)

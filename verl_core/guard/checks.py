@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from verl_core.guard.config import TIMING_DETECTORS, GuardConfig
 from verl_core.data.batch import Batch
 from verl_core.guard import detectors, policy
@@ -26,11 +28,29 @@ def batch_signals(batch: Batch) -> dict[str, float]:
     out = {"response_length/mean": float(batch.response_attn.sum()) / max(batch.num_rows, 1)}
     if batch.score is not None:
         out["reward/mean"] = float(batch.score.double().mean())
+        out["reward/min"], out["reward/max"] = float(batch.score.min()), float(batch.score.max())
+        out.update(zero_variance_groups(batch.score, batch.group))
     if batch.advantages is not None:
         adv = batch.advantages.double()[batch.response_mask.bool()]
         if adv.numel():
             out["advantages/abs_max"] = float(adv.abs().max())
     return out
+
+
+def zero_variance_groups(score: torch.Tensor, group: torch.Tensor) -> dict[str, float]:
+    """``rollout/zero_variance_groups``: how many of the batch's groups (its prompts' G rows,
+    ``group`` (N,)) have all G scores (``score`` (N,)) equal, and ``rollout/zero_variance_frac``
+    their share. Such a group has advantage 0 on every row for every group-relative estimator
+    (GRPO, RLOO, ...): it teaches nothing. All of them: the step has no learning signal."""
+    ids, inverse = torch.unique(group, return_inverse=True)  # (B,), (N,)
+    s = score.double()
+    hi = torch.full((len(ids),), -torch.inf, dtype=torch.float64).scatter_reduce(
+        0, inverse, s, "amax")  # (B,) each group's max score
+    lo = torch.full((len(ids),), torch.inf, dtype=torch.float64).scatter_reduce(
+        0, inverse, s, "amin")  # (B,) its min
+    flat = int((hi == lo).sum())
+    return {"rollout/zero_variance_groups": float(flat),
+            "rollout/zero_variance_frac": flat / max(len(ids), 1)}
 
 
 def _unique(anomalies: list) -> list:

@@ -52,6 +52,13 @@ class GuardConfig:
     """Rollout tokens/s fell far below its recent median (wall clock)."""
     gpu_util_drop_policy: str = not_in_trajectory("warn")
     """Accelerator utilisation (NVML) fell far below its recent median; unavailable on CPU."""
+    no_signal_policy: str = not_in_trajectory("warn")
+    """Every group's rewards were equal (``rollout/zero_variance_frac`` = 1: zero advantage on
+    every row) for ``no_signal_steps`` steps in a row: nothing is being learnt. ``warn`` (the
+    message names the likely causes) or ``halt``; a skip or rollback would change nothing."""
+    no_signal_steps: int = not_in_trajectory(5)
+    """Steps in a row without signal before ``no_signal`` fires (again every this many steps
+    while it lasts)."""
     # Detector thresholds (verl_core/guard/detectors.py; docs/guard.md). A windowed detector
     # fires when the robust z-score (x - median) / (1.4826 MAD) passes its ``_z`` AND the change
     # passes its floor, so a flat series (MAD 0) never fires on noise.
@@ -130,7 +137,12 @@ class GuardConfig:
                     _fail("guard", f.name, value, "a wall-clock detector may only warn, "
                           "retry_phase or halt (a skip or rollback decided by a clock would not "
                           "replay identically)")
-        _positive("guard", self, "max_consecutive_skips", "rollback_lr_scale", "phase_timeout_s")
+        if self.no_signal_policy not in ("warn", "halt"):
+            _fail("guard", "no_signal_policy", self.no_signal_policy, "must be warn or halt (a "
+                  "step without signal changes no weight: skipping or rolling it back would "
+                  "change nothing)")
+        _positive("guard", self, "max_consecutive_skips", "rollback_lr_scale", "phase_timeout_s",
+                  "no_signal_steps")
         _non_negative("guard", self, "max_rollbacks", "lease_ttl_s")
         if self.rollback_lr_scale > 1:
             _fail("guard", "rollback_lr_scale", self.rollback_lr_scale, "must be in (0, 1]")

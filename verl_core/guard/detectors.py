@@ -51,6 +51,7 @@ _KEY_PHASE = (  # (exact key, or a prefix ending in "/"; phase): the first match
     ("timing/rollout_s", "rollout"), ("timing/reward_s", "reward"),
     ("timing/advantage_s", "advantage"), ("timing/update_s", "update"),
     ("actor/reward_kl", "advantage"), ("critic/values_mean", "advantage"),
+    ("rollout/zero_variance_", "reward"),  # counted from the scores (guard/checks.py)
     ("rollout/", "rollout"), ("response_length/", "rollout"), ("reward/", "reward"),
     ("advantages/", "advantage"),
 )
@@ -68,7 +69,7 @@ def metric_phase(key: str) -> str:
     update, the last phase, so a metric this table does not know is still checked once per step
     when ``current`` accumulates."""
     for k, phase in _KEY_PHASE:
-        if key == k or (k.endswith("/") and key.startswith(k)):
+        if key == k or (k.endswith(("/", "_")) and key.startswith(k)):
             return phase
     return "update"
 
@@ -281,6 +282,51 @@ def _nonfinite(phase: str, step: int, current: dict) -> list[Anomaly]:
     return out
 
 
+NO_SIGNAL = "rollout/zero_variance_frac"
+"""The share of the step's groups whose rewards were all equal (``guard/checks.py``)."""
+
+
+def _no_signal(phase: str, step: int, current: dict, history: list[dict],
+               cfg: GuardConfig) -> list[Anomaly]:
+    """``no_signal``, no window: every group of this step and of the ``no_signal_steps - 1``
+    steps before it (those that recorded the signal, newest first, without a gap of a step
+    that had signal) had equal rewards. Fires when the run of such steps reaches a multiple of
+    ``no_signal_steps``, so a lasting one is said again, not on every step. The message names
+    the likely cause from this step's numbers."""
+    if phase != "reward" or current.get(NO_SIGNAL) != 1.0:
+        return []
+    run = 1
+    for h in reversed(history):
+        v = h.get(NO_SIGNAL)
+        if v is None:
+            continue
+        if v != 1.0:
+            break
+        run += 1
+    if run % cfg.no_signal_steps:
+        return []
+    reward, clip = current.get("reward/mean"), current.get("response_length/clip_ratio")
+    causes = []
+    if reward is not None and reward == current.get("reward/min", reward) and reward <= 0:
+        causes.append("every response scored 0: the answer format the scorer reads is never "
+                      "produced (look at a sample: `[response]` in the console or the Deck; a "
+                      "short supervised format warm start or verl's flexible extraction helps) "
+                      "or the scorer is too strict for this model")
+    elif reward is not None and reward == current.get("reward/max", reward):
+        causes.append(f"every response scored the same ({_fmt(reward)}): the task is too easy "
+                      "or the scorer gives one value to everything")
+    if clip is not None and clip > 0.5:
+        causes.append(f"{clip:.0%} of the responses hit rollout.max_new_tokens and are cut before "
+                      "their answer (raise it)")
+    if not causes:
+        causes.append("the answer format never produced, responses cut at "
+                      "rollout.max_new_tokens, or a scorer too strict")
+    return [Anomaly("no_signal", phase, step, NO_SIGNAL, 1.0, 1.0,
+                    f"no learning signal: every group's rewards were equal (zero advantage on "
+                    f"every row, grad_norm 0 from the policy loss) for {run} steps in a row; "
+                    f"likely: {'; '.join(causes)}")]
+
+
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
@@ -343,7 +389,7 @@ def detect(phase: str, step: int, current: dict[str, float], history: list[dict]
         raise ValueError(f"phase={phase!r}: unknown; detectors run at {', '.join(PHASES)}")
     if not cfg.enabled:
         return []
-    out = _nonfinite(phase, step, current)
+    out = _nonfinite(phase, step, current) + _no_signal(phase, step, current, history, cfg)
     for c in checks(phase, step, current, history, cfg):
         if c.fired:
             bound = c.lower if c.value < c.lower else c.upper

@@ -12,7 +12,8 @@ import torch
 
 from verl_core.config import ConfigError, GuardConfig, RunConfig, with_overrides
 from verl_core.data.batch import Batch
-from verl_core.guard.detectors import (DETECTORS, GPU_UTILIZATION, PHASES, Window,
+from verl_core.guard import detectors
+from verl_core.guard.detectors import (DETECTORS, GPU_UTILIZATION, NO_SIGNAL, PHASES, Window,
                                        checks, detect, gpu_utilization, metric_phase,
                                        nonfinite_counts, replay)
 
@@ -105,7 +106,39 @@ def test_every_registered_detector_is_crafted_and_has_a_policy():
     assert {c[0] for c in CRAFTED} | {"throughput_drop"} == set(DETECTORS)
     policies = {f.name[:-len("_policy")] for f in dataclasses.fields(GuardConfig)
                 if f.name.endswith("_policy")}
-    assert set(DETECTORS) | {"nonfinite"} == policies
+    assert set(DETECTORS) | {"nonfinite", "no_signal"} == policies  # the two without a window
+
+
+def test_no_signal_fires_after_its_steps_in_a_row_and_names_the_cause():
+    cfg = GuardConfig(no_signal_steps=3)
+    flat = {"rollout/zero_variance_frac": 1.0, "reward/mean": 0.0, "reward/min": 0.0,
+            "reward/max": 0.0}
+    # two flat steps before: the third in a row fires; with a step that had signal between,
+    # or a step without the signal, the run restarts / is passed over
+    assert detectors.detect("reward", 3, flat, [flat, flat], cfg)[0].detector == "no_signal"
+    assert detectors.detect("reward", 3, flat, [flat, {**flat, NO_SIGNAL: 0.5}], cfg) == []
+    [a] = detectors.detect("reward", 3, flat, [flat, {"reward/mean": 0.0}, flat], cfg)
+    assert "3 steps in a row" in a.message and "every response scored 0" in a.message
+    # again at 6 in a row, not at 4 or 5
+    assert detectors.detect("reward", 4, flat, [flat] * 3, cfg) == []
+    assert detectors.detect("reward", 5, flat, [flat] * 4, cfg) == []
+    assert detectors.detect("reward", 6, flat, [flat] * 5, cfg)
+    # only in the reward phase (the scores' phase), never with some signal this step
+    assert detectors.detect("update", 3, flat, [flat, flat], cfg) == []
+    assert detectors.detect("reward", 3, {**flat, NO_SIGNAL: 0.75}, [flat, flat], cfg) == []
+    # the causes follow the numbers: all at the maximum; cut responses
+    top = {**flat, "reward/mean": 1.0, "reward/min": 1.0, "reward/max": 1.0,
+           "response_length/clip_ratio": 0.8}
+    [a] = detectors.detect("reward", 3, top, [flat, flat], cfg)
+    assert "scored the same (1)" in a.message and "80% of the responses hit" in a.message
+    assert not detectors.detect("reward", 3, flat, [flat, flat], GuardConfig(enabled=False,
+                                                                             no_signal_steps=3))
+
+
+def test_no_signal_policy_is_warn_or_halt():
+    assert GuardConfig(no_signal_policy="halt").no_signal_policy == "halt"
+    with pytest.raises(ConfigError, match="no_signal_policy.*warn or halt"):
+        GuardConfig(no_signal_policy="rollback")
 
 
 # ------------------------------------------------------------------ normal noisy series
