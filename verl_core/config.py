@@ -57,7 +57,8 @@ __all__ = [
     # the run, overrides, presets
     "RunConfig", "SECTIONS", "MOVED_KEYS", "effective_line", "typed_overrides", "with_overrides",
     "dotted_keys", "did_you_mean",
-    "CALCULATOR_DEFAULTS", "DEMO_TEMPERATURE", "USER_MODEL_DEFAULTS", "grpo_preset",
+    "CALCULATOR_DEFAULTS", "DEMO_TEMPERATURE", "USER_MODEL_DEFAULTS", "USER_MODEL_EVAL",
+    "grpo_preset",
     "ppo_preset", "preset",
 ]
 
@@ -745,6 +746,13 @@ tiny model's 128 positions); the two-part warm start of ``model.warmup_mixed_ste
 early stop (the warm-started model answers without the tool when greedy, by design)."""
 
 
+USER_MODEL_EVAL: dict[str, object] = {"data.val_max_samples": 64}
+"""Where a model you bring departs from verl's defaults: verl evaluates every held-out row
+(``val_max_samples: -1``); a full GSM8K test split (1,319 prompts) at verl's 512-token responses
+costs more CPU time than the training it measures, so such a run evaluates on a seeded subset of
+64 unless you set the key (``data.val_max_samples=-1``: every row, as verl)."""
+
+
 def _model_aware(base: RunConfig, overrides: dict) -> dict:
     """``overrides`` plus the defaults the model decides, for fields they leave unset: verl's
     (:data:`USER_MODEL_DEFAULTS`) with ``model.path``, else the demo's temperature; the
@@ -753,7 +761,7 @@ def _model_aware(base: RunConfig, overrides: dict) -> dict:
     if overrides.get("data.synthetic_task") == "calculator":
         overrides = {**CALCULATOR_DEFAULTS, **overrides}
     if overrides.get("model.path"):
-        out = {**USER_MODEL_DEFAULTS, **overrides}
+        out = {**USER_MODEL_DEFAULTS, **USER_MODEL_EVAL, **overrides}
     elif "rollout.temperature" in overrides:
         out = dict(overrides)
     else:

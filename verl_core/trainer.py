@@ -472,6 +472,15 @@ class _AccuracyProbe:
         return self.last
 
 
+def val_subset(rows: list[PromptRow], cap: int, seed: int) -> list[PromptRow]:
+    """At most ``cap`` of the held-out ``rows`` (-1: all): a seeded draw without replacement, in
+    file order, the same for every evaluation of a run (``data.val_max_samples``)."""
+    if cap < 0 or len(rows) <= cap:
+        return rows
+    keep = sorted(random.Random(derive_seed(seed, 0, "val-subset")).sample(range(len(rows)), cap))
+    return [rows[i] for i in keep]
+
+
 def encode_rows(tokenizer, rows: list[PromptRow], max_len: int, truncation: str = "error",
                 tools: list[dict] | None = None):
     texts = [render_prompt(r, tokenizer, tools) for r in rows]
@@ -506,7 +515,8 @@ class RLTrainer:
         torch.set_num_threads(intra_op_threads(cfg))
         self.tokenizer = tok = load_tokenizer(assets.model_path)
         self.train_rows = load_prompt_rows(assets.train_files)
-        self.val_rows = load_prompt_rows(assets.val_files)
+        self.val_rows = val_subset(load_prompt_rows(assets.val_files), cfg.data.val_max_samples,
+                                   cfg.seed)
         # rollout.multi_turn: the tools (their schemas in every prompt), in a host process
         self.tool_schemas = self.tool_host = None
         if cfg.rollout.multi_turn:

@@ -361,6 +361,7 @@ VERL_TO_OURS: dict[str, Transform] = {
     "data.train_files": _to("data.train_files", _files),
     "data.val_files": _to("data.val_files", _files),
     "data.val_batch_size": _to("data.val_batch_size"),
+    "data.val_max_samples": _to("data.val_max_samples"),
     "data.filter_overlong_prompts": _filter_overlong,
     **{R + f"val_kwargs.{n}": _to(f"rollout.val_{n}") for n in (
         "do_sample", "temperature", "top_p", "top_k", "n")},

@@ -55,3 +55,28 @@ def test_several_greedy_responses_are_refused():
 
     with pytest.raises(ConfigError, match=r"rollout.val_n.*val_do_sample=True"):
         tiny_run(**{"rollout.val_n": 4})
+
+
+def test_val_max_samples_is_the_same_seeded_subset_every_time(assets):
+    from verl_core.trainer import val_subset
+
+    rows = list(range(10))
+    a = val_subset(rows, 4, seed=1)
+    assert a == val_subset(rows, 4, seed=1) and a == sorted(a) and len(set(a)) == 4
+    assert val_subset(rows, 4, seed=2) != a  # another run seed, another subset (here)
+    assert val_subset(rows, -1, seed=1) == rows and val_subset(rows, 10, seed=1) == rows
+    # through an evaluation: 3 of the 8 held-out prompts, the same 3 at every step
+    m, samples = _evaluate(assets, 1, **{"data.val_max_samples": 3})
+    _, again = _evaluate(assets, 4, **{"data.val_max_samples": 3})
+    assert len(samples) == 3 and [s.prompt for s in samples] == [s.prompt for s in again]
+
+
+def test_a_model_you_bring_evaluates_on_a_bounded_subset(tmp_path):
+    from verl_core.config import ConfigError, preset
+
+    assert preset("grpo").data.val_max_samples == -1  # the demo: every held-out row
+    assert preset("grpo", **{"model.path": str(tmp_path)}).data.val_max_samples == 64
+    assert preset("grpo", **{"model.path": str(tmp_path),
+                             "data.val_max_samples": -1}).data.val_max_samples == -1
+    with pytest.raises(ConfigError, match="val_max_samples"):
+        preset("grpo", **{"data.val_max_samples": 0})

@@ -53,6 +53,11 @@ class DataConfig:
     the shuffled epochs, until ``train_batch_size`` groups are kept. 0: ``train_batch_size``."""
     val_batch_size: int = not_in_trajectory(256)
     """Prompts per greedy-evaluation forward pass (memory only; does not change results)."""
+    val_max_samples: int = not_in_trajectory(-1)
+    """Evaluate on at most this many held-out prompts (verl's ``data.val_max_samples``; -1: all):
+    the same seeded subset (``run.seed``) at every evaluation, so evaluations stay comparable.
+    A model you bring evaluates on 64 unless you set it (``config.USER_MODEL_EVAL``): a full
+    GSM8K test split at verl's response length costs more CPU time than the training."""
     max_prompt_length: int = in_trajectory(64)
     """Most prompt tokens. A longer prompt fails validation naming its row, unless
     ``truncation`` says how to cut it."""
@@ -85,6 +90,9 @@ class DataConfig:
     def __post_init__(self):
         _check_types("data", self)
         _non_negative("data", self, "gen_batch_size")
+        if self.val_max_samples == 0 or self.val_max_samples < -1:
+            _fail("data", "val_max_samples", self.val_max_samples,
+                  "must be -1 (every held-out prompt) or a positive count")
         _positive("data", self, "train_batch_size", "val_batch_size", "max_prompt_length",
                   "synthetic_train_size", "synthetic_val_size", "synthetic_max_operand")
         _one_of("data", "synthetic_task", self.synthetic_task, {"arithmetic", "calculator"})
