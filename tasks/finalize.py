@@ -10,7 +10,7 @@ from tasks import decks
 from tasks.common import RAY_CONFIG, RETRIES, cache_for, run_phase, store_call
 from tasks.evaluate import EvalResult
 from tasks.images import GPU_IMAGE
-from verl_core import phases, report
+from verl_core import phases, report, tracking
 from verl_core.types import RunSpec, StepState
 
 
@@ -64,8 +64,8 @@ def _finalize(spec: RunSpec, last: StepState, start: Optional[EvalResult],
                 f"{s.start_accuracy:.3f} -> {s.end_accuracy:.3f}")  # as the plain loop says it
     evaluated = {end.step} if start is None else {start.step, end.step}
     print(f"[verl] done: accuracy {accuracy}, reward {s.first_reward:.3f} -> "
-          f"{s.last_reward:.3f}; final model: {s.final_model}; metrics: {s.metrics_table}",
-          flush=True)
+          f"{s.last_reward:.3f}; final model: {s.final_model}; metrics: {s.metrics_table}"
+          f"{tracking.where(spec.config.tracking)}; run store: {s.store}", flush=True)
     decks.attach("RL run", store_call("the run report", lambda: report.for_run(
         spec, title=f"{s.algorithm}: {s.steps} steps",
         sample_steps=sorted(evaluated))))

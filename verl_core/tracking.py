@@ -33,6 +33,15 @@ NOT_SCALARS = ("step", "time")
 INSTALL = "pip install 'verl-flyte[tracking]'"
 
 
+def where(cfg: TrackingConfig) -> str:
+    """``"; TensorBoard: <dir>; MLflow: <uri>; W&B: project <p>"`` for the trackers switched on
+    ("" for none): what the run's last console line names beside the final model."""
+    parts = [(label, value) for label, value in (
+        ("TensorBoard", cfg.tensorboard_dir), ("MLflow", cfg.mlflow_tracking_uri),
+        ("W&B project", cfg.wandb_project)) if value]
+    return "".join(f"; {label}: {value}" for label, value in parts)
+
+
 class TrackerError(ConfigError):
     """A switched-on tracker cannot be opened; the message names the field and the fix."""
 

@@ -65,7 +65,7 @@ def train(cfg, workdir: str = "", log=_say, *, store: str = "", run_name: str = 
     the metrics of each step this invocation ran."""
     import torch
 
-    from verl_core import runlog
+    from verl_core import runlog, tracking
     from verl_core.config import ConfigError, effective_line
     from verl_core.engine.workers import WORKERS
     from verl_core.guard.writer import LEASES, release_lease
@@ -124,8 +124,9 @@ def train(cfg, workdir: str = "", log=_say, *, store: str = "", run_name: str = 
                 f"{summary['end_accuracy']:.3f} (no evaluation before training)")
     log(f"done: accuracy {accuracy}, reward {summary['first_reward']:.3f} -> "
         f"{summary['last_reward']:.3f}, {summary['wall_s']:.0f}s; final model: "
-        f"{out['final_model']}; metrics: {out['metrics_table']}; run store: {spec.store} (the "
-        "same command with more --steps continues it)")
+        f"{out['final_model']}; metrics: {out['metrics_table']}"
+        f"{tracking.where(spec.config.tracking)}; run store: {spec.store} (the same command "
+        "with more --steps continues it)")
     return summary
 
 

@@ -189,7 +189,11 @@ def test_plain_loop_writes_its_history_to_every_tracker(tmp_path, monkeypatch):
         "tracking.tensorboard_dir": str(tmp_path / "tb"), "tracking.mlflow_tracking_uri": uri,
         **to_ours({"trainer.logger": ["console", "wandb"], "trainer.project_name": "p",
                    "trainer.experiment_name": "e"})})
-    summary = train(cfg, str(tmp_path / "work"), log=lambda *_: None)
+    logs: list[str] = []
+    summary = train(cfg, str(tmp_path / "work"), log=logs.append)
+    # the last line names where to look, each tracker included
+    assert f"; TensorBoard: {tmp_path / 'tb'}; MLflow: {uri}; W&B project: p; run store: " \
+        in logs[-1], logs[-1]
     # the records: the start evaluation at step 0, then each step's metrics (end eval merged),
     # as the phases record them (the workflow's records); the step's own wall time and its
     # checkpoint phase's are the driver's timing, in its history only
