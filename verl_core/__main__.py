@@ -3,13 +3,14 @@
     health      liveness probe (same as ``python -m verl_core.health``)
     train       the plain training loop (``python -m verl_core.train``)
     checkpoint  list / verify / export / gc a run store (``python -m verl_core.checkpoint``)
+    models      fetch / list real pretrained models (``python -m verl_core.models``)
 """
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("health", "train", "checkpoint")
+COMMANDS = ("health", "train", "checkpoint", "models")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         from verl_core.health import main as run
     elif cmd == "train":
         from verl_core.train import main as run
+    elif cmd == "models":
+        from verl_core.models.__main__ import main as run
     else:
         from verl_core.checkpoint.__main__ import main as run
     if cmd == "health":
