@@ -447,6 +447,12 @@ class RunConfig:
                   "is answered with the calculator tool: set rollout.multi_turn=True and "
                   "rollout.tool_config_path=builtin:calculator (the presets set them with "
                   "data.synthetic_task=calculator)")
+        if (not self.data.train_files and self.data.synthetic_task == "word_problems"
+                and not self.model.path):
+            _fail("data", "synthetic_task", "word_problems",
+                  "is a task for a real pretrained model (the tiny model reads characters, and a "
+                  "word problem is longer than its context): give --model, e.g. a folder made by "
+                  "python -m verl_core.models fetch smollm2-135m-instruct DIR")
         if self.rollout.multi_turn and self.algorithm.estimator_traits.needs_greedy_baseline:
             _fail("algorithm", "adv_estimator", self.algorithm.adv_estimator,
                   "its greedy baseline response is single-turn and cannot score a multi-turn "

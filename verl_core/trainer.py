@@ -36,6 +36,7 @@ from verl_core.data.batch import Batch, encode_prompts
 from verl_core.data.dataset import PromptRow, load_prompt_rows, render_prompt
 from verl_core.data.sampler import ResumableSampler
 from verl_core.data.synthetic import write_arithmetic_dataset, write_calculator_dataset
+from verl_core.data.word_problems import write_word_problem_dataset
 from verl_core.models import build_tiny_model, load_causal_lm, load_critic, load_tokenizer
 from verl_core.models.loading import precision_line
 from verl_core.models.tokenizer import CHAR_CHAT_TEMPLATE, build_char_tokenizer
@@ -122,6 +123,11 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
     calculator = not cfg.data.train_files and cfg.data.synthetic_task == "calculator"
     if cfg.data.train_files:
         train_files, val_files = cfg.data.train_file_list, cfg.data.val_file_list
+    elif cfg.data.synthetic_task == "word_problems":
+        train, val = write_word_problem_dataset(
+            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
+            val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
+        train_files, val_files = [train], [val]
     elif calculator:
         train, val = write_calculator_dataset(
             os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,

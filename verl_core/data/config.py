@@ -72,9 +72,11 @@ class DataConfig:
     """Shuffle the training prompts each epoch (seeded by ``run.seed``)."""
     synthetic_task: str = in_trajectory("arithmetic")
     """Synthetic verifiable task generated when ``train_files`` is empty: ``arithmetic``
-    (``12+7=``, answered at once) or ``calculator`` (3-4 digit sums and products, with the
+    (``12+7=``, answered at once), ``calculator`` (3-4 digit sums and products, with the
     built-in calculator tool in multi-turn rollouts; the presets then set
-    :data:`~verl_core.config.CALCULATOR_DEFAULTS`)."""
+    :data:`~verl_core.config.CALCULATOR_DEFAULTS`) or ``word_problems`` (GSM8K-style word
+    problems of 1-3 steps in verl's GSM8K layout, scored by verl's ``gsm8k`` scorer: for a real
+    pretrained model, ``data/word_problems.py``)."""
     synthetic_train_size: int = in_trajectory(3000)
     """Rows in the generated training split."""
     synthetic_val_size: int = in_trajectory(500)
@@ -95,7 +97,8 @@ class DataConfig:
                   "must be -1 (every held-out prompt) or a positive count")
         _positive("data", self, "train_batch_size", "val_batch_size", "max_prompt_length",
                   "synthetic_train_size", "synthetic_val_size", "synthetic_max_operand")
-        _one_of("data", "synthetic_task", self.synthetic_task, {"arithmetic", "calculator"})
+        _one_of("data", "synthetic_task", self.synthetic_task,
+                {"arithmetic", "calculator", "word_problems"})
         _one_of("data", "truncation", self.truncation, set(TRUNCATIONS))
         m = self.synthetic_max_operand
         unique = (m + 1) ** 2 + (m + 1) * (m + 2) // 2  # a+b, and a-b with a >= b
