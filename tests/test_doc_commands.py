@@ -219,7 +219,8 @@ def kind(cmd: Command) -> str:
     if prog in ("python", "python3"):
         what, _ = after_python(cmd.words)
         return {"-m verl_core.train": "train", "-m verl_core.checkpoint": "checkpoint",
-                "-m verl_core": "verl_core", "-c": "python-c"}.get(what, "unknown")
+                "-m verl_core.models": "models", "-m verl_core": "verl_core",
+                "-c": "python-c"}.get(what, "unknown")
     if prog == "pyflyte":
         sub = next((w for w in cmd.words[1:] if w in ("run", "register")), "unknown")
         return f"pyflyte-{sub}"
@@ -252,6 +253,8 @@ def not_run_reason(cmd: Command) -> str | None:
         return "the workflow's end-to-end runs are tests/workflows' (minutes each)"
     if k == "checkpoint":
         return "needs a finished run's store (tests/verl_core/checkpoint run these commands)"
+    if k == "models":
+        return "downloads 93 MB and converts (tests/verl_core/models/test_fetch.py runs it)"
     if k == "verl_core":
         return "the health probe reports on this machine's state (tests/verl_core/test_health.py)"
     if k == "python-c":
@@ -290,8 +293,9 @@ def build_data_standins(words: list[str], root: Path) -> None:
                                   seed=int(test))
 
 
-STANDIN_POSITIONS = {"qwen": 32768, "llama": 131072}
-"""The real families' ``max_position_embeddings`` (Qwen2.5-0.5B-Instruct, Llama-3.1-8B-Instruct),
+STANDIN_POSITIONS = {"qwen": 32768, "llama": 131072, "smollm2": 8192}
+"""The real families' ``max_position_embeddings`` (Qwen2.5-0.5B-Instruct, Llama-3.1-8B-Instruct,
+SmolLM2-135M-Instruct: a Llama with a ChatML template, so the Qwen-style stand-in),
 written into a stand-in the docs name as the real model, so verl's default 512 + 512 tokens fit as
 they do there (tests/standins.py's folders have 512 positions)."""
 
@@ -308,8 +312,9 @@ def build_model_standins(cfg, root: Path) -> None:
         if not str(path) or root not in path.parents or path.exists():
             continue
         family = next((k for k in STANDIN_POSITIONS if k in path.name.lower()), None)
-        assert family, f"{path.name}: no stand-in for this model folder (name it Qwen* or Llama*)"
-        {"qwen": qwen_folder, "llama": llama3_folder}[family](path)
+        assert family, (f"{path.name}: no stand-in for this model folder (name it Qwen*, Llama* "
+                        "or SmolLM2*)")
+        {"qwen": qwen_folder, "llama": llama3_folder, "smollm2": qwen_folder}[family](path)
         config = json.loads((path / "config.json").read_text())
         config["max_position_embeddings"] = STANDIN_POSITIONS[family]
         (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -450,6 +455,12 @@ def validate(cmd: Command, root: Path, monkeypatch) -> None:
     if k == "checkpoint":
         from verl_core.checkpoint.__main__ import parser
         parsed(parser().parse_args, after_python(words)[1])
+        return
+    if k == "models":
+        from verl_core.models.__main__ import parser as models_parser
+        from verl_core.models.fetch import MODELS
+        args = parsed(models_parser().parse_args, after_python(words)[1])
+        assert args.cmd != "fetch" or args.name in MODELS, f"no model {args.name!r} to fetch"
         return
     if k == "verl_core":
         from verl_core.__main__ import COMMANDS as SUBCOMMANDS
