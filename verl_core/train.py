@@ -29,20 +29,32 @@ from functools import partial
 # torch, transformers or flytekit (seconds each); the run imports them when it starts (``_lib``).
 
 
-def user_errors() -> tuple[type, ...]:
-    """Wrong input (options, data files, model folder, a store another loop is writing): the CLI
-    prints the message, which names the field or file and the fix, and exits 2; a traceback would
-    only bury it."""
-    from verl_core.config import ConfigError
-    from verl_core.data.batch import PromptTooLongError
-    from verl_core.data.dataset import DatasetError
-    from verl_core.guard.faults import FaultSpecError
-    from verl_core.guard.lease import LeaseHeldError
-    from verl_core.models import ModelLoadError
-    from verl_core.validation import DataValidationError, RunInputError
+USER_ERROR_CLASSES = (
+    ("verl_core.config_fields", "ConfigError"), ("verl_core.data.dataset", "DatasetError"),
+    ("verl_core.data.batch", "PromptTooLongError"), ("verl_core.models.loading", "ModelLoadError"),
+    ("verl_core.guard.lease", "LeaseHeldError"), ("verl_core.validation", "DataValidationError"),
+    ("verl_core.validation", "RunInputError"), ("verl_core.guard.faults", "FaultSpecError"))
+"""Wrong input (options, data files, model folder, a store another loop is writing), by module
+and class name: the CLI prints the message, which names the field or file and the fix, and exits
+2; a traceback would only bury it."""
 
-    return (ConfigError, DatasetError, PromptTooLongError, ModelLoadError, LeaseHeldError,
-            DataValidationError, RunInputError, FaultSpecError)
+
+def user_errors() -> tuple[type, ...]:
+    """:data:`USER_ERROR_CLASSES` as classes (imports their modules: torch, transformers)."""
+    import importlib
+
+    return tuple(getattr(importlib.import_module(m), c) for m, c in USER_ERROR_CLASSES)
+
+
+def is_user_error(e: BaseException) -> bool:
+    """Whether ``e`` is one of :data:`USER_ERROR_CLASSES`, importing nothing: a class whose
+    module was never imported cannot have raised (a bad ``--set`` answers before transformers
+    is loaded)."""
+    for module, name in USER_ERROR_CLASSES:
+        mod = sys.modules.get(module)
+        if mod is not None and isinstance(e, getattr(mod, name)):
+            return True
+    return False
 
 
 def __getattr__(name: str):
@@ -339,7 +351,6 @@ def main(argv=None, *, handle_signals: bool | None = None) -> int:
     # seconds (verl_core/interrupt.py); not for a caller's process that passed its own argv
     if argv is None if handle_signals is None else handle_signals:
         interrupt.install()
-    errors = user_errors()
     options = verl_keys.entry_options(steps=args.steps, model=args.model,
                                       train_files=args.train_files, val_files=args.val_files)
     try:
@@ -348,7 +359,9 @@ def main(argv=None, *, handle_signals: bool | None = None) -> int:
         # the workflow's configure builds its config through the same door
         cfg = verl_keys.run_config(args.algorithm, args.verl_config, given, options)
         summary = train(cfg, workdir, store=args.store, run_name=args.run_name)
-    except errors as e:
+    except Exception as e:  # noqa: BLE001 - ours are answered in one line, the rest re-raised
+        if not is_user_error(e):
+            raise
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
     if args.summary_json:

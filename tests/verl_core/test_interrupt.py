@@ -78,7 +78,7 @@ def test_a_second_signal_exits_at_once(tmp_path):
 
 def _cli(*args):
     code = ("import sys\nfrom verl_core.train import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
+            "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
             "heavy = [m for m in ('torch', 'transformers', 'flytekit') if m in sys.modules]\n"
             "print('HEAVY', heavy, 'RC', rc)\n")
     return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True,
@@ -92,5 +92,10 @@ def test_plain_loop_help_and_option_typos_import_no_torch():
     out = _cli("--stpes", "5")
     assert "HEAVY [] RC 2" in out.stdout, out.stdout + out.stderr
     assert "unrecognized arguments: --stpes" in out.stderr and "did you mean --steps?" in out.stderr
+    # a wrong config value: the config needs torch (its algorithm registries), not transformers,
+    # torch.distributed.checkpoint or pyarrow (the packages import those on first use)
+    out = _cli("--set", "optim.lr=-1")
+    assert "HEAVY ['torch'] RC 2" in out.stdout, out.stdout + out.stderr
+    assert "optim.lr=-1.0: must be > 0" in out.stderr
     out = _cli("--workdir", "w", "--run-name", "r")
     assert "HEAVY [] RC 2" in out.stdout and "not both" in out.stderr, out.stderr

@@ -26,43 +26,21 @@ Every rank of an FSDP2 group (``dp`` from ``verl_core.training.dist``)::
     set_model_state_dict(model, state["policy"]); set_optimizer_state_dict(model, optim, …)
 """
 
-from verl_core.checkpoint.async_save import AsyncCheckpointer, snapshot_state
-from verl_core.errors import (
-    CheckpointDisagreementError,
-    CheckpointNotFoundError,
-    CheckpointSaveError,
-    CorruptObjectError,
-    NoValidCheckpointError,
-    PermanentError,
-    StoreFullError,
-    StoreUnavailableError,
-    TransientError,
-    UnsafeManifestError,
-    VerlError,
-)
-from verl_core.checkpoint.hf_export import export_hf, load_tokenizer_files, store_tokenizer
-from verl_core.checkpoint.manager import (
-    CheckpointInfo,
-    CheckpointManager,
-    SaveHandle,
-    open_checkpoint,
-)
-from verl_core.checkpoint.state import (
-    capture_rng_state,
-    flatten_state,
-    restore_rng_state,
-    unflatten_state,
-)
-from verl_core.store import NotFoundError, RunStore, StorePermissionError
-from verl_core.checkpoint.tensors import load_tensors, save_tensors
+from verl_core.lazy import exports
 
-__all__ = [
-    "RunStore", "CheckpointManager", "CheckpointInfo", "SaveHandle", "AsyncCheckpointer",
-    "open_checkpoint", "save_tensors", "load_tensors", "flatten_state", "unflatten_state",
-    "capture_rng_state", "restore_rng_state", "snapshot_state", "export_hf", "store_tokenizer",
-    "load_tokenizer_files",
-    "VerlError", "TransientError", "PermanentError", "StoreUnavailableError", "CorruptObjectError",
-    "UnsafeManifestError", "CheckpointNotFoundError", "NoValidCheckpointError",
-    "CheckpointDisagreementError", "CheckpointSaveError", "NotFoundError", "StorePermissionError",
-    "StoreFullError",
-]
+# imported on first use (verl_core/lazy.py): the run's config reads checkpoint/config.py without
+# paying for torch.distributed.checkpoint
+__all__, __getattr__ = exports(__name__, {
+    "verl_core.checkpoint.async_save": ("AsyncCheckpointer", "snapshot_state"),
+    "verl_core.errors": ("CheckpointDisagreementError", "CheckpointNotFoundError",
+                         "CheckpointSaveError", "CorruptObjectError", "NoValidCheckpointError",
+                         "PermanentError", "StoreFullError", "StoreUnavailableError",
+                         "TransientError", "UnsafeManifestError", "VerlError"),
+    "verl_core.checkpoint.hf_export": ("export_hf", "load_tokenizer_files", "store_tokenizer"),
+    "verl_core.checkpoint.manager": ("CheckpointInfo", "CheckpointManager", "SaveHandle",
+                                     "open_checkpoint"),
+    "verl_core.checkpoint.state": ("capture_rng_state", "flatten_state", "restore_rng_state",
+                                   "unflatten_state"),
+    "verl_core.store": ("NotFoundError", "RunStore", "StorePermissionError"),
+    "verl_core.checkpoint.tensors": ("load_tensors", "save_tensors"),
+})

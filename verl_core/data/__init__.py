@@ -5,9 +5,12 @@ the arithmetic task in the same layout; ``sampler.py`` picks the B prompt indice
 ``batch.py`` holds the per-response frames that cross phase boundaries.
 """
 
-from verl_core.data.dataset import DatasetError, PromptRow, load_prompt_rows, render_prompt
-from verl_core.data.sampler import ResumableSampler
-from verl_core.data.synthetic import arithmetic_problems, write_arithmetic_dataset
+from verl_core.lazy import exports
 
-__all__ = ["DatasetError", "PromptRow", "load_prompt_rows", "render_prompt", "ResumableSampler",
-           "arithmetic_problems", "write_arithmetic_dataset"]
+# imported on first use (verl_core/lazy.py): the run's config reads data/config.py without paying
+# for pyarrow
+__all__, __getattr__ = exports(__name__, {
+    "verl_core.data.dataset": ("DatasetError", "PromptRow", "load_prompt_rows", "render_prompt"),
+    "verl_core.data.sampler": ("ResumableSampler",),
+    "verl_core.data.synthetic": ("arithmetic_problems", "write_arithmetic_dataset"),
+})

@@ -1,8 +1,13 @@
-"""Rollout engines: one interface (:class:`RolloutEngine`), ``hf`` (torch) and ``vllm`` (GPU)."""
+"""Rollout engines: one interface (:class:`RolloutEngine`), ``hf`` (torch) and ``vllm`` (GPU).
 
-from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, make_engine,
-                                    register_engine)
-from verl_core.rollout import hf as _hf  # noqa: F401  (registers "hf")
-from verl_core.rollout import vllm as _vllm  # noqa: F401  (registers "vllm"; imports vllm lazily)
+The names below are imported on first use (``verl_core/lazy.py``), and the built-in engines
+register when :func:`make_engine` is first called: the run's config reads ``rollout/config.py``
+without paying for transformers."""
 
-__all__ = ["GenerationOutput", "RolloutEngine", "SamplingParams", "make_engine", "register_engine"]
+from verl_core.lazy import exports
+
+__all__, __getattr__ = exports(__name__, {
+    "verl_core.rollout.base": ("GenerationOutput", "RolloutEngine", "SamplingParams",
+                               "register_engine"),
+    "verl_core.rollout.engines": ("make_engine",),
+})

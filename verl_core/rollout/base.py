@@ -146,7 +146,7 @@ def register_engine(name: str):
     return deco
 
 
-def make_engine(name: str, **kwargs) -> RolloutEngine:
+def make_engine(name: str, **kwargs) -> RolloutEngine:  # the built-ins: rollout/engines.py
     """The engine ``name`` built from the keywords its factory reads (each ignores the rest):
     ``hf`` needs ``model``; ``vllm`` needs ``model_path`` (the Hugging Face folder) and takes the
     vLLM settings; both need ``pad_token_id`` and ``eos_token_ids`` (or one ``eos_token_id``), the
@@ -156,3 +156,4 @@ def make_engine(name: str, **kwargs) -> RolloutEngine:
     if name not in _ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; known: {', '.join(sorted(_ENGINES))}")
     return _ENGINES[name](**kwargs)
+

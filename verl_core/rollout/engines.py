@@ -1,0 +1,10 @@
+"""The built-in rollout engines, registered: ``verl_core.rollout.make_engine`` is this module's, so
+the first engine built imports them (``hf``: torch and transformers; ``vllm``: the vllm package
+only when its engine is built), while reading the run's config (``rollout/config.py``) imports
+neither."""
+
+from verl_core.rollout import hf as _hf  # noqa: F401  (registers "hf")
+from verl_core.rollout import vllm as _vllm  # noqa: F401  (registers "vllm")
+from verl_core.rollout.base import make_engine
+
+__all__ = ["make_engine"]
