@@ -1,6 +1,7 @@
 """What a newcomer waits for: seconds to the first console line and to the first RL step line of
 README command 1 (``pyflyte run workflows/ppo.py ppo`` on its defaults), the same for the plain
-loop, a second run that reuses the finished warm start, and ``--help`` of both front doors.
+loop, a second run that reuses the finished warm start, ``--help`` of both front doors and the plain
+loop's answer to a mistyped option and to a wrong config value.
 
 Each command runs from the repository, in a fresh HOME (flytekit's local cache), a fresh run
 store and a fresh asset cache (so the warm start is really run), and is stopped with SIGINT once
@@ -75,6 +76,10 @@ def commands(repo: str) -> dict[str, tuple[list[str], bool]]:
         "pyflyte run workflows/ppo.py ppo --help": (
             [pyflyte, "run", "workflows/ppo.py", "ppo", "--help"], False),
         "python -m verl_core.train --help": ([py, "-m", "verl_core.train", "--help"], False),
+        "python -m verl_core.train --stpes 5 (a mistyped option)": (
+            [py, "-m", "verl_core.train", "--stpes", "5"], False),
+        "python -m verl_core.train --set optim.lr=-1 (a wrong value)": (
+            [py, "-m", "verl_core.train", "--set", "optim.lr=-1"], False),
         "README command 1 (pyflyte, defaults)": (
             [pyflyte, "run", "workflows/ppo.py", "ppo", "--store", "STORE"], True),
         "the plain loop (defaults)": (
