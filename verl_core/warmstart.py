@@ -64,7 +64,10 @@ def warm_start_key(cfg, train_files: list[str], chat_template: str | None) -> st
     fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
               if f.name.startswith(("tiny_", "warmup_"))}
     rc = cfg.rollout
-    tools = _file_sha(rc.tool_config_path) if rc.multi_turn and rc.tool_config_path else ""
+    # a tool YAML by its content; a built-in (``builtin:calculator``) by its name
+    tools = "" if not (rc.multi_turn and rc.tool_config_path) else \
+        _file_sha(rc.tool_config_path) if os.path.isfile(rc.tool_config_path) else \
+        rc.tool_config_path
     doc = {
         "version": WARM_START_VERSION,
         "seed": cfg.seed,

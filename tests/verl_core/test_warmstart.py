@@ -180,3 +180,12 @@ def test_sigint_during_the_warm_start_then_the_same_command_resumes_it(tmp_path)
     assert "warm start" not in third.stdout
     assert "resuming from the checkpoint of step 1" in third.stdout, third.stdout
     assert re.search(r"^step 2/2 ", third.stdout, re.M) and "step 1/2" not in third.stdout
+
+
+def test_key_of_the_calculator_task_names_its_builtin_tool(tmp_path):
+    from verl_core.data.synthetic import write_calculator_dataset
+
+    train, _ = write_calculator_dataset(str(tmp_path / "c"), train_size=16, val_size=4, seed=1)
+    cfg = tiny_run(**{"data.synthetic_task": "calculator"})
+    assert cfg.rollout.tool_config_path == "builtin:calculator"
+    assert warm_start_key(cfg, [train], None) != warm_start_key(tiny_run(), [train], None)
