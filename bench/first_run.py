@@ -87,9 +87,11 @@ def commands(repo: str) -> dict[str, tuple[list[str], bool]]:
     }
 
 
-def measure(repo: str, repeat: int, work: str) -> dict[str, dict]:
+def measure(repo: str, repeat: int, work: str, only: str = "") -> dict[str, dict]:
     out = {}
     for name, (cmd, until_step) in commands(repo).items():
+        if only not in name:
+            continue
         runs = []
         for i in range(repeat):
             tmp = tempfile.mkdtemp(dir=work)
@@ -110,10 +112,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", default="", help="a checkout of an earlier commit to compare")
     p.add_argument("--repeat", type=int, default=1, help="runs per command (the median is shown)")
+    p.add_argument("--only", default="", help="only the commands whose name contains this")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-first-run-") as work:
-        new = measure(REPO, args.repeat, work)
-        base = measure(args.baseline, args.repeat, work) if args.baseline else {}
+        new = measure(REPO, args.repeat, work, args.only)
+        base = measure(args.baseline, args.repeat, work, args.only) if args.baseline else {}
     cols = [("first_line_s", "first line"), ("first_step_s", "first step line"),
             ("reuse_step_s", "first step, warm start reused"), ("exit_s", "exit")]
     print(f"| command | measure | {'baseline s | ' if base else ''}now s"
