@@ -5,6 +5,7 @@ of truth: what is read from it is checked against recorded hashes by its users.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import tempfile
@@ -44,3 +45,21 @@ def _private_dir(path: str) -> str:
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)  # ours: make it private rather than refuse
     return path
+
+
+def file_sha256(path: str) -> str:
+    """sha256 of the file at ``path``, read in 1 MiB chunks (a model's weights need not fit twice
+    in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def files_under(folder: str) -> list[str]:
+    """Every file below ``folder``, as sorted paths relative to it."""
+    out = []
+    for dirpath, _, files in os.walk(folder):
+        out += [os.path.relpath(os.path.join(dirpath, f), folder) for f in files]
+    return sorted(out)

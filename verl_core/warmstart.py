@@ -34,6 +34,8 @@ import torch
 from verl_core import interrupt
 from verl_core.layout import warm_start_doc
 from verl_core.local_cache import cache_root
+from verl_core.local_cache import file_sha256 as _file_sha
+from verl_core.local_cache import files_under as _files_under
 from verl_core.store import canonical_json, check_sha256
 
 WARM_START_VERSION = 1
@@ -44,14 +46,6 @@ PROGRESS_S = 5.0
 SAVE_EVERY_S = 15.0
 """Seconds between saves of the warm start's state (an interrupt saves at once): what a SIGKILL
 can cost. A save of the tiny model takes milliseconds."""
-
-
-def _file_sha(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def warm_start_key(cfg, train_files: list[str], chat_template: str | None) -> str:
@@ -221,14 +215,6 @@ class WarmStart:
 
 def _finite(x: float):
     return x if x == x else None
-
-
-def _files_under(folder: str) -> list[str]:
-    out = []
-    for dirpath, _, files in os.walk(folder):
-        for f in files:
-            out.append(os.path.relpath(os.path.join(dirpath, f), folder))
-    return sorted(out)
 
 
 def _write_folder(path: str, files: dict[str, bytes]) -> None:

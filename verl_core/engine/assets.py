@@ -31,20 +31,14 @@ from verl_core.store import RunStore, check_sha256, resolve_storage_options, sha
 from verl_core.errors import PermanentError
 from verl_core.trainer import Assets
 from verl_core.local_cache import AssetCacheError, cache_root  # noqa: F401  (their home before)
+from verl_core.local_cache import file_sha256 as _file_sha
+from verl_core.local_cache import files_under as _files_under
 
 log = logging.getLogger(__name__)
 
 _COMPLETE = ".complete"  # written last into a filled entry: {relpath: [sha, size]}
 _VERIFIED: set[str] = set()  # cache entries re-hashed by this process
 _LOCK = threading.Lock()
-
-
-def _files_under(folder: str) -> list[str]:
-    out = []
-    for dirpath, _, files in os.walk(folder):
-        for f in files:
-            out.append(os.path.relpath(os.path.join(dirpath, f), folder))
-    return sorted(out)
 
 
 def index_assets(assets: Assets, storage_options: dict | None = None
@@ -194,14 +188,6 @@ def _entries(index: dict) -> dict[str, str]:
         if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
             raise PermanentError(f"asset index {index.get('id')}: unsafe file name {rel!r}")
     return out
-
-
-def _file_sha(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _check_entry(root: str, want: dict[str, str], rehash: bool) -> str | None:

