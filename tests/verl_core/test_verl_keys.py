@@ -359,3 +359,16 @@ def test_an_unknown_key_with_nothing_near_gets_no_guess():
     for key in ("zzz.qqq", f"{A}nope"):  # nope: no field of verl's actor is near it
         with pytest.raises(ConfigError, match=rf"key '{key}': neither ours .*yaml\)$"):
             run_config(overrides={key: 1})
+
+
+def test_set_values_are_read_as_verl_overrides_are():
+    """``--set model.gradient_checkpointing=false`` (YAML's spelling, what a verl user types) is
+    False, as ``actor_rollout_ref.model.enable_gradient_checkpointing=false`` is; numbers, lists
+    and Python's spellings keep working, and anything else stays text."""
+    from verl_core.train import _parse_value
+
+    assert [_parse_value(t) for t in ("false", "True", "TRUE", "null", "1e-4", "8", "[1, 2]",
+                                      "[a,b]", "$HOME/x.parquet")] == \
+        [False, True, True, None, 1e-4, 8, [1, 2], ["a", "b"], "$HOME/x.parquet"]
+    cfg = with_overrides(RunConfig(), {"model.gradient_checkpointing": _parse_value("false")})
+    assert cfg.model.gradient_checkpointing is False

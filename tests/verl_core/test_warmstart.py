@@ -113,7 +113,7 @@ def test_finished_warm_start_is_reused_from_the_store_then_the_cache(tmp_path, m
 
 
 def _cmd(store, run_name):
-    sets = {**TINY, "model.warmup_sft_steps": 800, "model.warmup_target_accuracy": 1.0}
+    sets = {**TINY, "model.warmup_sft_steps": 300, "model.warmup_target_accuracy": 1.0}
     cmd = [sys.executable, "-m", "verl_core.train", "--steps", "1", "--store", str(store),
            "--run-name", run_name]
     for k, v in sets.items():
@@ -135,9 +135,9 @@ def test_sigint_during_the_warm_start_then_the_same_command_resumes_it(tmp_path)
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path, "cache"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
-    for line in proc.stdout:  # the warm start's first line, then 2 s into its 800 steps
+    for line in proc.stdout:  # the warm start's first line, then 2 s into its 300 steps
         lines.append(line)
-        if line.startswith("warm start: up to 800"):
+        if line.startswith("warm start: up to 300"):
             break
     else:
         pytest.fail("".join(lines))
@@ -148,7 +148,7 @@ def test_sigint_during_the_warm_start_then_the_same_command_resumes_it(tmp_path)
     waited = time.monotonic() - t0
     out = "".join(lines) + rest
     assert proc.returncode == 128 + signal.SIGINT, out
-    m = re.search(r"interrupted \(SIGINT\) during the warm start \(step (\d+) of at most 800\): "
+    m = re.search(r"interrupted \(SIGINT\) during the warm start \(step (\d+) of at most 300\): "
                   r"kept the warm start's progress up to step (\d+) in (\S+); continue with: "
                   r"(.+)$", out, re.M)
     assert m, out

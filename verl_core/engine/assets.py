@@ -119,6 +119,16 @@ class AssetsChangedError(PermanentError):
 
 
 GIVEN_KINDS = ("model", "train", "val", "reward_model")
+SOURCE_MODEL = "source_model"
+"""The kind under which a trajectory records the folder its model was made from when the run's
+model is a format-warm-started copy of the one you gave (``model.format_warmup_steps``): that
+folder, not the generated copy, is what a resume checks for changes."""
+
+
+def source_files(path: str) -> dict[str, str]:
+    """``{"<folder>/<relpath>": sha256}`` for every file of a model folder you gave."""
+    return {os.path.join(path, rel): _file_sha(os.path.join(path, rel))
+            for rel in _files_under(path)}
 
 
 def _record_doc(trajectory: str) -> str:

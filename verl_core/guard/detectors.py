@@ -310,8 +310,9 @@ def _no_signal(phase: str, step: int, current: dict, history: list[dict],
     if reward is not None and reward == current.get("reward/min", reward) and reward <= 0:
         causes.append("every response scored 0: the answer format the scorer reads is never "
                       "produced (look at a sample: `[response]` in the console or the Deck; a "
-                      "short supervised format warm start or verl's flexible extraction helps) "
-                      "or the scorer is too strict for this model")
+                      "short supervised format warm start, model.format_warmup_steps, or "
+                      "verl's flexible extraction helps) or the scorer is too strict for this "
+                      "model")
     elif reward is not None and reward == current.get("reward/max", reward):
         causes.append(f"every response scored the same ({_fmt(reward)}): the task is too easy "
                       "or the scorer gives one value to everything")

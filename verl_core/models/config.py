@@ -18,6 +18,12 @@ def _calculator_task(run) -> bool:
     return not run.data.train_files and run.data.synthetic_task == "calculator"
 
 
+def _format_warmup_on(run) -> bool:
+    """``model.format_warmup_steps`` 0: the format warm start's fields do nothing, and the run
+    hashes as before they existed."""
+    return run.model.format_warmup_steps > 0
+
+
 def _lora_on(run) -> bool:
     """``model.lora_rank`` 0: the other LoRA fields do nothing, and the run hashes as before
     they existed."""
@@ -61,6 +67,18 @@ class ModelConfig:
     """The share of the mixed part's transcripts that call the tool (``warmup_mixed_steps``).
     At 0.1 (the demo's seed) the warm-started model does not call when greedy and calls in ~3%
     of its samples at the demo's temperature (``tool_calls/mean`` 0.029 at step 1)."""
+    format_warmup_steps: int = in_trajectory(0, when=_format_warmup_on)
+    """A model you bring (``path``): this many supervised steps on the training rows' worked
+    solutions (``extra_info.answer``: verl's gsm8k preprocessing keeps GSM8K's solution there, and
+    ``data.synthetic_task=word_problems`` writes one) before RL. It teaches the answer format a
+    strict scorer reads (``#### N``), which a small instruct model never writes on its own: then
+    GRPO's groups have reward variance to learn from (``docs/models.md``, the recipe). The
+    held-out split is never looked at. Durable like the tiny model's warm start: saved in the run
+    store and on Ctrl-C, reused by any run with the same inputs. 0: none (verl's behaviour)."""
+    format_warmup_lr: float = in_trajectory(2e-5, when=_format_warmup_on)
+    """Learning rate of the format warm start (AdamW, 10 warm-up steps, then constant)."""
+    format_warmup_batch_size: int = in_trajectory(8, when=_format_warmup_on)
+    """Rows per step of the format warm start."""
     dtype: str = in_trajectory("float32")
     """Compute dtype for training: float32, or bfloat16 (bf16 matmuls over float32 master weights
     and float32 AdamW state, as verl's FSDP mixed precision; the reference model and the rollout
@@ -91,7 +109,12 @@ class ModelConfig:
         _positive("model", self, "tiny_hidden_size", "tiny_layers", "tiny_heads",
                   "warmup_sft_batch_size")
         _non_negative("model", self, "warmup_sft_steps", "warmup_mixed_steps")
-        _positive("model", self, "warmup_sft_lr")
+        _positive("model", self, "warmup_sft_lr", "format_warmup_lr", "format_warmup_batch_size")
+        _non_negative("model", self, "format_warmup_steps")
+        if self.format_warmup_steps and not self.path:
+            _fail("model", "format_warmup_steps", self.format_warmup_steps,
+                  "is for a model you bring (set model.path); the tiny model has its own warm "
+                  "start (model.warmup_sft_steps)")
         if not 0.0 <= self.warmup_tool_fraction <= 1.0:
             _fail("model", "warmup_tool_fraction", self.warmup_tool_fraction, "must be in [0, 1]")
         if not 0.0 < self.warmup_target_accuracy <= 1.0:

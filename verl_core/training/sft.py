@@ -17,10 +17,13 @@ from verl_core.training.config import OptimConfig
 import numpy as np
 
 
-def encode_responses(tokenizer, answers: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Answers + EOS, right-padded: (ids (n, T), mask (n, T) float32)."""
+def encode_responses(tokenizer, answers: list[str], eos_token_id: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Answers + EOS (``eos_token_id``, else the tokenizer's), right-padded: (ids (n, T), mask
+    (n, T) float32)."""
+    eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     enc = tokenizer(answers, add_special_tokens=False)["input_ids"]
-    seqs = [np.asarray(e + [tokenizer.eos_token_id], np.int64) for e in enc]
+    seqs = [np.asarray(e + [eos], np.int64) for e in enc]
     ids = pad_right(seqs, tokenizer.pad_token_id, torch.long)
     mask = pad_right([np.ones(len(s), np.float32) for s in seqs], 0.0, torch.float32)
     return ids, mask
@@ -41,7 +44,8 @@ def supervised_warm_start(model, tokenizer, prompts: list[str], answers: list[st
                           max_prompt_length: int = 64, truncation: str = "error",
                           stop_fn=None, check_every: int = 20,
                           responses: list[tuple[list[int], list[float]]] | None = None,
-                          resume: dict | None = None, on_step=None) -> list[float]:
+                          resume: dict | None = None, on_step=None,
+                          eos_token_id: int | None = None) -> list[float]:
     """Train ``model`` in place on (prompt -> answer EOS) for at most ``steps`` AdamW steps
     (constant LR after a short warmup). If ``stop_fn`` is given it is called every
     ``check_every`` steps and training stops once it returns True (used to stop at partial
@@ -56,13 +60,14 @@ def supervised_warm_start(model, tokenizer, prompts: list[str], answers: list[st
     giving the loop's state beside the model's weights (optimizer, schedule, sampling generator,
     the losses so far); ``resume``, such a snapshot, continues from it, the model holding the
     weights saved with it. Resumed, the steps that follow are the uninterrupted run's, bit for
-    bit: every random draw comes from the restored generator."""
+    bit: every random draw comes from the restored generator. ``eos_token_id``: the token each
+    answer ends with (default: the tokenizer's EOS)."""
     if steps == 0:
         return []
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length,
                                              truncation=truncation)
     if responses is None:
-        resp_ids, resp_mask = encode_responses(tokenizer, answers)
+        resp_ids, resp_mask = encode_responses(tokenizer, answers, eos_token_id)
         loss_mask = resp_mask
     else:
         resp_ids, resp_mask, loss_mask = encode_transcripts(responses, tokenizer.pad_token_id)

