@@ -175,7 +175,8 @@ def _run(spec, log) -> tuple[list[dict], dict[int, dict], dict]:
                 + (f" ({e['outcome']})" if e.get("outcome") else ""))
         if k + 1 == total or (cfg.eval_every and (k + 1) % cfg.eval_every == 0):
             evals[k + 1] = ev = _evaluate(spec, state, log)
-            metrics.update(ev)
+            # the phase's metrics, as the trackers have them (not the wall time beside them)
+            metrics.update({key: v for key, v in ev.items() if key != EVAL_WALL})
         metrics["step"] = k + 1
         warning = clipped_responses_warning(metrics, cfg, k + 1)
         if warning:
@@ -188,18 +189,22 @@ def _run(spec, log) -> tuple[list[dict], dict[int, dict], dict]:
     return history, evals, out
 
 
+EVAL_WALL = "timing/eval_s"
+"""An evaluation's wall seconds: in the summary's ``evaluations``, not in the step's history
+(evaluation is not part of ``timing/step_s``, and the trackers record the phase's metrics)."""
+
+
 def _evaluate(spec, state, log) -> dict:
-    """The held-out metrics of ``state`` (with ``timing/eval_s``, its wall time: evaluation is not
-    in ``timing/step_s``); prints the first held-out row as verl's reward manager
-    does (``[prompt]`` … ``[score]``, special tokens visible), so a doubled BOS or a missing EOS
-    is seen at the first evaluation."""
+    """The held-out metrics of ``state`` (with :data:`EVAL_WALL`, its wall time); prints the
+    first held-out row as verl's reward manager does (``[prompt]`` … ``[score]``, special tokens
+    visible), so a doubled BOS or a missing EOS is seen at the first evaluation."""
     from verl_core import phases, runlog
     from verl_core.phases import run_phase
     from verl_core.report import sample_lines
 
     t0 = time.perf_counter()
     metrics = run_phase(spec, "evaluate", state.step, phases.evaluate, spec, state)
-    metrics = {**metrics, "timing/eval_s": time.perf_counter() - t0}
+    metrics = {**metrics, EVAL_WALL: time.perf_counter() - t0}
     samples = runlog.eval_samples(spec, state.step)
     if samples:
         log(sample_lines(samples[0]))
