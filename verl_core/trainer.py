@@ -992,7 +992,8 @@ class RLTrainer:
                 ref_lp = batched_logprobs(
                     ref, part, self.cfg.rollout.temperature or 1.0, micro, dp=self.dp,
                     max_token_len=actor_cfg.token_budget("ref_log_prob_max_token_len_per_gpu"),
-                    remove_padding=actor_cfg.use_remove_padding)
+                    remove_padding=actor_cfg.use_remove_padding,
+                    prefix_grouper=actor_cfg.use_prefix_grouper)
             batch = batch.replace(ref_logprobs=gathered(ref_lp))
         if self.critic is not None:
             batch = batch.replace(values=gathered(batched_values(
@@ -1094,7 +1095,8 @@ class RLTrainer:
                 critic_max_token_len=c.actor.token_budget("critic_ppo_max_token_len_per_gpu"),
                 log_prob_max_token_len=c.actor.token_budget("log_prob_max_token_len_per_gpu"),
                 balance_batch=c.trainer.balance_batch,
-                remove_padding=c.actor.use_remove_padding))
+                remove_padding=c.actor.use_remove_padding,
+                prefix_grouper=c.actor.use_prefix_grouper))
         self._rollout_stale = True
         self._remember(step, batch, metrics)
         return metrics

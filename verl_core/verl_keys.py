@@ -308,6 +308,7 @@ VERL_TO_OURS: dict[str, Transform] = {
     # no compute on padding: one switch for the actor's (ref's) and the critic's forwards
     **{k: _to("actor.use_remove_padding") for k in (
         "actor_rollout_ref.model.use_remove_padding", "critic.model.use_remove_padding")},
+    A + "use_prefix_grouper": _to("actor.use_prefix_grouper"),
     A + "optim.lr": _to("optim.lr"),
     A + "optim.weight_decay": _to("optim.weight_decay"),
     A + "optim.betas": _betas,

@@ -60,9 +60,24 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams)
 
 
 def _cache_kwarg(model) -> str:
-    """transformers >= 5.3x renamed ``past_key_values`` to ``cache``; accept both."""
-    params = inspect.signature(model.forward).parameters
+    """transformers >= 5.3x renamed ``past_key_values`` to ``cache``; accept both (a PEFT
+    model's: the wrapped model's)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(inner.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows: (n, L). Returns (first (u,), inverse (n,)): the index of the first occurrence of
+    each distinct row, in order of appearance, and for each row the position of its row in
+    ``first`` (``rows[first][inverse] == rows``)."""
+    _, inv = torch.unique(rows, dim=0, return_inverse=True)  # (n,) ids in sorted-row order
+    seen: dict[int, int] = {}
+    for i, k in enumerate(inv.tolist()):
+        seen.setdefault(k, i)
+    first = torch.tensor(list(seen.values()), dtype=torch.long)
+    slot = {k: j for j, k in enumerate(seen)}
+    return first, torch.tensor([slot[k] for k in inv.tolist()], dtype=torch.long)
 
 
 @torch.no_grad()
@@ -82,9 +97,15 @@ def generate_with_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     # the LM head on the last prompt position only: a full (n, P, V) prefill logits tensor would
     # grow with vocabulary x prompt length (~3 GB for 32 rows x 159 tokens at V = 151,936)
     head_kw = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
-    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=position,
-                use_cache=True, **cache_kw, **head_kw)
-    logits = out.logits[:, -1]  # (n, V)
+    # a prompt's G samples share its prefill: each distinct (ids, mask) row is run once and every
+    # row takes its prompt's keys, values and last logits (the same numbers a row-by-row
+    # prefill of that batch of distinct prompts gives); G x less prefill compute
+    first, inverse = (i.to(device) for i in distinct_rows(torch.cat([prompt_ids, attn], 1).cpu()))
+    out = model(input_ids=prompt_ids[first], attention_mask=attn[first],
+                position_ids=position[first], use_cache=True, **cache_kw, **head_kw)
+    logits = out.logits[:, -1][inverse]  # (n, V)
+    if len(first) < n:
+        cache_kw[_cache_kwarg(model)].batch_select_indices(inverse)
     next_pos = position[:, -1:] + 1  # (n, 1)
     tokens = torch.full((n, T), pad_token_id, dtype=torch.long, device=device)
     logps = torch.zeros((n, T), dtype=torch.float32, device=device)

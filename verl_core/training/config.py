@@ -57,6 +57,11 @@ def _remove_padding_on(run) -> bool:
     return run.actor.use_remove_padding
 
 
+def _prefix_grouper_on(run) -> bool:
+    """``actor.use_prefix_grouper`` off: the run hashes as before the field existed."""
+    return run.actor.use_prefix_grouper
+
+
 @dataclass(frozen=True)
 class ActorConfig:
     """The PPO update: epochs, mini-batches, micro-batches (verl's ``actor_rollout_ref.actor``
@@ -99,6 +104,16 @@ class ActorConfig:
     real tokens (Karmarkar-Karp-balanced micro-batches); a model whose attention cannot take
     packed rows has its rows bucketed by length instead. Speed and memory only: the same
     log-probs, values and update up to float summation order."""
+    use_prefix_grouper: bool = in_trajectory(False, when=_prefix_grouper_on)
+    """Each distinct prompt of a micro-batch runs once in the trainer's log-prob forwards
+    (reference, old log-probs, the update's forward and backward), not once per response
+    (verl's ``actor_rollout_ref.actor.use_prefix_grouper``; GRPO's G responses share their
+    prompt): the prompt's keys and values are computed once and every response attends to them
+    (``training/forward.py``, ``_shared_prefix``), any Hugging Face causal LM, no modified model.
+    The same log-probs and gradients up to float rounding; prompt compute / G. Not with
+    ``use_remove_padding`` (packed rows), as in verl; a micro-batch whose prompts are all
+    distinct, a model under activation checkpointing or sharded over workers runs rows whole.
+    (The rollout's prefill shares a prompt across its samples always.)"""
 
     def __post_init__(self):
         _check_types("actor", self)
@@ -106,6 +121,10 @@ class ActorConfig:
                   "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu",
                   "ref_log_prob_max_token_len_per_gpu", "critic_ppo_max_token_len_per_gpu",
                   "critic_forward_max_token_len_per_gpu")
+        if self.use_prefix_grouper and self.use_remove_padding:
+            _fail("actor", "use_prefix_grouper", True,
+                  "cannot be combined with actor.use_remove_padding=true (packed rows have no "
+                  "per-row prompt to share; verl refuses the pair too): set one of them false")
 
     def token_budget(self, name: str) -> int:
         """``name``'s token budget when ``use_dynamic_bsz``, else 0 (micro-batches of rows)."""

@@ -177,8 +177,10 @@ def _scatter(values: torch.Tensor, where, shape) -> torch.Tensor:
 
 def takes_logits_to_keep(model) -> bool:
     """transformers' causal LMs (Llama, Qwen2, ...) accept ``logits_to_keep`` and then run the LM
-    head only on those positions; a model without it gets the full logits, sliced here."""
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    head only on those positions; a model without it gets the full logits, sliced here. A PEFT
+    model (LoRA) passes its keyword arguments on to the model it wraps: that one's."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
 def response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
@@ -221,10 +223,10 @@ def _by_chunks(fn, x: torch.Tensor, labels: torch.Tensor, vocab: int, head=None)
 
 
 def _rows_through_head(model, prompt_ids, prompt_mask, response_ids, response_mask, fn,
-                       packed: bool = False):
+                       packed: bool = False, shared: bool = False):
     """``fn`` (see ``_by_chunks``) at every response position: a tuple of (n, T) tensors
     (``packed``: the rows' real tokens in one sequence, :func:`_packed_inputs`; padding positions
-    are then 0).
+    are then 0; ``shared``: rows with the same prompt run it once, :func:`_shared_prefix`).
 
     The decoder runs once to the T response positions' hidden states (``logits_to_keep``); the LM
     head then runs chunk by chunk *inside the model's own forward*: its ``forward`` is replaced
@@ -237,6 +239,10 @@ def _rows_through_head(model, prompt_ids, prompt_mask, response_ids, response_ma
     output (Gemma's soft cap, Cohere's logit scale: the returned logits are then not the head's
     result), takes the full-logits path (``response_logits``) with the same chunked ``fn``."""
     n, T = response_ids.shape
+    if shared and not packed:
+        outs = _shared_prefix(model, prompt_ids, prompt_mask, response_ids, response_mask, fn)
+        if outs is not None:
+            return outs
     if packed:
         kwargs, keep, where = _packed_inputs(prompt_ids, prompt_mask, response_ids,
                                              response_mask)
@@ -299,6 +305,79 @@ def _rows_through_head(model, prompt_ids, prompt_mask, response_ids, response_ma
     return tuple(o.reshape(n, T) for o in outs)
 
 
+def _shared_prefix(model, prompt_ids, prompt_mask, response_ids, response_mask, fn):
+    """``_rows_through_head``'s result with each distinct prompt of the rows run once (verl's
+    ``use_prefix_grouper``: a GRPO group's G rows share their prompt), or None where it does not
+    apply (every prompt distinct, a model without ``logits_to_keep`` or an output embedding, HF
+    activation checkpointing, an FSDP2-sharded model): the caller then runs every row whole.
+
+    Two forwards of the model, both through its own head (as ``_rows_through_head``): the
+    distinct prompts with a KV cache, whose last position predicts each row's first response
+    token; then every row's response tokens 0..T-2 attending to its prompt's keys and values
+    (the cache, indexed to the rows) and to its own earlier tokens, predicting tokens 1..T-1.
+    The positions, masks and attended keys are those of the whole-row forward, so the numbers
+    are the same up to float rounding; with grad, backward sums the G rows' gradients into
+    their prompt's one forward (the index's backward). Prompt compute: distinct prompts, not
+    rows (a G-th of it for GRPO)."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import DynamicCache
+
+    from verl_core.rollout.hf import _cache_kwarg, distinct_rows
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if (type(model) in _HEAD_NOT_LAST or not isinstance(head, torch.nn.Module)
+            or not takes_logits_to_keep(model) or _recomputes_layers(model)
+            or isinstance(model, FSDPModule)):
+        return None
+    keep = prompt_mask.sum(0) > 0  # drop prompt columns that are padding in every row
+    prompt_ids, prompt_mask = prompt_ids[:, keep], prompt_mask[:, keep].long()
+    device = prompt_ids.device
+    first, inverse = (i.to(device) for i in
+                      distinct_rows(torch.cat([prompt_ids, prompt_mask], 1).cpu()))
+    n, T = response_ids.shape
+    if len(first) == n:
+        return None
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    linear, result = head.forward, []
+
+    def head_on(labels, rows=None):
+        def chunked(h):  # (u or n, t, H) -> (n, t, k)
+            h = h if rows is None else h[rows]
+            t = h.shape[1]
+            outs = _by_chunks(fn, h.reshape(n * t, -1), labels.reshape(n * t), vocab,
+                              head=linear)
+            result.append(torch.stack([o.reshape(n, t) for o in outs], -1))
+            return result[-1]
+        return chunked
+
+    cache = DynamicCache()
+    position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (n, P)
+    own = head.__dict__.get("forward")
+    try:
+        head.forward = head_on(response_ids[:, :1], inverse)  # the prompt's last position
+        outs = [model(input_ids=prompt_ids[first], attention_mask=prompt_mask[first],
+                      position_ids=position[first], use_cache=True, logits_to_keep=1,
+                      **{_cache_kwarg(model): cache}).logits]
+        if T > 1:
+            cache.batch_select_indices(inverse)  # each row its prompt's keys and values
+            resp = response_mask.long()
+            head.forward = head_on(response_ids[:, 1:])
+            outs.append(model(input_ids=response_ids[:, :-1],
+                  attention_mask=torch.cat([prompt_mask, resp[:, :-1]], 1),
+                  position_ids=(prompt_mask.sum(-1, keepdim=True)
+                                + (resp.cumsum(-1) - 1).clamp(min=0))[:, :-1],
+                  use_cache=True, logits_to_keep=0, **{_cache_kwarg(model): cache}).logits)
+    finally:
+        if own is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = own
+    if len(result) != len(outs) or any(o is not r for o, r in zip(outs, result)):
+        _HEAD_NOT_LAST.add(type(model))  # its forward changed the head's output (module notes)
+        return None
+    return torch.cat(result, 1).unbind(-1)  # k tensors (n, T)
+
+
 def _logp_entropy(temperature: float, with_entropy: bool):
     """``fn`` for ``_rows_through_head``: (logp,) or (logp, entropy) under
     softmax(logits / temperature)."""
@@ -312,14 +391,15 @@ def _logp_entropy(temperature: float, with_entropy: bool):
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       temperature: float = 1.0, with_entropy: bool = False,
-                      packed: bool = False):
+                      packed: bool = False, shared: bool = False):
     """Returns (logp (n, T), entropy (n, T) or None); padding positions are zeroed.
 
     The LM head, log-softmax and entropy run over checkpointed chunks of rows
     (``_rows_through_head``): memory for the logits is one chunk's, whatever n * T * V is.
-    ``packed``: the rows' real tokens run as one sequence (module docstring; :func:`packs`)."""
+    ``packed``: the rows' real tokens run as one sequence (module docstring; :func:`packs`).
+    ``shared``: rows with the same prompt run it once (:func:`_shared_prefix`)."""
     outs = _rows_through_head(model, prompt_ids, prompt_mask, response_ids, response_mask,
-                              _logp_entropy(temperature, with_entropy), packed)
+                              _logp_entropy(temperature, with_entropy), packed, shared)
     logp = outs[0] * response_mask
     return logp, outs[1] * response_mask if with_entropy else None
 
@@ -360,17 +440,19 @@ def _by_micro_batch(fn, batch, micro_batch_size: int, max_token_len: int,
 @torch.no_grad()
 def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, *,
                      max_token_len: int = 0, dp: DataParallel = SINGLE,
-                     remove_padding: bool = False) -> torch.Tensor:
+                     remove_padding: bool = False, prefix_grouper: bool = False
+                     ) -> torch.Tensor:
     """No-grad log-probs of every row of a :class:`~verl_core.data.batch.Batch`: (N, T); micro-
     batches of ``micro_batch_size`` rows or of ``max_token_len`` tokens (``_by_micro_batch``);
-    ``remove_padding``: verl's ``use_remove_padding`` (:func:`padding_layout`)."""
+    ``remove_padding``: verl's ``use_remove_padding`` (:func:`padding_layout`);
+    ``prefix_grouper``: verl's ``use_prefix_grouper`` (:func:`_shared_prefix`)."""
     was_training = model.training
     model.eval()
     layout = padding_layout(model, remove_padding)
     out = _by_micro_batch(lambda mb: response_logprobs(
         model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_attn,
-        temperature, packed=layout == "packed")[0], batch, micro_batch_size, max_token_len, dp,
-        layout)
+        temperature, packed=layout == "packed", shared=prefix_grouper)[0], batch,
+        micro_batch_size, max_token_len, dp, layout)
     model.train(was_training)
     return out
 

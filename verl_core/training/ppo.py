@@ -91,7 +91,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                critic_scheduler=None, dp: DataParallel = SINGLE,
                after_backward=None, on_policy_shortcut: bool = True, max_token_len: int = 0,
                critic_max_token_len: int = 0, log_prob_max_token_len: int = 0,
-               balance_batch: bool = False, remove_padding: bool = False) -> dict[str, float]:
+               balance_batch: bool = False, remove_padding: bool = False,
+               prefix_grouper: bool = False) -> dict[str, float]:
     """One RL step's update of the actor (and critic when ``critic`` is given).
 
     batch must carry ``advantages`` (N, T); ``ref_logprobs`` when ``algo.use_kl_loss``; ``values``
@@ -132,6 +133,11 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
     (:func:`~verl_core.training.forward.padding_layout`: a model that cannot be packed has its
     rows bucketed by length instead); the token budgets then count real tokens. The same loss,
     up to float summation order.
+
+    ``prefix_grouper`` (verl's ``use_prefix_grouper``): the old log-probs' and the actor's
+    forwards run each distinct prompt of a micro-batch once
+    (:func:`~verl_core.training.forward.response_logprobs`, ``shared``); the same loss and
+    gradients up to float rounding.
 
     ``update/micro_batches``, ``update/tokens_per_micro_batch`` and ``update/padding_fraction``
     report the actor's forwards with grad on this worker: micro-batches per optimizer step, real
@@ -180,7 +186,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
         old_logp = in_row_order(order, dp.gather_rows(batched_logprobs(
             actor, batch.select(mine) if dp.distributed else batch, temperature,
             micro_batch_rows, max_token_len=log_prob_max_token_len, dp=dp,
-            remove_padding=remove_padding)))
+            remove_padding=remove_padding, prefix_grouper=prefix_grouper)))
         mismatch = rollout_probs_diff(old_logp, batch.response_logprobs.to(old_logp.device),
                                       batch.response_mask.to(old_logp.device))
         if algo.rollout_is:
@@ -234,7 +240,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                 logp, entropy = response_logprobs(actor, mb.prompt_ids, mb.prompt_mask,
                                                   mb.response_ids, mb.response_attn, temperature,
                                                   with_entropy=need_entropy,
-                                                  packed=layout == "packed")
+                                                  packed=layout == "packed",
+                                                  shared=prefix_grouper)
                 pg_loss, pg_metrics = policy_loss(
                     logp.detach() if old_logp is None else old_logp[micro, :width], logp,
                     mb.advantages, mask,

@@ -98,3 +98,33 @@ def test_rows_draw_from_their_own_seeds_and_stop_at_their_own_limits(setup):
     from tests.engine_contract import assert_rows_draw_from_their_own_seeds_and_limits
     model, tok, ids, mask, eng = setup
     assert_rows_draw_from_their_own_seeds_and_limits(eng, ids, mask, tok.pad_token_id)
+
+
+def test_distinct_rows_indexes_first_occurrences_in_order():
+    from verl_core.rollout.hf import distinct_rows
+
+    rows = torch.tensor([[3, 1], [0, 2], [3, 1], [0, 2], [5, 5]])
+    first, inverse = distinct_rows(rows)
+    assert first.tolist() == [0, 1, 4]
+    assert inverse.tolist() == [0, 1, 0, 1, 2]
+    assert torch.equal(rows[first][inverse], rows)
+
+
+def test_a_prompts_samples_share_one_prefill(setup):
+    """12 rows of 4 distinct prompts: the prefill forward sees 4 rows, every later one 12, and
+    each row's samples match the same row generated alone (no sharing possible there)."""
+    model, tok, ids, mask, eng = setup
+    widths = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, args, kw: widths.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        p = SamplingParams(temperature=1.0, max_new_tokens=5, seed=4)
+        out = eng.generate(ids, mask, p)
+    finally:
+        hook.remove()
+    assert widths[0] == 4 and set(widths[1:]) == {12}
+    for r in (0, 5, 11):  # alone: the same draws (first_row), its own prefill
+        one = eng.generate(ids[r:r + 1], mask[r:r + 1], p, first_row=r, total_rows=12)
+        n = int(one.response_mask.sum())
+        assert torch.equal(one.response_ids[0, :n], out.response_ids[r, :n])
+        assert torch.allclose(one.logprobs[0], out.logprobs[r, :one.logprobs.shape[1]], atol=1e-5)
