@@ -29,8 +29,9 @@ are the tree's CPU time between the end of the step before and its own end (inte
 step-end times: stdout lines for the plain loop and TRL, the run store's metrics log for the
 workflow), its wall seconds the same interval; each row reports the median over steps
 ``--warmup`` + 1 to ``--steps`` - 1 (the first steps carry one-off costs: allocator growth, Ray's
-actors, TRL's first generation; the last one the plain loop's end evaluation). Peak memory is the largest summed RSS of the tree at any poll,
-start-up included.
+actors, TRL's first generation; the last one the plain loop's end evaluation). Peak memory is the
+largest summed RSS of the tree at any poll during the measured steps, and over the whole command
+(start-up, end evaluation and export included).
 
     pip install -e '.[bench]' -c .ci/constraints-cpu.txt
     python bench/real_model.py                         # fetch the model, every run, 1 and 2 threads
@@ -87,6 +88,7 @@ class TreeWatch:
 
         self._root, self._poll = psutil.Process(pid), poll
         self.samples: list[tuple[float, float]] = []  # (time.time(), summed CPU s)
+        self.rss: list[tuple[float, int]] = []  # (time.time(), summed RSS bytes)
         self.peak_rss = 0
         self._cpu: dict[tuple[int, float], float] = {}
         self._stop = threading.Event()
@@ -111,12 +113,18 @@ class TreeWatch:
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
             self.peak_rss = max(self.peak_rss, rss)
-            self.samples.append((time.time(), sum(self._cpu.values())))
+            now = time.time()
+            self.samples.append((now, sum(self._cpu.values())))
+            self.rss.append((now, rss))
             self._stop.wait(self._poll)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    def peak_between(self, start: float, end: float) -> int:
+        """The largest summed RSS polled between ``start`` and ``end``."""
+        return max((r for t, r in self.rss if start <= t <= end), default=0)
 
     def cpu_at(self, when: float) -> float:
         """Summed CPU seconds at ``when``, linearly between the two polls around it."""
@@ -235,7 +243,7 @@ def run_flyte(over: dict, steps: int, threads: int, root: str, poll: float) -> d
     with open(os.path.join(logs, name)) as f:
         for line in f:
             r = json.loads(line)
-            if "timing/step_s" in r:
+            if "timing/update_s" in r:  # written as the step's update ends (not an eval's)
                 rows[r["step"]] = r  # a re-run phase appends again: the last one wins
     ends = [rows[k]["time"] for k in sorted(rows)]
     lengths = [rows[k].get("response_length/mean", float("nan")) for k in sorted(rows)]
@@ -383,16 +391,23 @@ def main() -> None:
                          f"(output in {where})")
             cpu, wall = per_step(r["watch"], r["start"], r["ends"], args.warmup)
             lengths = [x for x in r["lengths"] if x == x]
-            results[(kind, n)] = {"cpu": cpu, "wall": wall, "rss": r["watch"].peak_rss / 2**30,
+            # the measured steps' peak (the steps the CPU and wall medians are taken over: not
+            # the first, which holds the plain loop's start-up, nor the last, its end
+            # evaluation and export); and the whole command's
+            bounds = [r["start"], *r["ends"]]
+            steps_rss = r["watch"].peak_between(bounds[args.warmup], bounds[-2]) / 2**30
+            results[(kind, n)] = {"cpu": cpu, "wall": wall, "rss": steps_rss,
+                                  "rss_all": r["watch"].peak_rss / 2**30,
                                   "len": statistics.mean(lengths) if lengths else float("nan")}
             x = results[(kind, n)]
             print(f"  {kind:8s} {n} thread(s): {x['cpu']:.2f} CPU s/step, {x['wall']:.2f} s/step,"
-                  f" peak RSS {x['rss']:.2f} GiB, mean response length {x['len']:.1f}", flush=True)
+                  f" peak RSS {x['rss']:.2f} GiB in the steps, {x['rss_all']:.2f} GiB in all, "
+                  f"mean response length {x['len']:.1f}", flush=True)
     names = {"plain": "ours, plain loop", "whole-rows": "ours, plain loop, whole rows", "flyte": "ours, Flyte workflow", "bf16": "ours, bf16",
              "lora": "ours, LoRA r16", "trl": "TRL GRPOTrainer", "trl-lora": "TRL, LoRA r16"}
-    print("\n| run | threads | CPU s / step | x TRL | wall s / step | x TRL | peak RSS GiB | "
-          "x TRL | response length |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| run | threads | CPU s / step | x TRL | wall s / step | x TRL | peak RSS GiB, "
+          "steps | x TRL | peak RSS GiB, whole command | response length |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (kind, n), x in results.items():
         ref = results.get(("trl-lora" if kind == "lora" and ("trl-lora", n) in results
                            else "trl", n))
@@ -400,13 +415,14 @@ def main() -> None:
         def ratio(key):
             return f"{x[key] / ref[key]:.2f}" if ref else "-"
         print(f"| {names[kind]} | {n} | {x['cpu']:.2f} | {ratio('cpu')} | {x['wall']:.2f} | "
-              f"{ratio('wall')} | {x['rss']:.2f} | {ratio('rss')} | {x['len']:.1f} |")
+              f"{ratio('wall')} | {x['rss']:.2f} | {ratio('rss')} | {x['rss_all']:.2f} | "
+              f"{x['len']:.1f} |")
     for n in threads:
         if ("lora", n) in results and ("plain", n) in results:
             full, lora = results[("plain", n)]["rss"], results[("lora", n)]["rss"]
-            print(f"\n{n} thread(s): LoRA's peak {lora:.2f} GiB, full fine-tuning's {full:.2f} "
-                  f"GiB: {full - lora:.2f} GiB less (the base weights' gradients and AdamW "
-                  "moments in fp32: 3 x 134.5M x 4 B = 1.50 GiB)")
+            print(f"\n{n} thread(s): LoRA's peak in the steps {lora:.2f} GiB, full "
+                  f"fine-tuning's {full:.2f} GiB: {full - lora:.2f} GiB less (the base weights' "
+                  "gradients and AdamW moments in fp32: 3 x 134.5M x 4 B = 1.50 GiB)")
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
 
