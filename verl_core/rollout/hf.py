@@ -9,7 +9,6 @@ micro-batch it lands in, and the whole rollout is reproducible under ``params.se
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import replace
 
 import torch
@@ -18,7 +17,7 @@ from transformers import DynamicCache
 from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, check_rows,
                                     concat_outputs, cut_to_limits, register_engine,
                                     resolve_stop_ids)
-from verl_core.training.forward import takes_logits_to_keep
+from verl_core.training.forward import cache_kwarg, distinct_rows, takes_logits_to_keep
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -59,27 +58,6 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams)
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.3x renamed ``past_key_values`` to ``cache``; accept both (a PEFT
-    model's: the wrapped model's)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = inspect.signature(inner.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows: (n, L). Returns (first (u,), inverse (n,)): the index of the first occurrence of
-    each distinct row, in order of appearance, and for each row the position of its row in
-    ``first`` (``rows[first][inverse] == rows``)."""
-    _, inv = torch.unique(rows, dim=0, return_inverse=True)  # (n,) ids in sorted-row order
-    seen: dict[int, int] = {}
-    for i, k in enumerate(inv.tolist()):
-        seen.setdefault(k, i)
-    first = torch.tensor(list(seen.values()), dtype=torch.long)
-    slot = {k: j for j, k in enumerate(seen)}
-    return first, torch.tensor([slot[k] for k in inv.tolist()], dtype=torch.long)
-
-
 @torch.no_grad()
 def generate_with_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         uniforms: torch.Tensor, params: SamplingParams, *,
@@ -93,19 +71,20 @@ def generate_with_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     stop = torch.tensor(resolve_stop_ids(eos_token_ids, eos_token_id), device=device)  # (S,)
     attn = prompt_mask.long()
     position = (attn.cumsum(-1) - 1).clamp_(min=0)  # (n, P): left padding does not shift positions
-    cache_kw = {_cache_kwarg(model): DynamicCache()}  # mutated in place by every forward
+    cache_kw = {cache_kwarg(model): DynamicCache()}  # mutated in place by every forward
     # the LM head on the last prompt position only: a full (n, P, V) prefill logits tensor would
     # grow with vocabulary x prompt length (~3 GB for 32 rows x 159 tokens at V = 151,936)
     head_kw = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
     # a prompt's G samples share its prefill: each distinct (ids, mask) row is run once and every
     # row takes its prompt's keys, values and last logits (the same numbers a row-by-row
     # prefill of that batch of distinct prompts gives); G x less prefill compute
-    first, inverse = (i.to(device) for i in distinct_rows(torch.cat([prompt_ids, attn], 1).cpu()))
+    first, inverse = (i.to(device) for i in
+                      distinct_rows(torch.cat([prompt_ids, attn], 1).cpu()))
     out = model(input_ids=prompt_ids[first], attention_mask=attn[first],
                 position_ids=position[first], use_cache=True, **cache_kw, **head_kw)
     logits = out.logits[:, -1][inverse]  # (n, V)
     if len(first) < n:
-        cache_kw[_cache_kwarg(model)].batch_select_indices(inverse)
+        cache_kw[cache_kwarg(model)].batch_select_indices(inverse)
     next_pos = position[:, -1:] + 1  # (n, 1)
     tokens = torch.full((n, T), pad_token_id, dtype=torch.long, device=device)
     logps = torch.zeros((n, T), dtype=torch.float32, device=device)

@@ -183,6 +183,27 @@ def takes_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
+def cache_kwarg(model) -> str:
+    """transformers >= 5.3x renamed ``past_key_values`` to ``cache``; accept both (a PEFT
+    model's: the wrapped model's)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(inner.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows: (n, L). Returns (first (u,), inverse (n,)): the index of the first occurrence of
+    each distinct row, in order of appearance, and for each row the position of its row in
+    ``first`` (``rows[first][inverse] == rows``)."""
+    _, inv = torch.unique(rows, dim=0, return_inverse=True)  # (n,) ids in sorted-row order
+    seen: dict[int, int] = {}
+    for i, k in enumerate(inv.tolist()):
+        seen.setdefault(k, i)
+    first = torch.tensor(list(seen.values()), dtype=torch.long)
+    slot = {k: j for j, k in enumerate(seen)}
+    return first, torch.tensor([slot[k] for k in inv.tolist()], dtype=torch.long)
+
+
 def response_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
                     temperature: float = 1.0) -> torch.Tensor:
     """Logits that predict each response token: (n, T, V), float32, divided by ``temperature``.
@@ -322,8 +343,6 @@ def _shared_prefix(model, prompt_ids, prompt_mask, response_ids, response_mask, 
     from torch.distributed.fsdp import FSDPModule
     from transformers import DynamicCache
 
-    from verl_core.rollout.hf import _cache_kwarg, distinct_rows
-
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (type(model) in _HEAD_NOT_LAST or not isinstance(head, torch.nn.Module)
             or not takes_logits_to_keep(model) or _recomputes_layers(model)
@@ -357,7 +376,7 @@ def _shared_prefix(model, prompt_ids, prompt_mask, response_ids, response_mask, 
         head.forward = head_on(response_ids[:, :1], inverse)  # the prompt's last position
         outs = [model(input_ids=prompt_ids[first], attention_mask=prompt_mask[first],
                       position_ids=position[first], use_cache=True, logits_to_keep=1,
-                      **{_cache_kwarg(model): cache}).logits]
+                      **{cache_kwarg(model): cache}).logits]
         if T > 1:
             cache.batch_select_indices(inverse)  # each row its prompt's keys and values
             resp = response_mask.long()
@@ -366,7 +385,7 @@ def _shared_prefix(model, prompt_ids, prompt_mask, response_ids, response_mask, 
                   attention_mask=torch.cat([prompt_mask, resp[:, :-1]], 1),
                   position_ids=(prompt_mask.sum(-1, keepdim=True)
                                 + (resp.cumsum(-1) - 1).clamp(min=0))[:, :-1],
-                  use_cache=True, logits_to_keep=0, **{_cache_kwarg(model): cache}).logits)
+                  use_cache=True, logits_to_keep=0, **{cache_kwarg(model): cache}).logits)
     finally:
         if own is None:
             del head.forward  # the class's forward again

@@ -101,7 +101,7 @@ def test_rows_draw_from_their_own_seeds_and_stop_at_their_own_limits(setup):
 
 
 def test_distinct_rows_indexes_first_occurrences_in_order():
-    from verl_core.rollout.hf import distinct_rows
+    from verl_core.training.forward import distinct_rows
 
     rows = torch.tensor([[3, 1], [0, 2], [3, 1], [0, 2], [5, 5]])
     first, inverse = distinct_rows(rows)
