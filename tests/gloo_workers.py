@@ -22,3 +22,13 @@ def run_gloo_workers(module: str, fn: str, tmp_path, *args: str, world: int = 2,
                               stderr=subprocess.STDOUT, text=True) for rank in range(world)]
     logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs
+
+
+def finish() -> None:
+    """A worker's last call: every rank done with its collectives before any rank tears the group
+    down and exits (without the barrier, one rank destroyed its group and exited while the other
+    was still finishing: that one died in ``std::terminate`` at exit, once, in CI under load)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from tests.crash import kill_at_marker
-from tests.gloo_workers import run_gloo_workers
+from tests.gloo_workers import finish, run_gloo_workers
 from tests.presets import TINY, tiny_run
 from verl_core.agent.tools import ToolConfigError
 from verl_core.agent.turns import observation_ids
@@ -197,7 +197,7 @@ def _worker(rank: int, world: int, init: str, cfg_json: str, assets_json: str, o
     trainer.close()
     if rank == 0:
         torch.save({"batch": batch_to_parquet_bytes(batch), "metrics": metrics}, out)
-    torch.distributed.destroy_process_group()
+    finish()
 
 
 def test_two_workers_roll_out_the_batch_of_one(calc, rolled, tmp_path):

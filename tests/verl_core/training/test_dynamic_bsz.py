@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.gloo_workers import run_gloo_workers
+from tests.gloo_workers import finish, run_gloo_workers
 from tests.presets import tiny_run
 from tests.verl_core.training.test_ppo_update import _ragged, _rollout
 from verl_core.algorithms import micro_batch_weight
@@ -242,7 +242,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         res[balance, rp] = grads[0]
     if rank == 0:
         torch.save(res, out)
-    torch.distributed.destroy_process_group()
+    finish()
 
 
 @pytest.mark.slow  # ~25 s on 2 cores: two FSDP2 processes, then the W = 1 references

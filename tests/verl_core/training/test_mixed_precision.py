@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from tests.gloo_workers import run_gloo_workers
+from tests.gloo_workers import finish, run_gloo_workers
 from tests.standins import gsm8k_parquet, llama3_folder
 from tests.verl_core.training.test_ppo_update import _rollout
 from verl_core.config import AlgorithmConfig, ConfigError, OptimConfig, preset
@@ -139,7 +139,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         torch.save({"state": full, "grad_norm": float(m["actor/grad_norm"]),
                     "moments": [str(d) for d in moments],
                     "shards": sorted({str(p.dtype) for p in model.parameters()})}, out)
-    torch.distributed.destroy_process_group()
+    finish()
 
 
 def test_two_workers_train_as_one(tmp_path):

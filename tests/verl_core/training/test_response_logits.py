@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import verl_core.training.forward as forward
-from tests.gloo_workers import run_gloo_workers
+from tests.gloo_workers import finish, run_gloo_workers
 from verl_core.algorithms.utils import entropy_from_logits, logprobs_from_logits
 from verl_core.rollout.base import SamplingParams
 from verl_core.rollout.hf import generate_with_cache
@@ -359,7 +359,7 @@ def _fsdp_worker(rank: int, world: int, init: str, folders: str, out: str) -> No
                        "chunked": type(model) not in forward._HEAD_NOT_LAST}
     if rank == 0:
         torch.save(res, out)
-    dist.destroy_process_group()
+    finish()
 
 
 @pytest.mark.slow

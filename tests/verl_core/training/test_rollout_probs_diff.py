@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.gloo_workers import run_gloo_workers
+from tests.gloo_workers import finish, run_gloo_workers
 from tests.verl_core.training.test_ppo_update import _rollout
 from verl_core.algorithms import rollout_probs_diff
 from verl_core.config import AlgorithmConfig, OptimConfig
@@ -143,7 +143,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(res, f)
-    torch.distributed.destroy_process_group()
+    finish()
 
 
 def test_two_workers_report_the_numbers_of_one(tmp_path):
