@@ -325,8 +325,6 @@ def declared_score_range(cfg: "RunConfig") -> tuple[float, float] | None:
         return None
     if v.score_range != "auto":
         return v.score_bounds
-    if cfg.reward_model.enable:
-        return None
     if cfg.reward_model.enable:  # a reward model's score (a logit) declares no range
         return None
     scorer = cfg.reward.scorer
@@ -785,14 +783,14 @@ def _data_sources(files: Sequence[str], storage_options: dict | None) -> dict[st
 
 
 def _check_data_sources(files: dict[str, tuple]) -> None:
-    from verl_core.reward.registry import DATA_SOURCE_SCORERS
+    from verl_core.reward.registry import known_data_sources, scorer_for
 
     for path, (_, sources) in files.items():
-        unknown = sorted(str(s) for s in sources if s not in DATA_SOURCE_SCORERS)
+        unknown = sorted(str(s) for s in sources if scorer_for(s) is None)
         if unknown:
             raise RunInputError(
                 f"{path}: data_source {', '.join(map(repr, unknown[:5]))} has no rule scorer "
-                f"(reward.scorer=auto knows {', '.join(sorted(DATA_SOURCE_SCORERS))}); set "
+                f"(reward.scorer=auto knows {known_data_sources()}); set "
                 "reward.scorer to a rule scorer's name or to a custom 'path/to/file.py:function' "
                 "with the signature fn(data_source, solution_str, ground_truth, extra_info)")
 

@@ -7,7 +7,8 @@ the last 300 characters), itself after ReFT (Trung et al., ACL 2024):
   over very long responses are slow).
 - ``strict``: the answer is the number after the LAST ``"#### "``; commas and ``$`` are removed.
 - ``flexible``: the answer is the last number-like token (``-?[0-9.,]+``) that is not just
-  ``"."``; as in verl, it is compared as found (commas and a trailing period are NOT removed,
+  ``"."`` (only dots: the first of them, where verl's loop ends); as in verl, it is compared
+  as found (commas and a trailing period are NOT removed,
   so "1,000" or "18." do not match "1000"/"18").
 - Score: ``score`` if the extracted text equals ``ground_truth`` (string equality), else
   ``format_score`` when an answer was found, else 0.
@@ -34,10 +35,11 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
     if method == "strict":
         found = _STRICT.findall(tail)
         return found[-1].replace(",", "").replace("$", "") if found else None
-    for candidate in reversed(_NUMBER.findall(tail)):
+    found = _NUMBER.findall(tail)
+    for candidate in reversed(found):
         if candidate not in ("", "."):
             return candidate
-    return None
+    return found[0] if found else None  # only dots: verl's loop ends on the first one
 
 
 def compute_score(solution_str: str, ground_truth: str, method: str = "strict",

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from verl_core.reward import arithmetic, calculator, gsm8k
+from verl_core.reward import arithmetic, calculator, gsm8k, math_answer, math_dapo
 
-__all__ = ["RULE_SCORERS", "DATA_SOURCE_SCORERS", "RULE_SCORE_RANGES", "register_rule_scorer",
-           "default_compute_score", "UnknownDataSourceError"]
+__all__ = ["RULE_SCORERS", "DATA_SOURCE_SCORERS", "DATA_SOURCE_PREFIXES", "RULE_SCORE_RANGES",
+           "register_rule_scorer", "scorer_for", "known_data_sources", "default_compute_score",
+           "UnknownDataSourceError"]
 
 RuleScorer = Callable[[str, str], float]  # (solution_str, ground_truth) -> score
 
@@ -20,6 +21,9 @@ RULE_SCORERS: dict[str, RuleScorer] = {}
 """Scorer name (a value of ``reward.scorer``) -> rule scorer."""
 DATA_SOURCE_SCORERS: dict[str, str] = {}
 """data_source -> scorer name, used by ``auto``."""
+DATA_SOURCE_PREFIXES: dict[str, str] = {}
+"""data_source prefix -> scorer name, for sources not named exactly (verl routes every
+``aime*`` source to math_dapo)."""
 RULE_SCORE_RANGES: dict[str, tuple[float, float]] = {}
 """Scorer name -> the closed range ``(lo, hi)`` its scores lie in (checked by data validation)."""
 
@@ -29,12 +33,15 @@ class UnknownDataSourceError(ValueError):
 
 
 def register_rule_scorer(name: str, fn: RuleScorer, data_sources: tuple[str, ...] = (),
-                         score_range: tuple[float, float] | None = None) -> None:
-    """Register ``fn`` under ``name`` and route ``data_sources`` to it. Names are unique, and
-    every rule scorer declares the ``score_range`` (lo, hi) its scores lie in."""
+                         score_range: tuple[float, float] | None = None,
+                         data_source_prefixes: tuple[str, ...] = ()) -> None:
+    """Register ``fn`` under ``name`` and route ``data_sources`` (and every source starting with
+    one of ``data_source_prefixes``) to it. Names are unique, and every rule scorer declares the
+    ``score_range`` (lo, hi) its scores lie in."""
     if name in RULE_SCORERS or name == "auto":
         raise ValueError(f"rule scorer {name!r} is already registered")
-    taken = [ds for ds in data_sources if ds in DATA_SOURCE_SCORERS]
+    taken = [ds for ds in data_sources if ds in DATA_SOURCE_SCORERS] + \
+        [p + "*" for p in data_source_prefixes if p in DATA_SOURCE_PREFIXES]
     if taken:
         raise ValueError(f"data_source(s) {taken} already routed to "
                          f"{[DATA_SOURCE_SCORERS[d] for d in taken]}")
@@ -45,6 +52,22 @@ def register_rule_scorer(name: str, fn: RuleScorer, data_sources: tuple[str, ...
     RULE_SCORERS[name] = fn
     for ds in data_sources:
         DATA_SOURCE_SCORERS[ds] = name
+    for p in data_source_prefixes:
+        DATA_SOURCE_PREFIXES[p] = name
+
+
+def scorer_for(data_source: str) -> str | None:
+    """The rule scorer ``auto`` gives ``data_source``: its exact entry, else its prefix's."""
+    name = DATA_SOURCE_SCORERS.get(data_source)
+    if name is None:
+        name = next((n for p, n in DATA_SOURCE_PREFIXES.items()
+                     if str(data_source).startswith(p)), None)
+    return name
+
+
+def known_data_sources() -> str:
+    """The data sources ``auto`` scores, for messages (prefixes as ``aime*``)."""
+    return ", ".join(sorted(DATA_SOURCE_SCORERS) + sorted(p + "*" for p in DATA_SOURCE_PREFIXES))
 
 
 register_rule_scorer("arithmetic", arithmetic.compute_score, ("synthetic/arithmetic",),
@@ -53,17 +76,23 @@ register_rule_scorer("calculator", calculator.compute_score, ("synthetic/calcula
                      score_range=(0.0, 1.0))  # 1 for the exact last line, else 0
 register_rule_scorer("gsm8k", gsm8k.compute_score, ("openai/gsm8k", "gsm8k"),
                      score_range=(0.0, 1.0))  # registered with score=1, format_score=0
+# verl's default_compute_score routes (verl/utils/reward_score/__init__.py at b178a3c)
+register_rule_scorer("math", math_answer.compute_score,
+                     ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
+                      "HuggingFaceH4/MATH-500"), score_range=(0.0, 1.0))
+register_rule_scorer("math_dapo", math_dapo.compute_score,
+                     ("math_dapo", "math", "math_dapo_reasoning"), score_range=(-1.0, 1.0),
+                     data_source_prefixes=("aime",))  # +1 correct, -1 otherwise
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
                           extra_info: dict | None = None) -> float:
     """Score one response with the rule scorer registered for its ``data_source``."""
-    try:
-        name = DATA_SOURCE_SCORERS[data_source]
-    except KeyError:
+    name = scorer_for(data_source)
+    if name is None:
         raise UnknownDataSourceError(
             f"no rule scorer for data_source={data_source!r}; known data sources: "
-            f"{', '.join(sorted(DATA_SOURCE_SCORERS))}. For other tasks set reward.scorer to a "
+            f"{known_data_sources()}. For other tasks set reward.scorer to a "
             "custom 'path/to/file.py:function' or 'package.module:function' with the signature "
-            "fn(data_source, solution_str, ground_truth, extra_info) -> float | dict") from None
+            "fn(data_source, solution_str, ground_truth, extra_info) -> float | dict")
     return float(RULE_SCORERS[name](solution_str, ground_truth))
