@@ -13,6 +13,7 @@ from verl_core.engine import workers
 from verl_core.guard import writer
 from verl_core.prepare import prepare_run, run_store_uri
 from verl_core.types import STORES, RunSpec
+from verl_core.checkpoint.config import schedule_line
 from verl_core.training.optim import optimizer_steps_line
 
 
@@ -48,6 +49,8 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
                        overrides, verl_config)
     # the run header (this task is never cached, so every command prints it)
     print(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}", flush=True)
+    if schedule_line(cfg):
+        print(schedule_line(cfg), flush=True)
     print(effective_line(cfg), flush=True)
     uri = run_store_uri(store, run_name)
     st = store_call(f"opening the run store {uri}", lambda: STORES.open(uri))

@@ -117,7 +117,8 @@ class AlgorithmConfig(PolicyLossOptions):
     ``dppo_kl``, ``sapo``, ``geo_mean``, ``gpg``, ``dro``, ``clip_cov``, ``kl_cov``,
     ``bypass_mode`` (see ``verl_core/algorithms/policy_losses.py``)."""
     clip_ratio_low: float = in_trajectory(0.2)
-    """Lower clip: ratio >= 1 - clip_ratio_low."""
+    """Lower clip: ratio >= 1 - clip_ratio_low; 1 or more: no lower clip (a ratio is positive),
+    as verl's CISPO example sets it (``clip_ratio_low=10``)."""
     clip_ratio_high: float = in_trajectory(0.28)
     """Upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher when > clip_ratio_low)."""
     clip_ratio_c: float = in_trajectory(3.0)
@@ -183,8 +184,6 @@ class AlgorithmConfig(PolicyLossOptions):
             _fail("algorithm", "lam", self.lam, "must be in [0, 1]")
         _positive("algorithm", self, "clip_ratio_low", "clip_ratio_high", "cliprange_value",
                   "kl_target", "kl_horizon")
-        if self.clip_ratio_low >= 1.0:
-            _fail("algorithm", "clip_ratio_low", self.clip_ratio_low, "must be < 1")
         if self.clip_ratio_c <= 1.0:
             _fail("algorithm", "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
         _non_negative("algorithm", self, "entropy_coeff", "kl_loss_coef", "kl_coef", "vf_coef")
@@ -400,6 +399,10 @@ class RunConfig:
     val_before_train: bool = not_in_trajectory(True)
     """Evaluate before the first step (verl's ``trainer.val_before_train``); False skips it, and
     the run's gain is then not measured. Never changes the trajectory."""
+    log_val_generations: int = not_in_trajectory(0)
+    """Print this many held-out samples (prompt, response, ground truth, score) at each
+    evaluation (verl's ``trainer.log_val_generations``); the first ones of the seeded subset, so
+    the same prompts each time. 0: none (the reports still get their samples)."""
     num_threads: int = not_in_trajectory(0)
     """torch intra-op threads per worker (0: this host's CPUs / the worker count). Resolved at the
     run's first prepare and recorded in its store (``compute.json``): every mode, worker, retry
@@ -409,7 +412,7 @@ class RunConfig:
     def __post_init__(self):
         _check_types("run", self)
         _positive("run", self, "total_steps")
-        _non_negative("run", self, "eval_every", "num_threads")
+        _non_negative("run", self, "eval_every", "num_threads", "log_val_generations")
         B, mini = self.data.train_batch_size, self.actor.ppo_mini_batch_size
         if mini > B or B % mini:
             _fail("actor", "ppo_mini_batch_size", mini,
@@ -435,10 +438,16 @@ class RunConfig:
                   f"x trainer.nnodes={self.trainer.nnodes} = {W} workers must divide the "
                   f"mini-batch rows ({mini} prompts x rollout.n={self.rollout.n} = {rows}), so "
                   "every worker gets an equal block; change the worker count or the mini-batch")
-        if self.algorithm.estimator_traits.needs_groups and self.rollout.n < 2:
+        need = self.data.max_prompt_length + self.rollout.max_new_tokens
+        if self.rollout.max_model_len and self.rollout.max_model_len < need:
+            _fail("rollout", "max_model_len", self.rollout.max_model_len,
+                  f"is shorter than data.max_prompt_length + rollout.max_new_tokens = {need}: "
+                  "vLLM would refuse or cut the run's sequences; give at least that, or 0")
+        traits = self.algorithm.estimator_traits
+        if traits.needs_groups and not traits.one_response_ok and self.rollout.n < 2:
             _fail("rollout", "n", self.rollout.n,
                   f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares responses "
-                  "within a group; use rollout.n >= 2")
+                  "within a group (a group of one gets advantage 0); use rollout.n >= 2")
         self._check_dapo()
         self._check_staleness()
         if (not self.data.train_files and self.data.synthetic_task == "calculator"

@@ -82,6 +82,7 @@ def train(cfg, workdir: str = "", log=_say, *, store: str = "", run_name: str = 
     from verl_core.guard.writer import LEASES, release_lease
     from verl_core.prepare import prepare_run, run_store_uri
     from verl_core.threads import intra_op_threads
+    from verl_core.checkpoint.config import schedule_line
     from verl_core.training.optim import optimizer_steps_line
 
     if cfg.trainer.world_size > 1:
@@ -97,6 +98,8 @@ def train(cfg, workdir: str = "", log=_say, *, store: str = "", run_name: str = 
     if workdir:
         os.makedirs(workdir, exist_ok=True)
     log(f"[verl] {cfg.total_steps} RL steps, {optimizer_steps_line(cfg)}")
+    if schedule_line(cfg):
+        log(schedule_line(cfg))
     log(effective_line(cfg))  # what differs from the defaults, once
     try:
         # the workdir's single-writer lease first (a second loop on it fails here), then every
@@ -335,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verl-config", "--config", dest="verl_config", default="",
                    metavar="VERL_YAML",
                    help="a verl YAML config file (docs/verl-keys.md); the overrides win over it")
+    p.add_argument("--config-path", "-cp", dest="config_path", default="",
+                   help="Hydra's (verl's): the folder of --config-name; with it, the config is "
+                        "DIR/NAME.yaml, its defaults list composed by Hydra (docs/verl-keys.md)")
+    p.add_argument("--config-name", "-cn", dest="config_name", default="",
+                   help="Hydra's (verl's): a config in --config-path, e.g. gsm8k_multiturn_grpo")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="verl-style overrides, ours or verl's, e.g. trainer.test_freq=5 "
                         "actor_rollout_ref.actor.optim.lr=1e-6 (docs/verl-keys.md)")
@@ -352,6 +360,13 @@ def main(argv=None, *, handle_signals: bool | None = None) -> int:
         if not sep:
             p.error(f"--set {item!r}: expected KEY=VALUE")
         given[key] = _parse_value(value)
+    if args.config_name or args.config_path:
+        if args.verl_config or not (args.config_name and args.config_path):
+            p.error("--config-path DIR --config-name NAME (Hydra's pair, as verl takes them) "
+                    "name the config DIR/NAME.yaml; give both, or --config FILE, not both")
+        name = args.config_name
+        args.verl_config = os.path.join(args.config_path,
+                                        name if name.endswith((".yaml", ".yml")) else name + ".yaml")
     if args.workdir and (args.store or args.run_name != "default"):
         p.error("--workdir names the run store itself: give it, or --store/--run-name, not both")
     from verl_core import interrupt, verl_keys

@@ -587,7 +587,8 @@ class RLTrainer:
                 sharding.shard(self.ref)
         total = cfg.total_optimizer_steps
         self.actor_optimizer = make_optimizer(self.actor.parameters(), cfg.optim, cfg.optim.lr)
-        self.actor_scheduler = make_scheduler(self.actor_optimizer, cfg.optim, total)
+        self.actor_scheduler = make_scheduler(self.actor_optimizer, cfg.optim, total,
+                                              cfg.optimizer_steps_per_rl_step)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         if algo.uses_critic:
             # the value head is freshly initialised: seed it, so every worker builds the same one
@@ -597,7 +598,10 @@ class RLTrainer:
             sharding.train_in(self.critic, compute, distributed=dp.distributed)
             self.critic_optimizer = make_optimizer(self.critic.parameters(), cfg.optim,
                                                    cfg.optim.critic_lr)
-            self.critic_scheduler = make_scheduler(self.critic_optimizer, cfg.optim, total)
+            own = cfg.optim.critic_warmup_steps
+            self.critic_scheduler = make_scheduler(self.critic_optimizer, cfg.optim, total,
+                                                   cfg.optimizer_steps_per_rl_step,
+                                                   warmup_steps=own if own >= 0 else None)
         # guard state: what the update has had to refuse so far (non-finite gradients skip the
         # optimizer step); saved in every checkpoint so counters survive a resume
         self.guard = dict(GUARD_DEFAULTS)
@@ -609,7 +613,10 @@ class RLTrainer:
                                   model_path=assets.model_path,
                                   eos_token_ids=stop_token_ids(tok),  # the model's EOS set
                                   pad_token_id=tok.pad_token_id,
-                                  micro_batch_size=cfg.rollout.micro_batch_size,
+                                  micro_batch_size=cfg.rollout.max_num_seqs
+                                  or cfg.rollout.micro_batch_size,
+                                  max_num_seqs=cfg.rollout.max_num_seqs,
+                                  enable_chunked_prefill=cfg.rollout.enable_chunked_prefill,
                                   # read by vllm only (hf ignores them)
                                   gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                                   enforce_eager=cfg.rollout.enforce_eager,
@@ -617,8 +624,8 @@ class RLTrainer:
                                   cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
                                   # the longest sequence a run asks for (not the model's
                                   # context, whose KV cache may not fit cpu_kv_cache_gib)
-                                  max_model_len=cfg.data.max_prompt_length
-                                  + cfg.rollout.max_new_tokens,
+                                  max_model_len=cfg.rollout.max_model_len or
+                                  cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                                   dtype=cfg.model.dtype, seed=cfg.seed)
         if self.max_staleness:
             self.snapshot_behaviour()  # a LoRA policy's merged weights, else the same copy
@@ -850,7 +857,8 @@ class RLTrainer:
                 self._actor_engine = make_engine(
                     "hf", model=self.actor, eos_token_ids=stop_token_ids(self.tokenizer),
                     pad_token_id=self.tokenizer.pad_token_id,
-                    micro_batch_size=self.cfg.rollout.micro_batch_size)
+                    micro_batch_size=self.cfg.rollout.max_num_seqs
+                    or self.cfg.rollout.micro_batch_size)
             yield self._actor_engine
 
     def _generate_turns(self, prompt_ids, prompt_mask, params: SamplingParams,

@@ -93,8 +93,10 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 
 
 def load_yaml(path: str) -> dict[str, object]:
-    """A verl YAML config file (nested, as ``_generated_ppo_trainer.yaml`` or a config Hydra
-    saved with a run) -> flat dotted keys. Hydra's ``defaults:`` list cannot be composed here."""
+    """A verl YAML config file -> flat dotted keys: a flat one (``_generated_ppo_trainer.yaml``'s
+    layout, or the config.yaml Hydra saves in a run), or one with a Hydra ``defaults:`` list (verl's
+    example configs: ``defaults: [ppo_trainer, _self_]``), which Hydra composes against verl's
+    defaults (:func:`compose_yaml`)."""
     try:
         with open(os.path.expanduser(path)) as f:
             tree = yaml.load(f, Loader=_Loader)
@@ -107,13 +109,58 @@ def load_yaml(path: str) -> dict[str, object]:
     if not isinstance(tree, dict):
         raise ConfigError(f"verl config {path!r}: must be a mapping of sections, e.g. "
                           "'actor_rollout_ref: {actor: {optim: {lr: 1e-6}}}'")
-    for k in ("defaults", "hydra"):
-        if k in tree:
-            raise ConfigError(f"verl config {path!r}: has a Hydra {k!r} entry, which is not "
-                              "composed here; give a flat config (verl's "
-                              "_generated_ppo_trainer.yaml layout, or the config.yaml Hydra "
-                              "saves in a run's .hydra folder)")
+    if "defaults" in tree:
+        return compose_yaml(os.path.expanduser(path))
+    tree.pop("hydra", None)  # Hydra's own settings (a search path): nothing to compose
     return flatten(tree)
+
+
+def compose_yaml(path: str) -> dict[str, object]:
+    """A verl config with a ``defaults:`` list, composed by Hydra (hydra-core, as verl composes it)
+    -> flat dotted keys. ``ppo_trainer`` (verl's ``defaults`` entry) is verl's generated default
+    (``verl_defaults/ppo_trainer.yaml``); other entries are found next to the file, as verl's
+    ``--config-path`` finds them. The file's own ``hydra.searchpath`` (verl's checkout,
+    ``file://verl/trainer/config``) is replaced by those two folders. A value the file writes as an
+    interpolation (``${data.max_response_length}``) is resolved against the composed config."""
+    import tempfile
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    folder = os.path.dirname(os.path.abspath(path))
+    with open(path) as f:
+        tree = yaml.load(f, Loader=_Loader)
+    tree["hydra"] = {"searchpath": [f"file://{folder}", f"file://{os.path.dirname(DEFAULTS_FILE)}"]}
+    GlobalHydra.instance().clear()
+    try:
+        with tempfile.TemporaryDirectory(prefix="verl-compose-") as tmp:
+            with open(os.path.join(tmp, "primary.yaml"), "w") as f:
+                yaml.safe_dump(tree, f, sort_keys=False)
+            with initialize_config_dir(config_dir=tmp, version_base=None, job_name="verl_core"):
+                cfg = compose(config_name="primary")
+    except (HydraException, OmegaConfBaseException, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"verl config {path!r}: Hydra cannot compose its defaults list "
+                          f"({first}); its entries must be ppo_trainer (verl's generated "
+                          "default) or YAML files next to it: verl's own config groups "
+                          "(actor/dp_actor, ...) are not shipped here, so for verl's "
+                          "ppo_trainer.yaml itself give its _generated_ppo_trainer.yaml") from None
+    finally:
+        GlobalHydra.instance().clear()
+    flat = flatten(OmegaConf.to_container(cfg, resolve=False))
+    defaults = verl_defaults()
+    for key, value in flat.items():
+        if isinstance(value, str) and "${" in value and not _same(value, defaults.get(key)):
+            try:  # the file's own interpolation: its value in the composed config
+                v = OmegaConf.select(cfg, key)
+                flat[key] = OmegaConf.to_container(v, resolve=True) \
+                    if OmegaConf.is_config(v) else v
+            except OmegaConfBaseException:
+                pass  # left as written: refused naming the interpolation
+    return flat
 
 
 @functools.cache
@@ -151,22 +198,39 @@ def _clip_ratio(value, ctx) -> Pairs:
     return [("algorithm.clip_ratio_low", value), ("algorithm.clip_ratio_high", value)]
 
 
-def _warmup_steps(value, ctx) -> Pairs:
-    return [] if isinstance(value, (int, float)) and value < 0 else [("optim.warmup_steps", value)]
+RL_STEP_UNIT = ("optim.lr_schedule_unit", "rl_step")
+"""verl steps its LR scheduler once per RL step (``update_actor``): its warmup steps and cosine
+count RL steps, so every verl schedule key sets our schedule's unit to them."""
+WARMUP_RATIO = {"optim.lr_warmup_steps_ratio": "optim.warmup_steps",
+                "optim.critic_lr_warmup_steps_ratio": "optim.critic_warmup_steps"}
+"""Kept as they are by :func:`to_ours` (as :data:`TOTAL_EPOCHS`): each ratio becomes RL steps of
+its field once the run's length is known, in :func:`run_config`."""
 
 
-def _warmup_ratio(value, ctx) -> Pairs:
-    if value in (0, 0.0):  # verl: ratio 0 with lr_warmup_steps < 0 means no warmup
-        steps = ctx.get(f"{A}optim.lr_warmup_steps", -1)
-        return [] if isinstance(steps, (int, float)) and steps >= 0 else \
-            [("optim.warmup_steps", 0)]
-    raise ConfigError(f"{A}optim.lr_warmup_steps_ratio={value!r}: a warmup as a fraction of the "
-                      f"run is not offered; give {A}optim.lr_warmup_steps (optimizer steps), "
-                      "i.e. optim.warmup_steps")
+def _warmup_steps(target: str) -> Transform:
+    def t(value, ctx) -> Pairs:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            return []  # verl's -1: unset, lr_warmup_steps_ratio decides
+        return [(target, value), RL_STEP_UNIT]
+    return t
+
+
+def _warmup_ratio(prefix: str, target: str, late: str) -> Transform:
+    """verl's ``lr_warmup_steps_ratio``: used when ``lr_warmup_steps`` is unset (< 0), as
+    ``int(ratio x total RL steps)`` warmup RL steps (``late``: resolved in :func:`run_config`)."""
+    def t(value, ctx) -> Pairs:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ConfigError(f"{prefix}optim.lr_warmup_steps_ratio={value!r}: must be a fraction "
+                              "of the run's RL steps in [0, 1]")
+        steps = ctx.get(f"{prefix}optim.lr_warmup_steps", -1)
+        if isinstance(steps, (int, float)) and steps >= 0:
+            return []  # verl: lr_warmup_steps, when set, wins over the ratio
+        return [(late, float(value)), RL_STEP_UNIT] if value else [(target, 0), RL_STEP_UNIT]
+    return t
 
 
 def _schedule(value, ctx) -> Pairs:
-    return [] if value is None else [("optim.lr_schedule", value)]
+    return [] if value is None else [("optim.lr_schedule", value), RL_STEP_UNIT]
 
 
 def _micro_global(value, ctx) -> Pairs:
@@ -222,12 +286,20 @@ def _filter_overlong(value, ctx) -> Pairs:
     return []
 
 
+LAST_STEP_ONLY = "checkpoint.last_step_only"
+"""Kept by :func:`to_ours` for verl's ``trainer.save_freq`` <= 0 (verl: never save): the closest
+the durability rule allows is a checkpoint at the run's last step only (the interval becomes the
+run's length in :func:`run_config`); a crash before it replays the stored batches from the
+start. The run header says so (:func:`verl_core.checkpoint.config.schedule_line`)."""
+
+
 def _save_freq(value, ctx) -> Pairs:
-    if isinstance(value, int) and value > 0:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"trainer.save_freq={value!r}: give an interval in steps (verl's -1: "
+                          "no periodic checkpoints)")
+    if value > 0:
         return [("checkpoint.checkpoint_interval", value)]
-    raise ConfigError(f"trainer.save_freq={value!r}: runs here are durable and always "
-                      "checkpoint; give a positive interval in steps "
-                      "(checkpoint.checkpoint_interval)")
+    return [(LAST_STEP_ONLY, True)]
 
 
 def _test_freq(value, ctx) -> Pairs:
@@ -288,6 +360,27 @@ def _logger(value, ctx) -> Pairs:
     return pairs
 
 
+MULTI_GPU = "a multi-GPU layout"
+"""The words every refusal of a GPU-only setting carries (tensor or sequence parallelism, the
+SGLang engine): ``tests/verl_core/test_verl_examples.py`` tells them from other refusals."""
+
+
+def _engine(value, ctx) -> Pairs:
+    if value == "sglang":
+        raise ConfigError(f"{R}name='sglang': SGLang serves rollouts on CUDA GPUs only "
+                          f"({MULTI_GPU} engine, not offered here); use vllm (GPU, or CPU with "
+                          "bash .ci/install vllm) or hf (any device)")
+    return [("rollout.engine", value)]
+
+
+def _compute_dtype_late(key: str) -> Transform:
+    """Looked up when called: ``_compute_dtype`` is defined with the precision keys below."""
+    def t(value, ctx) -> Pairs:
+        return _compute_dtype(key)(value, ctx)
+    t.target = "model.dtype"
+    return t
+
+
 VERL_TO_OURS: dict[str, Transform] = {
     # batch sizes: verl's mini-batch is in prompts and its per-GPU micro-batch in responses, as ours
     A + "ppo_mini_batch_size": _to("actor.ppo_mini_batch_size"),
@@ -314,8 +407,12 @@ VERL_TO_OURS: dict[str, Transform] = {
     A + "optim.betas": _betas,
     A + "optim.clip_grad": _to("optim.grad_clip"),
     A + "grad_clip": _to("optim.grad_clip"),
-    A + "optim.lr_warmup_steps": _warmup_steps,
-    A + "optim.lr_warmup_steps_ratio": _warmup_ratio,
+    A + "optim.lr_warmup_steps": _warmup_steps("optim.warmup_steps"),
+    A + "optim.lr_warmup_steps_ratio": _warmup_ratio(A, "optim.warmup_steps",
+                                                     "optim.lr_warmup_steps_ratio"),
+    "critic.optim.lr_warmup_steps": _warmup_steps("optim.critic_warmup_steps"),
+    "critic.optim.lr_warmup_steps_ratio": _warmup_ratio("critic.", "optim.critic_warmup_steps",
+                                                        "optim.critic_lr_warmup_steps_ratio"),
     A + "optim.lr_scheduler_type": _schedule,
     A + "optim.warmup_style": _schedule,
     A + "optim.min_lr_ratio": _to("optim.min_lr_ratio"),
@@ -341,9 +438,12 @@ VERL_TO_OURS: dict[str, Transform] = {
     "algorithm.filter_groups.max_num_gen_batches": _to(  # verl: non-positive means no limit
         "algorithm.max_num_gen_batches", lambda v: 0 if isinstance(v, int) and v < 0 else v),
     "data.gen_batch_size": _to("data.gen_batch_size"),
-    **{f"reward_model.overlong_buffer.{n}": _to(f"reward.overlong_{m}") for n, m in (
-        ("enable", "buffer_enable"), ("len", "buffer_len"), ("penalty_factor", "penalty_factor"),
-        ("log", "buffer_log"))},
+    **{f"reward_model.{where}.{n}": _to(f"reward.overlong_{m}")
+       for where in ("overlong_buffer", "reward_kwargs.overlong_buffer_cfg")
+       for n, m in (("enable", "buffer_enable"), ("len", "buffer_len"),
+                    ("penalty_factor", "penalty_factor"), ("log", "buffer_log"))},
+    # the penalty counts from the response budget here: verl's recipe gives the same number
+    "reward_model.reward_kwargs.max_resp_len": _to("rollout.max_new_tokens"),
     "algorithm.rollout_correction.rollout_is": _to("algorithm.rollout_is",
                                                    lambda v: v or "", skip_none=False),
     "algorithm.rollout_correction.rollout_is_threshold": _to("algorithm.rollout_is_threshold"),
@@ -355,7 +455,12 @@ VERL_TO_OURS: dict[str, Transform] = {
     **{R + n: _to(f"rollout.{n}") for n in ("n", "temperature", "top_p", "top_k",
                                              "gpu_memory_utilization", "enforce_eager",
                                              "free_cache_engine")},
-    R + "name": _to("rollout.engine"),
+    R + "name": _engine,
+    # the engines' own knobs: vLLM's, and the hf engine's generation batch
+    R + "max_num_seqs": _to("rollout.max_num_seqs"),
+    R + "max_model_len": _to("rollout.max_model_len"),
+    R + "enable_chunked_prefill": _to("rollout.enable_chunked_prefill"),
+    "actor_rollout_ref.model.torch_dtype": _compute_dtype_late("actor_rollout_ref.model.torch_dtype"),
     R + "response_length": _to("rollout.max_new_tokens"),
     R + "prompt_length": _to("data.max_prompt_length"),
     "data.max_response_length": _to("rollout.max_new_tokens"),
@@ -392,6 +497,7 @@ VERL_TO_OURS: dict[str, Transform] = {
     "trainer.total_training_steps": _to("total_steps"),
     "trainer.total_epochs": _total_epochs,
     "trainer.val_before_train": _to("val_before_train"),
+    "trainer.log_val_generations": _to("log_val_generations"),
     "critic.model.path": _critic_path,
     "trainer.save_freq": _save_freq,
     "trainer.test_freq": _test_freq,
@@ -479,14 +585,18 @@ for _prefix in (A + "fsdp_config.", "actor_rollout_ref.ref.fsdp_config.",
     })
     VERL_TO_OURS[_prefix + "model_dtype"] = _master_dtype(_prefix + "model_dtype")
 DAPO_KEYS = {k for k in VERL_TO_OURS if k.startswith(("algorithm.filter_groups.",
-                                                       "reward_model.overlong_buffer."))} | {
+                                                       "reward_model.overlong_buffer.",
+                                                       "reward_model.reward_kwargs."))} | {
     "data.gen_batch_size", "algorithm.filter_groups._target_"}
-"""The keys of verl's DAPO recipe config (``recipe/dapo/config/dapo_trainer.yaml``), which verl's
-generated default lacks."""
-READ_WITH_GET = {k for k in VERL_TO_OURS if ".mixed_precision" in k} | DAPO_KEYS
+"""The keys of verl's DAPO recipe config (``recipe/dapo/config/dapo_trainer.yaml``) and of
+today's DAPO scripts (``+reward_model.reward_kwargs.*``, added with Hydra's ``+``), which
+verl's generated default lacks."""
+READ_WITH_GET = {k for k in VERL_TO_OURS if ".mixed_precision" in k} | DAPO_KEYS | {
+    "actor_rollout_ref.model.torch_dtype"}
 """verl keys missing from its generated defaults: verl's FSDP workers read
 ``fsdp_config.mixed_precision`` with ``.get`` (param bf16, reduce fp32, buffers fp32 when absent),
-and the DAPO recipe's own keys (:data:`DAPO_KEYS`)."""
+the DAPO recipe's own keys (:data:`DAPO_KEYS`), and ``model.torch_dtype``, which verl's CISPO
+example passes (verl's struct config has no such key; its evident meaning is the compute dtype)."""
 VERL_TO_OURS["actor_rollout_ref.ref.fsdp_config.model_dtype"] = _fp32_only(
     "actor_rollout_ref.ref.fsdp_config.model_dtype", "the frozen reference is loaded in "
     "model.dtype (it needs no master copy): model.dtype=bfloat16 gives a bf16 reference")
@@ -527,9 +637,9 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     R + "calculate_log_probs": (_is(True, False), "the rollout engines always return the "
                                 "sampled tokens' log-probs (training/rollout_probs_diff_* is "
                                 "logged every step)"),
-    R + "tensor_model_parallel_size": (_is(1), "no tensor parallelism: the rollout engine (hf or "
-                                       "vllm) holds the whole model on each worker "
-                                       "(trainer.n_gpus_per_node)"),
+    R + "tensor_model_parallel_size": (_is(1), f"tensor parallelism ({MULTI_GPU}) is not "
+                                       "offered: the rollout engine (hf or vllm) holds the whole "
+                                       "model on each worker (trainer.n_gpus_per_node); give 1"),
     "actor_rollout_ref.hybrid_engine": (_is(True), "rollout is always colocated with training"),
     A + "strategy": (_is("fsdp", "fsdp2"), "training is FSDP2"),
     "data.prompt_key": (_is("prompt"), "datasets use verl's default column names"),
@@ -540,8 +650,11 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     "algorithm.filter_groups._target_": (_any, "verl's dataclass path for Hydra"),
     R + "max_num_batched_tokens": (_any, "vLLM's scheduler budget per engine step (throughput "
                                    "and memory only; the sampled tokens are the same)"),
-    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": (
-        _is(1), "no sequence parallelism: each worker holds whole sequences"),
+    **{k: (_is(1), f"sequence parallelism ({MULTI_GPU}) is not offered: each worker holds "
+                   "whole sequences; give 1")
+       for k in ("actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+                 A + "ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size",
+                 "reward_model.ulysses_sequence_parallel_size")},
     R + "multi_turn.format": (_is("hermes"), "tool calls are parsed in the hermes format "
                               "(<tool_call>{...}</tool_call>, what Qwen2.5/Qwen3 emit) only"),
     R + "multi_turn.tokenization_sanity_check_mode": (
@@ -559,6 +672,113 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
 """verl keys that change nothing here while their value is accepted (else refused with the
 reason)."""
 
+
+def _bools(v) -> bool:
+    return v is True or v is False
+
+
+def _whole(lo: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+_FSDP = (A + "fsdp_config.", "actor_rollout_ref.ref.fsdp_config.", "critic.model.fsdp_config.",
+         "reward_model.model.fsdp_config.")
+_SPEED = "speed or memory only: the same numbers come out"
+SPEED_ONLY: dict[str, tuple[Callable[[object], bool], str]] = {
+    # how verl's engines place, gather and load weights
+    **{p + "fsdp_size": (lambda v: v == -1 or _whole(1)(v),
+                         f"{_SPEED} (FSDP's sharding group size, for hybrid sharding across "
+                         "nodes); here every worker shards over all the workers") for p in _FSDP},
+    **{p + n: (_bools, f"{_SPEED} (FSDP's {n}); FSDP2 here reshards after each forward and "
+                       "wraps each decoder layer") for p in _FSDP
+       for n in ("forward_prefetch", "reshard_after_forward")},
+    **{p + "offload_policy": (_bools, f"{_SPEED} (FSDP2's CPU offload)") for p in _FSDP[:3]},
+    **{p + "wrap_policy.min_num_params": (_whole(0), f"{_SPEED} (FSDP's wrapping); FSDP2 here "
+                                          "wraps each decoder layer") for p in _FSDP},
+    **{p + n: (_bools, f"{_SPEED} ({n}: entropy recomputed in the backward or in chunks; the "
+                       "entropy and its gradient are the same)")
+       for p in (A, "actor_rollout_ref.ref.", *_FSDP[:3])
+       for n in ("entropy_checkpointing", "entropy_from_logits_with_chunking")},
+    **{p + "use_torch_compile": (_bools, f"{_SPEED} (torch.compile of verl's entropy and "
+                                 "log-prob kernels; the forwards here run eagerly)")
+       for p in (A, "actor_rollout_ref.ref.", *_FSDP[:3])},
+    "critic.model.enable_gradient_checkpointing": (
+        _bools, f"{_SPEED} (activation recomputation in the critic's backward); the actor's "
+                "is model.gradient_checkpointing"),
+    **{p + "use_shm": (_bools, f"{_SPEED} (verl copies the model files to /dev/shm before "
+                       "loading)") for p in ("actor_rollout_ref.model.", "critic.model.",
+                                              "reward_model.model.", "data.")},
+    A + "checkpoint.async_save": (_bools, f"{_SPEED}: a checkpoint here is whole, hashed and "
+                                  "committed before the step is marked done"),
+    "critic.checkpoint.async_save": (_bools, f"{_SPEED}: see {A}checkpoint.async_save"),
+    "data.dataloader_num_workers": (_whole(0), f"{_SPEED} (rows are read from parquet in the "
+                                    "controller; the order is the seeded sampler's)"),
+    "data.filter_overlong_prompts_workers": (_whole(1), f"{_SPEED}: see "
+                                             "data.filter_overlong_prompts"),
+    # how verl drives vLLM/SGLang (the hf engine has none of these; vllm: the same tokens)
+    R + "load_format": (lambda v: isinstance(v, str), f"{_SPEED} (how verl's rollout engine "
+                        "first loads weights it then replaces); the engine here starts from "
+                        "the trainer's current weights"),
+    R + "layered_summon": (_bools, f"{_SPEED} (gathering LoRA/FSDP weights layer by layer for "
+                           "the rollout engine)"),
+    R + "multi_stage_wake_up": (_bools, f"{_SPEED} (waking vLLM's weights and KV cache in two "
+                                "steps)"),
+    R + "enable_prefix_caching": (_bools, f"{_SPEED} (vLLM's prefix cache; the hf engine "
+                                  "prefills a shared prompt once)"),
+    R + "disable_log_stats": (_bools, "vLLM's own statistics log; the step log has the "
+                              "rollout's timings"),
+    R + "skip_tokenizer_init": (_bools, f"{_SPEED}: vLLM here takes and returns token ids "
+                                "(its tokenizer is never loaded)"),
+    R + "cudagraph_capture_sizes": (lambda v: v is None or isinstance(v, list),
+                                    f"{_SPEED} (CUDA graphs of vLLM; rollout.enforce_eager "
+                                    "switches them on or off)"),
+}
+"""verl keys that only tune speed or memory (verl's engines' placement, compilation and loading):
+accepted at any well-typed value, no effect here (docs/verl-keys.md, "Speed and memory only")."""
+NO_EFFECT.update(SPEED_ONLY)
+
+_RM_SERVED = ("how verl serves a reward model (a vLLM/SGLang server in its reward loop); here the "
+              "reward model is a Hugging Face forward in each trainer worker, over whole "
+              "sequences up to reward_model.max_length")
+RM_SERVING: dict[str, tuple[Callable[[object], bool], str]] = {
+    **{f"reward_model.rollout.{n}": (_any, _RM_SERVED) for n in (
+        "name", "dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes",
+        "free_cache_engine", "data_parallel_size", "expert_parallel_size",
+        "max_num_batched_tokens", "max_model_len", "max_num_seqs", "load_format",
+        "engine_kwargs", "limit_images", "enable_chunked_prefill", "enable_prefix_caching",
+        "disable_log_stats", "skip_tokenizer_init", "prompt_length", "response_length")},
+    "reward_model.rollout.tensor_model_parallel_size": (
+        _is(1), f"tensor parallelism ({MULTI_GPU}) is not offered; the reward model is whole on "
+                "each worker: give 1"),
+    "reward_model.num_workers": (_whole(1), f"{_SPEED} (verl's reward-loop workers)"),
+    "reward_model.use_reward_loop": (_bools, "which of verl's two reward paths scores (its "
+                                     "reward loop or the legacy worker): one path here, the "
+                                     "same scores"),
+    "reward_model.model.use_remove_padding": (_bools, f"{_SPEED} (the reward model's forward)"),
+    "reward_model.model.fsdp_config.param_offload": (_bools, _MEMORY),
+    "trainer.use_legacy_worker_impl": (_is("auto", "enable", "disable"),
+                                       "which of verl's worker classes runs; one here"),
+    R + "over_sample_rate": (lambda v: isinstance(v, (int, float)) and 0 <= v < 1,
+                             "verl at b178a3c reads it nowhere (an early stop of the slowest "
+                             "rollouts its SGLang server once had): every response runs to its "
+                             "end, there and here"),
+    **{k: (_any, "profiling only (verl's nsys / torch / torch_memory profilers): not run here; "
+                 "the numbers are the same (torch.profiler around a phase is the way here)")
+       for k in ("global_profiler.tool", "global_profiler.steps",
+                 "global_profiler.profile_continuous_steps", "global_profiler.save_path",
+                 *(f"global_profiler.global_tool_config.torch_memory.{n}" for n in (
+                     "trace_alloc_max_entries", "stack_depth", "context")))},
+    **{p + "checkpoint.save_contents": (
+        lambda v: isinstance(v, (list, tuple)) and bool(v) and
+        set(v) <= {"model", "optimizer", "extra", "hf_model"},
+        "a checkpoint here always holds the weights, the optimizer and the RNG state (a resume "
+        "is exact) and the run's end exports a Hugging Face folder (verl's hf_model)")
+       for p in (A, "critic.")},
+}
+"""verl keys of its reward-model server, profilers and worker choice: accepted, no effect here
+(each with its reason)."""
+NO_EFFECT.update(RM_SERVING)
+
 REFUSED: dict[str, str] = {
     "critic.model.lora_rank": "LoRA on the critic is not offered: the critic trains fully "
                               "(actor_rollout_ref.model.lora_rank adapts the policy)",
@@ -572,8 +792,6 @@ REFUSED: dict[str, str] = {
                                                  "here (only architectures transformers ships "
                                                  "load; the folder is checked before loading)",
     "data.trust_remote_code": "a model folder's own Python code is never run here",
-    A + "ulysses_sequence_parallel_size": "no sequence parallelism: each worker holds whole "
-                                         "sequences",
     "actor_rollout_ref.model.external_lib": "no external model libraries are imported",
     "trainer.default_local_dir": "the run store is where checkpoints go: the plain loop's "
                                  "--workdir (python -m verl_core.train takes "
@@ -584,11 +802,98 @@ REFUSED: dict[str, str] = {
 each with its reason (a key with no entry gets the generic one)."""
 
 
+_ROLES = r"(actor_rollout_ref\.(actor|ref|rollout)|critic|reward_model)"
+PATTERN_NO_EFFECT: list[tuple[re.Pattern, Callable[[object], bool], str]] = [
+    (re.compile(p), ok, why) for p, ok, why in (
+        (rf"^({_ROLES}\.)?(profiler|global_profiler)\.", _any,
+         "profiling only (verl's nsys / torch / npu profilers): not run here; the numbers are "
+         "the same"),
+        (r"\.tiled_mlp\.", _any, f"{_SPEED} (verl's tiled MLP)"),
+        (r"\.enable_activation_offload$", _bools, f"{_SPEED} (activations offloaded to CPU)"),
+        (r"\.(use_liger|use_fused_kernels|fused_kernel_options\.impl_backend)$", _any,
+         f"{_SPEED} (fused kernels; the forwards here are the model's own)"),
+        (r"fsdp_config\.(use_orig_params|strategy|forward_only)$", _any,
+         f"{_SPEED} (FSDP's internals; training is FSDP2)"),
+        (r"^(actor_rollout_ref\.ref|critic|reward_model)\.strategy$", _is("fsdp", "fsdp2"),
+         "training is FSDP2"),
+        (r"\.checkpoint\.load_contents$", _any, "a checkpoint here is always loaded whole"),
+        (r"^actor_rollout_ref\.rollout\.(checkpoint_engine|trace)\.", _any,
+         f"{_SPEED} (how weights reach verl's rollout server; its request tracing)"),
+        (r"^actor_rollout_ref\.rollout\.scheduling_policy$", _any, f"{_SPEED} (vLLM's queue)"),
+        (r"^actor_rollout_ref\.rollout\.prometheus\.", _any,
+         "metrics export of verl's rollout server; the step log and trackers have the "
+         "rollout's numbers"),
+        (r"^ray_kwargs\.ray_init\.num_cpus$", _any,
+         f"{_SPEED}: Ray is started by the workflow or the cluster (docs/cluster.md)"),
+        (r"^(trainer\.(ray_wait_register_center_timeout|esi_redundant_time)|"
+         r"actor_rollout_ref\.nccl_timeout|ray_kwargs\.timeline_json_file)$", _any,
+         "verl's own Ray and NCCL timeouts and traces; the guard's timeouts are guard.*"),
+    )]
+"""verl keys accepted by pattern at any well-typed value, no effect here, each with its reason."""
+
+REFUSED_PATTERNS: list[tuple[re.Pattern, str]] = [
+    (re.compile(p), why) for p, why in (
+        (r"\.(data|expert|pipeline_model)_parallel_size$|fsdp_config\.ulysses_sequence_parallel|"
+         r"^reward_model\.(n_gpus_per_node|nnodes|enable_resource_pool)$",
+         f"{MULTI_GPU} (data, expert or pipeline parallel engines, a reward model on its own "
+         "GPUs) is not offered: each worker holds the whole model; give 1"),
+        (r"\.mtp\.", "multi-token-prediction heads are not built yet (no model family here "
+                      "has them)"),
+        (r"freeze_vision_tower|^data\.(image_key|video_key|image_patch_size|"
+         r"return_multi_modal_inputs)$|limit_images",
+         "vision-language models are not built yet: text models only"),
+        (r"optim\.(optimizer|optimizer_impl|override_optimizer_config)$",
+         "the optimizer is AdamW (torch's, fused where it can be); another one is not built yet"),
+        (r"optim\.num_cycles$", "the cosine schedule is half a cycle (verl's 0.5), to "
+                                 "optim.min_lr_ratio"),
+        (r"optim\.total_training_steps$", "verl's trainer sets it from "
+                                           "trainer.total_training_steps / total_epochs: give those"),
+        (r"\.rollout_n$", "it is actor_rollout_ref.rollout.n (verl interpolates it): give that"),
+        (r"(^|\.)(seed|data_loader_seed)$", "one seed here for the whole run (seed, --set "
+                                            "seed=N): every phase's randomness derives from it"),
+        (r"full_determinism$", "GPU-only: torch's deterministic CUDA kernels are not switched on "
+                               "here (a CPU run is deterministic given the seed)"),
+        (r"^(actor_rollout_ref\.actor|critic)\.shuffle$",
+         "mini-batches are taken in the batch's seeded order (verl's default shuffle=False)"),
+        (r"^critic\.(ppo_epochs|ppo_mini_batch_size|ppo_micro_batch_size|"
+         r"forward_micro_batch_size|grad_clip|loss_agg_mode)$|^critic\.optim\.",
+         "the critic trains with the actor's update sizes, clip and optimizer settings here "
+         "(actor_rollout_ref.actor.*; its own lr is critic.optim.lr)"),
+        (r"^critic\.model\.(lora_alpha|target_modules)$",
+         "LoRA on the critic is not offered: the critic trains fully"),
+        (r"^(reward_manager|reward_model\.(reward_loop_|sandbox_fusion|launch_reward_fn_async))",
+         "verl's pluggable reward managers and code sandbox are not built yet: the reward is "
+         "reward.scorer (a rule scorer by data_source, or your Python function)"),
+        (r"^data\.(custom_cls|datagen|sampler)\.", "verl's custom dataset, generator and "
+                                                    "sampler classes are not loaded: datasets "
+                                                    "are parquet in verl's layout"),
+        (r"^actor_rollout_ref\.rollout\.engine_kwargs\.",
+         "engine arguments are set by the project (docs/vllm.md), not passed through"),
+        (r"^trainer\.(default_hdfs_dir|del_local_ckpt_after_load|rollout_data_dir|"
+         r"validation_data_dir|max_critic_ckpt_to_keep)$",
+         "checkpoints and dumps live in the run store (checkpoint.keep_last keeps the actor's "
+         "and the critic's together)"),
+        (r"^transfer_queue\.", "verl's transfer queue is not built: phases hand data over "
+                               "through the run store"),
+        (r"\.(trust_remote_code|external_lib)$", "a model folder's own Python code and external "
+                                                 "model libraries are never run here"),
+        (r"(tokenizer_path|hf_config_path|input_tokenizer|^data\.tokenizer)$",
+         "the tokenizer and the model config are read from the model's own folder (model.path; "
+         "the reward model's from reward_model.path)"),
+        (r"\.override_config(\.|$)", "overriding fields of the model's config.json is not "
+                                      "built yet: edit them in a copy of the model folder"),
+        (r"^actor_rollout_ref\.rollout\.quantization",
+         "GPU-only: quantized (FP8) rollouts are not built here; the engine samples in "
+         "model.dtype"),
+    )]
+"""verl keys refused by pattern at any value but verl's default, each with its reason."""
+
+
 def _refusal(key: str) -> str | None:
     for k, why in REFUSED.items():
         if key == k or k.endswith(".") and key.startswith(k):
             return why
-    return None
+    return next((why for pattern, why in REFUSED_PATTERNS if pattern.search(key)), None)
 
 
 # ---------------------------------------------------------------- translation
@@ -619,7 +924,7 @@ def to_ours(values: dict[str, object], *, from_file: str = "") -> dict[str, obje
     origin: dict[str, str] = {}
     refused: list[str] = []
     for key, value in values.items():
-        key = str(key)
+        key = str(key).lstrip("+")  # Hydra's +key= (add) is key= here, from a script's data too
         try:
             pairs = _one_key(key, value, values, defaults, where, from_file)
         except ConfigError as e:
@@ -651,11 +956,21 @@ def _one_key(key: str, value, values: dict, defaults: dict, where: str, from_fil
         raise ConfigError(f"{key}={value!r}{where}: interpolations are not resolved here; "
                           "write the value")
     if key in VERL_TO_OURS:
-        return VERL_TO_OURS[key](value, values)
+        try:
+            return VERL_TO_OURS[key](value, values)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:  # a transform's arithmetic on a wrong type
+            raise ConfigError(f"verl key {key}={value!r}{where} cannot apply here: not a value "
+                              f"it takes ({e}); docs/verl-keys.md") from None
     if is_our_key(key):
         return [(key, value)]
-    if key in NO_EFFECT:
-        ok, why = NO_EFFECT[key]
+    no_effect = NO_EFFECT.get(key)
+    if no_effect is None and key in defaults:  # by pattern: verl's keys only, never a typo
+        no_effect = next(((ok, why) for pattern, ok, why in PATTERN_NO_EFFECT
+                          if pattern.search(key)), None)
+    if no_effect is not None:
+        ok, why = no_effect
         if not ok(value):
             raise ConfigError(f"verl key {key}={value!r}{where} cannot apply here: {why}")
         return []
@@ -666,11 +981,13 @@ def _one_key(key: str, value, values: dict, defaults: dict, where: str, from_fil
         raise ConfigError(f"verl key {key}={value!r}{where} cannot apply here: {why}")
     if key in defaults:
         raise ConfigError(
-            f"verl key {key}={value!r}{where} has no equivalent here (only verl's default "
-            f"{defaults[key]!r} is accepted); docs/verl-keys.md lists what maps")
+            f"verl key {key}={value!r}{where} is not built here yet (only verl's default "
+            f"{defaults[key]!r} is accepted; docs/verl-keys.md lists what maps, and an issue is "
+            "the way to ask for it)")
     raise ConfigError(f"unknown config key {key!r}{where}: neither ours "
-                      "(docs/options.md) nor verl's (verl_core/verl_defaults/"
-                      f"ppo_trainer.yaml){did_you_mean(key, known_keys())}")
+                      "(docs/options.md) nor verl's at the commit the defaults come from "
+                      "(verl_core/verl_defaults/ppo_trainer.yaml): a typo, or a key of a newer "
+                      f"verl{did_you_mean(key, known_keys())}")
 
 
 @functools.cache
@@ -737,6 +1054,8 @@ def run_config(algorithm: str = "", verl_config: str = "", overrides: dict | Non
     whole batch for an odd size)."""
     over = overrides_from(verl_config, overrides)
     epochs = over.pop(TOTAL_EPOCHS, None)
+    ratios = {k: over.pop(k) for k in WARMUP_RATIO if k in over}
+    last_only = over.pop(LAST_STEP_ONLY, False)
     options = dict(options or {})
     batch_size = options.get("data.train_batch_size")
     if batch_size and "actor.ppo_mini_batch_size" not in over:
@@ -750,11 +1069,15 @@ def run_config(algorithm: str = "", verl_config: str = "", overrides: dict | Non
         algorithm = str(over.get("algorithm.adv_estimator") or
                         ("gae" if verl_style else "grpo"))
     cfg = preset("ppo" if algorithm == "gae" else algorithm, **over)
-    if epochs is None:
-        return cfg
-    from verl_core.validation import batches_per_epoch
+    late: dict[str, object] = {}  # what needs the run's length in RL steps
+    if epochs is not None:
+        from verl_core.validation import batches_per_epoch
 
-    steps = epochs * batches_per_epoch(cfg)
-    if "total_steps" in over:
-        steps = min(steps, cfg.total_steps)
-    return with_overrides(cfg, {"total_steps": steps})
+        steps = epochs * batches_per_epoch(cfg)
+        late["total_steps"] = min(steps, cfg.total_steps) if "total_steps" in over else steps
+    total = late.get("total_steps", cfg.total_steps)
+    for k, ratio in ratios.items():  # verl: int(ratio x total training steps) warmup RL steps
+        late[WARMUP_RATIO[k]] = int(ratio * total)
+    if last_only:
+        late["checkpoint.checkpoint_interval"] = total
+    return with_overrides(cfg, late) if late else cfg

@@ -43,9 +43,13 @@ def test_unknown_algorithm_lists_known_ones():
         preset("nope")
 
 
-def test_group_estimators_need_several_samples():
-    with pytest.raises(ConfigError, match="rollout.n"):
-        with_overrides(RunConfig(), {"rollout.n": 1, "actor.ppo_micro_batch_size": 16})
+@pytest.mark.parametrize("name", ["grpo", "grpo_vectorized", "rloo"])
+def test_grpo_and_rloo_take_one_sample_as_verl_runs_them(name):
+    # verl's functions give a group of one its raw score (GRPO: mean 0, std 1): REINFORCE with
+    # no baseline, which verl's scripts with rollout.n=1 run
+    cfg = with_overrides(RunConfig(), {"algorithm.adv_estimator": name, "rollout.n": 1,
+                                       "actor.ppo_micro_batch_size": 16})
+    assert cfg.rollout.n == 1
 
 
 @pytest.mark.parametrize("name", ["grpo_passk", "opo", "gpg", "gdpo", "optimal_token_baseline",
@@ -54,7 +58,8 @@ def test_every_group_estimator_needs_several_samples(name):
     # the rule reads the registry entry's needs_groups trait, not a list of names in config.py
     over = {"algorithm.adv_estimator": name, "rollout.n": 1, "actor.ppo_micro_batch_size": 16}
     with pytest.raises(ConfigError, match=f"rollout.n=1: algorithm.adv_estimator='{name}' "
-                                          "compares responses within a group; use rollout.n >= 2"):
+                                          r"compares responses within a group \(a group of one gets advantage 0\); "
+                                          "use rollout.n >= 2"):
         with_overrides(RunConfig(), over)
 
 

@@ -1,16 +1,21 @@
 """verl's command line and YAML configs (verl_core/verl_keys.py), and the rename of our update
 sizes from ``trainer`` to ``actor``."""
 import json
+import os
+import re
 import shlex
 import textwrap
 
 import pytest
 
+from verl_core.checkpoint.config import schedule_line
 from verl_core.config import ConfigError, RunConfig, preset, typed_overrides, with_overrides
-from verl_core.verl_keys import (DEFAULTS_FILE, NO_EFFECT, READ_WITH_GET, VERL_TO_OURS, load_yaml,
-                                 overrides_from, parse_cli, run_config, to_ours, verl_defaults)
+from verl_core.verl_keys import (DEFAULTS_FILE, NO_EFFECT, READ_WITH_GET, SPEED_ONLY,
+                                 VERL_TO_OURS, load_yaml, overrides_from, parse_cli, run_config,
+                                 to_ours, verl_defaults)
 
 A = "actor_rollout_ref.actor."
+R = "actor_rollout_ref.rollout."
 
 
 @pytest.mark.parametrize("old", ["trainer.ppo_mini_batch_size", "trainer.ppo_micro_batch_size",
@@ -34,8 +39,19 @@ MAPPED = [
     (f"{A}optim.lr=1e-6", {"optim.lr": 1e-6}),
     (f"{A}optim.betas=[0.9,0.999]", {"optim.beta1": 0.9, "optim.beta2": 0.999}),
     (f"{A}optim.clip_grad=0.5", {"optim.grad_clip": 0.5}),
-    (f"{A}optim.lr_warmup_steps=5", {"optim.warmup_steps": 5}),
-    (f"{A}optim.lr_scheduler_type=cosine", {"optim.lr_schedule": "cosine"}),
+    # verl's scheduler steps once per RL step: its warmup and cosine count RL steps
+    (f"{A}optim.lr_warmup_steps=5", {"optim.warmup_steps": 5, "optim.lr_schedule_unit": "rl_step"}),
+    (f"{A}optim.lr_scheduler_type=cosine", {"optim.lr_schedule": "cosine",
+                                           "optim.lr_schedule_unit": "rl_step"}),
+    # lr_warmup_steps, when set, wins over the ratio (verl); the ratio alone waits for the
+    # run's length (run_config)
+    (f"{A}optim.lr_warmup_steps=3 {A}optim.lr_warmup_steps_ratio=0.5",
+     {"optim.warmup_steps": 3, "optim.lr_schedule_unit": "rl_step"}),
+    (f"{A}optim.lr_warmup_steps_ratio=0.25 critic.optim.lr_warmup_steps_ratio=0.05",
+     {"optim.lr_warmup_steps_ratio": 0.25, "optim.critic_lr_warmup_steps_ratio": 0.05,
+      "optim.lr_schedule_unit": "rl_step"}),
+    ("critic.optim.lr_warmup_steps=4", {"optim.critic_warmup_steps": 4,
+                                        "optim.lr_schedule_unit": "rl_step"}),
     ("critic.optim.lr=1e-5", {"optim.critic_lr": 1e-5}),
     ("algorithm.kl_ctrl.kl_coef=0.001", {"algorithm.kl_coef": 0.001}),
     ("algorithm.kl_ctrl.type=adaptive", {"algorithm.kl_ctrl_type": "adaptive"}),
@@ -120,10 +136,11 @@ def test_mapped_values_build_a_valid_config():
 
 @pytest.mark.parametrize("cli,match", [
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-     r"tensor_model_parallel_size=2 cannot apply here: no tensor parallelism"),
+     r"tensor_model_parallel_size=2 cannot apply here: tensor parallelism \(a multi-GPU layout\)"),
     ("trainer.logger=['console','tensorboard']",
      r"trainer.logger=.*\['tensorboard'\] not offered.*tracking.tensorboard_dir"),
-    ("trainer.save_freq=-1", r"trainer.save_freq=-1: .*always checkpoint"),
+    ("trainer.save_freq=1.5", r"trainer.save_freq=1.5: give an interval in steps"),
+    (f"{A}optim.lr_warmup_steps_ratio=2", r"lr_warmup_steps_ratio=2: must be a fraction"),
     ("trainer.total_epochs=0", r"trainer.total_epochs=0: must be a positive integer"),
     ("actor_rollout_ref.model.path=/m critic.model.path=/other",
      r"critic.model.path='/other': the critic starts from the actor's model"),
@@ -144,7 +161,11 @@ def test_mapped_values_build_a_valid_config():
     ("actor_rollout_ref.rollout.agent.agent_loop_config_path=/a.yaml",
      r"agent_loop_config_path='/a.yaml' cannot apply here: custom agent loops"),
     ("actor_rollout_ref.rollout.mode=sync",
-     r"rollout.mode='sync' has no equivalent here \(only verl's default 'async'"),
+     r"rollout.mode='sync' is not built here yet \(only verl's default 'async'"),
+    ("critic.optim.weight_decay=0.1", r"weight_decay=0.1 cannot apply here: the critic trains "
+                                      r"with the actor's update sizes"),
+    ("actor_rollout_ref.rollout.expert_parallel_size=2", r"cannot apply here: a multi-GPU layout"),
+    ("actor_rollout_ref.model.mtp.enable=True", r"multi-token-prediction heads are not built"),
     ("trainer.resume_from_path=/x", r"resume_from_path.*only with trainer.resume_mode"),
     ("custom_reward_function.name=score", r"custom_reward_function.name='score': does nothing"),
     (f"{A}ppo_micro_batch_size=64", r"deprecated in verl.*ppo_micro_batch_size_per_gpu"),
@@ -221,7 +242,9 @@ def test_small_verl_yaml_loads_and_the_command_line_wins(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.logger=\['swanlab'\]: \['swanlab'\] not "):
         overrides_from(str(path))
     path.write_text("defaults:\n  - actor@actor_rollout_ref.actor: dp_actor\n")
-    with pytest.raises(ConfigError, match="Hydra 'defaults' entry"):
+    with pytest.raises(ConfigError, match=r"Hydra cannot compose its defaults list \(In "
+                                          r"'primary': Could not find 'actor/dp_actor'\).*"
+                                          "_generated_ppo_trainer.yaml"):
         overrides_from(str(path))
     with pytest.raises(ConfigError, match="cannot read it"):
         overrides_from(str(tmp_path / "missing.yaml"))
@@ -351,13 +374,14 @@ def test_an_unknown_key_names_the_near_one_ours_or_verls(key, near):
     with pytest.raises(ConfigError) as e:
         run_config(overrides={key: 1e-4})
     msg = str(e.value)
-    assert msg == (f"unknown config key '{key}': neither ours (docs/options.md) nor verl's "
-                   f"(verl_core/verl_defaults/ppo_trainer.yaml); did you mean {near}?")
+    assert msg == (f"unknown config key '{key}': neither ours (docs/options.md) nor verl's at "
+                   "the commit the defaults come from (verl_core/verl_defaults/ppo_trainer.yaml):"
+                   f" a typo, or a key of a newer verl; did you mean {near}?")
 
 
 def test_an_unknown_key_with_nothing_near_gets_no_guess():
     for key in ("zzz.qqq", f"{A}nope"):  # nope: no field of verl's actor is near it
-        with pytest.raises(ConfigError, match=rf"key '{key}': neither ours .*yaml\)$"):
+        with pytest.raises(ConfigError, match=rf"key '{key}': neither ours .*a key of a newer verl$"):
             run_config(overrides={key: 1})
 
 
@@ -372,3 +396,111 @@ def test_set_values_are_read_as_verl_overrides_are():
         [False, True, True, None, 1e-4, 8, [1, 2], ["a", "b"], "$HOME/x.parquet"]
     cfg = with_overrides(RunConfig(), {"model.gradient_checkpointing": _parse_value("false")})
     assert cfg.model.gradient_checkpointing is False
+
+
+def test_warmup_ratio_and_save_freq_minus_one_follow_the_run_length():
+    # verl: int(ratio x total training steps) warmup RL steps; save_freq=-1 (never save) is the
+    # last step only here, said in the run header
+    cfg = run_config("grpo", "", parse_cli([f"{A}optim.lr_warmup_steps_ratio=0.3",
+                                            "critic.optim.lr_warmup_steps_ratio=0.5",
+                                            "trainer.total_training_steps=7",
+                                            "trainer.save_freq=-1"]))
+    assert (cfg.total_steps, cfg.optim.warmup_steps, cfg.optim.critic_warmup_steps,
+            cfg.optim.lr_schedule_unit, cfg.checkpoint.checkpoint_interval) == \
+        (7, 2, 3, "rl_step", 7)
+    assert [s for s in range(1, 8) if cfg.checkpoint.due(s, 7)] == [7]
+    assert "the last step only" in schedule_line(cfg) and "save_freq=-1" in schedule_line(cfg)
+    assert schedule_line(run_config("grpo", "", {"trainer.total_training_steps": 7,
+                                                 "trainer.save_freq": 2})) == ""
+
+
+def test_engine_knobs_map_onto_the_rollout_and_a_short_context_is_refused():
+    over = to_ours({f"{R}max_num_seqs": 64, f"{R}max_model_len": 4096,
+                    f"{R}enable_chunked_prefill": False})
+    assert over == {"rollout.max_num_seqs": 64, "rollout.max_model_len": 4096,
+                    "rollout.enable_chunked_prefill": False}
+    cfg = with_overrides(preset("grpo"), over)
+    assert (cfg.rollout.max_num_seqs, cfg.rollout.max_model_len) == (64, 4096)
+    need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    with pytest.raises(ConfigError, match=rf"rollout.max_model_len={need - 1}: is shorter than "
+                                          rf"data.max_prompt_length \+ rollout.max_new_tokens"):
+        with_overrides(preset("grpo"), {"rollout.max_model_len": need - 1})
+
+
+@pytest.mark.parametrize("key", sorted(SPEED_ONLY))
+def test_speed_only_keys_change_nothing_and_a_wrong_value_says_why(key):
+    ok, why = SPEED_ONLY[key]
+    value = next(v for v in (True, 2, -1, "safetensors", None) if ok(v))
+    assert to_ours({key: value}) == {}
+    assert "speed or memory only" in why or "vLLM" in why
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={{}}".format("{'bad': 1}")) +
+                       " cannot apply here: "):
+        to_ours({key: {"bad": 1}})
+
+
+def test_every_verl_key_refused_at_another_value_says_why():
+    # each of verl's keys, given a value that is not verl's default: refused naming the key with
+    # a reason after it (multi-GPU, not built yet, no meaning here, what to give), never as an
+    # unknown key
+    for key, default in verl_defaults().items():
+        if key.endswith("_target_"):
+            continue
+        value = {"verl-test": 1} if not isinstance(default, dict) else 7
+        try:
+            to_ours({key: value})
+        except ConfigError as e:
+            msg = str(e)
+            assert key in msg and "unknown config key" not in msg, msg
+            assert re.search(r"(: |not built here yet).{20,}", msg.split(key, 1)[1]), msg
+
+
+VERL_CONFIGS = os.path.join(os.path.dirname(__file__), "data", "verl_configs")
+
+
+def test_verl_example_configs_compose_with_hydra():
+    # verl's own example configs (defaults: [ppo_trainer, _self_]), vendored as test data: Hydra
+    # composes them against verl's generated defaults, and only what they change applies
+    multi = load_yaml(os.path.join(VERL_CONFIGS, "gsm8k_multiturn_grpo.yaml"))
+    assert len(multi) > 500 and multi[f"{R}multi_turn.max_assistant_turns"] == 5
+    over = to_ours({k: v for k, v in multi.items() if k != f"{R}name"}, from_file="x.yaml")
+    assert over == {"rollout.multi_turn": True, "rollout.max_assistant_turns": 5,
+                    "data.max_prompt_length": 1024, "rollout.max_new_tokens": 1024,
+                    "data.train_batch_size": 256}
+    # its rollout engine is SGLang: refused as GPU-only, by name
+    with pytest.raises(ConfigError, match="rollout.name='sglang': SGLang serves rollouts on CUDA"):
+        to_ours(multi, from_file="x.yaml")
+    dapo = load_yaml(os.path.join(VERL_CONFIGS, "dapo_trainer.yaml"))
+    # data.gen_batch_size: ${data.train_batch_size}, resolved in the composed config
+    assert dapo["data.gen_batch_size"] == verl_defaults()["data.train_batch_size"]
+    assert to_ours(dapo, from_file="dapo.yaml")["reward.overlong_buffer_enable"] is False
+
+
+def test_hydra_config_path_and_name_on_the_command_line(tmp_path, capsys):
+    from verl_core.train import main
+
+    (tmp_path / "mine.yaml").write_text(textwrap.dedent("""\
+        hydra:
+          searchpath:
+            - file://verl/trainer/config
+        defaults:
+          - ppo_trainer
+          - extra
+          - _self_
+        actor_rollout_ref:
+          rollout:
+            n: 3
+            response_length: ${data.max_response_length}
+        data:
+          max_response_length: 7
+        """))
+    (tmp_path / "extra.yaml").write_text("trainer:\n  test_freq: 4\n")  # found next to it
+    over = overrides_from(str(tmp_path / "mine.yaml"), {})
+    assert (over["rollout.n"], over["rollout.max_new_tokens"], over["eval_every"]) == (3, 7, 4)
+    (tmp_path / "bad.yaml").write_text("defaults:\n  - nowhere\n  - _self_\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml'.*Hydra cannot compose its defaults list"):
+        load_yaml(str(tmp_path / "bad.yaml"))
+    assert main(["--config-path", str(tmp_path), "--config-name", "bad"]) == 2
+    assert "Hydra cannot compose" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the pair, or --config
+        main(["--config-name", "bad"])
+    assert "give both" in capsys.readouterr().err

@@ -63,7 +63,11 @@ class EstimatorTraits:
     needs_critic: bool = False
     """Reads ``values`` (N, T): the trainer builds and trains a critic."""
     needs_groups: bool = False
-    """Compares the responses to one prompt with each other: the config refuses ``rollout.n < 2``."""
+    """Compares the responses to one prompt with each other: the config refuses ``rollout.n < 2``
+    unless ``one_response_ok``."""
+    one_response_ok: bool = False
+    """A group of one response still gets an advantage (its raw score, as in verl's function), so
+    ``rollout.n = 1`` is accepted as verl runs it (REINFORCE with no baseline)."""
     needs_greedy_baseline: bool = False
     """Reads ``baseline_score`` (N,): the rollout also decodes one greedy response per prompt and
     the reward phase scores it."""
@@ -203,7 +207,7 @@ def gae(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
     return advantages, returns
 
 
-@register_advantage("grpo", "grpo_vectorized", needs_groups=True)
+@register_advantage("grpo", "grpo_vectorized", needs_groups=True, one_response_ok=True)
 @torch.no_grad()
 def grpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
          values: Optional[Tensor], *, gamma: float, lam: float,
@@ -249,7 +253,7 @@ def _outcome_over_tokens(adv: Tensor, dtype: torch.dtype, response_mask: Tensor)
     return advantages, advantages.clone()
 
 
-@register_advantage("rloo", needs_groups=True)
+@register_advantage("rloo", needs_groups=True, one_response_ok=True)
 @torch.no_grad()
 def rloo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
          values: Optional[Tensor], *, gamma: float, lam: float,

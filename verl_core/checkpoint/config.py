@@ -62,3 +62,14 @@ class CheckpointConfig:
         if not self.checkpoint_interval_s:
             return False
         return since_save_s is None or since_save_s >= self.checkpoint_interval_s
+
+
+def schedule_line(cfg) -> str:
+    """The run header's line when ``cfg`` (a ``RunConfig``) saves its last step only (the
+    interval is the run's length or more, e.g. verl's ``trainer.save_freq=-1``), else ""."""
+    k, total = cfg.checkpoint.checkpoint_interval, cfg.total_steps
+    if k < total or cfg.checkpoint.checkpoint_interval_s:
+        return ""
+    return (f"[verl] checkpoints: the last step only (checkpoint.checkpoint_interval={k} >= "
+            f"{total} steps; verl's trainer.save_freq=-1 saves none, a run here always saves its "
+            "end): a crash before it replays the stored batches from the start")

@@ -869,10 +869,16 @@ class RunWorker:
         :data:`EVAL_SAMPLES` responses go to the store for the reports (:func:`eval_samples_doc`)."""
         self.ensure_state(step)
         self._quiesce()  # the tool host and a vllm engine are shared with the evaluation
-        metrics, samples = self.trainer.evaluate_with_samples(EVAL_SAMPLES, step)
+        shown = self.cfg.log_val_generations
+        metrics, samples = self.trainer.evaluate_with_samples(max(EVAL_SAMPLES, shown), step)
         if self.leader:
             self.store.put_json(eval_samples_doc(self.trajectory_hash, step),
-                                {"step": step, "samples": [dataclasses.asdict(s) for s in samples]})
+                                {"step": step, "samples": [dataclasses.asdict(s)
+                                                           for s in samples[:EVAL_SAMPLES]]})
+            for i, s in enumerate(samples[:shown]):  # verl's trainer.log_val_generations
+                print(f"[verl] val sample {i + 1}/{shown} after step {step}: score {s.score:g}, "
+                      f"ground truth {s.ground_truth!r}\n  prompt: {s.prompt!r}\n  response: "
+                      f"{s.response!r}", flush=True)
         return metrics
 
     def export_final(self, step: int, folder: str) -> str:

@@ -41,16 +41,22 @@ def zero_variance_groups(score: torch.Tensor, group: torch.Tensor) -> dict[str, 
     """``rollout/zero_variance_groups``: how many of the batch's groups (its prompts' G rows,
     ``group`` (N,)) have all G scores (``score`` (N,)) equal, and ``rollout/zero_variance_frac``
     their share. Such a group has advantage 0 on every row for every group-relative estimator
-    (GRPO, RLOO, ...): it teaches nothing. All of them: the step has no learning signal."""
+    (GRPO, RLOO, ...): it teaches nothing. All of them: the step has no learning signal.
+    Groups of one response are not counted (there is nothing to compare: PPO's G = 1, or verl's
+    GRPO with n = 1, whose advantage is the score itself); a batch of only those has no entry."""
     ids, inverse = torch.unique(group, return_inverse=True)  # (B,), (N,)
     s = score.double()
+    count = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(s))
     hi = torch.full((len(ids),), -torch.inf, dtype=torch.float64).scatter_reduce(
         0, inverse, s, "amax")  # (B,) each group's max score
     lo = torch.full((len(ids),), torch.inf, dtype=torch.float64).scatter_reduce(
         0, inverse, s, "amin")  # (B,) its min
-    flat = int((hi == lo).sum())
+    several = count >= 2  # (B,)
+    if not bool(several.any()):
+        return {}
+    flat = int(((hi == lo) & several).sum())
     return {"rollout/zero_variance_groups": float(flat),
-            "rollout/zero_variance_frac": flat / max(len(ids), 1)}
+            "rollout/zero_variance_frac": flat / int(several.sum())}
 
 
 def _unique(anomalies: list) -> list:

@@ -72,6 +72,17 @@ class RolloutConfig:
     val_n: int = not_in_trajectory(1)
     """Responses per held-out prompt with ``val_do_sample``: ``val/accuracy`` is the mean over
     all of them (verl's ``mean@n``) and ``val/best@n`` the mean of each prompt's best score."""
+    max_num_seqs: int = not_in_trajectory(0)
+    """Sequences in flight at once (verl's ``rollout.max_num_seqs``): vLLM's ``max_num_seqs``;
+    the hf engine's sequences per generation pass (in place of ``micro_batch_size``). 0: the
+    engine's default. Memory and speed only."""
+    max_model_len: int = not_in_trajectory(0)
+    """vLLM's context length (verl's ``rollout.max_model_len``); 0: ``data.max_prompt_length +
+    rollout.max_new_tokens``, the longest sequence a run asks for (a shorter one is refused)."""
+    enable_chunked_prefill: bool = not_in_trajectory(True)
+    """vLLM on a GPU: split long prefills over scheduler steps (verl's
+    ``rollout.enable_chunked_prefill``); vLLM's CPU backend always runs without (a seeded request
+    split over two steps fails there). The hf engine prefills whole prompts."""
     enforce_eager: bool = in_trajectory(True)
     """vLLM only: run without CUDA graphs (faster start, less memory, slower decoding)."""
     free_cache_engine: bool = in_trajectory(True)
@@ -128,7 +139,7 @@ class RolloutConfig:
             _fail("rollout", "gpu_memory_utilization", self.gpu_memory_utilization,
                   "must be in (0, 1]")
         self._check_multi_turn()
-        _non_negative("rollout", self, "max_staleness")
+        _non_negative("rollout", self, "max_staleness", "max_num_seqs", "max_model_len")
         _one_of("rollout", "async_mode", self.async_mode, {"thread", "process"})
         if self.max_staleness > MAX_STALENESS:
             _fail("rollout", "max_staleness", self.max_staleness,

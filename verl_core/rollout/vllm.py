@@ -187,7 +187,8 @@ class VLLMEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                  free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int | None = None, cpu_kv_cache_gib: float = 0.5,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, max_num_seqs: int = 0,
+                 enable_chunked_prefill: bool = True):
         self.eos_token_ids = resolve_stop_ids(eos_token_ids, eos_token_id)
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -214,6 +215,10 @@ class VLLMEngine(RolloutEngine):
             # ignore the folder's generation_config.json: our sampling parameters are explicit,
             # and its EOS list is already in eos_token_ids (the stop set, below)
             generation_config="vllm")
+        if max_num_seqs:  # 0: vLLM's own default
+            kwargs["max_num_seqs"] = max_num_seqs
+        if not enable_chunked_prefill:
+            kwargs["enable_chunked_prefill"] = False
         if self.on_cpu:
             # vLLM 0.32's CPU backend fails a seeded request whose prefill is split over two
             # scheduler steps (it rewinds the request's generator by an offset, which CPU
@@ -396,10 +401,12 @@ def _make_vllm(model_path: str, pad_token_id: int, eos_token_ids=None,
                eos_token_id: int | None = None, model=None,
                gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0,
-               max_model_len: int | None = None, cpu_kv_cache_gib: float = 0.5, **_):
+               max_model_len: int | None = None, cpu_kv_cache_gib: float = 0.5,
+               max_num_seqs: int = 0, enable_chunked_prefill: bool = True, **_):
     return VLLMEngine(model_path, eos_token_ids=eos_token_ids, eos_token_id=eos_token_id,
                       pad_token_id=pad_token_id,
                       model=model, gpu_memory_utilization=gpu_memory_utilization,
                       enforce_eager=enforce_eager, free_cache_engine=free_cache_engine,
                       dtype=dtype, seed=seed, max_model_len=max_model_len,
-                      cpu_kv_cache_gib=cpu_kv_cache_gib)
+                      cpu_kv_cache_gib=cpu_kv_cache_gib, max_num_seqs=max_num_seqs,
+                      enable_chunked_prefill=enable_chunked_prefill)

@@ -14,6 +14,16 @@ from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of
                                      in_trajectory)
 
 
+def _rl_step_unit(run) -> bool:
+    """``optim.lr_schedule_unit`` at its default: the run hashes as before the field existed."""
+    return run.optim.lr_schedule_unit != "optimizer_step"
+
+
+def _own_critic_warmup(run) -> bool:
+    """``optim.critic_warmup_steps`` -1 (the actor's): the run hashes as before the field."""
+    return run.optim.critic_warmup_steps >= 0
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW + LR schedule for actor and critic."""
@@ -32,8 +42,15 @@ class OptimConfig:
     """AdamW epsilon."""
     warmup_steps: int = in_trajectory(10)
     """Linear LR warmup, in optimizer steps (Adam's second moments settle before full steps)."""
+    critic_warmup_steps: int = in_trajectory(-1, when=_own_critic_warmup)
+    """The critic's linear LR warmup (verl's ``critic.optim.lr_warmup_steps``); -1: the actor's
+    ``warmup_steps``."""
     lr_schedule: str = in_trajectory("constant")
     """After warmup: constant or cosine (to ``min_lr_ratio * lr`` at the last step)."""
+    lr_schedule_unit: str = in_trajectory("optimizer_step", when=_rl_step_unit)
+    """What ``warmup_steps`` and the cosine count: ``optimizer_step`` (the LR moves at every
+    mini-batch's step) or ``rl_step`` (it moves once per RL step, as verl's scheduler does: its
+    ``lr_warmup_steps`` are RL steps; a verl schedule key sets this)."""
     min_lr_ratio: float = in_trajectory(0.1)
     """Cosine floor as a fraction of the peak LR."""
     grad_clip: float = in_trajectory(1.0)
@@ -43,7 +60,11 @@ class OptimConfig:
         _check_types("optim", self)
         _positive("optim", self, "lr", "critic_lr", "eps", "grad_clip")
         _non_negative("optim", self, "weight_decay", "warmup_steps")
+        if self.critic_warmup_steps < -1:
+            _fail("optim", "critic_warmup_steps", self.critic_warmup_steps,
+                  "must be >= 0, or -1 for the actor's warmup_steps")
         _one_of("optim", "lr_schedule", self.lr_schedule, {"constant", "cosine"})
+        _one_of("optim", "lr_schedule_unit", self.lr_schedule_unit, {"optimizer_step", "rl_step"})
         for n in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, n) < 1.0:
                 _fail("optim", n, getattr(self, n), "must be in [0, 1)")

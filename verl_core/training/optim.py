@@ -60,7 +60,16 @@ def optimizer_steps_line(cfg) -> str:
             f" x actor.ppo_epochs {a.ppo_epochs})")
 
 
-def make_scheduler(optimizer, cfg: OptimConfig, total_steps: int):
+def make_scheduler(optimizer, cfg: OptimConfig, total_steps: int, per_rl_step: int = 1,
+                   warmup_steps: int | None = None):
+    """The LR schedule over ``total_steps`` optimizer steps, stepped once per applied optimizer
+    step. ``cfg.lr_schedule_unit == "rl_step"``: warmup and cosine count RL steps of
+    ``per_rl_step`` optimizer steps each, and the LR holds within an RL step (verl's scheduler,
+    stepped once per update). ``warmup_steps``: in place of ``cfg.warmup_steps`` (the critic's
+    own, ``cfg.critic_warmup_steps``)."""
+    k = per_rl_step if cfg.lr_schedule_unit == "rl_step" else 1
+    warmup = cfg.warmup_steps if warmup_steps is None else warmup_steps
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
-                                       schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio))
+        optimizer, lambda s: lr_factor(s // k, warmup_steps=warmup,
+                                       total_steps=total_steps // k, schedule=cfg.lr_schedule,
+                                       min_lr_ratio=cfg.min_lr_ratio))

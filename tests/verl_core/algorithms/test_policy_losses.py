@@ -12,6 +12,7 @@ import torch
 from tests.verl_core.algorithms.inputs import LOSS_OPTIONS as OPTS
 from tests.verl_core.algorithms.inputs import LossInputs
 from verl_core.algorithms import POLICY_LOSSES, PolicyLossOptions, agg_loss
+from verl_core.config import AlgorithmConfig
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
          "token-sum")
@@ -437,6 +438,21 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
         loss, _ = LossInputs(old, new, adv).call(name)
         (grad,) = torch.autograd.grad(loss, new)
         assert grad.item() == pytest.approx(expected)
+
+
+def test_cispo_with_verls_large_clip_ratio_low_has_no_lower_clip():
+    # verl's CISPO example sets clip_ratio_low=10: 1 - 10 < 0 < any ratio, so a ratio of 0.25
+    # (A = 1) keeps its weight 0.25 where 0.2 would clip it to 0.8; the config takes it
+    old, new = torch.zeros(1, 1, dtype=torch.float64), torch.full((1, 1), math.log(0.25),
+                                                                  dtype=torch.float64)
+    new.requires_grad_(True)
+    adv = torch.ones(1, 1, dtype=torch.float64)
+    for low, weight in ((10.0, 0.25), (0.2, 0.8)):
+        loss, _ = LossInputs(old, new, adv, clip_ratio_low=low).call("cispo")
+        (grad,) = torch.autograd.grad(loss, new)
+        assert grad.item() == pytest.approx(-weight)
+    cfg = AlgorithmConfig(policy_loss="cispo", clip_ratio_low=10.0)
+    assert cfg.clip_ratio_low == 10.0
 
 
 @pytest.mark.parametrize("kind", ["tv", "kl"])

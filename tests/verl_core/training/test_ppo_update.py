@@ -208,6 +208,25 @@ def test_lr_schedule_warmup_then_schedule(schedule):
         assert all(x >= y for x, y in zip(f[4:], f[5:]))
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_lr_schedule_in_rl_steps_holds_within_an_rl_step(schedule):
+    # verl steps its scheduler once per RL step: with 3 optimizer steps per RL step, the LR of
+    # optimizer step s is the optimizer-step schedule's at RL step s // 3
+    cfg = OptimConfig(lr=1.0, warmup_steps=2, lr_schedule=schedule, min_lr_ratio=0.1,
+                      lr_schedule_unit="rl_step")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    sched = make_scheduler(opt, cfg, 5 * 3, per_rl_step=3)
+    lrs = []
+    for _ in range(15):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    want = [lr_factor(s // 3, warmup_steps=2, total_steps=5, schedule=schedule, min_lr_ratio=0.1)
+            for s in range(15)]
+    assert lrs == pytest.approx(want, rel=0, abs=1e-15)
+    assert lrs[:6] == pytest.approx([0.5] * 3 + [1.0] * 3)  # two RL steps of warmup
+
+
 # ---------------------------------------------------------------- policy-loss options plumbing
 def test_loss_options_carry_every_config_field_with_verls_defaults():
     algo = AlgorithmConfig()
