@@ -36,6 +36,11 @@ largest summed RSS of the tree at any poll during the measured steps, and over t
     pip install -e '.[bench]' -c .ci/constraints-cpu.txt
     python bench/real_model.py                         # fetch the model, every run, 1 and 2 threads
     python bench/real_model.py --model DIR --threads 2 --only plain,trl --steps 4
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 python bench/real_model.py ...
+
+The allocator is the process's: every run (ours and TRL's) inherits ``LD_PRELOAD``, and the
+table's header names it (jemalloc is what the Docker images preload: glibc's heap keeps the
+update's freed buffers resident, which hides LoRA's saving in the RSS; docs/lora.md).
 """
 
 from __future__ import annotations
@@ -405,6 +410,7 @@ def main() -> None:
                   f"mean response length {x['len']:.1f}", flush=True)
     names = {"plain": "ours, plain loop", "whole-rows": "ours, plain loop, whole rows", "flyte": "ours, Flyte workflow", "bf16": "ours, bf16",
              "lora": "ours, LoRA r16", "trl": "TRL GRPOTrainer", "trl-lora": "TRL, LoRA r16"}
+    print(f"\nallocator: {os.environ.get('LD_PRELOAD') or 'glibc malloc'} (every run)")
     print("\n| run | threads | CPU s / step | x TRL | wall s / step | x TRL | peak RSS GiB, "
           "steps | x TRL | peak RSS GiB, whole command | response length |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -194,3 +194,13 @@ def test_registering_without_a_gpu_image_is_refused():
         image_config=ImageConfig.from_images("registry.example.com/verl-flyte:1"))
     with pytest.raises(AssertionError, match="Image Config with name gpu not found"):
         get_serializable({}, settings, rollout)
+
+
+def test_both_images_preload_jemalloc():
+    # jemalloc hands freed buffers back where glibc's heap keeps them resident (LoRA's saving
+    # shows in the RSS only then: BENCHMARKS.md, "The allocator"); Ray's workers inherit it
+    for name, stage in _stages().items():
+        runs = " ".join(ins["value"] for ins in stage if ins["instruction"] == "RUN")
+        envs = " ".join(ins["value"] for ins in stage if ins["instruction"] == "ENV")
+        assert "libjemalloc2" in runs and "/usr/local/lib/libjemalloc.so.2" in runs, name
+        assert "LD_PRELOAD=/usr/local/lib/libjemalloc.so.2" in envs, name
