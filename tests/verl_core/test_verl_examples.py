@@ -135,7 +135,8 @@ def test_the_scripts_cover_the_refusals_the_issue_met():
     assert any(s["overrides"].get("trainer.save_freq") == -1 for s in SCRIPTS)
 
 
-TRAINED = ["gspo-qwen2.5-3b-math", "cispo-qwen2.5-0.5b", "ppo-rm-legacy-qwen2.5-3b"]
+TRAINED = ["gspo-qwen2.5-3b-math", "cispo-qwen2.5-0.5b", "ppo-rm-legacy-qwen2.5-3b",
+           "ppo-rm-qwen2-7b"]
 
 
 @pytest.mark.slow
