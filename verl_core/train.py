@@ -32,7 +32,8 @@ USER_ERROR_CLASSES = (
     ("verl_core.config_fields", "ConfigError"), ("verl_core.data.dataset", "DatasetError"),
     ("verl_core.data.batch", "PromptTooLongError"), ("verl_core.models.loading", "ModelLoadError"),
     ("verl_core.guard.lease", "LeaseHeldError"), ("verl_core.validation", "DataValidationError"),
-    ("verl_core.validation", "RunInputError"), ("verl_core.guard.faults", "FaultSpecError"))
+    ("verl_core.validation", "RunInputError"), ("verl_core.guard.faults", "FaultSpecError"),
+    ("verl_core.rollout.vllm", "VLLMUnavailableError"))
 """Wrong input (options, data files, model folder, a store another loop is writing), by module
 and class name: the CLI prints the message, which names the field or file and the fix, and exits
 2; a traceback would only bury it."""
@@ -91,6 +92,12 @@ def train(cfg, workdir: str = "", log=_say, *, store: str = "", run_name: str = 
             "trains in this one process; run a worker group through the workflow: pyflyte run "
             "workflows/ppo.py ppo --overrides '{\"trainer.n_gpus_per_node\": "
             f"{cfg.trainer.n_gpus_per_node}}}'")
+    if cfg.rollout.engine == "vllm":
+        # the engine runs in this process: a missing (or wrong-platform) vLLM is said before
+        # any work, not at the first rollout after the warm start
+        from verl_core.rollout.vllm import import_vllm
+
+        import_vllm()
     t_start = time.perf_counter()
     torch.set_num_threads(intra_op_threads(cfg))  # 0: this host's CPUs (verl_core.threads)
     root, name = _run_store(workdir) if workdir else (store, run_name)

@@ -4,6 +4,7 @@ any work, with a fix named; a permanent error raised in a Ray worker keeps its c
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import struct
@@ -208,3 +209,17 @@ def test_without_vllm_the_head_size_is_left_to_the_engine(monkeypatch):
     assert supported_head_sizes() is None
     check_run_inputs(with_overrides(RunConfig(), {"rollout.engine": "vllm",
                                                   "model.tiny_heads": 4}))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                    reason="vLLM is installed here: nothing is missing")
+def test_a_missing_vllm_is_refused_by_the_plain_loop_before_any_work(tmp_path, capsys):
+    # verl's scripts say rollout.name=vllm: without vLLM the plain loop says so and how to install
+    # it before the run store, the warm start or any asset exists
+    from verl_core.train import main
+
+    work = tmp_path / "run"
+    assert main(["actor_rollout_ref.rollout.name=vllm", "--workdir", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.engine='vllm' needs the vllm package" in err and "rollout.engine='hf'" in err
+    assert not work.exists()
