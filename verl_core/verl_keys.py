@@ -92,7 +92,7 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def load_yaml(path: str) -> dict[str, object]:
+def load_yaml(path: str, command_line: dict | None = None) -> dict[str, object]:
     """A verl YAML config file -> flat dotted keys: a flat one (``_generated_ppo_trainer.yaml``'s
     layout, or the config.yaml Hydra saves in a run), or one with a Hydra ``defaults:`` list (verl's
     example configs: ``defaults: [ppo_trainer, _self_]``), which Hydra composes against verl's
@@ -110,18 +110,21 @@ def load_yaml(path: str) -> dict[str, object]:
         raise ConfigError(f"verl config {path!r}: must be a mapping of sections, e.g. "
                           "'actor_rollout_ref: {actor: {optim: {lr: 1e-6}}}'")
     if "defaults" in tree:
-        return compose_yaml(os.path.expanduser(path))
+        return compose_yaml(os.path.expanduser(path), command_line)
     tree.pop("hydra", None)  # Hydra's own settings (a search path): nothing to compose
     return flatten(tree)
 
 
-def compose_yaml(path: str) -> dict[str, object]:
+def compose_yaml(path: str, command_line: dict | None = None) -> dict[str, object]:
     """A verl config with a ``defaults:`` list, composed by Hydra (hydra-core, as verl composes it)
     -> flat dotted keys. ``ppo_trainer`` (verl's ``defaults`` entry) is verl's generated default
     (``verl_defaults/ppo_trainer.yaml``); other entries are found next to the file, as verl's
     ``--config-path`` finds them. The file's own ``hydra.searchpath`` (verl's checkout,
     ``file://verl/trainer/config``) is replaced by those two folders. A value the file writes as an
-    interpolation (``${data.max_response_length}``) is resolved against the composed config."""
+    interpolation (``${data.max_response_length}``) is resolved against the composed config with
+    ``command_line``'s verl keys applied, as verl resolves it after its command line (DAPO's
+    ``gen_batch_size: ${data.train_batch_size}`` follows a ``data.train_batch_size=`` given
+    there)."""
     import tempfile
 
     from hydra import compose, initialize_config_dir
@@ -151,6 +154,10 @@ def compose_yaml(path: str) -> dict[str, object]:
     finally:
         GlobalHydra.instance().clear()
     flat = flatten(OmegaConf.to_container(cfg, resolve=False))
+    for key, value in (command_line or {}).items():
+        key = str(key).lstrip("+")
+        if key in flat and not (isinstance(value, str) and "${" in value):
+            OmegaConf.update(cfg, key, value)  # what the file's interpolations will read
     defaults = verl_defaults()
     for key, value in flat.items():
         if isinstance(value, str) and "${" in value and not _same(value, defaults.get(key)):
@@ -1011,7 +1018,7 @@ def overrides_from(verl_config: str = "", overrides: dict | None = None) -> dict
     if overrides is not None and not isinstance(overrides, dict):
         raise ConfigError(f"overrides={overrides!r}: must be a mapping of dotted keys to values, "
                           'e.g. {"actor_rollout_ref.actor.optim.lr": 1e-6}')
-    out = to_ours(load_yaml(verl_config), from_file=verl_config) if verl_config else {}
+    out = to_ours(load_yaml(verl_config, overrides), from_file=verl_config) if verl_config else {}
     out.update(to_ours(overrides or {}))
     return out
 

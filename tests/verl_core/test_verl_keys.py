@@ -470,8 +470,12 @@ def test_verl_example_configs_compose_with_hydra():
     with pytest.raises(ConfigError, match="rollout.name='sglang': SGLang serves rollouts on CUDA"):
         to_ours(multi, from_file="x.yaml")
     dapo = load_yaml(os.path.join(VERL_CONFIGS, "dapo_trainer.yaml"))
-    # data.gen_batch_size: ${data.train_batch_size}, resolved in the composed config
+    # data.gen_batch_size: ${data.train_batch_size}, resolved in the composed config, after the
+    # command line's keys, as verl resolves it
     assert dapo["data.gen_batch_size"] == verl_defaults()["data.train_batch_size"]
+    over = overrides_from(os.path.join(VERL_CONFIGS, "dapo_trainer.yaml"),
+                          {"data.train_batch_size": 8})
+    assert (over["data.gen_batch_size"], over["data.train_batch_size"]) == (8, 8)
     assert to_ours(dapo, from_file="dapo.yaml")["reward.overlong_buffer_enable"] is False
 
 
