@@ -38,7 +38,7 @@ from verl_core.data.sampler import ResumableSampler
 from verl_core.data.synthetic import write_arithmetic_dataset, write_calculator_dataset
 from verl_core.data.word_problems import write_word_problem_dataset
 from verl_core.models import build_tiny_model, load_causal_lm, load_critic, load_tokenizer
-from verl_core.models.loading import precision_line
+from verl_core.models.loading import precision_line, write_overridden_folder
 from verl_core.models.tokenizer import CHAR_CHAT_TEMPLATE, build_char_tokenizer
 from verl_core.reward.decode import decode_responses, stop_token_ids
 from verl_core.reward.manager import RewardScorer
@@ -95,8 +95,9 @@ class Assets:
     reward_model_path: str = ""
     """The reward model's folder ("" without ``reward_model.enable``)."""
     model_source_path: str = ""
-    """The folder you brought when ``model_path`` is its format-warm-started copy
-    (``model.format_warmup_steps``); "" otherwise."""
+    """The folder you brought when ``model_path`` is a copy made from it (its format warm start,
+    ``model.format_warmup_steps``, or its config.json with ``model.override_config``); ""
+    otherwise."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,10 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
             model_path = os.path.join(workdir, "model")
             format_warm_start(cfg, tok, rows, train_files, model_path, store, log,
                               seed=derive_seed(cfg.seed, 0, "format-warmup"))
+            if cfg.model.override_config:  # RL trains the warm-started weights with them
+                write_overridden_folder(model_path, model_path + "-config",
+                                        cfg.model.config_overrides)
+                model_path += "-config"
             log(precision_line(model_path, cfg.model.dtype))
         return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
                       reward_model_path=rm.path if rm.enable else "",
@@ -169,6 +174,13 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
     if cfg.model.path:
         check_lora(cfg.model, meta_model(cfg.model.path))  # model.lora_*: before any work
         model_path = cfg.model.path
+        if cfg.model.override_config:  # the run's copy, config.json changed, weights linked
+            model_path = write_overridden_folder(cfg.model.path, os.path.join(workdir, "model"),
+                                                 cfg.model.config_overrides)
+            log(precision_line(model_path, cfg.model.dtype))
+            return Assets(model_path=model_path, train_files=train_files,
+                          val_files=val_files, reward_model_path=rm.path if rm.enable else "",
+                          model_source_path=cfg.model.path)
     elif not build_model:
         return Assets(model_path="", train_files=train_files, val_files=val_files,
                       reward_model_path=rm.path if rm.enable else "")

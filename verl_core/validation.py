@@ -656,6 +656,10 @@ def check_run_inputs(cfg: "RunConfig", storage_options: dict | None = None) -> N
     if cfg.model.path:
         check_model_folder(cfg.model.path, "model.path")
         check_sequence_fits(cfg)
+        if cfg.model.override_config:
+            from verl_core.models.loading import check_config_overrides
+
+            check_config_overrides(cfg.model.path, cfg.model.config_overrides)
     if cfg.rollout.engine == "vllm":
         check_vllm_head_size(cfg)
     if cfg.reward_model.enable:

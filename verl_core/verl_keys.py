@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import os
 import re
 from typing import Callable
@@ -367,6 +368,18 @@ def _logger(value, ctx) -> Pairs:
     return pairs
 
 
+OVERRIDE_CONFIG = "actor_rollout_ref.model.override_config"
+
+
+def _override_config(value, ctx) -> Pairs:
+    """verl's ``override_config``: config.json fields of the actor's model -> our
+    ``model.override_config`` (a JSON object; checked against the model's config at prepare)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{OVERRIDE_CONFIG}={value!r}: a mapping of config.json fields, e.g. "
+                          f"{OVERRIDE_CONFIG}.attention_dropout=0.0")
+    return [("model.override_config", json.dumps(value, sort_keys=True))] if value else []
+
+
 MULTI_GPU = "a multi-GPU layout"
 """The words every refusal of a GPU-only setting carries (tensor or sequence parallelism, the
 SGLang engine): ``tests/verl_core/test_verl_examples.py`` tells them from other refusals."""
@@ -463,6 +476,7 @@ VERL_TO_OURS: dict[str, Transform] = {
                                              "gpu_memory_utilization", "enforce_eager",
                                              "free_cache_engine")},
     R + "name": _engine,
+    OVERRIDE_CONFIG: _override_config,
     # the engines' own knobs: vLLM's, and the hf engine's generation batch
     R + "max_num_seqs": _to("rollout.max_num_seqs"),
     R + "max_model_len": _to("rollout.max_model_len"),
@@ -887,8 +901,10 @@ REFUSED_PATTERNS: list[tuple[re.Pattern, str]] = [
         (r"(tokenizer_path|hf_config_path|input_tokenizer|^data\.tokenizer)$",
          "the tokenizer and the model config are read from the model's own folder (model.path; "
          "the reward model's from reward_model.path)"),
-        (r"\.override_config(\.|$)", "overriding fields of the model's config.json is not "
-                                      "built yet: edit them in a copy of the model folder"),
+        (r"^(critic|reward_model)\.model\.override_config(\.|$)",
+         "the critic starts from the actor's model (its config.json fields are "
+         "actor_rollout_ref.model.override_config's) and the reward model is loaded as its folder "
+         "has it; edit a copy of the folder for another config"),
         (r"^actor_rollout_ref\.rollout\.quantization",
          "GPU-only: quantized (FP8) rollouts are not built here; the engine samples in "
          "model.dtype"),
@@ -926,6 +942,7 @@ def to_ours(values: dict[str, object], *, from_file: str = "") -> dict[str, obje
     values fail naming both. Every key that cannot apply is named in one error, each with its
     reason (a command is fixed in one round trip, not one key at a time)."""
     where = f" (in {from_file})" if from_file else ""
+    values = _gather(values, OVERRIDE_CONFIG)
     defaults = verl_defaults()
     out: dict[str, object] = {}
     origin: dict[str, str] = {}
@@ -949,6 +966,23 @@ def to_ours(values: dict[str, object], *, from_file: str = "") -> dict[str, obje
     if refused:
         raise ConfigError(f"{len(refused)} config keys cannot apply:\n" +
                           "\n".join(f"  - {r}" for r in refused))
+    return out
+
+
+def _gather(values: dict, prefix: str) -> dict:
+    """``values`` with every ``prefix.field`` key (and ``prefix`` itself, a mapping) collected
+    into one ``prefix`` mapping: verl's ``override_config`` given field by field on a command
+    line, or as a nested mapping in a YAML file (flattened)."""
+    parts = {str(k).lstrip("+"): v for k, v in values.items()}
+    fields = {k[len(prefix) + 1:]: v for k, v in parts.items() if k.startswith(prefix + ".")}
+    if not fields:
+        return values
+    whole = parts.get(prefix) or {}
+    if not isinstance(whole, dict):
+        return values  # refused by the transform, naming it
+    out = {k: v for k, v in values.items()
+           if not str(k).lstrip("+").startswith(prefix + ".") and str(k).lstrip("+") != prefix}
+    out[prefix] = {**whole, **fields}
     return out
 
 

@@ -160,3 +160,32 @@ def test_a_script_trains_one_step(name, local_files, tmp_path, capsys):
         assert "val sample 2/2 after step" in text
     if name.startswith("ppo-rm"):  # save_freq=-1: the header says what is saved
         assert "checkpoints: the last step only" in text
+
+
+@pytest.mark.slow
+def test_override_config_trains_and_exports_the_changed_config(local_files, tmp_path, capsys):
+    # verl's actor_rollout_ref.model.override_config.*: the run's copy of the folder has the
+    # field changed in its config.json (the weights are the same files), and the export keeps it
+    from verl_core.train import main
+
+    files = local_files["files"]
+    common = [f"actor_rollout_ref.model.path={local_files['model']}",
+              f"data.train_files={files['gsm8k', 'train']}",
+              f"data.val_files={files['gsm8k', 'test']}", "algorithm.adv_estimator=grpo",
+              "data.train_batch_size=4", f"{A}ppo_mini_batch_size=2", f"{R}n=2",
+              "data.max_prompt_length=32", "data.max_response_length=8",
+              "trainer.total_training_steps=1"]
+    out = tmp_path / "summary.json"
+    assert main([*common, "actor_rollout_ref.model.override_config.rms_norm_eps=0.001",
+                 "--workdir", str(tmp_path / "run"), "--summary-json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    exported = json.loads(open(os.path.join(summary["final_model"], "config.json")).read())
+    original = json.loads(open(os.path.join(local_files["model"], "config.json")).read())
+    assert exported["rms_norm_eps"] == 0.001 != original["rms_norm_eps"]
+    # a field the config does not have: refused before any work, naming the fields
+    capsys.readouterr()
+    assert main([*common, "actor_rollout_ref.model.override_config.rms_eps=0.001",
+                 "--workdir", str(tmp_path / "typo")]) == 2
+    err = capsys.readouterr().err
+    assert "model.override_config names ['rms_eps']" in err and "rms_norm_eps" in err
+    assert not (tmp_path / "typo" / "checkpoints").exists()

@@ -50,6 +50,10 @@ MAPPED = [
     (f"{A}optim.lr_warmup_steps_ratio=0.25 critic.optim.lr_warmup_steps_ratio=0.05",
      {"optim.lr_warmup_steps_ratio": 0.25, "optim.critic_lr_warmup_steps_ratio": 0.05,
       "optim.lr_schedule_unit": "rl_step"}),
+    # override_config field by field (a command line) or as one mapping (a YAML file)
+    ("actor_rollout_ref.model.override_config.attention_dropout=0.0 "
+     "+actor_rollout_ref.model.override_config.rope_theta=500000",
+     {"model.override_config": '{"attention_dropout": 0.0, "rope_theta": 500000}'}),
     ("critic.optim.lr_warmup_steps=4", {"optim.critic_warmup_steps": 4,
                                         "optim.lr_schedule_unit": "rl_step"}),
     ("critic.optim.lr=1e-5", {"optim.critic_lr": 1e-5}),

@@ -6,6 +6,8 @@ hashed in ``verl_core/config.py``.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 
 from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of, _positive,
@@ -28,6 +30,11 @@ def _lora_on(run) -> bool:
     """``model.lora_rank`` 0: the other LoRA fields do nothing, and the run hashes as before
     they existed."""
     return run.model.lora_rank > 0
+
+
+def _override_on(run) -> bool:
+    """``model.override_config`` empty: the run hashes as before the field existed."""
+    return bool(run.model.override_config)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,12 @@ class ModelConfig:
     """The share of the mixed part's transcripts that call the tool (``warmup_mixed_steps``).
     At 0.1 (the demo's seed) the warm-started model does not call when greedy and calls in ~3%
     of its samples at the demo's temperature (``tool_calls/mean`` 0.029 at step 1)."""
+    override_config: str = in_trajectory("", when=_override_on)
+    """Fields of the model's ``config.json`` to replace, as a JSON object (verl's
+    ``actor_rollout_ref.model.override_config``), e.g. ``{"attention_dropout": 0.0}``: the run
+    trains, samples, evaluates and exports a copy of the folder whose config.json has them (the
+    weights are the same files). Each must name a field the config has (a typo is refused at
+    prepare, naming the fields). Empty: the folder as it is."""
     format_warmup_steps: int = in_trajectory(0, when=_format_warmup_on)
     """A model you bring (``path``): this many supervised steps on the training rows' worked
     solutions (``extra_info.answer``: verl's gsm8k preprocessing keeps GSM8K's solution there, and
@@ -104,6 +117,21 @@ class ModelConfig:
     ``adapter_model.safetensors``) instead of fresh adapters; its rank, alpha and targets are
     the adapter's own and must match ``lora_rank`` (verl's ``lora_adapter_path``)."""
 
+    @property
+    def config_overrides(self) -> dict:
+        """``override_config`` parsed: {field: value} (checked to be a JSON object)."""
+        if not self.override_config:
+            return {}
+        try:
+            value = json.loads(self.override_config)
+        except json.JSONDecodeError as e:
+            _fail("model", "override_config", self.override_config,
+                  f"is not JSON ({e}); give an object, e.g. '{{\"attention_dropout\": 0.0}}'")
+        if not isinstance(value, dict):
+            _fail("model", "override_config", self.override_config,
+                  "must be a JSON object of config.json fields")
+        return value
+
     def __post_init__(self):
         _check_types("model", self)
         _positive("model", self, "tiny_hidden_size", "tiny_layers", "tiny_heads",
@@ -111,6 +139,15 @@ class ModelConfig:
         _non_negative("model", self, "warmup_sft_steps", "warmup_mixed_steps")
         _positive("model", self, "warmup_sft_lr", "format_warmup_lr", "format_warmup_batch_size")
         _non_negative("model", self, "format_warmup_steps")
+        if self.override_config:
+            overrides = self.config_overrides
+            if not self.path:
+                _fail("model", "override_config", self.override_config,
+                      "is for a model you bring (set model.path); the tiny model's config is "
+                      "model.tiny_*")
+            if not overrides:
+                _fail("model", "override_config", self.override_config,
+                      "give at least one field, or leave it empty")
         if self.format_warmup_steps and not self.path:
             _fail("model", "format_warmup_steps", self.format_warmup_steps,
                   "is for a model you bring (set model.path); the tiny model has its own warm "

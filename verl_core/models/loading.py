@@ -313,3 +313,41 @@ def precision_line(path: str, dtype: str) -> str:
         how = (f"trains in {dtype} throughout; model.dtype=bfloat16 would compute in bf16 over "
                "float32 master weights")
     return f"[verl] model weights stored in {stored}; model.dtype={dtype}: {how}"
+
+
+def check_config_overrides(source: str, overrides: dict) -> None:
+    """Every key of ``overrides`` (``model.override_config``) names a field of the model's
+    config (config.json's own, or a default of its config class), else :class:`ModelLoadError`
+    naming the fields: run at prepare, before any work."""
+    known = AutoConfig.from_pretrained(source).to_dict()
+    unknown = sorted(k for k in overrides if k not in known)
+    if unknown:
+        raise ModelLoadError(
+            f"model.override_config names {unknown}, which the config of {source} "
+            f"({known.get('model_type')}) has no field for; its fields: "
+            f"{', '.join(sorted(known))}")
+
+
+def write_overridden_folder(source: str, folder: str, overrides: dict) -> str:
+    """``folder``: the model folder ``source`` with ``overrides`` (``model.override_config``)
+    written into its config.json; every other file hard-linked (copied across file systems).
+    Each override must name a field the model's config has (config.json's own, or a default of
+    its config class): a typo is refused naming the fields, as :class:`ModelLoadError`."""
+    import shutil
+
+    check_config_overrides(source, overrides)
+    os.makedirs(folder, exist_ok=True)
+    for name in sorted(os.listdir(source)):
+        src, dst = os.path.join(source, name), os.path.join(folder, name)
+        if name == "config.json" or not os.path.isfile(src):
+            continue
+        try:
+            os.link(src, dst)
+        except OSError:  # another file system: the bytes, once
+            shutil.copy2(src, dst)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config.update(overrides)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    return folder
