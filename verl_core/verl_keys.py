@@ -294,20 +294,15 @@ def _filter_overlong(value, ctx) -> Pairs:
     return []
 
 
-LAST_STEP_ONLY = "checkpoint.last_step_only"
-"""Kept by :func:`to_ours` for verl's ``trainer.save_freq`` <= 0 (verl: never save): the closest
-the durability rule allows is a checkpoint at the run's last step only (the interval becomes the
-run's length in :func:`run_config`); a crash before it replays the stored batches from the
-start. The run header says so (:func:`verl_core.checkpoint.config.schedule_line`)."""
-
-
 def _save_freq(value, ctx) -> Pairs:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"trainer.save_freq={value!r}: give an interval in steps (verl's -1: "
                           "no periodic checkpoints)")
     if value > 0:
         return [("checkpoint.checkpoint_interval", value)]
-    return [(LAST_STEP_ONLY, True)]
+    # verl: never save; here the closest a durable run gets (said in the run header), with the
+    # rollback and replay schedule's interval the run's length (run_config)
+    return [("checkpoint.last_step_only", True)]
 
 
 def _test_freq(value, ctx) -> Pairs:
@@ -1096,7 +1091,6 @@ def run_config(algorithm: str = "", verl_config: str = "", overrides: dict | Non
     over = overrides_from(verl_config, overrides)
     epochs = over.pop(TOTAL_EPOCHS, None)
     ratios = {k: over.pop(k) for k in WARMUP_RATIO if k in over}
-    last_only = over.pop(LAST_STEP_ONLY, False)
     options = dict(options or {})
     batch_size = options.get("data.train_batch_size")
     if batch_size and "actor.ppo_mini_batch_size" not in over:
@@ -1119,6 +1113,6 @@ def run_config(algorithm: str = "", verl_config: str = "", overrides: dict | Non
     total = late.get("total_steps", cfg.total_steps)
     for k, ratio in ratios.items():  # verl: int(ratio x total training steps) warmup RL steps
         late[WARMUP_RATIO[k]] = int(ratio * total)
-    if last_only:
-        late["checkpoint.checkpoint_interval"] = total
+    if cfg.checkpoint.last_step_only and "checkpoint.checkpoint_interval" not in over:
+        late["checkpoint.checkpoint_interval"] = total  # no save between: the schedule agrees
     return with_overrides(cfg, late) if late else cfg

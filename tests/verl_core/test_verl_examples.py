@@ -158,8 +158,9 @@ def test_a_script_trains_one_step(name, local_files, tmp_path, capsys):
     text = printed.out + printed.err
     if name.startswith("gspo"):  # MATH and GSM8K rows scored, samples printed, warmup in steps
         assert "val sample 2/2 after step" in text
-    if name.startswith("ppo-rm"):  # save_freq=-1: the header says what is saved
-        assert "checkpoints: the last step only" in text
+    # save_freq=-1: the header says what is saved; no other script's header has the line
+    assert ("checkpoints: the last step only" in text) == \
+        (script["overrides"].get("trainer.save_freq") == -1)
 
 
 @pytest.mark.slow

@@ -410,12 +410,13 @@ def test_warmup_ratio_and_save_freq_minus_one_follow_the_run_length():
                                             "trainer.total_training_steps=7",
                                             "trainer.save_freq=-1"]))
     assert (cfg.total_steps, cfg.optim.warmup_steps, cfg.optim.critic_warmup_steps,
-            cfg.optim.lr_schedule_unit, cfg.checkpoint.checkpoint_interval) == \
-        (7, 2, 3, "rl_step", 7)
+            cfg.optim.lr_schedule_unit, cfg.checkpoint.checkpoint_interval,
+            cfg.checkpoint.last_step_only) == (7, 2, 3, "rl_step", 7, True)
     assert [s for s in range(1, 8) if cfg.checkpoint.due(s, 7)] == [7]
     assert "the last step only" in schedule_line(cfg) and "save_freq=-1" in schedule_line(cfg)
+    # the header line is for that choice only: a short run with the default interval has none
     assert schedule_line(run_config("grpo", "", {"trainer.total_training_steps": 7,
-                                                 "trainer.save_freq": 2})) == ""
+                                                 "trainer.save_freq": 10})) == ""
 
 
 def test_engine_knobs_map_onto_the_rollout_and_a_short_context_is_refused():

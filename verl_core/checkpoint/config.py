@@ -18,6 +18,10 @@ class CheckpointConfig:
     checkpoint_interval: int = not_in_trajectory(10)
     """Save a verified checkpoint every k steps (the last step is always saved). Between
     checkpoints a crashed run recovers by replaying the stored batches of the finished updates."""
+    last_step_only: bool = not_in_trajectory(False)
+    """Save the run's last step only (verl's ``trainer.save_freq=-1``, "never save", as close as
+    a durable run gets): a crash before it replays the stored batches from the start (or from
+    the checkpoint a run resumed from). The run header says so."""
     checkpoint_interval_s: float = not_in_trajectory(0.0)
     """Also save when this many seconds passed since the last save (0: off)."""
     save_optimizer_state: bool = not_in_trajectory(True)
@@ -57,7 +61,11 @@ class CheckpointConfig:
         ``checkpoint_interval`` steps, at the last step, and with ``checkpoint_interval_s`` when
         ``since_save_s`` seconds since the last save reach it. ``since_save_s=None`` (not known
         yet, as when a workflow is planned): every step may be due, the worker decides."""
-        if step % self.checkpoint_interval == 0 or step == total_steps:
+        if step == total_steps:
+            return True
+        if self.last_step_only:
+            return False
+        if step % self.checkpoint_interval == 0:
             return True
         if not self.checkpoint_interval_s:
             return False
@@ -65,11 +73,10 @@ class CheckpointConfig:
 
 
 def schedule_line(cfg) -> str:
-    """The run header's line when ``cfg`` (a ``RunConfig``) saves its last step only (the
-    interval is the run's length or more, e.g. verl's ``trainer.save_freq=-1``), else ""."""
-    k, total = cfg.checkpoint.checkpoint_interval, cfg.total_steps
-    if k < total or cfg.checkpoint.checkpoint_interval_s:
+    """The run header's line when ``cfg`` (a ``RunConfig``) saves its last step only
+    (``checkpoint.last_step_only``, verl's ``trainer.save_freq=-1``), else ""."""
+    if not cfg.checkpoint.last_step_only:
         return ""
-    return (f"[verl] checkpoints: the last step only (checkpoint.checkpoint_interval={k} >= "
-            f"{total} steps; verl's trainer.save_freq=-1 saves none, a run here always saves its "
-            "end): a crash before it replays the stored batches from the start")
+    return (f"[verl] checkpoints: the last step only (checkpoint.last_step_only, verl's "
+            f"trainer.save_freq=-1, which saves none: a run here always saves its end, step "
+            f"{cfg.total_steps}); a crash before it replays the stored batches from the start")

@@ -20,6 +20,7 @@ column, and says what to do; nothing is silently dropped or truncated.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -174,7 +175,22 @@ def _checked_reward_model(reward_model, where: str):
     return reward_model
 
 
+def _plain(value):
+    """A parquet cell's value as JSON-able Python (numpy arrays from list columns as lists)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _ground_truth_text(gt, where: str, column: str) -> str:
+    """The ground truth as the text every scorer gets: a string as it is, a number as its
+    shortest form, and a structured one (verl's Search-R1 rows hold ``{"target": [answers]}``)
+    as its canonical JSON text, which the scorers that take structure parse (``reward/qa_em.py``;
+    a custom scorer gets the text: ``json.loads`` it)."""
     if isinstance(gt, str):
         return gt
     if isinstance(gt, bool) or gt is None:
@@ -183,9 +199,18 @@ def _ground_truth_text(gt, where: str, column: str) -> str:
         return str(int(gt))
     elif isinstance(gt, numbers.Real) and math.isfinite(gt):
         return str(int(gt)) if float(gt).is_integer() else repr(float(gt))
+    elif isinstance(gt, (dict, list, tuple)) or hasattr(gt, "tolist"):
+        plain = _plain(gt)
+        try:
+            text = json.dumps(plain, sort_keys=True, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):
+            pass
+        else:
+            if plain not in ({}, []):
+                return text
     raise DatasetError(f"{where}, column '{column}': is {gt!r}; the ground truth must be a "
-                       "non-null string or number (store list/dict answers as a string and "
-                       "parse them in a custom scorer)")
+                       "non-null string, number, or a non-empty list/mapping of them (e.g. "
+                       "{'target': ['Paris']})")
 
 
 def _messages_of(prompt, where: str) -> tuple[Message, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from verl_core.reward import arithmetic, calculator, gsm8k, math_answer, math_dapo
+from verl_core.reward import arithmetic, calculator, gsm8k, math_answer, math_dapo, qa_em
 
 __all__ = ["RULE_SCORERS", "DATA_SOURCE_SCORERS", "DATA_SOURCE_PREFIXES", "RULE_SCORE_RANGES",
            "register_rule_scorer", "scorer_for", "known_data_sources", "default_compute_score",
@@ -83,6 +83,10 @@ register_rule_scorer("math", math_answer.compute_score,
 register_rule_scorer("math_dapo", math_dapo.compute_score,
                      ("math_dapo", "math", "math_dapo_reasoning"), score_range=(-1.0, 1.0),
                      data_source_prefixes=("aime",))  # +1 correct, -1 otherwise
+register_rule_scorer("qa_em", qa_em.compute_score,
+                     tuple(f"searchR1_{s}" for s in ("nq", "triviaqa", "popqa", "hotpotqa",
+                                                      "2wikimultihopqa", "musique", "bamboogle")),
+                     score_range=(0.0, 1.0))  # 1 exact match (0.25 with answer-tag spam), else 0
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,

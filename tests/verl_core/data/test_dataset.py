@@ -160,3 +160,14 @@ def test_render_prompt():
         == "s\nu"
     assert render_prompt(row.chat, _TemplateTokenizer()) == "<user>12+7=<assistant>"
     assert render_prompt(row.messages, _TemplateTokenizer()) == "<user>12+7=<assistant>"
+
+
+def test_structured_ground_truth_becomes_canonical_json(tmp_path):
+    # verl's Search-R1 rows: {"target": [answers]} (a list column reads back as an array)
+    f = _write(tmp_path / "qa.parquet", [_row(gt={"target": ["Paris", "paris, france"]})])
+    (row,) = load_prompt_rows(f)
+    assert row.ground_truth == '{"target": ["Paris", "paris, france"]}'
+    from verl_core.reward import qa_em
+    assert qa_em.compute_score("<answer>Paris, France</answer>", row.ground_truth) == 1.0
+    with pytest.raises(DatasetError, match=r"row 0 .*ground_truth.*non-empty list/mapping"):
+        load_prompt_rows(_write(tmp_path / "e.parquet", [_row(gt=[])]))

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from verl_core.reward import gsm8k, math_answer, math_dapo
+from verl_core.reward import gsm8k, math_answer, math_dapo, qa_em
 from verl_core.reward.registry import default_compute_score, scorer_for
 
 TABLE = json.load(open(os.path.join(os.path.dirname(__file__), "verl_score_cases.json")))
@@ -43,20 +43,37 @@ def test_scores_as_verl_scores(case):
 
 
 def test_data_sources_route_as_verls_default_compute_score():
-    module_to_scorer = {"gsm8k": "gsm8k", "math_reward": "math", "math_dapo": "math_dapo"}
+    module_to_scorer = {"gsm8k": "gsm8k", "math_reward": "math", "math_dapo": "math_dapo",
+                        "search_r1_like_qa_em": "qa_em"}
     routed = 0
     for source, target in TABLE["routing"].items():
         if source == "<any other>":  # verl raises; here: refused at setup, naming the source
             assert scorer_for("my/task") is None
             continue
         module = target.split("verl.utils.reward_score.")[1].split(".")[0]
-        if module not in module_to_scorer:  # prime_math, code sandboxes, geo3k, search-r1
+        if module not in module_to_scorer:  # prime_math, code sandboxes, geo3k
             assert scorer_for(source.rstrip("*")) is None, source
             continue
         routed += 1
         probe = source.rstrip("*") + ("2024" if source.endswith("*") else "")
         assert scorer_for(probe) == module_to_scorer[module], source
-    assert routed == 8
+    assert routed == 15
     assert default_compute_score("aime2025", "Answer: 7", "7") == 1.0
     assert default_compute_score("DigitalLearningGmbH/MATH-lighteval",
                                  "so \\boxed{\\dfrac{1}{2}}", "\\frac12") == 1.0
+
+
+QA = json.load(open(os.path.join(os.path.dirname(__file__), "search_r1_cases.json")))
+
+
+@pytest.mark.parametrize("case", QA["cases"], ids=[f"qa_em-{i}" for i in range(len(QA["cases"]))])
+def test_search_r1_exact_match_as_verl_scores(case):
+    assert qa_em.compute_score(case["response"], case["ground_truth"]) == case["score"]
+
+
+def test_search_r1_table_has_every_outcome():
+    assert {c["score"] for c in QA["cases"]} == {0.0, 0.25, 1.0}
+    # parquet gives the golden answers as an array: the same score
+    import numpy as np
+    assert qa_em.compute_score("<answer>NYC</answer>",
+                               {"target": np.array(["new york city", "NYC"])}) == 1.0
