@@ -313,12 +313,13 @@ def _finish(what: str, stage: str, step: int, cfg: "RunConfig", rows: int, check
 
 
 # ---------------------------------------------------------------------- score range
-def declared_score_range(cfg: "RunConfig") -> tuple[float, float] | None:
+def declared_score_range(cfg: "RunConfig", data_sources=None) -> tuple[float, float] | None:
     """The range every score must lie in, or None (finite only): ``validation.score_range``
     ``"lo,hi"`` if given; with ``auto``, the range the rule scorer(s) declare when registered
-    (``reward/registry.py``; the union of all of them for ``reward.scorer=auto``), and None for
-    a custom scorer or a reward model (an unbounded logit), which declare none."""
-    from verl_core.reward.registry import RULE_SCORE_RANGES
+    (``reward/registry.py``; for ``reward.scorer=auto`` the union over the scorers
+    ``data_sources`` route to, a batch's, else over all of them), and None for a custom scorer
+    or a reward model (an unbounded logit), which declare none."""
+    from verl_core.reward.registry import RULE_SCORE_RANGES, scorer_for
 
     v = cfg.validation
     if v.score_range == "any":
@@ -329,7 +330,9 @@ def declared_score_range(cfg: "RunConfig") -> tuple[float, float] | None:
         return None
     scorer = cfg.reward.scorer
     if scorer == "auto":
-        ranges = list(RULE_SCORE_RANGES.values())
+        routed = {scorer_for(ds) for ds in set(data_sources or ())} - {None}
+        ranges = [RULE_SCORE_RANGES[n] for n in routed] if routed else \
+            list(RULE_SCORE_RANGES.values())
         lo_hi = (min(lo for lo, _ in ranges), max(hi for _, hi in ranges)) if ranges else None
     else:
         lo_hi = RULE_SCORE_RANGES.get(scorer)
@@ -521,7 +524,8 @@ def batch_frame(batch: "Batch", rows: np.ndarray) -> pd.DataFrame:
     return pd.DataFrame(cols, index=pd.Index(rows))
 
 
-def _batch_checks(cfg: "RunConfig", stage: str, frame_columns: set[str]) -> tuple[_Check, ...]:
+def _batch_checks(cfg: "RunConfig", stage: str, frame_columns: set[str],
+                  data_sources=()) -> tuple[_Check, ...]:
     need = _stage_columns(cfg, stage)
     as_frame = {"baseline_response_ids": "baseline_response_length"}
     required = tuple(as_frame.get(n, f"{n}_nonfinite" if n in _TOKEN_FIELDS else n) for n in need)
@@ -538,7 +542,7 @@ def _batch_checks(cfg: "RunConfig", stage: str, frame_columns: set[str]) -> tupl
                              f"greedy baseline tokens <= rollout.max_new_tokens={T}", max_value=T))
     stage_fields = {"rollout": ("response_logprobs", "ref_logprobs", "values", "sum_pi_squared"),
                     "reward": ("score", "baseline_score"), "advantage": ("advantages", "returns")}
-    lo_hi = declared_score_range(cfg)
+    lo_hi = declared_score_range(cfg, data_sources)
     for s in STAGES[:STAGES.index(stage) + 1]:
         for name in stage_fields[s]:
             if f"{name}_nonfinite" not in frame_columns:
@@ -572,7 +576,7 @@ def validate_batch(batch: "Batch", stage: str, cfg: "RunConfig", *,
     t0 = time.perf_counter()
     rows = sample_rows(batch.num_rows, cfg, step, stage)
     frame = batch_frame(batch, rows)
-    checks = _batch_checks(cfg, stage, set(frame.columns))
+    checks = _batch_checks(cfg, stage, set(frame.columns), tuple(sorted(set(batch.data_source))))
 
     def describe(checked: str, i: int) -> str:
         head = f"row {i} (uid {batch.uid[i]!r})"

@@ -154,7 +154,11 @@ def test_a_non_finite_value_fails_naming_column_expectation_and_row(step0, stage
 
 
 def test_a_score_outside_the_rule_scorers_range_fails(step0):
-    assert declared_score_range(step0.cfg) == (0.0, 1.0)  # reward.scorer=auto: rule scorers
+    # reward.scorer=auto: the ranges of the scorers the batch's data sources route to (all of
+    # them, math_dapo's -1 included, when none are known)
+    sources = step0.batches["reward"].data_source
+    assert declared_score_range(step0.cfg, sources) == (0.0, 1.0)
+    assert declared_score_range(step0.cfg) == (-1.0, 1.0)
     bad = _poke(_poke(step0.batches["reward"], "score", 2, 1.5), "score", 7, -0.5)
     err = _fails(validate_batch, bad, "reward", step0.cfg, step=0, column="score",
                  expectation="expect_column_values_to_be_between", rows=[2, 7])
