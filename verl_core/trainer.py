@@ -625,8 +625,7 @@ class RLTrainer:
                                   model_path=assets.model_path,
                                   eos_token_ids=stop_token_ids(tok),  # the model's EOS set
                                   pad_token_id=tok.pad_token_id,
-                                  micro_batch_size=cfg.rollout.max_num_seqs
-                                  or cfg.rollout.micro_batch_size,
+                                  micro_batch_size=cfg.rollout.generation_batch,
                                   max_num_seqs=cfg.rollout.max_num_seqs,
                                   enable_chunked_prefill=cfg.rollout.enable_chunked_prefill,
                                   # read by vllm only (hf ignores them)
@@ -869,8 +868,7 @@ class RLTrainer:
                 self._actor_engine = make_engine(
                     "hf", model=self.actor, eos_token_ids=stop_token_ids(self.tokenizer),
                     pad_token_id=self.tokenizer.pad_token_id,
-                    micro_batch_size=self.cfg.rollout.max_num_seqs
-                    or self.cfg.rollout.micro_batch_size)
+                    micro_batch_size=self.cfg.rollout.generation_batch)
             yield self._actor_engine
 
     def _generate_turns(self, prompt_ids, prompt_mask, params: SamplingParams,

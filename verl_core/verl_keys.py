@@ -388,14 +388,6 @@ def _engine(value, ctx) -> Pairs:
     return [("rollout.engine", value)]
 
 
-def _compute_dtype_late(key: str) -> Transform:
-    """Looked up when called: ``_compute_dtype`` is defined with the precision keys below."""
-    def t(value, ctx) -> Pairs:
-        return _compute_dtype(key)(value, ctx)
-    t.target = "model.dtype"
-    return t
-
-
 VERL_TO_OURS: dict[str, Transform] = {
     # batch sizes: verl's mini-batch is in prompts and its per-GPU micro-batch in responses, as ours
     A + "ppo_mini_batch_size": _to("actor.ppo_mini_batch_size"),
@@ -476,7 +468,6 @@ VERL_TO_OURS: dict[str, Transform] = {
     R + "max_num_seqs": _to("rollout.max_num_seqs"),
     R + "max_model_len": _to("rollout.max_model_len"),
     R + "enable_chunked_prefill": _to("rollout.enable_chunked_prefill"),
-    "actor_rollout_ref.model.torch_dtype": _compute_dtype_late("actor_rollout_ref.model.torch_dtype"),
     R + "response_length": _to("rollout.max_new_tokens"),
     R + "prompt_length": _to("data.max_prompt_length"),
     "data.max_response_length": _to("rollout.max_new_tokens"),
@@ -600,6 +591,9 @@ for _prefix in (A + "fsdp_config.", "actor_rollout_ref.ref.fsdp_config.",
         _prefix + "mixed_precision": _mixed_precision(_prefix),
     })
     VERL_TO_OURS[_prefix + "model_dtype"] = _master_dtype(_prefix + "model_dtype")
+# verl's CISPO example passes the model's dtype as model.torch_dtype: the compute dtype
+VERL_TO_OURS["actor_rollout_ref.model.torch_dtype"] = _compute_dtype(
+    "actor_rollout_ref.model.torch_dtype")
 DAPO_KEYS = {k for k in VERL_TO_OURS if k.startswith(("algorithm.filter_groups.",
                                                        "reward_model.overlong_buffer.",
                                                        "reward_model.reward_kwargs."))} | {
@@ -937,13 +931,13 @@ def to_ours(values: dict[str, object], *, from_file: str = "") -> dict[str, obje
     values fail naming both. Every key that cannot apply is named in one error, each with its
     reason (a command is fixed in one round trip, not one key at a time)."""
     where = f" (in {from_file})" if from_file else ""
-    values = _gather(values, OVERRIDE_CONFIG)
+    # Hydra's +key= (add) is key= here: a command line's (parse_cli) or a script's data
+    values = _gather({str(k).lstrip("+"): v for k, v in values.items()}, OVERRIDE_CONFIG)
     defaults = verl_defaults()
     out: dict[str, object] = {}
     origin: dict[str, str] = {}
     refused: list[str] = []
     for key, value in values.items():
-        key = str(key).lstrip("+")  # Hydra's +key= (add) is key= here, from a script's data too
         try:
             pairs = _one_key(key, value, values, defaults, where, from_file)
         except ConfigError as e:
@@ -968,15 +962,13 @@ def _gather(values: dict, prefix: str) -> dict:
     """``values`` with every ``prefix.field`` key (and ``prefix`` itself, a mapping) collected
     into one ``prefix`` mapping: verl's ``override_config`` given field by field on a command
     line, or as a nested mapping in a YAML file (flattened)."""
-    parts = {str(k).lstrip("+"): v for k, v in values.items()}
-    fields = {k[len(prefix) + 1:]: v for k, v in parts.items() if k.startswith(prefix + ".")}
+    fields = {k[len(prefix) + 1:]: v for k, v in values.items() if k.startswith(prefix + ".")}
     if not fields:
         return values
-    whole = parts.get(prefix) or {}
+    whole = values.get(prefix) or {}
     if not isinstance(whole, dict):
         return values  # refused by the transform, naming it
-    out = {k: v for k, v in values.items()
-           if not str(k).lstrip("+").startswith(prefix + ".") and str(k).lstrip("+") != prefix}
+    out = {k: v for k, v in values.items() if not k.startswith(prefix + ".") and k != prefix}
     out[prefix] = {**whole, **fields}
     return out
 

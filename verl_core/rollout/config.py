@@ -128,6 +128,12 @@ class RolloutConfig:
     """Wall time a rollout phase may spend in tool calls; past it every further call gives a
     timeout observation at once (the phase, and the run, go on)."""
 
+    @property
+    def generation_batch(self) -> int:
+        """Sequences per hf-engine generation pass: ``max_num_seqs`` when set, else
+        ``micro_batch_size``."""
+        return self.max_num_seqs or self.micro_batch_size
+
     def __post_init__(self):
         _check_types("rollout", self)
         _one_of("rollout", "engine", self.engine, {"hf", "vllm"})
