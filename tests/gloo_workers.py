@@ -27,8 +27,15 @@ def run_gloo_workers(module: str, fn: str, tmp_path, *args: str, world: int = 2,
 def finish() -> None:
     """A worker's last call: every rank done with its collectives before any rank tears the group
     down and exits (without the barrier, one rank destroyed its group and exited while the other
-    was still finishing: that one died in ``std::terminate`` at exit, once, in CI under load)."""
+    was still finishing: that one died in ``std::terminate`` at exit, once, in CI under load).
+    Exits the process with status 0: call it last."""
     import torch.distributed as dist
 
     dist.barrier()
     dist.destroy_process_group()
+    # and the process ends here: the worker wrote its results before this call, and the
+    # interpreter's own teardown is where a thread left joinable by gloo still aborted in
+    # std::terminate (once more in CI under load, after the barrier was added)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
