@@ -52,6 +52,13 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
     if schedule_line(cfg):
         print(schedule_line(cfg), flush=True)
     print(effective_line(cfg), flush=True)
+    if cfg.rollout.engine == "vllm" and workers.runs_on_this_host():
+        # the rollout will run on this machine: a missing (or wrong-platform) vLLM is said now,
+        # not by a Ray worker at the first rollout after the warm start. On a cluster the workers'
+        # image decides, and the worker says it.
+        from verl_core.rollout.vllm import import_vllm
+
+        import_vllm()
     uri = run_store_uri(store, run_name)
     st = store_call(f"opening the run store {uri}", lambda: STORES.open(uri))
     spec = RunSpec(store=st.uri, incarnation=store_call("the store's incarnation id",

@@ -791,13 +791,14 @@ def _data_sources(files: Sequence[str], storage_options: dict | None) -> dict[st
 
 
 def _check_data_sources(files: dict[str, tuple]) -> None:
-    from verl_core.reward.registry import known_data_sources, scorer_for
+    from verl_core.reward.registry import known_data_sources, scorer_for, why_not_scored
 
     for path, (_, sources) in files.items():
         unknown = sorted(str(s) for s in sources if scorer_for(s) is None)
         if unknown:
             raise RunInputError(
-                f"{path}: data_source {', '.join(map(repr, unknown[:5]))} has no rule scorer "
+                f"{path}: data_source {', '.join(map(why_not_scored, unknown[:5]))} has no "
+                "rule scorer "
                 f"(reward.scorer=auto knows {known_data_sources()}); set "
                 "reward.scorer to a rule scorer's name or to a custom 'path/to/file.py:function' "
                 "with the signature fn(data_source, solution_str, ground_truth, extra_info)")

@@ -200,3 +200,36 @@ def test_override_config_trains_and_exports_the_changed_config(local_files, tmp_
     err = capsys.readouterr().err
     assert "model.override_config names ['rms_eps']" in err and "rms_norm_eps" in err
     assert not (tmp_path / "typo" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_numina_rows_train_with_prime_math_and_code_rows_are_refused_with_the_reason(
+        local_files, tmp_path, capsys):
+    # verl routes numina_* to prime_math: scored here too; a code source (a sandbox in verl) is
+    # refused before any work, saying why
+    from verl_core.train import main
+
+    files = {}
+    for source in ("numina_cn_k12", "taco"):
+        for split in ("train", "test"):
+            df = pd.read_parquet(local_files["files"]["math", split]).assign(data_source=source)
+            files[source, split] = str(tmp_path / f"{source}-{split}.parquet")
+            df.to_parquet(files[source, split])
+
+    def run(source, name):
+        return main([f"actor_rollout_ref.model.path={local_files['model']}",
+                     f"data.train_files={files[source, 'train']}",
+                     f"data.val_files={files[source, 'test']}", "algorithm.adv_estimator=grpo",
+                     "data.train_batch_size=4", f"{A}ppo_mini_batch_size=2", f"{R}n=2",
+                     "data.max_prompt_length=32", "data.max_response_length=8",
+                     "trainer.total_training_steps=1", "--workdir", str(tmp_path / name),
+                     "--summary-json", str(tmp_path / f"{name}.json")])
+
+    assert run("numina_cn_k12", "numina") == 0
+    history = json.loads((tmp_path / "numina.json").read_text())["history"]
+    assert [h["step"] for h in history] == [1]
+    capsys.readouterr()
+    assert run("taco", "taco") == 2
+    err = capsys.readouterr().err
+    assert "'taco': verl scores it by running the response's code" in err, err
+    assert not (tmp_path / "taco.json").exists()

@@ -58,3 +58,23 @@ def test_pyflyte_shows_the_config_error_and_does_not_retry(tmp_path):
             "number") in out.stderr.splitlines()[-1], text[-3000:]
     assert "Traceback" not in text and len(text.splitlines()) <= 3, text[-3000:]
     assert "transient" not in text.lower() and not store.exists()  # failed in configure
+
+
+def test_pyflyte_refuses_a_missing_vllm_before_any_work(tmp_path):
+    """rollout.engine=vllm where the workers (local Ray, this machine) have no vLLM: said by
+    configure, before the store, the warm start or Ray, with the fix; not at the first rollout."""
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    store = tmp_path / "store"
+    out = run([PYFLYTE, "run", "workflows/ppo.py", "ppo", "--store", str(store), "--run-name", "t",
+               "--steps", "1", "--overrides", '{"rollout.engine": "vllm"}'], flyte_env(tmp_path),
+              timeout=300, check=False)
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    last = out.stderr.splitlines()[-1]
+    assert "error in tasks.prepare.configure: rollout.engine='vllm' needs the vllm package" in last
+    assert "set rollout.engine='hf'" in last and "Traceback" not in text, text[-3000:]
+    assert not store.exists()

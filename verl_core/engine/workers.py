@@ -47,6 +47,12 @@ def deadline(seconds: float, what: str):
         f"{what} passed its deadline of {seconds:.0f}s (guard.phase_timeout_s): a hang"))
 
 
+def runs_on_this_host() -> bool:
+    """Whether the run's Ray workers run on this machine (a local run: no RAY_ADDRESS, not a task
+    of a Flyte cluster), so what they will import can be checked here."""
+    return not (os.environ.get("RAY_ADDRESS") or os.environ.get("FLYTE_INTERNAL_EXECUTION_ID"))
+
+
 def start_local_ray() -> None:
     """For local runs without RAY_ADDRESS: start the local Ray instance ourselves, lean (no
     dashboard or metrics agent, which take CPU from training on a small machine), before the
@@ -62,7 +68,7 @@ def start_local_ray() -> None:
     ``address="local"``: a new instance even where another one on this host was started with
     ``ray start`` (a bare ``ray.init()`` joins the newest such instance, whose owner may stop it
     under this run); joining a cluster is what RAY_ADDRESS and ``cluster.mode=attached`` say."""
-    if os.environ.get("RAY_ADDRESS") or os.environ.get("FLYTE_INTERNAL_EXECUTION_ID"):
+    if not runs_on_this_host():
         return
     import ray
 

@@ -9,11 +9,13 @@ sympy-based checker, the ``math-verify`` package) have no scorer here yet and ar
 
 import json
 import os
+import re
 
 import pytest
 
-from verl_core.reward import gsm8k, math_answer, math_dapo, qa_em
-from verl_core.reward.registry import default_compute_score, scorer_for
+from verl_core.reward import gsm8k, math_answer, math_dapo, prime_math, qa_em
+from verl_core.reward.registry import (NOT_SCORED_HERE, UnknownDataSourceError,
+                                       default_compute_score, scorer_for)
 
 TABLE = json.load(open(os.path.join(os.path.dirname(__file__), "verl_score_cases.json")))
 SCORERS = {
@@ -44,23 +46,58 @@ def test_scores_as_verl_scores(case):
 
 def test_data_sources_route_as_verls_default_compute_score():
     module_to_scorer = {"gsm8k": "gsm8k", "math_reward": "math", "math_dapo": "math_dapo",
-                        "search_r1_like_qa_em": "qa_em"}
+                        "search_r1_like_qa_em": "qa_em", "prime_math": "prime_math"}
     routed = 0
     for source, target in TABLE["routing"].items():
         if source == "<any other>":  # verl raises; here: refused at setup, naming the source
             assert scorer_for("my/task") is None
             continue
         module = target.split("verl.utils.reward_score.")[1].split(".")[0]
-        if module not in module_to_scorer:  # prime_math, code sandboxes, geo3k
+        if module not in module_to_scorer:  # code sandboxes, geo3k: refused with verl's reason
             assert scorer_for(source.rstrip("*")) is None, source
+            with pytest.raises(UnknownDataSourceError, match=re.escape(NOT_SCORED_HERE[source][:40])):
+                default_compute_score(source, "x", "y")
             continue
         routed += 1
         probe = source.rstrip("*") + ("2024" if source.endswith("*") else "")
         assert scorer_for(probe) == module_to_scorer[module], source
-    assert routed == 15
+    assert routed == 21
     assert default_compute_score("aime2025", "Answer: 7", "7") == 1.0
     assert default_compute_score("DigitalLearningGmbH/MATH-lighteval",
                                  "so \\boxed{\\dfrac{1}{2}}", "\\frac12") == 1.0
+
+
+PRIME = json.load(open(os.path.join(os.path.dirname(__file__), "prime_math_cases.json")))
+
+
+@pytest.mark.parametrize("case", PRIME["cases"],
+                         ids=[f"prime_math-{i}" for i in range(len(PRIME["cases"]))])
+def test_prime_math_scores_as_verl_scores(case):
+    assert prime_math.compute_score(case["response"], case["ground_truth"]) == case["score"], \
+        (case["response"], case["ground_truth"])
+    assert prime_math.extract_answer(case["response"])[1] == case["pred"]
+
+
+def test_prime_math_table_has_both_outcomes_on_every_path():
+    by = {}
+    for c in PRIME["cases"]:
+        kind = ("sympy" if any(ch.isalpha() for ch in c["pred"].replace("frac", "")
+                               .replace("sqrt", "")) else "number")
+        by.setdefault(kind, set()).add(c["score"])
+    assert by == {"sympy": {0.0, 1.0}, "number": {0.0, 1.0}}, by
+
+
+def test_prime_math_never_runs_the_response(tmp_path):
+    """verl ``eval``s a ``\\pi`` answer and a list answer against a ``pmatrix``: here nothing in a
+    response runs, and a huge power is refused, not computed."""
+    marker = tmp_path / "ran"
+    for answer, truth in ((f"__import__('pathlib').Path({str(marker)!r}).touch() or \\pi", "\\pi"),
+                          (f"[__import__('pathlib').Path({str(marker)!r}).touch()]",
+                           "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
+                          ("9**9**9**9*\\pi", "\\pi"), ("(x+1)^999999999", "x"),
+                          ("x+2^ 9^ 9^ 9", "x"), ("x+2 * * 99999999", "x")):
+        assert prime_math.compute_score(f"\\boxed{{{answer}}}", truth) == 0.0
+    assert not marker.exists()
 
 
 QA = json.load(open(os.path.join(os.path.dirname(__file__), "search_r1_cases.json")))
