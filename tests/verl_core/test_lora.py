@@ -262,3 +262,44 @@ def test_an_adapter_of_another_base_model_is_refused_naming_its_shapes(tmp_path)
                        r"\[4, \d+\]: an adapter made for another base"):
         prepare_assets(cfg, str(tmp_path / "w"), log=lambda *_: None)
     assert not (tmp_path / "w" / "model").exists()
+
+
+SCORE_BY_FIRST_CHARACTER = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(ord(solution_str[0]) % 2) if solution_str else 0.0
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_lora_trains_in_bf16_on_the_qwen_stand_in(tmp_path, checkpointing):
+    """model.dtype=bfloat16 with LoRA: the rollout runs (it crashed at the first generate, PEFT
+    casting lora_A's input to the float32 master), and an update moves the adapters, with
+    gradient checkpointing too (a frozen base must not cut the adapters off from the loss)."""
+    from tests.standins import gsm8k_parquet, qwen_folder
+    from verl_core.train import main
+
+    folder = qwen_folder(tmp_path / "qwen", dtype=torch.bfloat16)
+    scorer = tmp_path / "score.py"
+    scorer.write_text(SCORE_BY_FIRST_CHARACTER)
+    out = tmp_path / "summary.json"
+    A = "actor_rollout_ref.actor."
+    argv = [f"actor_rollout_ref.model.path={folder}",
+            f"data.train_files={gsm8k_parquet(tmp_path / 'train.parquet', 8)}",
+            f"data.val_files={gsm8k_parquet(tmp_path / 'val.parquet', 2, split='test')}",
+            "algorithm.adv_estimator=grpo", "data.train_batch_size=4", f"{A}ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.n=4", "data.max_prompt_length=256",
+            "data.max_response_length=6", "trainer.total_training_steps=1",
+            "trainer.val_before_train=False", "actor_rollout_ref.model.lora_rank=4",
+            "actor_rollout_ref.model.lora_alpha=8", f"{A}optim.lr=1e-3", "model.dtype=bfloat16",
+            f"actor_rollout_ref.model.enable_gradient_checkpointing={checkpointing}",
+            f"custom_reward_function.path={scorer}", "--workdir", str(tmp_path / "run"),
+            "--summary-json", str(out)]
+    assert main(argv) == 0
+    summary = json.loads(out.read_text())
+    (step,) = summary["history"]
+    assert 0 < step["reward/mean"] < 1 and step["actor/grad_norm"] > 0, step
+    adapter = load_file(os.path.join(summary["final_model"], "adapter",
+                                     "adapter_model.safetensors"))
+    b = [t for k, t in adapter.items() if "lora_B" in k]
+    assert b and all(t.abs().sum() > 0 for t in b)  # every adapter moved off its zero start

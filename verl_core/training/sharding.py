@@ -95,6 +95,13 @@ def compute_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     would depend on W), and a bf16 reference model would not reproduce the actor's log-probs."""
     model._compute = {"dtype": dtype, "copies": {}, "swapped": []}
     for m in model.modules():
+        # PEFT's LoRA layers cast their input to lora_A's dtype before lora_A's own forward,
+        # i.e. to the float32 master, which this hook swaps for the copy only when lora_A runs
+        # (float32 input, bf16 weight: a dtype error). Under FSDP2 the whole unit is already in
+        # dtype there, so the cast is a no-op: turning it off gives the same numbers here.
+        if hasattr(m, "cast_input_dtype_enabled"):
+            m.cast_input_dtype_enabled = False
+    for m in model.modules():
         if m is model or any(True for _ in m.parameters(recurse=False)):
             m.register_forward_pre_hook(functools.partial(_cast_params, model))
     model.register_forward_hook(functools.partial(_root_done, model), always_call=True)
