@@ -556,8 +556,12 @@ class RunConfig:
         after 200, constant LR) or changing the checkpoint interval continues the same
         trajectory: its checkpoints and lineage stay usable. Names checkpoints, lineage and
         metrics in the run store."""
-        blob = json.dumps(_trajectory_fields(self, self), sort_keys=True, separators=(",", ":"))
+        blob = json.dumps(self.trajectory_fields(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
+
+    def trajectory_fields(self) -> dict:
+        """What :meth:`trajectory_hash` hashes: the trajectory's fields, sections as dicts."""
+        return _trajectory_fields(self, self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":

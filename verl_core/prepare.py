@@ -15,9 +15,9 @@ from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
 from verl_core.config import ConfigError, RunConfig
 from verl_core.engine import cluster
 from verl_core.engine.assets import (GIVEN_KINDS, SOURCE_MODEL, check_pinned, has_record,
-                                     index_assets, publish_assets, record_assets, source_files,
-                                     unpublish_assets)
-from verl_core.errors import UnsafeManifestError
+                                     index_assets, publish_assets, record_assets,
+                                     recorded_fields, source_files, unpublish_assets)
+from verl_core.errors import PermanentError, UnsafeManifestError
 from verl_core.guard.writer import LEASES
 from verl_core.layout import asset_index_doc
 from verl_core.store import RunStore, check_doc_name
@@ -72,6 +72,8 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=_say) -> RunSp
     # only to be thrown away (a relaunch of the plain loop, or of a workflow whose prepare ran
     # again)
     recorded = has_record(st, h)
+    if not recorded:
+        check_same_trajectory(st, cfg)  # before the warm start: a changed command is refused
     with tempfile.TemporaryDirectory(prefix="verl-prepare-") as work:
         # checks every dataset file (rows, columns, prompt lengths) before the warm start
         assets = prepare_assets(cfg, work, log=log_fn, build_model=not recorded, store=st)
@@ -97,7 +99,7 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=_say) -> RunSp
     try:
         start = resume_step(st, cfg)
         if pinned is None:
-            record_assets(st, h, index, sources)
+            record_assets(st, h, index, sources, cfg.trajectory_fields())
     except BaseException:
         if published:
             unpublish_assets(st, index)  # a failed prepare keeps nothing alive
@@ -108,6 +110,62 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=_say) -> RunSp
                    trajectory_hash=h,
                    assets_json=json.dumps(index, sort_keys=True),
                    start_step=min(start, cfg.total_steps), total_steps=cfg.total_steps)
+
+
+class TrajectoryChangedError(PermanentError, ValueError):
+    """A command whose trajectory settings differ from the run's under the same run name: it
+    would start over from step 0 beside the run's checkpoints instead of resuming them."""
+
+
+def _flat(fields: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in fields.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def trajectory_changes(old: dict, new: dict, new_all: dict | None = None) -> list[str]:
+    """``key: old -> new`` for every trajectory field that differs. A field in one trajectory
+    only (``model.lora_alpha`` is in it only with LoRA on) shows its value in ``new_all`` (the
+    whole new config) where it has one, else ``(not set)``."""
+    a, b, every = _flat(old), _flat(new), _flat(new_all or {})
+    missing = "(not set)"
+    return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, every.get(k, missing))!r}"
+            for k in sorted(set(a) | set(b)) if a.get(k, missing) != b.get(k, missing)]
+
+
+def check_same_trajectory(st: RunStore, cfg: RunConfig) -> None:
+    """Refuse a command whose trajectory has no checkpoint or record in ``st`` while another
+    trajectory's checkpoints are there (``resume_from_checkpoint=auto`` only): it would train
+    from step 0 beside them, where the user meant to resume. Names each field that differs,
+    with its old and new value, and the two ways on."""
+    if cfg.checkpoint.resume_from_checkpoint != "auto":
+        return
+    h = cfg.trajectory_hash()
+    others = [i for i in CheckpointManager(st).list_checkpoints()
+              if i.error is None and i.config_hash and i.config_hash != h]
+    if not others:
+        return
+    newest = max(others, key=lambda i: (i.step, i.created))
+    old = recorded_fields(st, newest.config_hash)
+    if old is None:
+        what = ("its settings were not recorded (written by an older version), so the fields "
+                "that differ cannot be named")
+    else:
+        changes = trajectory_changes(old, cfg.trajectory_fields(), cfg.to_dict())
+        more = f" and {len(changes) - 8} more" if len(changes) > 8 else ""
+        what = f"this command changes {'; '.join(changes[:8])}{more}"
+    raise TrajectoryChangedError(
+        f"{st.uri}: its newest checkpoint (step {newest.step}) is of another trajectory "
+        f"({newest.config_hash[:12]}, this command's is {h[:12]}): {what}. Resuming cannot "
+        "continue it with other settings, and training would start over at step 0. Run the "
+        "command as before to resume it; or give the new settings a new run (--run-name, or "
+        "--workdir for python -m verl_core.train); or set "
+        "checkpoint.resume_from_checkpoint=none to start them here from step 0 (the other "
+        "trajectory's checkpoints are kept; later commands with these settings resume them)")
 
 
 def resume_step(st: RunStore, cfg: RunConfig) -> int:
@@ -126,7 +184,14 @@ def resume_step(st: RunStore, cfg: RunConfig) -> int:
     mgr = CheckpointManager(st)
     h = cfg.trajectory_hash()
     for info in sorted(mgr.list_checkpoints(), key=lambda i: i.step, reverse=True):
-        if info.error is None and info.config_hash == h and not mgr.verify(info.name):
-            return info.step
-        log.warning("checkpoint %s not usable for resume", info.name)
+        if info.error is not None:
+            why = info.error
+        elif info.config_hash != h:
+            why = f"of another trajectory ({info.config_hash[:12]}; this run's is {h[:12]})"
+        else:
+            problems = mgr.verify(info.name)
+            if not problems:
+                return info.step
+            why = "does not verify: " + "; ".join(problems[:3])
+        log.warning("checkpoint %s not usable for resume: %s", info.name, why)
     return 0

@@ -33,7 +33,9 @@ USER_ERROR_CLASSES = (
     ("verl_core.data.batch", "PromptTooLongError"), ("verl_core.models.loading", "ModelLoadError"),
     ("verl_core.guard.lease", "LeaseHeldError"), ("verl_core.validation", "DataValidationError"),
     ("verl_core.validation", "RunInputError"), ("verl_core.guard.faults", "FaultSpecError"),
-    ("verl_core.rollout.vllm", "VLLMUnavailableError"))
+    ("verl_core.rollout.vllm", "VLLMUnavailableError"),
+    ("verl_core.prepare", "TrajectoryChangedError"), ("verl_core.engine.assets", "AssetsChangedError"),
+    ("verl_core.models.lora", "LoRAConfigError"), ("verl_core.agent.tools", "ToolConfigError"))
 """Wrong input (options, data files, model folder, a store another loop is writing), by module
 and class name: the CLI prints the message, which names the field or file and the fix, and exits
 2; a traceback would only bury it."""

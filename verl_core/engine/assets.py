@@ -28,7 +28,7 @@ import fsspec
 
 from verl_core.layout import asset_index_doc, asset_record_doc
 from verl_core.store import RunStore, check_sha256, resolve_storage_options, sha256_hex
-from verl_core.errors import PermanentError
+from verl_core.errors import CorruptObjectError, PermanentError
 from verl_core.trainer import Assets
 from verl_core.local_cache import AssetCacheError, cache_root  # noqa: F401  (their home before)
 from verl_core.local_cache import file_sha256 as _file_sha
@@ -179,10 +179,22 @@ def check_pinned(store: RunStore, trajectory: str, given: tuple[str, ...],
 
 
 def record_assets(store: RunStore, trajectory: str, index: dict,
-                  sources: dict[str, dict[str, str]]) -> None:
-    """Record ``index`` as the assets of ``trajectory`` (once; a recorded run keeps its own)."""
-    store.put_json(_record_doc(trajectory), {"index": index["id"], "files": sources},
-                   create_only=True)
+                  sources: dict[str, dict[str, str]], fields: dict | None = None) -> None:
+    """Record ``index`` as the assets of ``trajectory`` (once; a recorded run keeps its own),
+    with the trajectory's config ``fields`` (what a changed command is compared against)."""
+    doc = {"index": index["id"], "files": sources}
+    if fields is not None:
+        doc["trajectory"] = fields
+    store.put_json(_record_doc(trajectory), doc, create_only=True)
+
+
+def recorded_fields(store: RunStore, trajectory: str) -> dict | None:
+    """The config fields ``trajectory`` recorded when it first ran; None for a record written
+    before records held them, or none at all."""
+    try:
+        return store.get_json(_record_doc(trajectory), default={}).get("trajectory")
+    except CorruptObjectError:  # only a message's detail depends on it
+        return None
 
 
 def _entries(index: dict) -> dict[str, str]:
