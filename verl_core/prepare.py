@@ -163,9 +163,10 @@ def check_same_trajectory(st: RunStore, cfg: RunConfig) -> None:
         f"({newest.config_hash[:12]}, this command's is {h[:12]}): {what}. Resuming cannot "
         "continue it with other settings, and training would start over at step 0. Run the "
         "command as before to resume it; or give the new settings a new run (--run-name, or "
-        "--workdir for python -m verl_core.train); or set "
-        "checkpoint.resume_from_checkpoint=none to start them here from step 0 (the other "
-        "trajectory's checkpoints are kept; later commands with these settings resume them)")
+        "--workdir for python -m verl_core.train); or set checkpoint.resume_from_checkpoint="
+        f"{st.uri} to start them from that checkpoint, or =none to start them from step 0 here "
+        "(the other trajectory's checkpoints are kept; later commands with these settings "
+        "resume their own)")
 
 
 def resume_step(st: RunStore, cfg: RunConfig) -> int:

@@ -194,6 +194,17 @@ def test_a_run_starts_from_an_exported_adapter(run, assets, tmp_path):
     wrong = tiny_run(**{**LORA, "model.lora_rank": 8, "model.lora_adapter_path": adapter})
     with pytest.raises(LoRAConfigError, match=r"an adapter of rank 4, but model.lora_rank=8"):
         prepare_assets(wrong, str(tmp_path / "w"), log=lambda *_: None)
+    # a copy cut short: refused naming the key and the file, before the warm start
+    import shutil
+    cut = tmp_path / "cut"
+    shutil.copytree(adapter, cut)
+    data = (cut / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(LoRAConfigError, match=r"model.lora_adapter_path=.*cut.*adapter_model"
+                       r"\.safetensors is not a readable safetensors file"):
+        prepare_assets(tiny_run(**{**LORA, "model.lora_adapter_path": str(cut)}),
+                       str(tmp_path / "c"), log=lambda *_: None)
+    assert not (tmp_path / "c" / "model").exists()
 
 
 def _sha256(folder: str) -> str:

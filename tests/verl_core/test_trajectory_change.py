@@ -35,7 +35,7 @@ def test_a_changed_setting_is_refused_naming_the_key(finished, change, named):
                        "another trajectory") as e:
         train(tiny_run(**{**FAST, "total_steps": 2, **change}), str(finished),
               log=lambda *_: None)
-    assert named in str(e.value) and "resume_from_checkpoint=none" in str(e.value)
+    assert named in str(e.value) and "=none to start them from step 0" in str(e.value)
     # before any work: no warm start, no asset record, no checkpoint, nothing else written
     after = sorted(p.relative_to(finished) for p in finished.rglob("*")
                    if "lease" not in str(p) and "runlog" not in str(p))

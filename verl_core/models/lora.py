@@ -176,13 +176,20 @@ def _check_adapter(mc, model) -> None:
         raise LoRAConfigError(f"model.lora_adapter_path={path!r}: an adapter of rank "
                               f"{conf.get('r')}, but model.lora_rank={mc.lora_rank}; set "
                               f"model.lora_rank={conf.get('r')}")
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     weights = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights):
         raise LoRAConfigError(f"model.lora_adapter_path={path!r}: no adapter_model.safetensors")
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    with safe_open(weights, "pt") as f:
+    try:  # the header and the file's length: a copy cut short is refused here, not by PEFT
+        opened = safe_open(weights, "pt")
+    except SafetensorError as e:
+        raise LoRAConfigError(
+            f"model.lora_adapter_path={path!r}: {weights} is not a readable safetensors file "
+            f"({e}): damaged or incomplete (a copy cut short?); copy or export the adapter "
+            "again") from None
+    with opened as f:
         for key in f.keys():
             # PEFT's saved names: base_model.model.<module>.lora_A.weight -> <module>.weight
             m = re.match(rf"{re.escape(PREFIX)}(.+)\.lora_([AB])\.weight$", key)
