@@ -26,6 +26,10 @@ GRACE_S = 3.0
 """Seconds a polling loop (the warm start: a step is well under a second) has to save before the
 process exits anyway. The issue's bound is 5 s from the signal to the exit."""
 
+PREEMPT_GRACE_S = 0.0
+"""On SIGTERM, the grace a loop that saves on preemption asked for (:func:`on_preemption`; the
+plain loop: ``checkpoint.preempt_grace_s``); 0: :data:`GRACE_S`, as for Ctrl-C."""
+
 _STOP = threading.Event()
 _LOCK = threading.Lock()
 _STATUS = {"where": "", "kept": "", "store": ""}
@@ -36,6 +40,18 @@ def requested() -> bool:
     """True once SIGINT or SIGTERM arrived: a loop that can stop cleanly saves and calls
     :func:`exit_now`."""
     return _STOP.is_set()
+
+
+def on_preemption(grace_s: float) -> None:
+    """A loop that saves its newest state on SIGTERM (a preemption: Kubernetes' grace period, a
+    Ray drain) takes ``grace_s`` seconds from the signal before the process exits anyway."""
+    global PREEMPT_GRACE_S
+    PREEMPT_GRACE_S = float(grace_s)
+
+
+def preempted() -> bool:
+    """True once SIGTERM asked the process to stop (Ctrl-C is not a preemption)."""
+    return _STOP.is_set() and bool(_SIGNAL) and _SIGNAL[0] == signal.SIGTERM
 
 
 def status(where: str | None = None, kept: str | None = None, store: str | None = None) -> None:
@@ -107,7 +123,8 @@ def _handler(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
         exit_now()
     _SIGNAL.append(signum)
     _STOP.set()
-    timer = threading.Timer(GRACE_S, exit_now)
+    grace = PREEMPT_GRACE_S if signum == signal.SIGTERM and PREEMPT_GRACE_S > 0 else GRACE_S
+    timer = threading.Timer(grace, exit_now)
     timer.daemon = True
     timer.start()
 

@@ -169,22 +169,30 @@ def _run(spec, log) -> tuple[list[dict], dict[int, dict], dict]:
 
     cfg, total = spec.config, spec.total_steps
     state, history, evals = StepState(step=spec.start_step), [], {}
+    # SIGTERM (a preemption) and checkpoint.must_save_by: save the newest state, then stop
+    stop = _Stopper(spec, log)
     if cfg.val_before_train:  # verl's trainer.val_before_train=False skips it
         evals[state.step] = ev = _evaluate(spec, state, log)
         log(f"step {state.step}: val/accuracy={ev['val/accuracy']:.3f}")
+        stop.if_asked(state.step)
     # the update ends a step unless a checkpoint phase follows (which ends it)
     end_step = partial(phases.end_step_unless_checkpoint, spec)
     for k in range(spec.start_step, total):
         t0 = time.perf_counter()
         sampled = run_phase(spec, "rollout", k, phases.rollout, spec, state)
+        stop.if_asked(k)
         scored = run_phase(spec, "reward", k, phases.reward, spec, sampled)
+        stop.if_asked(k)
         advantaged = run_phase(spec, "advantage", k, phases.advantage, spec, scored)
+        stop.if_asked(k)
         state = run_phase(spec, "update", k, phases.update, spec, advantaged, then=end_step)
         metrics = dict(state.metrics)
         if cfg.checkpoint.due(k + 1, total):
             t = time.perf_counter()
             state = run_phase(spec, "checkpoint", k + 1, phases.checkpoint, spec, state)
             metrics = {**state.metrics, "timing/checkpoint_s": time.perf_counter() - t}
+            stop.saved(k + 1, metrics["timing/checkpoint_s"])
+        stop.if_asked(k + 1)
         metrics["timing/step_s"] = time.perf_counter() - t0
         for e in runlog.step_events(spec, k):  # the guard's decisions on this step
             log(f"guard: step {k} {e['detector']}: {e['message']} -> {e['action']}"
@@ -199,10 +207,85 @@ def _run(spec, log) -> tuple[list[dict], dict[int, dict], dict]:
             log(warning)
         history.append(metrics)
         log(format_step(metrics, total, [h["timing/step_s"] for h in history]))
+        stop.if_asked(k + 1)  # an evaluation ran since the last look
+        if k + 1 < total:
+            stop.before_deadline(k + 1, metrics["timing/step_s"])
     if total not in evals:  # a run that was complete already: its end state, evaluated
         evals[total] = _evaluate(spec, state, log)
     out = run_phase(spec, "finalize", state.step, phases.finalize, spec, state)
     return history, evals, out
+
+
+PROCESS_START = time.time()
+"""When this process started (this module is imported as it starts): what a
+``checkpoint.must_save_by`` duration counts from."""
+
+
+class StoppedBeforeDeadline(Exception):
+    """The plain loop saved and stopped before ``checkpoint.must_save_by``: not an error (the
+    CLI exits 0), and the same command continues."""
+
+
+class _Stopper:
+    """The plain loop's two early stops, each saving the newest state before the process goes:
+    a SIGTERM (``checkpoint.preempt_grace_s``: :meth:`if_asked`, between phases) and the
+    deadline (``checkpoint.must_save_by``: :meth:`before_deadline`, between steps)."""
+
+    def __init__(self, spec, log):
+        from verl_core import interrupt
+        from verl_core.checkpoint.deadline import deadline
+
+        self.spec, self.log, self.interrupt = spec, log, interrupt
+        self.saved_step = spec.start_step  # resumed from (or step 0: the assets rebuild it)
+        self.step_s: list[float] = []
+        self.save_s: list[float] = []
+        ck = spec.config.checkpoint
+        self.until = deadline(ck.must_save_by, PROCESS_START)
+        self.margin_s = ck.must_save_margin_s
+        interrupt.on_preemption(ck.preempt_grace_s)
+
+    def saved(self, step: int, seconds: float) -> None:
+        self.saved_step = max(self.saved_step, step)
+        self.save_s.append(seconds)
+
+    def _save(self, step: int) -> None:
+        """The state after ``step`` updates committed (waited for, replicated) in the store."""
+        from verl_core.engine.workers import RunWorkers
+
+        if step > self.saved_step:
+            t = time.perf_counter()
+            RunWorkers(self.spec).commit_final(step)
+            self.saved(step, time.perf_counter() - t)
+        else:  # saved by the schedule: only its write (async) must have committed
+            RunWorkers(self.spec).commit_final(step)
+
+    def if_asked(self, step: int) -> None:
+        """Between phases: on Ctrl-C exit now; on SIGTERM save the state after ``step`` updates
+        first (the grace timer still ends the process if the save outlasts it)."""
+        if not self.interrupt.requested():
+            return
+        if self.interrupt.preempted():
+            self.interrupt.status(where=f"the preemption save of step {step}")
+            self._save(step)
+            self.interrupt.status(kept=f"every finished phase and the checkpoint of step {step}")
+        self.interrupt.exit_now()
+
+    def before_deadline(self, step: int, step_s: float) -> None:
+        """Between steps: save and stop when another step and a save would end past the
+        deadline."""
+        from verl_core.checkpoint.deadline import must_stop
+
+        self.step_s.append(step_s)
+        stop, needed = must_stop(time.time(), self.until, self.step_s, self.save_s, self.margin_s)
+        if not stop:
+            return
+        self._save(step)
+        left = max(self.until - time.time(), 0.0)
+        named = self.spec.config.checkpoint.must_save_by or "a capacity block's expiration"
+        raise StoppedBeforeDeadline(
+            f"stopped after step {step}: {left:.0f} s are left before checkpoint.must_save_by "
+            f"({named}), less than a step and a save ({needed:.0f} s); the checkpoint of step "
+            f"{step} is committed in {self.spec.store}; the same command continues it")
 
 
 EVAL_WALL = "timing/eval_s"
@@ -396,6 +479,9 @@ def main(argv=None, *, handle_signals: bool | None = None) -> int:
         # the workflow's configure builds its config through the same door
         cfg = verl_keys.run_config(args.algorithm, args.verl_config, given, options)
         summary = train(cfg, workdir, store=args.store, run_name=args.run_name)
+    except StoppedBeforeDeadline as e:  # saved and stopped as asked: not an error
+        print(f"[verl] {e}", file=sys.stderr)
+        return 0
     except Exception as e:  # noqa: BLE001 - ours are answered in one line, the rest re-raised
         if not is_user_error(e):
             raise

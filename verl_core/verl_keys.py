@@ -511,6 +511,8 @@ VERL_TO_OURS: dict[str, Transform] = {
     "trainer.resume_mode": _resume_mode,
     "trainer.resume_from_path": _resume_path,
     "trainer.max_actor_ckpt_to_keep": _to("checkpoint.keep_last"),
+    # verl saves ahead of a capacity block's expiration by the longest step + a save + this
+    "trainer.esi_redundant_time": _to("checkpoint.must_save_margin_s"),
     "trainer.logger": _logger,
 }
 """verl key -> transform of its value into ``[(our key, value), ...]`` (context: all the keys
@@ -835,7 +837,7 @@ PATTERN_NO_EFFECT: list[tuple[re.Pattern, Callable[[object], bool], str]] = [
          "rollout's numbers"),
         (r"^ray_kwargs\.ray_init\.num_cpus$", _any,
          f"{_SPEED}: Ray is started by the workflow or the cluster (docs/cluster.md)"),
-        (r"^(trainer\.(ray_wait_register_center_timeout|esi_redundant_time)|"
+        (r"^(trainer\.ray_wait_register_center_timeout|"
          r"actor_rollout_ref\.nccl_timeout|ray_kwargs\.timeline_json_file)$", _any,
          "verl's own Ray and NCCL timeouts and traces; the guard's timeouts are guard.*"),
     )]

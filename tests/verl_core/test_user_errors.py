@@ -41,6 +41,7 @@ NOT_USER_ERRORS = {
     "verl_core.reward.model.RewardModelError": "the reward model failed during training",
     "verl_core.health.UnhealthyError": "the health check's answer, not a run's",
     "verl_core.models.fetch.FetchError": "the fetch command's own errors (it prints them)",
+    "verl_core.train.StoppedBeforeDeadline": "saved and stopped before checkpoint.must_save_by",
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verl_core.checkpoint.deadline import parse_must_save_by
 from verl_core.config_fields import (_check_types, _fail, _non_negative, _positive,
                                      not_in_trajectory)
 
@@ -40,6 +41,20 @@ class CheckpointConfig:
     """Garbage collection (after retention deletes a checkpoint) never deletes an object younger
     than this. Safety margin only: gc never deletes what a kept checkpoint, the assets, the
     lineage or a pending phase output names, whatever its age."""
+    preempt_grace_s: float = not_in_trajectory(25.0)
+    """On SIGTERM (Kubernetes' grace period, a Ray drain, a spot notice) the plain loop lets the
+    phase in flight finish for up to this long, then saves the newest state that has no
+    checkpoint and exits; a phase still running then is abandoned (every finished phase and
+    checkpoint stays). Keep it under the pod's ``terminationGracePeriodSeconds`` (30 s by
+    default). 0: exit at once, as on Ctrl-C."""
+    must_save_by: str = not_in_trajectory("")
+    """A time the run must have saved by (NeMo-RL's ``checkpoint_must_save_by``): a duration from
+    the start (``HH:MM:SS``, ``DD:HH:MM:SS``), an ISO 8601 time or unix seconds. The plain loop
+    saves and stops once less than a step and a save are left (``checkpoint/deadline.py``); the
+    same command continues. A capacity-block expiration in the environment (verl's
+    ``MLP_/SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP``) counts too."""
+    must_save_margin_s: float = not_in_trajectory(0.0)
+    """Seconds more kept in hand before ``must_save_by`` (verl's ``trainer.esi_redundant_time``)."""
     local_dir: str = not_in_trajectory("")
     """Local-disk tier (off when empty): commit checkpoints to ``<local_dir>/<store id>`` first
     and replicate them to the run store in the background (docs/checkpoints.md; W = 1 only)."""
@@ -51,7 +66,11 @@ class CheckpointConfig:
                   "must be a local folder (a local SSD), not a URL; the run store is the shared tier")
         _positive("checkpoint", self, "checkpoint_interval")
         _non_negative("checkpoint", self, "checkpoint_interval_s", "keep_last", "keep_every",
-                      "gc_grace_s")
+                      "gc_grace_s", "preempt_grace_s", "must_save_margin_s")
+        try:
+            parse_must_save_by(self.must_save_by, 0.0)
+        except ValueError as e:
+            _fail("checkpoint", "must_save_by", self.must_save_by, str(e).split(": ", 1)[1])
         if not self.resume_from_checkpoint:
             _fail("checkpoint", "resume_from_checkpoint", self.resume_from_checkpoint,
                   "use 'auto', 'none' or a checkpoint path")
