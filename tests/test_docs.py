@@ -93,3 +93,39 @@ def test_docs_links_in_the_code_resolve():
                 for t in CODE_LINK.findall(src.read_text())
                 if (p := broken(ROOT / "README.md", t))]
     assert not problems, "\n".join(problems)
+
+
+# docs/resume.md: a test named in its table as `tests/x.py::test_name`
+RESUME_TEST = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
+
+
+def resume_table(text: str) -> list[list[str]]:
+    """The body rows of docs/resume.md's table, each as its cells (the fault point first)."""
+    rows = [line.strip().strip("|").split("|") for line in unfenced(text).splitlines()
+            if line.startswith("|")]
+    return [[c.strip() for c in r] for r in rows[2:]]  # past the header and the |---| line
+
+
+def test_resume_table_names_tests_that_exist():
+    """Every cell of the resume-equivalence table names tests that exist (the file, and a
+    ``def <name>`` in it), or says ``missing`` or ``n/a``; the counts under it are the table's."""
+    text = (ROOT / "docs" / "resume.md").read_text()
+    rows = resume_table(text)
+    assert len(rows) == 11 and all(len(r) == 8 for r in rows), rows
+    kinds: Counter = Counter()
+    problems = []
+    for row in rows:
+        for cell in row[1:]:
+            named = RESUME_TEST.findall(cell)
+            kinds["filled" if named else cell] += 1
+            if not named and cell not in ("missing", "n/a"):
+                problems.append(f"{row[0]}: {cell!r} names no test and is not missing or n/a")
+            for path, name in named:
+                file = ROOT / path
+                if not file.exists():
+                    problems.append(f"{row[0]}: no file {path}")
+                elif not re.search(rf"^\s*def {name}\(", file.read_text(), re.M):
+                    problems.append(f"{row[0]}: {path} has no def {name}")
+    assert not problems, "\n".join(problems)
+    assert f"{kinds['filled']} cells filled, {kinds['missing']} missing, {kinds['n/a']} n/a" \
+        in " ".join(text.split())
