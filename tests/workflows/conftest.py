@@ -4,6 +4,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -58,9 +59,11 @@ def run(cmd, env, timeout=600, check=True):
 
 @dataclass(frozen=True)
 class Reference:
-    """An undisturbed run: its console output and its run store (``<store>/t``)."""
+    """An undisturbed run: its console output, its run store (``<store>/t``) and its wall time
+    (the machine's pace now: what a test derives its deadlines from)."""
     stdout: str
     run_store: pathlib.Path
+    wall_s: float = 0.0
 
 
 @pytest.fixture(scope="session")
@@ -76,8 +79,9 @@ def reference_run(tmp_path_factory):
     def get(steps: int) -> Reference:
         if steps not in runs:
             tmp = tmp_path_factory.mktemp(f"reference-{steps}")
+            t0 = time.monotonic()
             out = run(ppo_cmd(tmp / "store", steps=steps), flyte_env(tmp / "env"), timeout=900)
-            runs[steps] = Reference(out.stdout, tmp / "store" / "t")
+            runs[steps] = Reference(out.stdout, tmp / "store" / "t", time.monotonic() - t0)
         return runs[steps]
 
     return get

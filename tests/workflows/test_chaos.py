@@ -21,36 +21,47 @@ from test_resume import _final_weights_sha, _phase_log, _summary
 pytestmark = pytest.mark.slow
 
 STEPS = 12
-OVER = {"guard.phase_timeout_s": 60.0, "checkpoint.keep_last": 3}
-"""Outside the trajectory (``RunConfig.trajectory_hash``): the fault-free reference run
-(``reference_run``, shared with test_resume.py) leaves them at their defaults and must end with
-the same weights. The deadline leaves several times a phase's idle time on a loaded machine: the
-update of step 3 resumed after its SIGKILL replays the stored batches since the last checkpoint,
-and at 20 s it passed the deadline on three runs in a row with the other CI lane beside it."""
+def over(deadline_s: float) -> dict:
+    """Keys outside the trajectory (``RunConfig.trajectory_hash``): the fault-free reference run
+    (``reference_run``, shared with test_resume.py) leaves them at their defaults and must end
+    with the same weights."""
+    return {"guard.phase_timeout_s": deadline_s, "checkpoint.keep_last": 3}
 
-DATA_SAFE = [
-    {"kind": "transient", "phase": "rollout", "step": 1, "times": 2},  # two failures, then ok
-    {"kind": "permanent", "phase": "advantage", "step": 2, "times": 1},
-    {"kind": "kill", "phase": "update", "step": 3},
-    {"kind": "slow", "phase": "reward", "step": 5, "seconds": 75},  # past the 60 s deadline
-    {"kind": "store_outage", "phase": "update", "step": 6, "seconds": 1.5},
-    {"kind": "corrupt_object", "phase": "checkpoint", "step": 8},
-    {"kind": "second_writer", "phase": "rollout", "step": 8},
-    {"kind": "kill", "phase": "update", "step": 9},  # the resume meets the corrupted checkpoint
-]
+
+def phase_deadline(ref) -> float:
+    """The drill's phase deadline, from the reference run's pace on this machine now: ten times
+    its mean step (pyflyte's start-up counted in, so more), at least 60 s. A fixed 20 s passed
+    under load three runs in a row (the update of step 3, resumed after its SIGKILL, replays the
+    stored batches since the last checkpoint), and the deadline must stay one a phase meets."""
+    return max(60.0, 10.0 * ref.wall_s / STEPS)
+
+
+def data_safe(deadline_s: float) -> list[dict]:
+    return [
+        {"kind": "transient", "phase": "rollout", "step": 1, "times": 2},  # two failures, then ok
+        {"kind": "permanent", "phase": "advantage", "step": 2, "times": 1},
+        {"kind": "kill", "phase": "update", "step": 3},
+        {"kind": "slow", "phase": "reward", "step": 5, "seconds": deadline_s + 15},  # past it
+        {"kind": "store_outage", "phase": "update", "step": 6, "seconds": 1.5},
+        {"kind": "corrupt_object", "phase": "checkpoint", "step": 8},
+        {"kind": "second_writer", "phase": "rollout", "step": 8},
+        {"kind": "kill", "phase": "update", "step": 9},  # the resume meets the corrupted checkpoint
+    ]
+
+
 NAN = [
     {"kind": "nan_grad", "phase": "update", "step": 3},
     {"kind": "nan_reward", "phase": "reward", "step": 7},
 ]
 
 
-def _until_done(cmd, env, logs, after_run, attempts=5):
+def _until_done(cmd, env, logs, after_run, timeout_s, attempts=5):
     """Run ``cmd`` until it succeeds (each failure is an injected one), like re-running by hand,
     calling ``after_run()`` after each run. Every run's output is kept in ``logs/run-<i>.txt``."""
     outs = []
     logs.mkdir(parents=True, exist_ok=True)
     for i in range(attempts):
-        res = run(cmd, env, timeout=900, check=False)
+        res = run(cmd, env, timeout=timeout_s, check=False)
         outs.append(res.stdout + res.stderr)
         (logs / f"run-{i}.txt").write_text(outs[-1])
         after_run()
@@ -69,18 +80,23 @@ def _checkpoints(run_store):
     return {i.step: mgr.verify(i.name) for i in infos}
 
 
+@pytest.mark.timeout(3600)  # ~530 s idle; the reference run is shared with test_resume.py
 def test_chaos_run_ends_identical_and_nan_is_caught(tmp_path, reference_run):
-    _data_safe_faults(tmp_path, reference_run(STEPS))
+    ref = reference_run(STEPS)
+    deadline_s = phase_deadline(ref)
+    timeout_s = max(900.0, 10 * ref.wall_s)  # one launch: ten reference runs' time
+    _data_safe_faults(tmp_path, ref, deadline_s, timeout_s)
     env = flyte_env(tmp_path / "c", VERL_FAULTS=json.dumps(NAN))
-    res = run(ppo_cmd(tmp_path / "n", steps=STEPS, overrides=OVER), env, timeout=900)
+    res = run(ppo_cmd(tmp_path / "n", steps=STEPS, overrides=over(deadline_s)), env,
+              timeout=timeout_s)
     _nan_caught(tmp_path / "n" / "t", res.stdout)
 
 
-def _data_safe_faults(tmp_path, ref):
+def _data_safe_faults(tmp_path, ref, deadline_s, timeout_s):
     """1. Every data-preserving fault kind; the run ends with the weights of ``ref``."""
     ref_sha = _final_weights_sha(_summary(ref.stdout))
     ref_ckpts = _checkpoints(ref.run_store)
-    env = flyte_env(tmp_path / "b", VERL_FAULTS=json.dumps(DATA_SAFE))
+    env = flyte_env(tmp_path / "b", VERL_FAULTS=json.dumps(data_safe(deadline_s)))
     faults, run_store = tmp_path / "b" / "faults", tmp_path / "s" / "t"
     permanent = faults / "advantage-2-permanent.attempts"  # its firings (verl_core.guard.faults)
     after = []  # (phase log, firings of the permanent fault) after each run
@@ -88,8 +104,8 @@ def _data_safe_faults(tmp_path, ref):
     def snapshot():
         after.append((_phase_log(run_store), permanent.exists() and permanent.read_text()))
 
-    res, outs = _until_done(ppo_cmd(tmp_path / "s", steps=STEPS, overrides=OVER), env,
-                            tmp_path / "logs", snapshot)
+    res, outs = _until_done(ppo_cmd(tmp_path / "s", steps=STEPS, overrides=over(deadline_s)),
+                            env, tmp_path / "logs", snapshot, timeout_s)
     text = "\n".join(outs)
     assert len(outs) == 4, "permanent, kill, kill: three failed runs, then success"
     # transient: retried in the same run (locally flytekit does not retry: the task layer does)
