@@ -428,6 +428,13 @@ class RunConfig:
             _fail("actor", "ppo_micro_batch_size", micro,
                   f"must divide the mini-batch rows ({rows}) so every micro-batch has the same "
                   "weight in the accumulated gradient")
+        ck = self.checkpoint
+        if ck.keep_best and not ck.last_step_only and (
+                not self.eval_every or self.eval_every % ck.checkpoint_interval):
+            _fail("checkpoint", "keep_best", ck.keep_best,
+                  f"needs a checkpoint at every evaluated step: set eval_every to a multiple of "
+                  f"checkpoint.checkpoint_interval={ck.checkpoint_interval} (it is "
+                  f"{self.eval_every}{': evaluations at the start and end only' if not self.eval_every else ''})")
         W = self.trainer.world_size
         if self.checkpoint.local_dir and W > 1:
             _fail("checkpoint", "local_dir", self.checkpoint.local_dir,

@@ -11,6 +11,7 @@ trajectory hash shortened by :func:`short_hash`::
 
     store.json, lease.json, latest.json, compute.json   the store, writer lease, newest checkpoint,
                                                         thread count
+    best.json                                           the best evaluated step (keep_best)
     checkpoints/<step:012d>-<sha>                       checkpoint manifests (``sha``: of the meta)
     inflight/<uuid>                                     a checkpoint write in progress
     shared/groups/<group>, shared/tokenizer             trees shared by checkpoints, the tokenizer
@@ -47,6 +48,9 @@ LEASE_DOC = "lease"
 """The run's single-writer lease (compare-and-swap doc, ``guard/lease.py``)."""
 LATEST_DOC = "latest"
 """Pointer to the newest committed checkpoint: ``{"name", "step", "sha"}``."""
+BEST_DOC = "best"
+"""The best evaluated step by ``checkpoint.keep_best``: ``{"step", "metric", "value",
+"higher_is_better", "trajectory"}``; retention keeps its checkpoint (``checkpoint/manager.py``)."""
 COMPUTE_DOC = "compute"
 """``{"num_threads": n, ...}`` written at a run's first prepare (``threads.py``)."""
 TOKENIZER_DOC = "shared/tokenizer"

@@ -34,4 +34,5 @@ def test_store_wide_names_are_unchanged():
     assert (layout.LEASE_DOC, layout.LATEST_DOC, layout.COMPUTE_DOC, layout.TOKENIZER_DOC) == \
         ("lease", "latest", "compute", "shared/tokenizer")
     assert (layout.PHASE_LOG, layout.CHECKPOINT_LOG) == ("phases", "checkpoints")
+    assert layout.BEST_DOC == "best"
     assert layout.GC_ROOT_FOLDERS == ("assets", "lineage", "pending", "shared", "staging")

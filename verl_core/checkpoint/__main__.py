@@ -17,7 +17,8 @@
                                            frees it now (for a holder that is dead: a live one
                                            stops at its next renewal with "lost the lease")
 
-``ref`` is ``latest``, ``auto`` (newest valid), a step, ``<step>-<sha>``, or a sha prefix.
+``ref`` is ``latest``, ``auto`` (newest valid), ``best`` (``checkpoint.keep_best``'s), a step,
+``<step>-<sha>``, or a sha prefix.
 ``latest`` with a missing or damaged ``latest.json`` is the newest checkpoint that verifies, named
 on stderr. S3 stores read their endpoint from ``$VERL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``.
 """
@@ -63,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("verify", help="verify checkpoints (re-hash every object)")
     sp.add_argument("store", help=store_help)
     sp.add_argument("refs", nargs="*", metavar="ref",
-                    help="latest, auto, a step, <step>-<sha> or a sha prefix (default: every "
+                    help="latest, auto, best, a step, <step>-<sha> or a sha prefix (default: every "
                          "checkpoint)")
     sp.add_argument("--sizes-only", action="store_true", help="check presence and size only")
     sp.add_argument("--repair", action="store_true",

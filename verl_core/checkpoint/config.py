@@ -41,6 +41,15 @@ class CheckpointConfig:
     """Garbage collection (after retention deletes a checkpoint) never deletes an object younger
     than this. Safety margin only: gc never deletes what a kept checkpoint, the assets, the
     lineage or a pending phase output names, whatever its age."""
+    keep_best: str = not_in_trajectory("")
+    """Keep the checkpoint of the best evaluated step by this held-out metric (``val/accuracy``;
+    NeMo-RL's ``metric_name``, OpenRLHF's ``best_metric_key``) through retention and gc, recorded
+    in ``best.json``; ``python -m verl_core.checkpoint export <store> best <out>`` exports it.
+    Every evaluated step must be a checkpoint step (``eval_every`` a multiple of
+    ``checkpoint_interval``). "": off."""
+    keep_best_higher: bool = not_in_trajectory(True)
+    """Whether a higher ``keep_best`` value is better (NeMo-RL's ``higher_is_better``); a tie
+    keeps the earlier step."""
     preempt_grace_s: float = not_in_trajectory(25.0)
     """On SIGTERM (Kubernetes' grace period, a Ray drain, a spot notice) the plain loop lets the
     phase in flight finish for up to this long, then saves the newest state that has no
@@ -67,6 +76,10 @@ class CheckpointConfig:
         _positive("checkpoint", self, "checkpoint_interval")
         _non_negative("checkpoint", self, "checkpoint_interval_s", "keep_last", "keep_every",
                       "gc_grace_s", "preempt_grace_s", "must_save_margin_s")
+        if self.keep_best and not self.keep_best.startswith("val/"):
+            _fail("checkpoint", "keep_best", self.keep_best,
+                  "name a held-out metric (val/accuracy, val/reward, ...): the best is judged at "
+                  "evaluations")
         try:
             parse_must_save_by(self.must_save_by, 0.0)
         except ValueError as e:

@@ -669,6 +669,13 @@ class CheckpointManager:
             if why:
                 log.warning("%s", why)
             return name
+        if ref == "best":
+            step = self.best_step()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"no best checkpoint in {self.store.uri}: best.json is written when a run "
+                    "with checkpoint.keep_best=<val metric> evaluates")
+            return self._by_step(step)
         if ref.endswith(".json"):
             base = ref.rstrip("/").rsplit("/", 1)[-1][:-5]
             prefix = ref[: -len(base) - 5].rstrip("/")
@@ -1076,6 +1083,9 @@ class CheckpointManager:
             latest = self._latest_name()
             if latest:
                 keep.add(latest)
+            best = self.best_step()
+            if best is not None:  # checkpoint.keep_best: its step's checkpoints stay
+                keep |= {n for n in names if _parse_name(n)[0] == best}
             deleted = [n for n in names if n not in keep]
             for n in deleted:
                 self.store.delete_json(layout.checkpoint_doc(n))
@@ -1083,6 +1093,16 @@ class CheckpointManager:
             if deleted:
                 self.gc()
             return deleted
+
+    def best_step(self) -> Optional[int]:
+        """The step ``best.json`` names (``checkpoint.keep_best``), or None."""
+        try:
+            doc = self.store.get_json(layout.BEST_DOC, default=None)
+        except CorruptObjectError as e:
+            log.warning("best.json is unreadable (%s); ignoring it", e)
+            return None
+        step = doc.get("step") if isinstance(doc, dict) else None
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
 
     def gc(self, *, grace_s: Optional[float] = None) -> dict:
         """Delete objects that nothing in the run store can still ask for

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -33,7 +34,7 @@ from verl_core.checkpoint.hf_export import export_trained, store_tokenizer
 from verl_core.checkpoint.local_tier import Replicator, open_local_store
 from verl_core.checkpoint.manager import SHARED_GROUPS, CheckpointManager, open_checkpoint
 from verl_core.store import NotFoundError, RunStore, is_sha256, sha256_hex
-from verl_core.config import RunConfig
+from verl_core.config import ConfigError, RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.engine.assets import materialize_assets
 from verl_core.errors import (CheckpointNotFoundError, CorruptObjectError, PermanentError,
@@ -41,7 +42,8 @@ from verl_core.errors import (CheckpointNotFoundError, CorruptObjectError, Perma
 from verl_core.guard import checks, faults
 from verl_core.guard.faults import maybe_inject
 from verl_core.guard.lease import FencedError
-from verl_core.layout import TOKENIZER_DOC, eval_samples_doc, lineage_doc, pending_doc
+from verl_core.layout import (BEST_DOC, TOKENIZER_DOC, eval_samples_doc, lineage_doc,
+                              pending_doc)
 from verl_core.trainer import RLTrainer, compute_advantages
 from verl_core.training import sharding
 from verl_core.training.dist import SINGLE, DataParallel
@@ -879,7 +881,32 @@ class RunWorker:
                 print(f"[verl] val sample {i + 1}/{shown} after step {step}: score {s.score:g}, "
                       f"ground truth {s.ground_truth!r}\n  prompt: {s.prompt!r}\n  response: "
                       f"{s.response!r}", flush=True)
+            if self.cfg.checkpoint.keep_best:
+                self._record_best(step, metrics)
         return metrics
+
+    def _record_best(self, step: int, metrics: dict) -> None:
+        """``checkpoint.keep_best``: name ``step`` in ``best.json`` when its metric beats the
+        recorded best of this trajectory (strictly: a tie, and a replayed evaluation, keep the
+        earlier step). Step 0, the model before training, has no checkpoint to keep."""
+        ck = self.cfg.checkpoint
+        if ck.keep_best not in metrics:
+            names = ", ".join(sorted(k for k in metrics if k.startswith("val/")))
+            raise ConfigError(f"checkpoint.keep_best={ck.keep_best!r}: the evaluation has no such "
+                              f"metric; it has {names}")
+        value = float(metrics[ck.keep_best])
+        if step == 0 or not math.isfinite(value):
+            return
+        doc = self.store.get_json(BEST_DOC, default=None)
+        if (isinstance(doc, dict) and doc.get("trajectory") == self.trajectory_hash
+                and doc.get("metric") == ck.keep_best):
+            old = float(doc["value"])
+            if not (value > old if ck.keep_best_higher else value < old):
+                return
+        self.store.put_json(BEST_DOC, {
+            "step": step, "metric": ck.keep_best, "value": value,
+            "higher_is_better": ck.keep_best_higher, "trajectory": self.trajectory_hash})
+        log.info("best checkpoint by %s: step %d (%g)", ck.keep_best, step, value)
 
     def export_final(self, step: int, folder: str) -> str:
         """Write the policy after ``step`` updates as a Hugging Face folder (local path)."""

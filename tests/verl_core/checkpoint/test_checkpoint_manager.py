@@ -380,3 +380,23 @@ def test_load_into_parameters_in_place(manager):
     for k, v in model.state_dict().items():
         assert torch.equal(other.state_dict()[k], v)
     assert all(p.requires_grad for p in other.parameters())
+
+
+def test_retention_keeps_the_best_step_and_best_resolves_to_it(store):
+    # checkpoint.keep_best: best.json names a step; retention and gc keep its checkpoint, and the
+    # reference "best" resolves to it (what `python -m verl_core.checkpoint export <s> best` reads)
+    from verl_core import layout
+    from verl_core.errors import CheckpointNotFoundError
+
+    manager = CheckpointManager(store, keep_last=1, gc_grace_s=0.0)
+    with pytest.raises(CheckpointNotFoundError, match="no best checkpoint in .*checkpoint.keep_best"):
+        manager.resolve("best")
+    model, opt = _trained()
+    infos = {}
+    for step in range(1, 6):
+        _bump(model, 0.5)
+        if step == 3:
+            store.put_json(layout.BEST_DOC, {"step": 2, "metric": "val/accuracy", "value": 0.5})
+        infos[step] = manager.save(step, _groups(model, opt), {"step": step})
+    assert [i.step for i in manager.list_checkpoints()] == [2, 5]
+    assert manager.resolve("best") == infos[2].name and manager.verify(infos[2].name) == []
