@@ -14,10 +14,13 @@
   tool_schema)``, async ``create(instance_id, **kwargs)``, ``execute(instance_id, parameters,
   **kwargs) -> (response, reward, metrics)`` (``response`` a ``str`` or anything with ``.text``),
   ``calc_reward`` and ``release``. Every request runs under ``timeout_s``; a request that
-  overruns gets a timeout and the host is replaced (its tools' state with it: a tool's instance
-  lives for one trajectory, so the calls after a restart fail as calls of an unknown instance,
-  and say so). A tool that raises, returns a wrong type or gets arguments its schema refuses
-  answers with an error (:class:`ToolResult`), never an exception in the trainer.
+  overruns gets a timeout, one that ends the host's process an error, and the host is replaced;
+  the calls they held up are served again on the new host, where each live tool instance is
+  created again from its ``create`` request (the state it gathered since is lost; an instance
+  already released is unknown there, and its calls say so). A tool that raises, returns a wrong
+  type, a non-finite reward or an answer that cannot cross the pipe, or gets arguments its
+  schema refuses answers with an error (:class:`ToolResult`), never an exception in the
+  trainer.
 - :class:`CalculatorTool`: the built-in tool of the ``calculator`` task (exact arithmetic on
   the numbers and ``+ - * / ( )`` of an expression; no ``eval``).
 
