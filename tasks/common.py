@@ -37,12 +37,13 @@ T = TypeVar("T")
 logging.getLogger("ray").setLevel(logging.WARNING)
 
 # Bump one phase's entry when its behaviour changes; a package version bump invalidates all.
-PHASE_VERSIONS = {"prepare": "2", "rollout": "1", "reward": "2", "advantage": "1",
+PHASE_VERSIONS = {"prepare": "2", "rollout": "2", "reward": "2", "advantage": "1",
                   "update": "3", "checkpoint": "1", "evaluate": "4", "finalize": "2"}
 # prepare/reward/evaluate v2: responses are scored cut at the first EOS, special tokens kept
 # update v2: the guard decides (skip/rollback records in the lineage); finalize v2: scrub
 # evaluate v3: stores held-out samples for the reports (Decks); v4: their tokens as the model saw
 # them (special tokens visible), the first one printed
+# rollout v2: a multi-turn batch no longer stores each call's measured latency_s (metrics only)
 
 RETRIES = phases.ATTEMPTS
 """Cluster retries of a phase (Flyte applies them only on a cluster; locally

@@ -953,8 +953,7 @@ class RLTrainer:
                                        self.train_prompt_mask[rows_idx], params,
                                        list(range(len(rows))), rows, phase)
             extra = {"response_attention_mask": out.attention_mask,
-                     "turns": [{"turns": t, "tool_rewards": r}
-                               for t, r in zip(out.turns, out.tool_rewards)]}
+                     "turns": out.stored_turns()}
             metrics.update(turn_metrics(out))
             infos = turn_extra_info(infos, extra["turns"])
         else:
@@ -1172,9 +1171,7 @@ class RLTrainer:
                 out = self._generate_turns(ids, mask, params, list(range(s * k, e * k)), chunk,
                                            "val", split=False, engine=engine)
                 # the scorer sees verl's num_turns and tool_rewards, as in the rollout phase
-                infos += turn_extra_info([row.extra_info for row in chunk],
-                                         [{"turns": t, "tool_rewards": r}
-                                          for t, r in zip(out.turns, out.tool_rewards)])
+                infos += turn_extra_info([row.extra_info for row in chunk], out.stored_turns())
                 real = out.attention_mask  # (n, T) every real token, tools' responses too
                 sampled_mask = out.response_mask
                 dec = decode_responses(self.tokenizer, out.response_ids, real,

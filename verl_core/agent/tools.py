@@ -14,10 +14,13 @@
   tool_schema)``, async ``create(instance_id, **kwargs)``, ``execute(instance_id, parameters,
   **kwargs) -> (response, reward, metrics)`` (``response`` a ``str`` or anything with ``.text``),
   ``calc_reward`` and ``release``. Every request runs under ``timeout_s``; a request that
-  overruns gets a timeout and the host is replaced (its tools' state with it: a tool's instance
-  lives for one trajectory, so the calls after a restart fail as calls of an unknown instance,
-  and say so). A tool that raises, returns a wrong type or gets arguments its schema refuses
-  answers with an error (:class:`ToolResult`), never an exception in the trainer.
+  overruns gets a timeout, one that ends the host's process an error, and the host is replaced;
+  the calls they held up are served again on the new host, where each live tool instance is
+  created again from its ``create`` request (the state it gathered since is lost; an instance
+  already released is unknown there, and its calls say so). A tool that raises, returns a wrong
+  type, a non-finite reward or an answer that cannot cross the pipe, or gets arguments its
+  schema refuses answers with an error (:class:`ToolResult`), never an exception in the
+  trainer.
 - :class:`CalculatorTool`: the built-in tool of the ``calculator`` task (exact arithmetic on
   the numbers and ``+ - * / ( )`` of an expression; no ``eval``).
 
@@ -34,11 +37,14 @@ import asyncio
 import importlib
 import importlib.util
 import json
+import math
 import multiprocessing
 import os
+import pickle
 import re
 import time
 import traceback
+import types
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -266,10 +272,12 @@ class ToolResult:
         return f"Error: {self.error}"
 
 
-def _host_main(conn, entries: list[ToolEntry]) -> None:
+def _host_main(conn, entries: list[ToolEntry], running) -> None:
     """The child: build every tool, answer ``("ready", None)`` or ``("load_error", message)``,
-    then serve requests ``(req_id, op, tool, instance_id, kwargs)`` concurrently on one event
-    loop, each answered with ``(req_id, ToolResult)``."""
+    then serve requests ``(req_id, op, tool, instance_id, kwargs, max_chars)`` concurrently on
+    one event loop, each answered with ``(req_id, pickled ToolResult)``. ``running`` (a shared
+    integer) holds the id of the request whose code the loop is executing, 0 between steps: what
+    the trainer reads to tell which call hung or crashed the host."""
     tools = {}
     try:
         for e in entries:
@@ -283,33 +291,90 @@ def _host_main(conn, entries: list[ToolEntry]) -> None:
         conn.send(("load_error", str(exc)))
         return
     conn.send(("ready", None))
-    asyncio.run(_serve(conn, tools))
+    asyncio.run(_serve(conn, tools, running))
 
 
-async def _serve(conn, tools: dict) -> None:
+async def _serve(conn, tools: dict, running) -> None:
     loop = asyncio.get_running_loop()
     pending: set = set()
     while True:
         msg = await loop.run_in_executor(None, conn.recv)
         if msg is None:
             break
-        task = asyncio.create_task(_answer(conn, tools, *msg))
+        task = asyncio.create_task(_answer(conn, tools, running, *msg))
         pending.add(task)
         task.add_done_callback(pending.discard)
     if pending:
         await asyncio.wait(pending)
 
 
-async def _answer(conn, tools: dict, req_id: int, op: str, name: str, instance_id: str,
-                  kwargs: dict) -> None:
+class _Refused(Exception):
+    """A tool's answer that is not one (its message is the model's observation)."""
+
+
+@types.coroutine
+def _tracked(coro, running, req_id: int):
+    """``await coro`` with ``running.value = req_id`` while each of its steps executes (a
+    trampoline: every value ``coro`` yields goes to the event loop and back unchanged)."""
+    value, exc = None, None
+    while True:
+        running.value = req_id
+        try:
+            yielded = coro.throw(exc) if exc is not None else coro.send(value)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            running.value = 0
+        try:
+            value, exc = (yield yielded), None
+        except BaseException as e:  # noqa: BLE001 - handed to coro, as await would
+            value, exc = None, e
+
+
+def _precut(text: str, max_chars: int | None) -> str:
+    """The first and last ``max_chars`` characters of a longer ``text``: all the trainer's
+    :func:`~verl_core.agent.turns.truncate_observation` can keep, on any side, so the cut
+    observation is the same and a tool's 50 MB answer never crosses the pipe."""
+    if max_chars and len(text) > 2 * max_chars:
+        return text[:max_chars] + text[len(text) - max_chars:]
+    return text
+
+
+def _pickled(res: ToolResult, name: str) -> bytes:
+    try:
+        return pickle.dumps(res)
+    except Exception as e:  # noqa: BLE001 - a tool's metrics of any type
+        return pickle.dumps(ToolResult(
+            "error", error=f"{name}: its answer cannot be sent to the trainer ({type(e).__name__}:"
+                           f" {e}); return a str (or .text), a float and a dict of plain values",
+            latency_s=res.latency_s))
+
+
+async def _answer(conn, tools: dict, running, req_id: int, op: str, name: str, instance_id: str,
+                  kwargs: dict, max_chars: int | None = None) -> None:
     t0 = time.perf_counter()
     try:
-        res = await _run(tools, op, name, instance_id, kwargs)
+        res = await _tracked(_run(tools, op, name, instance_id, kwargs), running, req_id)
+    except _Refused as e:
+        res = ToolResult("error", error=str(e))
     except BaseException as e:  # noqa: BLE001 - a tool's failure is the model's observation
         res = ToolResult("error", error=f"{name}: {type(e).__name__}: {e}",
                          metrics={"traceback": traceback.format_exc(limit=5)})
-    conn.send((req_id, ToolResult(res.status, res.text, res.reward, res.metrics, res.error,
-                                  time.perf_counter() - t0)))
+    res = ToolResult(res.status, _precut(res.text, max_chars), res.reward, res.metrics,
+                     _precut(res.error, max_chars), time.perf_counter() - t0)
+    conn.send((req_id, _pickled(res, name)))
+
+
+def _finite(name: str, what: str, value) -> float:
+    """A tool's reward as a finite float; anything else is refused (a NaN would be summed into
+    the row's score)."""
+    try:
+        reward = float(value or 0.0)
+    except (TypeError, ValueError):
+        raise _Refused(f"{name}: {what}'s reward {value!r} is not a number") from None
+    if not math.isfinite(reward):
+        raise _Refused(f"{name}: {what}'s reward is {reward}; a reward must be a finite number")
+    return reward
 
 
 async def _maybe_await(value):
@@ -344,16 +409,13 @@ async def _run(tools: dict, op: str, name: str, instance_id: str, kwargs: dict) 
             return ToolResult("error", error=f"{name}: execute's response is a "
                                              f"{type(response).__name__}: neither a str nor "
                                              "anything with a .text str")
-        try:
-            reward = float(reward or 0.0)
-        except (TypeError, ValueError):
-            return ToolResult("error", error=f"{name}: execute's reward {reward!r} is not a "
-                                             "number")
-        return ToolResult("ok", text=text, reward=reward,
+        return ToolResult("ok", text=str.__str__(text),  # a plain str, never a user's subclass
+                          reward=_finite(name, "execute", reward),
                           metrics=dict(metrics) if isinstance(metrics, dict) else {})
     if op == "calc_reward":
         fn = getattr(tool, "calc_reward", None)
-        return ToolResult("ok", reward=float(await _maybe_await(fn(instance_id)) or 0.0)
+        return ToolResult("ok", reward=_finite(name, "calc_reward",
+                                               await _maybe_await(fn(instance_id)))
                           if callable(fn) else 0.0)
     if op == "release":
         await _maybe_await(tool.release(instance_id))
@@ -381,7 +443,15 @@ class Request:
 class ToolHost:
     """The tools of a run in a child process; :meth:`run` answers a batch of requests
     concurrently (a batch's latency is its slowest call's, not the sum), each within
-    ``timeout_s``. Use as a context manager, or call :meth:`close`."""
+    ``timeout_s``. Use as a context manager, or call :meth:`close`.
+
+    A call that hangs (blocks the host's event loop past its deadline) or ends the host's
+    process (``os._exit``, a segfault) is told apart from the calls it held up: the host marks
+    which request's code it is executing. That call alone times out or fails; the host is
+    replaced and the other calls are served again on the new one, each with a deadline of its
+    own (the rollout's budget still bounds them all). A tool instance the dead host held is
+    created again from its ``create`` request before its next call (the state it gathered
+    since is lost)."""
 
     def __init__(self, entries: list[ToolEntry], *, timeout_s: float = 30.0,
                  start_timeout_s: float = 120.0):
@@ -394,15 +464,24 @@ class ToolHost:
         self.restarts = 0
         self._proc = None
         self._conn = None
+        self._running = None
         self._next_id = 0
+        self._created: dict[tuple[str, str], Request] = {}  # live instances: their create
+        self._here: set[tuple[str, str]] = set()  # those the current host process holds
 
     def start(self) -> None:
         """Start the child and build every tool there; a class that cannot be imported or built
-        raises :class:`ToolConfigError` naming it (before any rollout)."""
+        raises :class:`ToolConfigError` naming it (before any rollout). A host that died since
+        its last batch is replaced."""
         if self._proc is not None:
-            return
-        parent, child = _mp_context().Pipe()
-        proc = _mp_context().Process(target=_host_main, args=(child, self.entries), daemon=True)
+            if self._proc.is_alive():
+                return
+            self._kill()
+            self.restarts += 1
+        ctx = _mp_context()
+        parent, child = ctx.Pipe()
+        running = ctx.RawValue("q", 0)
+        proc = ctx.Process(target=_host_main, args=(child, self.entries, running), daemon=True)
         proc.start()
         child.close()
         if not parent.poll(self.start_timeout_s):
@@ -413,58 +492,124 @@ class ToolHost:
                                   "or __init__?)")
         try:
             kind, msg = parent.recv()
-        except EOFError:
+        except (EOFError, OSError):
             proc.join()
             raise ToolConfigError(f"the tool host died while building the tools {self.names} "
                                   f"(exit code {proc.exitcode})") from None
         if kind != "ready":
             proc.join()
             raise ToolConfigError(msg)
-        self._proc, self._conn = proc, parent
+        self._proc, self._conn, self._running = proc, parent, running
 
-    def run(self, requests: list[Request], timeout_s: float | None = None) -> list[ToolResult]:
-        """Send every request at once; each answer, or ``timeout`` for those not answered within
-        ``timeout_s`` of the send (the host is then replaced: see the module's docstring).
-        ``timeout_s``: a shorter deadline for this batch (what is left of a rollout's budget;
-        at 0 nothing is sent and every request times out)."""
-        if timeout_s is not None and timeout_s <= 0:
-            return [ToolResult("timeout", error="rollout's tool_budget_s (spent)")
-                    for _ in requests]
-        self.start()
-        ids = {}
-        for r in requests:
-            self._next_id += 1
-            ids[self._next_id] = len(ids)
-            self._conn.send((self._next_id, r.op, r.tool, r.instance_id, dict(r.kwargs)))
+    def run(self, requests: list[Request], timeout_s: float | None = None,
+            max_chars: int | None = None) -> list[ToolResult]:
+        """Send every request at once; each answer, or ``timeout`` for a call not answered
+        within its deadline, or ``error`` for a call that ended the host (see the class's
+        docstring). ``timeout_s``: a shorter deadline for the whole batch (what is left of a
+        rollout's budget; at 0 nothing is sent and every request times out). ``max_chars``: the
+        host sends at most the first and last ``max_chars`` characters of an answer."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
         out: list[ToolResult | None] = [None] * len(requests)
-        limit = self.timeout_s if timeout_s is None else min(self.timeout_s, timeout_s)
+        todo = list(range(len(requests)))
+        while todo:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                for k in todo:
+                    out[k] = ToolResult("timeout", error="rollout's tool_budget_s (spent)")
+                break
+            limit = self.timeout_s if left is None else min(self.timeout_s, left)
+            again = self._recreate([requests[k] for k in todo])
+            if again:
+                self._round(again, limit, max_chars)
+            for k, res in zip(todo, self._round([requests[k] for k in todo], limit, max_chars)):
+                out[k] = res
+            todo = [k for k in todo if out[k] is None]  # held up by a call that hung or crashed
+        return out  # type: ignore[return-value]
+
+    def _recreate(self, requests: list[Request]) -> list[Request]:
+        """The ``create`` requests of the live instances ``requests`` use that the current host
+        does not hold (it replaced the one that created them)."""
+        if self._proc is None or not self._proc.is_alive():
+            self._here.clear()
+        keys = {(r.tool, r.instance_id) for r in requests if r.op != "create"}
+        return [self._created[k] for k in sorted(keys) if k in self._created
+                and k not in self._here]
+
+    def _round(self, requests: list[Request], limit: float,
+               max_chars: int | None) -> list[ToolResult | None]:
+        """One batch on the current host, under ``limit`` seconds: each answer, or None for a
+        call that was held up by another call that hung or crashed the host (that call's
+        result says which)."""
+        self.start()
+        out: list[ToolResult | None] = [None] * len(requests)
+        ids, died = {}, False
+        try:
+            for k, r in enumerate(requests):
+                self._next_id += 1
+                ids[self._next_id] = k
+                self._conn.send((self._next_id, r.op, r.tool, r.instance_id, dict(r.kwargs),
+                                 max_chars))
+        except OSError:  # a broken pipe: the host is gone
+            died = True
         deadline = time.monotonic() + limit
         left = len(requests)
-        while left:
+        while left and not died:
             wait = deadline - time.monotonic()
             if wait <= 0 or not self._conn.poll(wait):
                 break
             try:
-                req_id, res = self._conn.recv()
-            except EOFError:
+                req_id, data = self._conn.recv()
+            except (EOFError, OSError):  # the host's end closed: it died (exit, signal)
+                died = True
                 break
-            if req_id in ids and out[ids[req_id]] is None:
-                out[ids[req_id]] = res
+            k = ids.get(req_id)
+            if k is not None and out[k] is None:
+                out[k] = self._note(requests[k], _unpickled(data, requests[k]))
                 left -= 1
-        if left:  # the host is stuck (or died): the unanswered calls time out, a new host starts
-            self._kill()
-            self.restarts += 1
-            out = [r if r is not None else
-                   ToolResult("timeout", error=f"tool_timeout_s={limit:g}s",
-                              latency_s=limit) for r in out]
-        return out  # type: ignore[return-value]
+        if not left:
+            return out
+        culprit = ids.get(self._culprit())
+        code = self._kill()
+        self.restarts += 1
+        for k, r in enumerate(requests):
+            if out[k] is None and (culprit is None or k == culprit):
+                out[k] = ToolResult("error", error=_death(r, code)) if died else \
+                    ToolResult("timeout", error=f"tool_timeout_s={limit:g}s"
+                               if limit == self.timeout_s else
+                               f"rollout's tool_budget_s ({limit:g}s left)", latency_s=limit)
+        return out
 
-    def _kill(self) -> None:
+    def _culprit(self) -> int:
+        """The id of the request whose code the host is stuck in (or died in), 0 for none: the
+        same id read twice 50 ms apart (a call merely stepping at that moment moves on)."""
+        first = self._running.value
+        if not first:
+            return 0
+        time.sleep(0.05)
+        return first if self._running.value == first else 0
+
+    def _note(self, r: Request, res: ToolResult) -> ToolResult:
+        """Keep the ``create`` of each live instance (to create it again on a new host)."""
+        key = (r.tool, r.instance_id)
+        if r.op == "create" and res.status == "ok":
+            self._created[key] = r
+            self._here.add(key)
+        elif r.op == "release":
+            self._created.pop(key, None)
+            self._here.discard(key)
+        return res
+
+    def _kill(self) -> int | None:
+        """End the host; its exit code (negative: the signal that ended it)."""
+        code = None
         if self._proc is not None:
             self._proc.kill()
             self._proc.join()
             self._conn.close()
-        self._proc = self._conn = None
+            code = self._proc.exitcode
+        self._proc = self._conn = self._running = None
+        self._here.clear()
+        return code
 
     def close(self) -> None:
         if self._proc is not None:
@@ -481,6 +626,26 @@ class ToolHost:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _unpickled(data: bytes, r: Request) -> ToolResult:
+    try:
+        return pickle.loads(data)
+    except Exception as e:  # noqa: BLE001 - e.g. a class only the host can import
+        return ToolResult("error", error=f"{r.tool}: its answer cannot be read in the trainer "
+                                         f"({type(e).__name__}: {e}); return a str (or .text), "
+                                         "a float and a dict of plain values")
+
+
+def _death(r: Request, code: int | None) -> str:
+    import signal
+
+    how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and \
+        -code in signal.valid_signals() else f"exit code {code}"
+    return (f"{r.tool}: the tool host died ({how}) during this call (instance "
+            f"{r.instance_id!r}); a new host serves the other calls. A tool must not end or "
+            "crash its process: catch its errors, and run code that can crash (native "
+            "extensions, os._exit) in a subprocess of its own")
 
 
 # ---------------------------------------------------------------- the calculator

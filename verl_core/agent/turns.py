@@ -16,6 +16,8 @@ conversation does not start with the shorter one's (it rewrites earlier turns) i
 
 from __future__ import annotations
 
+import re
+
 _USER = "verl-core-anchor-user"
 _ASSISTANT = "verl-core-anchor-assistant"
 
@@ -48,23 +50,64 @@ def observation_ids(tokenizer, messages: list[dict], *, end_of_turn: str,
     return tokenizer(long[cut:], add_special_tokens=False)["input_ids"]
 
 
+CHARS_PER_TOKEN = 32
+"""Most characters one token is taken to cover when a tool's answer is bounded by characters
+before it is tokenised: ``max_tokens * CHARS_PER_TOKEN`` characters (8,192 for verl's default
+256) are kept at most. English BPE averages about 4; 32 leaves room for tokens of long runs
+(spaces, ``====``). An answer of 50 MB is never tokenised whole (18 GB of ids and offsets)."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def response_char_bound(max_tokens: int) -> int:
+    """The characters of a tool's answer that can matter for ``max_tokens`` tokens
+    (:data:`CHARS_PER_TOKEN` each); the tool host cuts what it sends to this bound."""
+    return max(1, int(max_tokens)) * CHARS_PER_TOKEN
+
+
+def valid_text(text: str) -> str:
+    """``text`` with each lone surrogate (``"\\udcff"``, what ``errors="surrogateescape"``
+    leaves of undecodable bytes) replaced by U+FFFD: the tokenizer and the stored batch take
+    UTF-8 text only."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
 def truncate_observation(text: str, tokenizer, max_tokens: int, side: str = "left") -> str:
     """``text`` cut to at most ``max_tokens`` tokens of the tokenizer, marked where it was cut as
     verl marks it (``tool_response_truncate_side``: ``left`` keeps the start, ``right`` the end,
     ``middle`` both ends). verl counts ``max_tool_response_length`` in characters; here it is
-    tokens, what the response budget is spent in."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) <= max_tokens:
-        return text
+    tokens, what the response budget is spent in. The text is first cut to
+    :func:`response_char_bound` characters on the same side(s), so what is tokenised is bounded
+    whatever the tool answered, and lone surrogates are replaced (:func:`valid_text`)."""
+    if side not in ("left", "right", "middle"):
+        raise ValueError(f"tool_response_truncate_side={side!r}: left, right or middle")
+    C = response_char_bound(max_tokens)
+    if len(text) <= C:
+        head, tail = valid_text(text), None
+    elif side == "left":
+        head, tail = valid_text(text[:C]), ""
+    elif side == "right":
+        head, tail = "", valid_text(text[len(text) - C:])
+    else:
+        head, tail = valid_text(text[:C // 2]), valid_text(text[len(text) - (C - C // 2):])
+
+    def ids_of(part):
+        return tokenizer(part, add_special_tokens=False)["input_ids"] if part else []
 
     def dec(part):
         return tokenizer.decode(part, skip_special_tokens=False)
 
+    if tail is None:  # short enough to tokenise whole
+        ids = ids_of(head)
+        if len(ids) <= max_tokens:
+            return head
+        head_ids, tail_ids = ids, ids
+    else:  # cut by characters: the kept side(s) tokenised on their own
+        head_ids, tail_ids = ids_of(head), ids_of(tail)
     if side == "left":
-        return dec(ids[:max_tokens]) + "...(truncated)"
+        return dec(head_ids[:max_tokens]) + "...(truncated)"
     if side == "right":
-        return "(truncated)..." + dec(ids[len(ids) - max_tokens:])
-    if side == "middle":
-        head = max_tokens // 2
-        return dec(ids[:head]) + "...(truncated)..." + dec(ids[len(ids) - (max_tokens - head):])
-    raise ValueError(f"tool_response_truncate_side={side!r}: left, right or middle")
+        return "(truncated)..." + dec(tail_ids[max(0, len(tail_ids) - max_tokens):])
+    k = max_tokens // 2
+    return (dec(head_ids[:k]) + "...(truncated)..."
+            + dec(tail_ids[max(0, len(tail_ids) - (max_tokens - k)):]))

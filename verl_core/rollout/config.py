@@ -123,7 +123,8 @@ class RolloutConfig:
     the update). The same batches either way (docs/async.md)."""
     tool_timeout_s: float = in_trajectory(30.0, when=_multi_turn_on)
     """A tool call that takes longer gives the model a timeout observation (counted in
-    ``tool_calls/timeouts``); the tool host is replaced."""
+    ``tool_calls/timeouts``); the tool host is replaced and the calls it held up are served
+    again on the new one (docs/agent.md)."""
     tool_budget_s: float = in_trajectory(600.0, when=_multi_turn_on)
     """Wall time a rollout phase may spend in tool calls; past it every further call gives a
     timeout observation at once (the phase, and the run, go on)."""

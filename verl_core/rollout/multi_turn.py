@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from verl_core.agent.tools import BadToolCall, Request, ToolHost, ToolResult, parse_hermes
-from verl_core.agent.turns import observation_ids, truncate_observation
+from verl_core.agent.turns import observation_ids, response_char_bound, truncate_observation
 from verl_core.rollout.base import RolloutEngine, SamplingParams
 
 
@@ -38,11 +38,18 @@ class MultiTurnOutput:
     turns: list[list[dict]]
     """Per row, per assistant turn: ``sampled`` and ``appended`` (start, end) spans of the
     response, ``calls`` (name and arguments, or the parse error) and ``results`` (status, the
-    observation the model read, latency): what the store keeps so no tool is ever called again
-    for this rollout."""
+    observation the model read, reward): what the store keeps so no tool is ever called again
+    for this rollout. Nothing measured is kept here: two runs store the same bytes."""
     tool_rewards: list[list[float]]
     """Per row: each call's step reward, in order, then each tool instance's ``calc_reward``
     (what the scorer reads as ``extra_info["tool_rewards"]``, as verl's reward managers)."""
+    tool_latency_s: list[float] = field(default_factory=list)
+    """Each call's wall time as the tool host measured it, in call order: metrics only
+    (:func:`turn_metrics`), never stored (it differs from run to run)."""
+
+    def stored_turns(self) -> list[dict]:
+        """Per row, what a batch stores (``Batch.turns``): ``{"turns": …, "tool_rewards": …}``."""
+        return [{"turns": t, "tool_rewards": r} for t, r in zip(self.turns, self.tool_rewards)]
 
 
 def concat_turn_outputs(parts: list[MultiTurnOutput], pad_token_id: int) -> MultiTurnOutput:
@@ -58,15 +65,17 @@ def concat_turn_outputs(parts: list[MultiTurnOutput], pad_token_id: int) -> Mult
         response_ids=cat("response_ids", pad_token_id), response_mask=cat("response_mask", 0.0),
         attention_mask=cat("attention_mask", 0.0), logprobs=cat("logprobs", 0.0),
         turns=[t for p in parts for t in p.turns],
-        tool_rewards=[r for p in parts for r in p.tool_rewards])
+        tool_rewards=[r for p in parts for r in p.tool_rewards],
+        tool_latency_s=[s for p in parts for s in p.tool_latency_s])
 
 
 def turn_metrics(out: MultiTurnOutput) -> dict[str, float]:
     """verl's ``num_turns/min|max|mean`` (assistant turns per response), and per response the
     tool calls made (``tool_calls/mean``), those that failed (``tool_calls/errors``: the tool
     raised or refused its call, or the call did not parse) or timed out
-    (``tool_calls/timeouts``); ``response/observation_fraction``: the share of the responses'
-    tokens that were appended, not sampled."""
+    (``tool_calls/timeouts``), the calls' wall times (``tool_calls/latency_s_mean|max``);
+    ``response/observation_fraction``: the share of the responses' tokens that were appended,
+    not sampled."""
     n = max(1, len(out.turns))
     turns = [len(t) for t in out.turns] or [0]
     results = [r for t in out.turns for turn in t for r in turn["results"]]
@@ -78,6 +87,8 @@ def turn_metrics(out: MultiTurnOutput) -> dict[str, float]:
             "tool_calls/mean": len(results) / n,
             "tool_calls/errors": float(sum(r["status"] == "error" for r in results)),
             "tool_calls/timeouts": float(sum(r["status"] == "timeout" for r in results)),
+            "tool_calls/latency_s_mean": sum(out.tool_latency_s) / max(1, len(out.tool_latency_s)),
+            "tool_calls/latency_s_max": max(out.tool_latency_s, default=0.0),
             "response/observation_fraction": appended / max(1.0, appended + sampled)}
 
 
@@ -150,6 +161,7 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
     logp: list[list[float]] = [[] for _ in range(n)]
     turns: list[list[dict]] = [[] for _ in range(n)]
     rewards: list[list[float]] = [[] for _ in range(n)]
+    latencies: list[float] = []
     created: set[tuple[int, str]] = set()
     done = [False] * n
     deadline = _Deadline(budget_s)
@@ -185,7 +197,7 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
         if not calls_of:
             continue
         results = _run_calls(host, calls_of, rows, instance_prefix, created, kwargs_of,
-                             deadline)
+                             deadline, response_char_bound(max_tool_response_length))
         for i, calls in calls_of.items():
             turn = turns[i][-1]
             texts = []
@@ -196,7 +208,8 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
                                      if isinstance(c, BadToolCall)
                                      else {"name": c.name, "arguments": c.arguments})
                 turn["results"].append({"status": r.status, "observation": text,
-                                        "reward": r.reward, "latency_s": r.latency_s})
+                                        "reward": r.reward})
+                latencies.append(r.latency_s)
                 rewards[i].append(r.reward)
                 texts.append({"role": "tool", "content": text})
             eot = tokenizer.convert_ids_to_tokens(resp[i][-1])
@@ -218,7 +231,7 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
         attention_mask=torch.tensor(pad([[1.0] * len(r) for r in resp], 0.0),
                                     dtype=torch.float32),
         logprobs=torch.tensor(pad(logp, 0.0), dtype=torch.float32),
-        turns=turns, tool_rewards=rewards)
+        turns=turns, tool_rewards=rewards, tool_latency_s=latencies)
 
 
 def _instance(prefix: str, row: int, tool: str) -> str:
@@ -233,11 +246,11 @@ def _tool_kwargs(kwargs_of: list[dict], i: int, tool: str, key: str) -> dict:
 
 
 def _run_calls(host: ToolHost, calls_of: dict[int, list], rows: list[int], prefix: str,
-               created: set, kwargs_of: list[dict],
-               deadline: _Deadline) -> dict[int, list[ToolResult]]:
+               created: set, kwargs_of: list[dict], deadline: _Deadline,
+               max_chars: int) -> dict[int, list[ToolResult]]:
     """Every row's calls of this turn, in two concurrent batches: the tool instances a row
     calls for the first time are created, then every call runs. A parse error is its own
-    result (nothing runs)."""
+    result (nothing runs). ``max_chars``: what the host sends of an answer, at most."""
     fresh = sorted({(i, c.name) for i, calls in calls_of.items() for c in calls
                     if not isinstance(c, BadToolCall) and c.name in host.names} - created)
     if fresh:
@@ -250,7 +263,8 @@ def _run_calls(host: ToolHost, calls_of: dict[int, list], rows: list[int], prefi
     answers = iter(host.run([Request("execute", c.name, _instance(prefix, rows[i], c.name),
                                      {"parameters": c.arguments,
                                       **_tool_kwargs(kwargs_of, i, c.name, "execute_kwargs")})
-                             for i, c in todo], timeout_s=deadline.left()))
+                             for i, c in todo], timeout_s=deadline.left(),
+                            max_chars=max_chars))
     return {i: [ToolResult("error", error=c.error) if isinstance(c, BadToolCall)
                 else next(answers) for c in calls] for i, calls in calls_of.items()}
 

@@ -251,3 +251,185 @@ def test_the_calculator_runs_in_the_host_by_its_dotted_name(tmp_path):
     assert (ok.status, ok.text) == ("ok", "9030")
     assert (bad.status, bad.text) == ("ok", "error: division by zero")  # the tool's own answer
     assert Fraction(9030) == CalculatorTool.evaluate("(1234 + 56) * 7")
+
+
+# ---------------------------------------------------------------- issue 40: tools that misbehave
+# each tool breaks one rule of the contract; the rows of the well-behaved tools must go on
+BAD_TOOLS = textwrap.dedent('''
+    import math, os, signal, threading
+
+    class Dies(Base):
+        async def execute(self, instance_id, parameters, **kwargs):
+            if self.config["how"] == "exit":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+    class Surrogate(Base):
+        async def execute(self, instance_id, parameters, **kwargs):
+            return "caf\\udcff bytes", 0.0, {}   # what surrogateescape leaves of bad bytes
+
+    class NotFinite(Base):
+        async def execute(self, instance_id, parameters, **kwargs):
+            return "fine", math.nan, {}
+
+        async def calc_reward(self, instance_id, **kwargs):
+            return math.inf
+
+    class Unpicklable(Base):
+        async def execute(self, instance_id, parameters, **kwargs):
+            return "fine", 0.0, {"lock": threading.Lock()}
+
+    import sys, types
+    if "host_only" not in sys.modules:  # a module only the host can import (once per host)
+        sys.modules["host_only"] = types.ModuleType("host_only")
+        exec("class HostOnly: pass", sys.modules["host_only"].__dict__)
+    host_only = sys.modules["host_only"]
+
+    class Unreadable(Base):
+        async def execute(self, instance_id, parameters, **kwargs):
+            return "fine", 0.0, {"obj": host_only.HostOnly()}  # pickled there, not read here
+
+    class Huge(Base):
+        async def execute(self, instance_id, parameters, **kwargs):
+            return "0123456789 " * (50_000_000 // 11), 0.0, {}  # 50 MB
+''')
+
+
+@pytest.fixture(scope="module")
+def bad_host(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "bad_tools.py").write_text(USER_TOOLS + BAD_TOOLS)
+    f = d / "bad_tools.py"
+    body = "tools:\n" + "".join(
+        f"  - class_name: {f}:{cls}\n    config: {cfg}\n    tool_schema:{SCHEMA.format(name=n)}"
+        for cls, n, cfg in [("Echo", "echo", "{}"), ("Hangs", "hangs", "{}"),
+                            ("Dies", "exits", "{how: exit}"), ("Dies", "segv", "{how: segv}"),
+                            ("Surrogate", "surrogate", "{}"), ("NotFinite", "nan", "{}"),
+                            ("Unpicklable", "unpicklable", "{}"),
+                            ("Unreadable", "unreadable", "{}"), ("Huge", "huge", "{}")])
+    (d / "bad.yaml").write_text(body)
+    with ToolHost(load_tool_config(str(d / "bad.yaml")), timeout_s=5.0) as h:
+        yield h
+
+
+def _bad_among_good(h, bad: str, good: int = 15):
+    """``good`` echo rows (each created with its own ground truth) and one call of ``bad``,
+    sent first (as a batch of one rollout turn): the results, the host's restarts, seconds."""
+    h.run([Request("create", "echo", f"g{i}", {"ground_truth": str(i)}) for i in range(good)])
+    restarts, t0 = h.restarts, time.monotonic()
+    res = h.run([Request("execute", bad, "b", {"parameters": {"x": 1}})] +
+                [Request("execute", "echo", f"g{i}", {"parameters": {"x": i}})
+                 for i in range(good)])
+    took = time.monotonic() - t0
+    h.run([Request("release", "echo", f"g{i}") for i in range(good)])
+    return res, h.restarts - restarts, took
+
+
+@pytest.mark.parametrize("tool,how", [("exits", "exit code 3"), ("segv", "killed by SIGSEGV")])
+def test_a_host_that_dies_mid_call_fails_that_call_and_the_other_rows_go_on(bad_host, tool, how):
+    res, restarts, took = _bad_among_good(bad_host, tool)
+    assert res[0].status == "error", res[0]
+    assert f"{tool}: the tool host died ({how}) during this call (instance 'b')" in res[0].error
+    # the others were served again on the new host, their instances created again there
+    assert [(r.status, r.text) for r in res[1:]] == [("ok", f"echo: x={i} gt={i}")
+                                                     for i in range(15)]
+    assert restarts == 1 and took < bad_host.timeout_s  # found at once, not by the deadline
+    [r] = bad_host.run([Request("execute", "echo", "g0", {"parameters": {"x": 0}})])
+    assert r.status == "error" and "KeyError" in r.error  # g0 was released: no instance
+
+
+def test_a_hanging_call_times_out_alone_and_the_calls_it_held_up_succeed(bad_host):
+    res, restarts, took = _bad_among_good(bad_host, "hangs")
+    # the hanging call blocks the host's event loop, so the others never ran on that host
+    assert res[0].status == "timeout" and "tool_timeout_s=5s" in res[0].observation()
+    assert [(r.status, r.text) for r in res[1:]] == [("ok", f"echo: x={i} gt={i}")
+                                                     for i in range(15)]
+    assert restarts == 1 and took < 2 * bad_host.timeout_s  # one deadline, then the others
+
+
+@pytest.mark.parametrize("tool,match", [
+    ("nan", r"nan: execute's reward is nan; a reward must be a finite number"),
+    ("unpicklable", r"unpicklable: its answer cannot be sent to the trainer \(TypeError: "
+                    r"cannot pickle '_thread.lock' object\)"),
+    ("unreadable", r"unreadable: its answer cannot be read in the trainer"),
+])
+def test_a_non_finite_reward_or_an_answer_that_cannot_cross_is_an_error_at_once(bad_host, tool,
+                                                                             match):
+    restarts, t0 = bad_host.restarts, time.monotonic()
+    [r] = bad_host.run([Request("execute", tool, "n", {"parameters": {"x": 1}})])
+    assert r.status == "error" and r.reward == 0.0 and __import__("re").search(match, r.error), r
+    assert time.monotonic() - t0 < 2.0 and bad_host.restarts == restarts  # no deadline, no restart
+    [c] = bad_host.run([Request("calc_reward", "nan", "n")])
+    assert c.status == "error" and "calc_reward's reward is inf" in c.error
+
+
+def test_an_answer_with_lone_surrogates_is_made_valid_text(bad_host):
+    from tests.standins import qwen_tokenizer
+    from verl_core.agent.turns import truncate_observation
+
+    [r] = bad_host.run([Request("execute", "surrogate", "s", {"parameters": {"x": 1}})])
+    assert r.text == "caf\udcff bytes"  # as the tool returned it
+    tok = qwen_tokenizer()
+    text = truncate_observation(r.observation(), tok, 64)  # the tokenizer refused it before
+    assert text == "caf\ufffd bytes" and text.encode("utf-8")
+
+
+# the trainer's side of a 50 MB answer, in a process of its own (its peak RSS is its own)
+HUGE = """
+import json, resource, sys
+from tests.standins import qwen_tokenizer
+from verl_core.agent.tools import Request, ToolHost, load_tool_config
+from verl_core.agent.turns import response_char_bound, truncate_observation
+
+def peak_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+tok, N = qwen_tokenizer(), 256
+with ToolHost(load_tool_config(sys.argv[1]), timeout_s=120) as h:
+    def call(tool):  # as rollout/multi_turn.py runs a call and cuts what the model reads
+        [r] = h.run([Request("execute", tool, "r", {"parameters": {"x": 1}})],
+                    max_chars=response_char_bound(N))
+        return r, truncate_observation(r.observation(), tok, N)
+    call("echo")  # the same path once, small, so what follows measures the answer alone
+    before = peak_mb()
+    r, seen = call("huge")
+    host_side = peak_mb() - before
+    big = "0123456789 " * (50_000_000 // 11)  # and the trainer's cut alone, given 50 MB
+    before = peak_mb()
+    alone = truncate_observation(big, tok, N)
+    trainer_side = peak_mb() - before
+print(json.dumps({"status": r.status, "sent": len(r.text), "ids": len(tok(seen.replace(
+    "...(truncated)", ""), add_special_tokens=False)["input_ids"]), "tail": seen[-14:],
+    "same": alone == seen, "host_side_mb": host_side, "trainer_side_mb": trainer_side}))
+"""
+
+
+def test_a_50_mb_answer_is_cut_before_it_crosses_the_pipe_or_is_tokenised(bad_host, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "huge.py").write_text(HUGE)
+    cfg = bad_host.entries  # the same tools, in a host of the subprocess
+    import yaml
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump({"tools": [
+        {"class_name": e.class_name, "config": e.config, "tool_schema": e.schema}
+        for e in cfg if e.name in ("echo", "huge")]}))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    # a cap far above what the cut needs; tokenising the 50 MB whole took 18 GB
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30)); "
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", limit + f"exec(open({str(tmp_path / 'huge.py')!r})"
+                           ".read())", str(tmp_path / "t.yaml")], cwd=repo, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": repo})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["status"] == "ok" and got["same"] and got["tail"] == "...(truncated)"
+    assert got["ids"] <= 256
+    # the host sends the first and last 256 x 32 characters: 16 KB, not 50 MB; the trainer
+    # tokenises 8 KB of them. Either side's growth is noise next to the answer (50 MB; its
+    # pickle and its ids would be 100s of MB): 5 MB is 1/10 of the answer
+    assert got["sent"] == 2 * 256 * 32
+    assert got["host_side_mb"] < 5 and got["trainer_side_mb"] < 5, got
+    assert time.monotonic() - t0 < 120

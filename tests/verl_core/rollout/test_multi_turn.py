@@ -75,6 +75,11 @@ def test_a_bad_call_is_shown_to_the_model_and_the_turn_limit_holds(host):
     m = out.response_mask[0]
     assert int(m.sum()) == sum(len(s) for s in scripts[0][:3])
     got = turn_metrics(out)
+    # each result's measured wall time (0 for the call that did not parse): metrics only
+    bad_s, ran_s = out.tool_latency_s
+    assert bad_s == 0.0 < ran_s and "latency_s" not in t[1]["results"][0]
+    assert (got.pop("tool_calls/latency_s_max"), got.pop("tool_calls/latency_s_mean")) == \
+        (ran_s, ran_s / 2)
     appended = sum(turn["appended"][1] - turn["appended"][0] for turn in t[:2])
     assert got == {"num_turns/min": 3.0, "num_turns/max": 3.0, "num_turns/mean": 3.0,
                    "tool_calls/mean": 2.0, "tool_calls/errors": 1.0, "tool_calls/timeouts": 0.0,
@@ -117,3 +122,29 @@ def test_a_rows_tokens_depend_on_its_index_not_on_the_other_rows(host):
     other = generate_turns(engine, tok, prompts, SamplingParams(temperature=1.0, max_new_tokens=6,
                                                                seed=12), **kw)
     assert not torch.equal(other.response_ids, whole.response_ids)
+
+
+def test_two_runs_of_a_rollout_store_the_same_batch_bytes(host):
+    """Issue 40: what a multi-turn batch stores is a function of the seed and the tools' answers;
+    the calls' measured wall times (which differ run to run) are metrics only. The stored bytes
+    (and so the batch's content hash, its name in the store) are the same for two runs."""
+    from verl_core.data.batch import Batch, batch_to_parquet_bytes
+    from verl_core.store import sha256_hex
+
+    tok = qwen_tokenizer()
+    rows = [[CALL % "1234 * 5678", "#### 7006652"], [CALL % "(1 + 2) / 3", CALL % "7/2", "#### 1"]]
+
+    def stored() -> str:  # the batch as the rollout phase stores it (RLTrainer.sample)
+        out, _ = _run(tok, host, rows)
+        n = len(rows)
+        batch = Batch(prompt_ids=torch.zeros((n, 1), dtype=torch.long),
+                      prompt_mask=torch.ones((n, 1), dtype=torch.long),
+                      response_ids=out.response_ids, response_mask=out.response_mask,
+                      response_logprobs=out.logprobs, group=torch.arange(n), uid=["0", "1"],
+                      ground_truth=["7006652", "1"], data_source=["calculator"] * n,
+                      extra_info=[{}] * n, response_attention_mask=out.attention_mask,
+                      turns=out.stored_turns())
+        assert len(out.tool_latency_s) == 3  # measured, kept beside the batch
+        return sha256_hex([batch_to_parquet_bytes(batch)])
+
+    assert stored() == stored()
