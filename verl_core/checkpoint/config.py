@@ -5,11 +5,41 @@ against the other sections and hashed in ``verl_core/config.py``. No field is in
 
 from __future__ import annotations
 
+import datetime as _dt
+import re
 from dataclasses import dataclass
 
-from verl_core.checkpoint.deadline import parse_must_save_by
 from verl_core.config_fields import (_check_types, _fail, _non_negative, _positive,
                                      not_in_trajectory)
+
+_DURATION = re.compile(r"^(?:(\d+):)?(\d+):(\d{1,2}):(\d{1,2})$")
+
+
+def parse_must_save_by(text: str, started: float) -> float | None:
+    """The deadline ``text`` names, as unix seconds: a duration from ``started`` (``HH:MM:SS`` or
+    ``DD:HH:MM:SS``, as NeMo-RL writes it), an ISO 8601 time (with a zone, or UTC), or unix
+    seconds. None for ""; ValueError naming the forms for anything else."""
+    text = str(text).strip()
+    if not text:
+        return None
+    m = _DURATION.match(text)
+    if m:
+        days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+        if minutes > 59 or seconds > 59:
+            raise ValueError(f"{text!r}: minutes and seconds run 0-59")
+        return started + ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"{text!r}: give a duration from the start (HH:MM:SS or DD:HH:MM:SS), "
+                         "an ISO 8601 time (2026-12-04T18:00:00Z) or unix seconds") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=_dt.timezone.utc)
+    return when.timestamp()
 
 
 @dataclass(frozen=True)
