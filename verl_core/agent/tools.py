@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from verl_core.agent.turns import valid_text
 from verl_core.errors import PermanentError
 
 
@@ -218,6 +219,12 @@ class BadToolCall:
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
+def _loads_valid(text: str):
+    """``json.loads`` with every string made valid text: a ``"\\udcff"`` escape decodes to a lone
+    surrogate, which neither the tokenizer nor the stored batch takes (:func:`valid_text`)."""
+    return json.loads(valid_text(json.dumps(json.loads(text), ensure_ascii=False)))
+
+
 def parse_hermes(text: str) -> list[ToolCall | BadToolCall]:
     """The tool calls of one assistant turn, in order (verl's ``HermesToolParser``: a JSON object
     with ``name`` and ``arguments`` between ``<tool_call>`` tags; ``arguments`` may also be a
@@ -226,7 +233,7 @@ def parse_hermes(text: str) -> list[ToolCall | BadToolCall]:
     for m in _HERMES.finditer(text):
         raw = m.group(1).strip()
         try:
-            obj = json.loads(raw)
+            obj = _loads_valid(raw)
         except json.JSONDecodeError as e:
             calls.append(BadToolCall(raw, f"the tool call is not valid JSON ({e.msg} at "
                                           f"character {e.pos})"))
@@ -238,7 +245,7 @@ def parse_hermes(text: str) -> list[ToolCall | BadToolCall]:
         args = obj.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
+                args = _loads_valid(args) if args.strip() else {}
             except json.JSONDecodeError:
                 pass
         if not isinstance(args, dict):

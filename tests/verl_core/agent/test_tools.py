@@ -1,6 +1,7 @@
 """Tools on verl's contract (verl_core/agent/tools.py): the tool YAML, hermes calls, and the host
 process that runs a user's tool class (verl's BaseTool methods, verl not installed) under
 deadlines, with every bad-tool case an error the model reads, never an exception here."""
+import json
 import textwrap
 import time
 from fractions import Fraction
@@ -433,3 +434,11 @@ def test_a_50_mb_answer_is_cut_before_it_crosses_the_pipe_or_is_tokenised(bad_ho
     assert got["sent"] == 2 * 256 * 32
     assert got["host_side_mb"] < 5 and got["trainer_side_mb"] < 5, got
     assert time.monotonic() - t0 < 120
+
+
+def test_a_call_with_an_escaped_lone_surrogate_is_parsed_as_valid_text():
+    # a model can write "\udcff" in a call's JSON: it must not reach the tokenizer or the batch
+    (call,) = parse_hermes('<tool_call>{"name": "calc\\udcff", "arguments": '
+                           '"{\\"expr\\": \\"1+\\\\udcff\\"}"}</tool_call>')
+    assert call.name == "calc\ufffd" and call.arguments == {"expr": "1+\ufffd"}
+    json.dumps(call.arguments, ensure_ascii=False).encode("utf-8")  # encodable
