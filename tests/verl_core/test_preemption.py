@@ -116,3 +116,27 @@ def test_the_deadline_rule_and_its_forms():
     assert must_stop(0.0, 100.0, [], [], 0.0) == (False, 0.0)  # nothing measured yet
     assert must_stop(0.0, 100.0, [5.0, 9.0], [], 0.0) == (False, 69.0)  # 60 s: verl's estimate
     assert must_stop(0.0, 100.0, [5.0, 9.0], [20.0], 71.0) == (True, 100.0)
+
+
+@pytest.mark.slow
+def test_sigkills_in_an_evaluation_and_in_finalize_then_the_same_command_ends_as_uninterrupted(
+        uninterrupted, tmp_path):
+    # docs/resume.md's evaluate and export/finalize rows: the process SIGKILLed as the evaluation
+    # of step 2 starts, then as finalize (the export) starts; each re-run of the same command
+    # goes on, and the last ends with the uninterrupted run's weights (evaluations change none)
+    summary = tmp_path / "s.json"
+    argv = _argv(tmp_path / "run", summary, eval_every=2)
+    faults = [{"kind": "kill", "phase": "evaluate", "step": 2},
+              {"kind": "kill", "phase": "finalize", "step": STEPS}]
+    env = {"VERL_FAULTS": json.dumps(faults), "VERL_FAULTS_DIR": str(tmp_path / "faults")}
+    codes = []
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "verl_core.train", *argv], cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": REPO, **env}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = proc.communicate(timeout=1800)
+        codes.append(proc.returncode)
+        if proc.returncode == 0:
+            break
+    assert codes == [-signal.SIGKILL, -signal.SIGKILL, 0], (codes, err[-3000:])
+    assert _weights_sha(summary) == uninterrupted
