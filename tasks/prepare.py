@@ -14,6 +14,7 @@ from verl_core.guard import writer
 from verl_core.prepare import prepare_run, run_store_uri
 from verl_core.types import STORES, RunSpec
 from verl_core.checkpoint.config import schedule_line
+from verl_core.training.device import device_line
 from verl_core.training.optim import optimizer_steps_line
 
 
@@ -59,6 +60,8 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
         from verl_core.rollout.vllm import import_vllm
 
         import_vllm()
+    if workers.runs_on_this_host():  # the workers' device, said (or refused) before any work
+        print(device_line(cfg.trainer.device, cfg.trainer.deterministic), flush=True)
     uri = run_store_uri(store, run_name)
     st = store_call(f"opening the run store {uri}", lambda: STORES.open(uri))
     spec = RunSpec(store=st.uri, incarnation=store_call("the store's incarnation id",

@@ -236,6 +236,10 @@ class AlgorithmConfig(PolicyLossOptions):
         return POLICY_LOSS_REGISTRY.traits(self.policy_loss).old_logp_from_rollout
 
 
+TRAINER_DEVICES = ("auto", "cuda", "cpu")
+"""``trainer.device``'s values (``verl_core/training/device.py``)."""
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """The worker group (verl's ``trainer.nnodes`` / ``trainer.n_gpus_per_node``)."""
@@ -254,10 +258,22 @@ class TrainerConfig:
     """With W > 1, reorder each forward's rows so that the W workers' blocks hold nearly equal
     token counts (verl's key; Karmarkar-Karp, equal row counts). The same rows, the same result:
     only the wall time of the slowest worker changes."""
+    # where, not what: a run may be continued on the other kind of machine (the same math, not
+    # the same rounding), so neither is in the trajectory
+    device: str = not_in_trajectory("auto")
+    """Where each worker trains and samples: ``auto`` (its GPU when it sees one, else the CPU),
+    ``cuda`` (a GPU, or an error naming what is missing), ``cpu`` (verl's key; verl's ``cuda``
+    means ``auto`` here). Models stay there; batches stay on the host (training/device.py)."""
+    deterministic: bool = not_in_trajectory(True)
+    """On CUDA: deterministic kernels (``torch.use_deterministic_algorithms``, cuBLAS's fixed
+    workspace), so a resumed run ends with the uninterrupted run's exact weights on the same GPU
+    type. False: CUDA's default kernels, faster, a resume then equal only up to rounding. The
+    CPU is deterministic either way."""
 
     def __post_init__(self):
         _check_types("trainer", self)
         _positive("trainer", self, "nnodes", "n_gpus_per_node", "worker_timeout_s")
+        _one_of("trainer", "device", self.device, TRAINER_DEVICES)
 
     @property
     def world_size(self) -> int:

@@ -39,7 +39,8 @@ USER_ERROR_CLASSES = (
     ("verl_core.agent.turns", "TemplateError"), ("verl_core.algorithms.registry", "UnknownNameError"),
     ("verl_core.engine.cluster", "AttachError"), ("verl_core.reward.custom", "ScorerLoadError"),
     ("verl_core.reward.registry", "UnknownDataSourceError"),
-    ("verl_core.store", "StorePermissionError"), ("verl_core.local_cache", "AssetCacheError"))
+    ("verl_core.store", "StorePermissionError"), ("verl_core.local_cache", "AssetCacheError"),
+    ("verl_core.training.device", "DeviceError"))
 """Wrong input (options, data files, model folder, a store another loop is writing), by module
 and class name: the CLI prints the message, which names the field or file and the fix, and exits
 2; a traceback would only bury it."""
@@ -90,6 +91,7 @@ def train(cfg, workdir: str = "", log=_say, *, store: str = "", run_name: str = 
     from verl_core.prepare import prepare_run, run_store_uri
     from verl_core.threads import intra_op_threads
     from verl_core.checkpoint.config import schedule_line
+    from verl_core.training.device import device_line
     from verl_core.training.optim import optimizer_steps_line
 
     if cfg.trainer.world_size > 1:
@@ -114,6 +116,8 @@ def train(cfg, workdir: str = "", log=_say, *, store: str = "", run_name: str = 
     if schedule_line(cfg):
         log(schedule_line(cfg))
     log(effective_line(cfg))  # what differs from the defaults, once
+    # the trainer runs in this process: trainer.device=cuda without a GPU is said now
+    log(device_line(cfg.trainer.device, cfg.trainer.deterministic))
     try:
         # the workdir's single-writer lease first (a second loop on it fails here), then every
         # permanent check, the warm start, the assets into the store, the start step

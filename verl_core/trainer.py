@@ -51,6 +51,7 @@ from verl_core.models.lora import (apply_lora, check_lora, lora_meta, meta_model
 from verl_core.rollout.multi_turn import (MultiTurnOutput, concat_turn_outputs, generate_turns,
                                           turn_metrics)
 from verl_core.training.forward import batched_logprobs, batched_sum_pi_squared, batched_values
+from verl_core.training.device import make_deterministic, resolve_device
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.training.packing import in_row_order, row_tokens, worker_order
@@ -547,6 +548,9 @@ class RLTrainer:
         # the run's recorded count (verl_core.threads): never the host's or Ray's default, which
         # differ between modes and pods and change the float sums
         torch.set_num_threads(intra_op_threads(cfg))
+        # trainer.device: every model lives there (its GPU, or the CPU); batches stay on the host
+        self.device = resolve_device(cfg.trainer.device)
+        make_deterministic(self.device, cfg.trainer.deterministic)
         self.tokenizer = tok = load_tokenizer(assets.model_path)
         self.train_rows = load_prompt_rows(assets.train_files)
         self.val_rows = val_subset(load_prompt_rows(assets.val_files), cfg.data.val_max_samples,
@@ -579,6 +583,7 @@ class RLTrainer:
         self.lora = cfg.model.lora_rank > 0
         if self.lora:
             self.actor = apply_lora(self.actor, cfg.model, derive_seed(cfg.seed, 0, "lora-init"))
+        self.actor.to(self.device)
         # with W > 1 workers the actor is sharded (FSDP2) and rollout runs on a full copy of it,
         # refreshed from the shards after every change (verl's hybrid engine, colocated)
         self.rollout_model = self.actor
@@ -587,7 +592,7 @@ class RLTrainer:
         # step t + 1 with the weights of step t while update t changes the actor
         self.max_staleness = cfg.rollout.max_staleness
         if dp.distributed or self.max_staleness:
-            self.rollout_model = load_causal_lm(assets.model_path, cfg.model.dtype)
+            self.rollout_model = load_causal_lm(assets.model_path, cfg.model.dtype).to(self.device)
         sharding.train_in(self.actor, compute, distributed=dp.distributed)
         self._rollout_stale = False
         self._engine_stale = False  # max_staleness: the engine's own copy (vllm) is not current
@@ -595,6 +600,7 @@ class RLTrainer:
         self.ref = None
         if algo.uses_reference and not self.lora:
             self.ref = load_causal_lm(assets.model_path, cfg.model.dtype).requires_grad_(False)
+            self.ref.to(self.device)
             if dp.distributed:
                 sharding.shard(self.ref)
         total = cfg.total_optimizer_steps
@@ -606,7 +612,7 @@ class RLTrainer:
             # the value head is freshly initialised: seed it, so every worker builds the same one
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(derive_seed(cfg.seed, 0, "critic-init"))
-                self.critic = load_critic(assets.model_path, "float32")
+                self.critic = load_critic(assets.model_path, "float32").to(self.device)
             sharding.train_in(self.critic, compute, distributed=dp.distributed)
             self.critic_optimizer = make_optimizer(self.critic.parameters(), cfg.optim,
                                                    cfg.optim.critic_lr)
@@ -1114,6 +1120,12 @@ class RLTrainer:
                 balance_batch=c.trainer.balance_batch,
                 remove_padding=c.actor.use_remove_padding,
                 prefix_grouper=c.actor.use_prefix_grouper))
+        if self.device.type == "cuda":  # verl's perf/* memory metrics: the step's peak
+            metrics["perf/max_memory_allocated_gb"] = \
+                torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["perf/max_memory_reserved_gb"] = \
+                torch.cuda.max_memory_reserved(self.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._rollout_stale = True
         self._remember(step, batch, metrics)
         return metrics

@@ -186,6 +186,16 @@ def _to(target: str, fn=lambda v: v, skip_none: bool = True) -> Transform:
     return t
 
 
+def _verl_device(value) -> str:
+    """verl's ``trainer.device``, given on the command line: ``cuda`` needs a GPU, as in verl
+    (verl's YAML default ``cuda`` is skipped as a default: a verl config runs on the CPU of a
+    machine without one, ``trainer.device=auto``); ``cpu`` is the CPU; ``npu`` is not offered."""
+    if value in ("cuda", "cpu", "auto"):
+        return value
+    raise ConfigError(f"trainer.device={value!r}: only CUDA GPUs and the CPU are offered here "
+                      "(trainer.device=cuda, cpu, or auto: the GPU when there is one)")
+
+
 def _module_names(value) -> str:
     """verl's module list (or ``all-linear``) -> ``model.target_modules``' comma-separated
     string."""
@@ -405,6 +415,7 @@ VERL_TO_OURS: dict[str, Transform] = {
     "critic.ppo_max_token_len_per_gpu": _to("actor.critic_ppo_max_token_len_per_gpu"),
     "critic.forward_max_token_len_per_gpu": _to("actor.critic_forward_max_token_len_per_gpu"),
     "trainer.balance_batch": _to("trainer.balance_batch"),
+    "trainer.device": _to("trainer.device", _verl_device),
     # no compute on padding: one switch for the actor's (ref's) and the critic's forwards
     **{k: _to("actor.use_remove_padding") for k in (
         "actor_rollout_ref.model.use_remove_padding", "critic.model.use_remove_padding")},
@@ -632,7 +643,6 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
                                    "and --run-name"),
     "trainer.experiment_name": (_any, "a label for verl's loggers; see trainer.project_name"),
     "trainer.critic_warmup": (_is(0), "there is no critic warm-up phase here"),
-    "trainer.device": (_is("cuda", "cpu"), "each worker uses CUDA when present, else the CPU"),
     A + "fsdp_config.param_offload": (_is(True, False), _MEMORY),
     A + "fsdp_config.optimizer_offload": (_is(True, False), _MEMORY),
     "actor_rollout_ref.ref.fsdp_config.param_offload": (_is(True, False), _MEMORY),

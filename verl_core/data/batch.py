@@ -83,6 +83,13 @@ class Batch:
     def replace(self, **changes) -> "Batch":
         return dataclasses.replace(self, **changes)
 
+    def to(self, device: torch.device) -> "Batch":
+        """The batch with every tensor on ``device`` (itself when they are there already): the
+        rows of one forward on the model's device (``verl_core/training/device.py``)."""
+        moved = {f.name: v.to(device) for f in dataclasses.fields(self)
+                 if isinstance(v := getattr(self, f.name), torch.Tensor) and v.device != device}
+        return dataclasses.replace(self, **moved) if moved else self
+
     def select(self, rows: torch.Tensor) -> "Batch":
         """Rows (a 1-D long index) of every per-row field."""
         idx = rows.tolist()

@@ -17,6 +17,7 @@ itself (bad data, a damaged store) also takes the group down, then propagates un
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -59,10 +60,14 @@ class GroupWorker(RunWorker):
 
         from verl_core.training.dist import init_process_group
 
+        from verl_core.training.device import resolve_device
+
         torch.set_num_threads(num_threads)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray gives each actor one GPU: CUDA_VISIBLE_DEVICES
+        # NCCL between the workers' GPUs; gloo on the CPU (trainer.device=cpu, or no GPU)
+        setting = json.loads(config_json).get("trainer", {}).get("device", "auto")
+        backend = "nccl" if resolve_device(setting).type == "cuda" else "gloo"
         dp = init_process_group(backend, init_method, rank, world_size, timeout_s)
         super().__init__(store_uri, config_json, assets_index, dp=dp)
 

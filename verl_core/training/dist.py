@@ -54,9 +54,14 @@ class DataParallel:
             return local
         import torch.distributed as dist
 
+        # NCCL gathers GPU tensors only: a host tensor (a batch's rows, the results of a
+        # forward, which come back to the host) goes through this worker's GPU and back
+        where = local.device
+        if dist.get_backend(self.group) == "nccl" and where.type != "cuda":
+            local = local.to(torch.device("cuda", torch.cuda.current_device()))
         parts = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts, 0)
+        return torch.cat(parts, 0).to(where)
 
     def gather_objects(self, obj: Any) -> list:
         """``[obj of rank 0, obj of rank 1, ...]`` on every worker (pickled over gloo)."""

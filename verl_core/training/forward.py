@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
 from verl_core.algorithms.utils import entropy_from_logits, logprobs_from_logits
+from verl_core.training.device import model_device
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.packing import micro_batches, narrow
 
@@ -439,21 +440,22 @@ def critic_values(critic, prompt_ids, prompt_mask, response_ids, response_mask,
 
 
 def _by_micro_batch(fn, batch, micro_batch_size: int, max_token_len: int,
-                    dp: DataParallel, layout: str = "padded") -> torch.Tensor:
-    """(N, T): ``fn(mb)`` (n, t) of each micro-batch ``mb`` of ``batch`` written at its rows:
+                    dp: DataParallel, layout: str = "padded",
+                    device: torch.device | None = None) -> torch.Tensor:
+    """(N, T) on the host: ``fn(mb)`` (n, t) of each micro-batch ``mb`` of ``batch``, moved to
+    ``device`` (the model's), written at its rows:
     chunks of ``micro_batch_size`` rows, or with ``max_token_len`` > 0 rows packed to that token
     budget, cut to their longest response (:mod:`verl_core.training.packing`; ``dp``: the
     workers agree on the number of forwards; ``layout``: :func:`padding_layout`)."""
     N, T = batch.response_ids.shape
-    out = None
+    out = torch.zeros(N, T)  # on the host, as every stored batch field (training/device.py)
     for rows in micro_batches(torch.arange(N), batch, micro_batch_size,
                               max_token_len, dp, layout):
         mb = batch.select(rows)
-        part = fn(narrow(mb) if max_token_len or layout != "padded" else mb)  # (n, t), t <= T
-        if out is None:
-            out = part.new_zeros(N, T)
-        out[rows.to(part.device), :part.shape[1]] = part
-    return out if out is not None else torch.zeros(N, T)
+        mb = narrow(mb) if max_token_len or layout != "padded" else mb
+        part = fn(mb if device is None else mb.to(device))  # (n, t), t <= T
+        out[rows, :part.shape[1]] = part.float().cpu()
+    return out
 
 
 @torch.no_grad()
@@ -471,7 +473,7 @@ def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, *,
     out = _by_micro_batch(lambda mb: response_logprobs(
         model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_attn,
         temperature, packed=layout == "packed", shared=prefix_grouper)[0], batch,
-        micro_batch_size, max_token_len, dp, layout)
+        micro_batch_size, max_token_len, dp, layout, model_device(model))
     model.train(was_training)
     return out
 
@@ -497,7 +499,8 @@ def batched_sum_pi_squared(model, batch, temperature: float, micro_batch_size: i
 
     was_training = model.training
     model.eval()
-    out = _by_micro_batch(one, batch, micro_batch_size, max_token_len, dp, layout)
+    out = _by_micro_batch(one, batch, micro_batch_size, max_token_len, dp, layout,
+                          model_device(model))
     model.train(was_training)
     return out
 
@@ -512,6 +515,7 @@ def batched_values(critic, batch, micro_batch_size: int, *, max_token_len: int =
     out = _by_micro_batch(lambda mb: critic_values(critic, mb.prompt_ids, mb.prompt_mask,
                                                    mb.response_ids, mb.response_attn,
                                                    layout == "packed"),
-                          batch, micro_batch_size, max_token_len, dp, layout)
+                          batch, micro_batch_size, max_token_len, dp, layout,
+                          model_device(critic))
     critic.train(was_training)
     return out

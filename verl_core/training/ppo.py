@@ -25,6 +25,7 @@ from verl_core.algorithms import (
 )
 from verl_core.config import AlgorithmConfig
 from verl_core.data.batch import Batch
+from verl_core.training.device import model_device
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.forward import (batched_logprobs, critic_values, padding_layout,
                                         response_logprobs)
@@ -163,6 +164,9 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
         raise ValueError("algorithm.use_kl_loss needs batch.ref_logprobs from the reference model")
     N = batch.num_rows
     temperature = temperature or 1.0  # greedy rollouts score under the plain softmax
+    # the batch stays on the host; each micro-batch's rows and the per-row tensors the losses
+    # read go to the models' device (training/device.py)
+    device = model_device(actor)
     layout = padding_layout(actor, remove_padding)
     critic_layout = padding_layout(critic, remove_padding) if critic is not None else "padded"
     sums: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -195,8 +199,11 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                 level=algo.rollout_is, threshold=algo.rollout_is_threshold,
                 threshold_lower=algo.rollout_is_threshold_lower,
                 batch_normalize=algo.rollout_is_batch_normalize)
+            is_weights = is_weights.to(device)
             for k, v in is_metrics.items():
                 sums[f"rollout_corr/{k}"].append(v)
+    if old_logp is not None:
+        old_logp = old_logp.to(device)
     policy_loss = get_policy_loss(algo.policy_loss)
     options = loss_options(algo)
     scale = algo.loss_scale_factor or None  # seq-mean-token-sum-norm's C; None: the width T
@@ -218,7 +225,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
         for mini in _chunks(order, mini_batch_rows):
             if balance_batch:
                 mini = balanced_order(mini, tokens, dp.size)  # (M,) the same rows, reordered
-            mini_mask = batch.response_mask[mini]  # (M, T): the denominators' batch
+            mini_mask = batch.response_mask[mini].to(device)  # (M, T): the denominators' batch
             pre_rows = []  # the rows of pre_step, in its order
             micros = micro_batches(dp.block(mini), batch, micro_batch_rows, max_token_len, dp,
                                    layout)
@@ -226,12 +233,13 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
             for micro in micros:
                 mb = (narrow(batch.select(micro)) if max_token_len or layout != "padded"
                       else batch.select(micro))
-                mask = mb.response_mask
                 real = int(row_tokens(mb).sum())
                 # positions run: packed, the real tokens; padded, rows x (prompt columns that
                 # hold a token in some row + the response width)
                 shapes.append((real, real if layout == "packed" else mb.num_rows * (
-                    int((mb.prompt_mask.sum(0) > 0).sum()) + mask.shape[1])))
+                    int((mb.prompt_mask.sum(0) > 0).sum()) + mb.response_mask.shape[1])))
+                mb = mb.to(device)
+                mask = mb.response_mask
                 width = mask.shape[1]  # the micro-batch's response columns (narrowed: <= T)
                 weight = micro_batch_weight(mask, mini_mask, algo.loss_agg_mode)
                 need_entropy = algo.entropy_coeff > 0
@@ -285,8 +293,9 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, algo: Algo
                                            critic_max_token_len, dp, critic_layout):
                     mb = (narrow(batch.select(micro))
                           if critic_max_token_len or critic_layout != "padded"
-                          else batch.select(micro))
-                    weight = micro_batch_weight(mb.response_mask, batch.response_mask[mini],
+                          else batch.select(micro)).to(model_device(critic))
+                    weight = micro_batch_weight(mb.response_mask,
+                                                mini_mask.to(mb.response_mask.device),
                                                 algo.loss_agg_mode)
                     vpreds = critic_values(critic, mb.prompt_ids, mb.prompt_mask,
                                            mb.response_ids, mb.response_attn,
