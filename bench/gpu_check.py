@@ -104,7 +104,12 @@ def timed_run(name: str, args: list[str], workdir: pathlib.Path, timeout_s: int)
     steps = [float(x) for x in m[phases].dropna(how="all").fillna(0.0).sum(axis=1)]
     later = steps[1:] or steps  # the first step carries one-off costs (allocator, kernels)
     out = {"name": name, "ok": True, "wall_s": wall, "step_s": steps,
-           "median_step_s": statistics.median(later)}
+           "median_step_s": statistics.median(later),
+           "phases_s": {c: statistics.median([float(x) for x in m[c].dropna()][1:]
+                                             or [float(x) for x in m[c].dropna()])
+                        for c in phases if m[c].notna().any()}}
+    print(f"[{name}] phases, median s: " + ", ".join(
+        f"{k.removeprefix('timing/')}={v:.3f}" for k, v in out["phases_s"].items()), flush=True)
     for k in ("perf/max_memory_allocated_gb", "response_length/mean"):
         if k in m:
             out[k] = float(m[k].dropna().max())
@@ -121,6 +126,7 @@ def main() -> int:
                         "(python -m verl_core.models fetch smollm2-135m-instruct DIR, then drop "
                         "model.safetensors); without it, the tiny model only")
     p.add_argument("--tiny-steps", type=int, default=6)
+    p.add_argument("--skip-tiny", action="store_true", help="time the shaped model only")
     p.add_argument("--shape-steps", type=int, default=4)
     p.add_argument("--cpu-shape-steps", type=int, default=2)
     p.add_argument("--run-timeout", type=int, default=150)
@@ -145,13 +151,17 @@ def main() -> int:
     if not args.skip_timing:
         step("RL step times: GPU against this machine's CPUs")
         tmp = pathlib.Path(tempfile.mkdtemp(prefix="gpu-check-"))
-        runs = [("tiny, cuda", ["--steps", str(args.tiny_steps), "--set", "trainer.device=cuda"]),
-                ("tiny, cpu", ["--steps", str(args.tiny_steps), "--set", "trainer.device=cpu"])]
+        runs = [] if args.skip_tiny else [
+            ("tiny, cuda", ["--steps", str(args.tiny_steps), "--set", "trainer.device=cuda"]),
+            ("tiny, cpu", ["--steps", str(args.tiny_steps), "--set", "trainer.device=cpu"])]
         if args.shape_dir:
             folder = shaped_model(pathlib.Path(args.shape_dir), tmp / "shaped")
             model = ["--model", str(folder), *SHAPE_RUN]
             runs += [("SmolLM2-135M shape bf16, cuda",
                       [*model, "--steps", str(args.shape_steps), "--set", "trainer.device=cuda"]),
+                     ("SmolLM2-135M shape bf16, cuda, trainer.deterministic=False",
+                      [*model, "--steps", str(args.shape_steps), "--set", "trainer.device=cuda",
+                       "--set", "trainer.deterministic=False"]),
                      ("SmolLM2-135M shape bf16, cpu",
                       [*model, "--steps", str(args.cpu_shape_steps),
                        "--set", "trainer.device=cpu"])]
@@ -167,7 +177,7 @@ def main() -> int:
             if not r["ok"]:
                 print(f"| {r['name']} | failed: {r['why']} | | |")
                 continue
-            cpu = by.get(r["name"].replace("cuda", "cpu"), {})
+            cpu = by.get(r["name"].split(", cuda")[0] + ", cpu", {})
             ratio = (f"{r['median_step_s'] / cpu['median_step_s']:.3f}"
                      if cpu.get("ok") and "cuda" in r["name"] else "")
             mem = r.get("perf/max_memory_allocated_gb")

@@ -57,14 +57,18 @@ def resolve_device(setting: str) -> torch.device:
 
 def make_deterministic(device: torch.device, deterministic: bool) -> None:
     """On CUDA with ``deterministic``: deterministic kernels from here on, in this process
-    (a process-wide switch: the worker runs one run's trainer). ``warn_only``: an op with no
-    deterministic CUDA kernel warns, naming itself, instead of stopping the run."""
+    (a process-wide switch: the worker runs one run's trainer).
+
+    Not ``warn_only``: with it, torch keeps the non-deterministic backward of its memory-
+    efficient and cuDNN attention (it only warns), which a bitwise resume cannot have. An op
+    with no deterministic CUDA kernel then raises, naming itself: the way on is
+    ``trainer.deterministic=False`` (a resume then matches up to rounding)."""
     if device.type != "cuda" or not deterministic:
         return
     # read by cuBLAS when its handle is created (the first matmul): setting it here, before any
     # model work in this process, is in time; a value the user set is kept
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
 
 

@@ -149,11 +149,22 @@ def test_log_probs_and_update_gradients_on_the_gpu_match_the_cpu():
     assert m_gpu["actor/pg_loss"] == pytest.approx(m_cpu["actor/pg_loss"], abs=1e-5)
 
 
+def _model(arch, tmp_path):
+    if arch == "llama":
+        return build_tiny_model(seed=0)
+    from tests.standins import qwen_folder
+    from verl_core.models import load_causal_lm, load_tokenizer
+
+    folder = qwen_folder(tmp_path / "qwen")  # Qwen2.5's layout: GQA, biases, tied embeddings
+    return load_causal_lm(str(folder), "float32"), load_tokenizer(str(folder))
+
+
 @gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_two_deterministic_updates_from_the_same_state_are_bitwise_equal(dtype):
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("llama", "bfloat16"),
+                                        ("qwen2", "bfloat16")])
+def test_two_deterministic_updates_from_the_same_state_are_bitwise_equal(arch, dtype, tmp_path):
     make_deterministic(resolve_device("cuda"), True)
-    model, tok = build_tiny_model(seed=0)
+    model, tok = _model(arch, tmp_path)
     batch = _batch(model, tok)
 
     def updated():
