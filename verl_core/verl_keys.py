@@ -53,7 +53,8 @@ _Loader.add_implicit_resolver(
 
 def parse_value(text: str):
     """A command-line value as Hydra reads it: ``1e-6``, ``True``, ``'["console","wandb"]'``,
-    ``[console,wandb]``, ``null``; anything else stays a string (``$HOME/x.parquet``)."""
+    ``[console,wandb]``, ``null``; anything else stays a string (``$HOME/x.parquet``, and
+    ``off``: ``validation.mode=off``)."""
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -62,6 +63,8 @@ def parse_value(text: str):
         value = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError:
         return text
+    if isinstance(value, bool) and text.strip().lower() not in ("true", "false"):
+        return text  # YAML 1.1's on/off/yes/no: Hydra's grammar has true/false only
     return value if value is None or isinstance(value, (bool, int, float, list)) else text
 
 

@@ -400,6 +400,10 @@ def test_set_values_are_read_as_verl_overrides_are():
         [False, True, True, None, 1e-4, 8, [1, 2], ["a", "b"], "$HOME/x.parquet"]
     cfg = with_overrides(RunConfig(), {"model.gradient_checkpointing": _parse_value("false")})
     assert cfg.model.gradient_checkpointing is False
+    # YAML 1.1's other booleans are text, as in Hydra's grammar: validation.mode=off is "off"
+    assert [_parse_value(t) for t in ("off", "on", "yes", "No")] == ["off", "on", "yes", "No"]
+    assert with_overrides(RunConfig(), {"validation.mode": _parse_value("off")}).validation.mode \
+        == "off"
 
 
 def test_warmup_ratio_and_save_freq_minus_one_follow_the_run_length():
