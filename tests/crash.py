@@ -22,14 +22,19 @@ def kill_at_marker(proc: subprocess.Popen, marker, what: str, timeout_s: float =
 
 
 def weights_sha(final: str) -> str:
-    """sha-256 over the ``.safetensors`` files of a model folder (a run's export, its summary's
-    ``final_model``): docs/resume.md's comparison (a)."""
+    """sha-256 over the ``.safetensors`` files of a model folder, local or in an ``s3://`` run
+    store (a run's export, its summary's ``final_model``): docs/resume.md's comparison (a)."""
     import hashlib
 
+    import fsspec
+
+    from verl_core.store import resolve_storage_options
+
+    fs, root = fsspec.core.url_to_fs(final, **resolve_storage_options(final))
     h = hashlib.sha256()
-    for name in sorted(os.listdir(final)):
-        if name.endswith(".safetensors"):
-            h.update(open(os.path.join(final, name), "rb").read())
+    for path in sorted(fs.ls(root, detail=False)):
+        if path.endswith(".safetensors"):
+            h.update(fs.cat_file(path))
     return h.hexdigest()
 
 

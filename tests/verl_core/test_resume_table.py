@@ -1,8 +1,8 @@
-"""docs/resume.md's table, a mode per test: one run of the plain loop killed at several fault
-points in turn (a VERL_FAULTS ``kill`` each, firing once), the same command re-run after each
-kill, and the run that finishes ends with an uninterrupted run's exact weights (the sha-256 of
-its exported ``.safetensors``). Real processes and real signals; one chain per mode, so one run
-store resumes from each fault point of the row list.
+"""docs/resume.md's table, a mode per test: one run of the plain loop stopped at several fault
+points in turn (a VERL_FAULTS ``kill`` each, one ``term``: a preemption; each fires once), the
+same command re-run after each stop, and the run that finishes ends with an uninterrupted run's
+exact weights (the sha-256 of its exported ``.safetensors``). Real processes and real signals;
+one chain per mode, so one run store resumes from each fault point in turn.
 
 Every run has a learning signal (the warm start reaches 0.2 train-slice accuracy, so some groups'
 rewards differ and the updates change the weights): equal weights are not the weights of a run
@@ -25,10 +25,15 @@ STEPS = 3
 BASE = {**TINY, "model.warmup_sft_steps": 400, "model.warmup_target_accuracy": 0.2,
         "total_steps": STEPS, "checkpoint.checkpoint_interval": 1, "eval_every": 2,
         "val_before_train": False}
-# the phases' steps (0-based; the checkpoint of step k+1 follows update k, the evaluation of state
-# 2 follows it, finalize names the last state)
-REWARD, ADVANTAGE, UPDATE = ("reward", 0), ("advantage", 1), ("update", 1)
-CHECKPOINT, EVALUATE, FINALIZE = ("checkpoint", 2), ("evaluate", 2), ("finalize", STEPS)
+# (kind, phase, step), in the order a chain meets them (steps 0-based: the checkpoint of step k+1
+# follows update k, the evaluation of state 2 follows it, finalize names the last state)
+REWARD, ADVANTAGE, UPDATE = ("kill", "reward", 0), ("kill", "advantage", 1), ("kill", "update", 1)
+CHECKPOINT, EVALUATE = ("kill", "checkpoint", 2), ("kill", "evaluate", 2)
+FINALIZE = ("kill", "finalize", STEPS)
+# a preemption as the rollout of step 1 runs: the phase ends, the loop waits for the checkpoint
+# of step 1 (written in the background) to commit, and exits 128 + SIGTERM
+TERM = ("term", "rollout", 1)
+EXIT = {"kill": -signal.SIGKILL, "term": 128 + signal.SIGTERM}
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +46,9 @@ def asset_cache(tmp_path_factory):
 
 def _chain(tmp_path, settings: dict, points, store: str = "") -> None:
     """The run of ``settings`` uninterrupted (in this process), then the same run (a
-    subprocess, in ``store``: a folder of ``tmp_path`` unless given) killed at each of
-    ``points`` ((phase, step), one per process) and re-run until it ends: every kill fired,
-    and the weights are the uninterrupted run's."""
+    subprocess, in ``store``: a folder of ``tmp_path`` unless given) stopped at each of
+    ``points`` ((kind, phase, step), one per process, in the order the run meets them) and
+    re-run until it ends: every fault fired, and the weights are the uninterrupted run's."""
     cfg = tiny_run(**settings)
     straight = train(cfg, str(tmp_path / "straight") if not store else "", log=lambda *_: None,
                      store=store, run_name="straight")
@@ -55,43 +60,45 @@ def _chain(tmp_path, settings: dict, points, store: str = "") -> None:
     cmd = [sys.executable, "-m", "verl_core.train", *where, "--summary-json", str(summary)]
     for k, v in settings.items():
         cmd += ["--set", f"{k}={v}"]
-    faults = [{"kind": "kill", "phase": p, "step": s} for p, s in points]
+    faults = [{"kind": k, "phase": p, "step": s} for k, p, s in points]
     codes = rerun_until_done(cmd, {**os.environ, "PYTHONPATH": REPO}, faults, tmp_path,
                              tries=len(points) + 1)
     last = open(tmp_path / f"run{len(codes) - 1}.out").read()[-3000:]
-    assert codes == [-signal.SIGKILL] * len(points) + [0], (codes, last)
+    assert codes == [EXIT[k] for k, _, _ in points] + [0], (codes, last)
     got = json.loads(summary.read_text())["final_model"]
     assert weights_sha(got) == weights_sha(straight["final_model"]), last
 
 
 @pytest.mark.slow
-def test_off_policy_killed_in_reward_advantage_checkpoint_evaluate_finalize_ends_as_uninterrupted(
+def test_off_policy_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
         asset_cache, tmp_path):
     _chain(tmp_path, {**BASE, "rollout.max_staleness": 1, "algorithm.rollout_is": "token"},
-           [REWARD, ADVANTAGE, CHECKPOINT, EVALUATE, FINALIZE])
+           [REWARD, TERM, ADVANTAGE, CHECKPOINT, EVALUATE, FINALIZE])
 
 
 @pytest.mark.slow
-def test_lora_killed_in_reward_advantage_update_evaluate_finalize_ends_as_uninterrupted(
-        asset_cache, tmp_path):
+def test_lora_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(asset_cache,
+                                                                             tmp_path):
     _chain(tmp_path, {**BASE, "model.lora_rank": 4, "model.lora_alpha": 8.0,
                       "algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.1},
-           [REWARD, ADVANTAGE, UPDATE, EVALUATE, FINALIZE])
+           [REWARD, TERM, ADVANTAGE, UPDATE, EVALUATE, FINALIZE])
 
 
 @pytest.mark.slow
-def test_multi_turn_killed_in_every_phase_ends_as_uninterrupted(asset_cache, tmp_path):
-    # the calculator task (its tool config built in): the warm start teaches the call format
-    _chain(tmp_path, {**BASE, "data.synthetic_task": "calculator", "model.warmup_sft_steps": 100,
-                      "model.warmup_target_accuracy": 1.0, "model.warmup_mixed_steps": 0},
-           [REWARD, ADVANTAGE, UPDATE, CHECKPOINT, EVALUATE, FINALIZE])
+def test_multi_turn_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
+        asset_cache, tmp_path):
+    # the calculator task (its tool config built in): the warm start on call transcripts stops
+    # at 0.2 accuracy (about 240 steps), where groups' rewards differ (100 steps: all equal)
+    _chain(tmp_path, {**BASE, "data.synthetic_task": "calculator", "model.warmup_mixed_steps": 0},
+           [REWARD, TERM, ADVANTAGE, UPDATE, CHECKPOINT, EVALUATE, FINALIZE])
 
 
 @pytest.mark.slow
-def test_s3_store_killed_in_every_phase_ends_as_uninterrupted(asset_cache, moto_s3_readme,
-                                                               tmp_path):
+def test_s3_store_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
+        asset_cache, moto_s3_readme, tmp_path):
     # the run store on a real S3 server (moto_server on 127.0.0.1, VERL_S3_ENDPOINT: every
     # process of the chain reaches it as docs/cluster.md says)
     _, bucket = moto_s3_readme
-    _chain(tmp_path, BASE, [REWARD, ADVANTAGE, UPDATE, ("rollout", 2), EVALUATE, FINALIZE],
+    _chain(tmp_path, BASE, [REWARD, TERM, ADVANTAGE, UPDATE, EVALUATE, ("kill", "rollout", 2),
+                            FINALIZE],
            store=f"s3://{bucket}/runs")

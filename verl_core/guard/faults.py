@@ -16,6 +16,9 @@ except ``permanent`` and ``hang`` which default to every time). Kinds:
   hang            write ``<dir>/<phase>-<step>.entered``, then sleep ``seconds`` (default 3600):
                   a test waits for the marker and kills the process in the middle of the phase
   kill            SIGKILL the process running the phase (a node or pod lost mid-phase)
+  term            send SIGTERM to the process running the phase (a preemption: a pod evicted,
+                  a spot notice) and go on: the plain loop finishes the phase, saves the newest
+                  state and exits 128 + SIGTERM (``checkpoint.preempt_grace_s``)
   slow            sleep ``seconds`` (default: the phase deadline + 5 s) inside the phase, so
                   its deadline (``guard.phase_timeout_s``) fires and the phase is retried
   store_outage    from the start of the phase, every run-store call fails as unavailable for
@@ -52,7 +55,7 @@ from verl_core.store import before_io
 
 log = logging.getLogger(__name__)
 
-KINDS = ("transient", "permanent", "hang", "kill", "slow", "store_outage", "nan_grad",
+KINDS = ("transient", "permanent", "hang", "kill", "term", "slow", "store_outage", "nan_grad",
          "nan_reward", "corrupt_object", "second_writer")
 HOOKS = {"reward_scored": ("reward", "nan_reward"),
          "after_backward": ("update", "nan_grad"),
@@ -174,8 +177,9 @@ def _fires(f: dict, phase: str, step: int, default_times: int | None) -> bool:
 
 
 def maybe_inject(phase: str, step: int, *, deadline_s: float = 0.0) -> None:
-    """Raise, hang, sleep, kill or start an outage if a declared fault matches (phase, step).
-    A no-op without VERL_FAULTS. ``deadline_s``: the phase's deadline (``slow``'s default)."""
+    """Raise, hang, sleep, kill, preempt or start an outage if a declared fault matches (phase,
+    step). A no-op without VERL_FAULTS. ``deadline_s``: the phase's deadline (``slow``'s
+    default)."""
     for f in _matching(phase, step, [k for k in KINDS if k not in IN_CODE]):
         kind = f.get("kind", "transient")
         if kind == "hang":
@@ -195,6 +199,11 @@ def maybe_inject(phase: str, step: int, *, deadline_s: float = 0.0) -> None:
                 log.warning("VERL_FAULTS: killing pid %d in %s of step %d", os.getpid(), phase,
                             step)
                 os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "term":
+            if _fires(f, phase, step, 1):
+                log.warning("VERL_FAULTS: SIGTERM to pid %d in %s of step %d", os.getpid(),
+                            phase, step)
+                os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "slow":
             if _fires(f, phase, step, 1):
                 time.sleep(float(f.get("seconds", deadline_s + 5.0)))
