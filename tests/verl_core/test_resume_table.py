@@ -33,6 +33,8 @@ FINALIZE = ("kill", "finalize", STEPS)
 # a preemption as the rollout of step 1 runs: the phase ends, the loop waits for the checkpoint
 # of step 1 (written in the background) to commit, and exits 128 + SIGTERM
 TERM = ("term", "rollout", 1)
+# a preemption in the warm start, after its 10th step: saved at once, resumed from there
+WARM_TERM = ("term", "warm_start", 10)
 EXIT = {"kill": -signal.SIGKILL, "term": 128 + signal.SIGTERM}
 
 
@@ -61,10 +63,15 @@ def _chain(tmp_path, settings: dict, points, store: str = "") -> None:
     for k, v in settings.items():
         cmd += ["--set", f"{k}={v}"]
     faults = [{"kind": k, "phase": p, "step": s} for k, p, s in points]
-    codes = rerun_until_done(cmd, {**os.environ, "PYTHONPATH": REPO}, faults, tmp_path,
-                             tries=len(points) + 1)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    if WARM_TERM in points:  # a cache of its own: the chain warm-starts, not reuses the reference's
+        env["VERL_ASSET_CACHE"] = str(tmp_path / "assets")
+    codes = rerun_until_done(cmd, env, faults, tmp_path, tries=len(points) + 1)
     last = open(tmp_path / f"run{len(codes) - 1}.out").read()[-3000:]
     assert codes == [EXIT[k] for k, _, _ in points] + [0], (codes, last)
+    if WARM_TERM in points:
+        after = open(tmp_path / f"run{points.index(WARM_TERM) + 1}.out").read()
+        assert "warm start: resuming from step 10" in after, after[-3000:]
     got = json.loads(summary.read_text())["final_model"]
     assert weights_sha(got) == weights_sha(straight["final_model"]), last
 
@@ -73,7 +80,7 @@ def _chain(tmp_path, settings: dict, points, store: str = "") -> None:
 def test_off_policy_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
         asset_cache, tmp_path):
     _chain(tmp_path, {**BASE, "rollout.max_staleness": 1, "algorithm.rollout_is": "token"},
-           [REWARD, TERM, ADVANTAGE, CHECKPOINT, EVALUATE, FINALIZE])
+           [WARM_TERM, REWARD, TERM, ADVANTAGE, CHECKPOINT, EVALUATE, FINALIZE])
 
 
 @pytest.mark.slow
@@ -81,7 +88,7 @@ def test_lora_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(asse
                                                                              tmp_path):
     _chain(tmp_path, {**BASE, "model.lora_rank": 4, "model.lora_alpha": 8.0,
                       "algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.1},
-           [REWARD, TERM, ADVANTAGE, UPDATE, EVALUATE, FINALIZE])
+           [WARM_TERM, REWARD, TERM, ADVANTAGE, UPDATE, EVALUATE, FINALIZE])
 
 
 @pytest.mark.slow
@@ -99,6 +106,6 @@ def test_s3_store_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
     # the run store on a real S3 server (moto_server on 127.0.0.1, VERL_S3_ENDPOINT: every
     # process of the chain reaches it as docs/cluster.md says)
     _, bucket = moto_s3_readme
-    _chain(tmp_path, BASE, [REWARD, TERM, ADVANTAGE, UPDATE, EVALUATE, ("kill", "rollout", 2),
-                            FINALIZE],
+    _chain(tmp_path, BASE, [WARM_TERM, REWARD, TERM, ADVANTAGE, UPDATE, EVALUATE,
+                            ("kill", "rollout", 2), FINALIZE],
            store=f"s3://{bucket}/runs")

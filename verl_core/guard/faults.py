@@ -34,10 +34,13 @@ Phases: the task-level names (``rollout``, ``reward``, ``advantage``, ``update``
 ``evaluate``, ``finalize``), plus ``update-rank<r>`` inside worker r of a worker group (0 with
 one worker), in the middle of its update (after the batch is read and, with
 ``rollout.max_staleness``, the next step's rollout started in the background; before the
-optimizer steps).
+optimizer steps), and ``warm_start``, whose ``step`` counts the warm start's own supervised
+steps done (prepare's warm start, ``verl_core/warmstart.py``, after each step and before its
+periodic save: a ``term`` there saves it at once, as a real SIGTERM does; nothing retries the
+warm start, so a raised fault fails the run, and the same command resumes it).
 
 Where they fire, all from here: a phase task calls :func:`maybe_inject` at its start (each worker
-of a group at ``update-rank<r>``); the in-code kinds at the named points of :data:`HOOKS`
+of a group at ``update-rank<r>``, the warm start after each of its steps); the in-code kinds at the named points of :data:`HOOKS`
 (:func:`hook`); ``store_outage`` in every run-store call (``store.before_io``); ``second_writer``
 against the lease the writer code reports with :func:`lease_held`.
 """
@@ -67,8 +70,10 @@ IN_CODE = tuple(kind for _, kind in HOOKS.values())
 """Kinds that the phase's own code applies (at a :data:`HOOKS` point), not :func:`maybe_inject`."""
 
 
-PHASES = ("rollout", "reward", "advantage", "update", "checkpoint", "evaluate", "finalize")
-"""The task-level phases a fault can name (plus ``update-rank<r>``, see the module docstring)."""
+PHASES = ("rollout", "reward", "advantage", "update", "checkpoint", "evaluate", "finalize",
+          "warm_start")
+"""The phases a fault can name: the tasks' and the warm start (plus ``update-rank<r>``, see the
+module docstring)."""
 IN_CODE_PHASE = {kind: phase for phase, kind in HOOKS.values()}
 """The one phase whose code applies each in-code kind: elsewhere it would never fire."""
 _KEYS = {"kind", "phase", "step", "times", "seconds"}
