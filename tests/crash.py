@@ -19,3 +19,43 @@ def kill_at_marker(proc: subprocess.Popen, marker, what: str, timeout_s: float =
         time.sleep(poll_s)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
+
+
+def weights_sha(final: str) -> str:
+    """sha-256 over the ``.safetensors`` files of a model folder, local or in an ``s3://`` run
+    store (a run's export, its summary's ``final_model``): docs/resume.md's comparison (a)."""
+    import hashlib
+
+    import fsspec
+
+    from verl_core.store import resolve_storage_options
+
+    fs, root = fsspec.core.url_to_fs(final, **resolve_storage_options(final))
+    h = hashlib.sha256()
+    for path in sorted(fs.ls(root, detail=False)):
+        if path.endswith(".safetensors"):
+            h.update(fs.cat_file(path))
+    return h.hexdigest()
+
+
+def rerun_until_done(cmd: list[str], env: dict, faults: list[dict], logs, tries: int) -> list[int]:
+    """Run ``cmd`` with the faults ``faults`` declared (VERL_FAULTS; each fires once, counted in
+    ``logs/faults``) until it exits 0 or ``tries`` runs ended: the exit code of each run. Output
+    goes to files in ``logs`` (a pipe would hang on a child the kill orphaned), and what a killed
+    run left of its process group (a tool host, a sampler process) is killed after it."""
+    import json
+
+    env = {**env, "VERL_FAULTS": json.dumps(faults), "VERL_FAULTS_DIR": str(logs / "faults")}
+    codes = []
+    for i in range(tries):
+        with open(logs / f"run{i}.out", "w") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            codes.append(proc.wait(timeout=900))
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if codes[-1] == 0:
+            break
+    return codes

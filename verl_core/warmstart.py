@@ -32,6 +32,7 @@ import time
 import torch
 
 from verl_core import interrupt
+from verl_core.guard.faults import maybe_inject
 from verl_core.layout import warm_start_doc
 from verl_core.local_cache import cache_root
 from verl_core.local_cache import file_sha256 as _file_sha
@@ -213,6 +214,7 @@ class WarmStart:
         an interrupt a save and the exit. ``state_fn()``: the whole state to save."""
         now = time.perf_counter()
         interrupt.status(where=f"the warm start (step {step} of at most {self.total})")
+        maybe_inject("warm_start", step)  # VERL_FAULTS: a kill, or a SIGTERM saved just below
         if interrupt.requested():
             self.save(step, state_fn())
             interrupt.status(kept=self._kept())

@@ -2,7 +2,6 @@
 Ray drain) saves the newest state before the process goes, and ``checkpoint.must_save_by`` saves
 and stops before the deadline; each run, continued by the same command, ends with the weights of
 an uninterrupted run. Real processes and real signals."""
-import hashlib
 import json
 import os
 import signal
@@ -12,6 +11,7 @@ import time
 
 import pytest
 
+from tests.crash import rerun_until_done, weights_sha
 from tests.presets import TINY
 from verl_core.checkpoint.deadline import must_stop, parse_must_save_by
 
@@ -32,12 +32,7 @@ def _cli(argv, stderr=subprocess.PIPE):
 
 
 def _weights_sha(summary_file) -> str:
-    final = json.loads(open(summary_file).read())["final_model"]
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(final)):
-        if name.endswith(".safetensors"):
-            h.update(open(os.path.join(final, name), "rb").read())
-    return h.hexdigest()
+    return weights_sha(json.loads(open(summary_file).read())["final_model"])
 
 
 def _steps_saved(workdir) -> set[int]:
@@ -128,15 +123,8 @@ def test_sigkills_in_an_evaluation_and_in_finalize_then_the_same_command_ends_as
     argv = _argv(tmp_path / "run", summary, eval_every=2)
     faults = [{"kind": "kill", "phase": "evaluate", "step": 2},
               {"kind": "kill", "phase": "finalize", "step": STEPS}]
-    env = {"VERL_FAULTS": json.dumps(faults), "VERL_FAULTS_DIR": str(tmp_path / "faults")}
-    codes = []
-    for _ in range(3):
-        proc = subprocess.Popen([sys.executable, "-m", "verl_core.train", *argv], cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": REPO, **env}, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        _, err = proc.communicate(timeout=1800)
-        codes.append(proc.returncode)
-        if proc.returncode == 0:
-            break
+    codes = rerun_until_done([sys.executable, "-m", "verl_core.train", *argv],
+                             {**os.environ, "PYTHONPATH": REPO}, faults, tmp_path, tries=3)
+    err = open(tmp_path / f"run{len(codes) - 1}.out").read()
     assert codes == [-signal.SIGKILL, -signal.SIGKILL, 0], (codes, err[-3000:])
     assert _weights_sha(summary) == uninterrupted

@@ -16,6 +16,9 @@ except ``permanent`` and ``hang`` which default to every time). Kinds:
   hang            write ``<dir>/<phase>-<step>.entered``, then sleep ``seconds`` (default 3600):
                   a test waits for the marker and kills the process in the middle of the phase
   kill            SIGKILL the process running the phase (a node or pod lost mid-phase)
+  term            send SIGTERM to the process running the phase (a preemption: a pod evicted,
+                  a spot notice) and go on: the plain loop finishes the phase, saves the newest
+                  state and exits 128 + SIGTERM (``checkpoint.preempt_grace_s``)
   slow            sleep ``seconds`` (default: the phase deadline + 5 s) inside the phase, so
                   its deadline (``guard.phase_timeout_s``) fires and the phase is retried
   store_outage    from the start of the phase, every run-store call fails as unavailable for
@@ -31,10 +34,13 @@ Phases: the task-level names (``rollout``, ``reward``, ``advantage``, ``update``
 ``evaluate``, ``finalize``), plus ``update-rank<r>`` inside worker r of a worker group (0 with
 one worker), in the middle of its update (after the batch is read and, with
 ``rollout.max_staleness``, the next step's rollout started in the background; before the
-optimizer steps).
+optimizer steps), and ``warm_start``, whose ``step`` counts the warm start's own supervised
+steps done (prepare's warm start, ``verl_core/warmstart.py``, after each step and before its
+periodic save: a ``term`` there saves it at once, as a real SIGTERM does; nothing retries the
+warm start, so a raised fault fails the run, and the same command resumes it).
 
 Where they fire, all from here: a phase task calls :func:`maybe_inject` at its start (each worker
-of a group at ``update-rank<r>``); the in-code kinds at the named points of :data:`HOOKS`
+of a group at ``update-rank<r>``, the warm start after each of its steps); the in-code kinds at the named points of :data:`HOOKS`
 (:func:`hook`); ``store_outage`` in every run-store call (``store.before_io``); ``second_writer``
 against the lease the writer code reports with :func:`lease_held`.
 """
@@ -52,7 +58,7 @@ from verl_core.store import before_io
 
 log = logging.getLogger(__name__)
 
-KINDS = ("transient", "permanent", "hang", "kill", "slow", "store_outage", "nan_grad",
+KINDS = ("transient", "permanent", "hang", "kill", "term", "slow", "store_outage", "nan_grad",
          "nan_reward", "corrupt_object", "second_writer")
 HOOKS = {"reward_scored": ("reward", "nan_reward"),
          "after_backward": ("update", "nan_grad"),
@@ -64,8 +70,10 @@ IN_CODE = tuple(kind for _, kind in HOOKS.values())
 """Kinds that the phase's own code applies (at a :data:`HOOKS` point), not :func:`maybe_inject`."""
 
 
-PHASES = ("rollout", "reward", "advantage", "update", "checkpoint", "evaluate", "finalize")
-"""The task-level phases a fault can name (plus ``update-rank<r>``, see the module docstring)."""
+PHASES = ("rollout", "reward", "advantage", "update", "checkpoint", "evaluate", "finalize",
+          "warm_start")
+"""The phases a fault can name: the tasks' and the warm start (plus ``update-rank<r>``, see the
+module docstring)."""
 IN_CODE_PHASE = {kind: phase for phase, kind in HOOKS.values()}
 """The one phase whose code applies each in-code kind: elsewhere it would never fire."""
 _KEYS = {"kind", "phase", "step", "times", "seconds"}
@@ -174,8 +182,9 @@ def _fires(f: dict, phase: str, step: int, default_times: int | None) -> bool:
 
 
 def maybe_inject(phase: str, step: int, *, deadline_s: float = 0.0) -> None:
-    """Raise, hang, sleep, kill or start an outage if a declared fault matches (phase, step).
-    A no-op without VERL_FAULTS. ``deadline_s``: the phase's deadline (``slow``'s default)."""
+    """Raise, hang, sleep, kill, preempt or start an outage if a declared fault matches (phase,
+    step). A no-op without VERL_FAULTS. ``deadline_s``: the phase's deadline (``slow``'s
+    default)."""
     for f in _matching(phase, step, [k for k in KINDS if k not in IN_CODE]):
         kind = f.get("kind", "transient")
         if kind == "hang":
@@ -195,6 +204,11 @@ def maybe_inject(phase: str, step: int, *, deadline_s: float = 0.0) -> None:
                 log.warning("VERL_FAULTS: killing pid %d in %s of step %d", os.getpid(), phase,
                             step)
                 os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "term":
+            if _fires(f, phase, step, 1):
+                log.warning("VERL_FAULTS: SIGTERM to pid %d in %s of step %d", os.getpid(),
+                            phase, step)
+                os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "slow":
             if _fires(f, phase, step, 1):
                 time.sleep(float(f.get("seconds", deadline_s + 5.0)))

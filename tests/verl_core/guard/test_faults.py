@@ -35,3 +35,21 @@ def test_a_hook_point_applies_its_own_fault_once_at_its_step(tmp_path, monkeypat
     assert faults.hook("reward_scored", 2) is None  # "times" defaults to 1
     assert faults.IN_CODE_PHASE == {"nan_reward": "reward", "nan_grad": "update",
                                     "corrupt_object": "checkpoint"}
+
+
+def test_a_term_fault_sends_sigterm_once_and_the_warm_start_is_a_phase(tmp_path, monkeypatch):
+    import signal
+
+    got = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        monkeypatch.setenv("VERL_FAULTS", '[{"kind": "term", "phase": "warm_start", "step": 10}]')
+        monkeypatch.setenv("VERL_FAULTS_DIR", str(tmp_path))
+        assert faults.check_faults() == 1  # warm_start is a phase a fault may name
+        faults.maybe_inject("warm_start", 9)
+        assert got == []
+        faults.maybe_inject("warm_start", 10)  # the handler ran: the signal is this process's
+        faults.maybe_inject("warm_start", 10)  # "times" defaults to 1
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old)

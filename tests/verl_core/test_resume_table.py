@@ -1,0 +1,111 @@
+"""docs/resume.md's table, a mode per test: one run of the plain loop stopped at several fault
+points in turn (a VERL_FAULTS ``kill`` each, one ``term``: a preemption; each fires once), the
+same command re-run after each stop, and the run that finishes ends with an uninterrupted run's
+exact weights (the sha-256 of its exported ``.safetensors``). Real processes and real signals;
+one chain per mode, so one run store resumes from each fault point in turn.
+
+Every run has a learning signal (the warm start reaches 0.2 train-slice accuracy, so some groups'
+rewards differ and the updates change the weights): equal weights are not the weights of a run
+that never moved."""
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+from tests.crash import rerun_until_done, weights_sha
+from tests.presets import TINY, tiny_run
+from verl_core.train import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 3
+# a checkpoint after every step, so each re-run resumes past the fault before it; an evaluation
+# after step 2 (and the last) for the evaluate fault
+BASE = {**TINY, "model.warmup_sft_steps": 400, "model.warmup_target_accuracy": 0.2,
+        "total_steps": STEPS, "checkpoint.checkpoint_interval": 1, "eval_every": 2,
+        "val_before_train": False}
+# (kind, phase, step), in the order a chain meets them (steps 0-based: the checkpoint of step k+1
+# follows update k, the evaluation of state 2 follows it, finalize names the last state)
+REWARD, ADVANTAGE, UPDATE = ("kill", "reward", 0), ("kill", "advantage", 1), ("kill", "update", 1)
+CHECKPOINT, EVALUATE = ("kill", "checkpoint", 2), ("kill", "evaluate", 2)
+FINALIZE = ("kill", "finalize", STEPS)
+# a preemption as the rollout of step 1 runs: the phase ends, the loop waits for the checkpoint
+# of step 1 (written in the background) to commit, and exits 128 + SIGTERM
+TERM = ("term", "rollout", 1)
+# a preemption in the warm start, after its 10th step: saved at once, resumed from there
+WARM_TERM = ("term", "warm_start", 10)
+EXIT = {"kill": -signal.SIGKILL, "term": 128 + signal.SIGTERM}
+
+
+@pytest.fixture(scope="module")
+def asset_cache(tmp_path_factory):
+    """One warm start per model for the module's runs (the reference's; the chains reuse it)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("VERL_ASSET_CACHE", str(tmp_path_factory.mktemp("assets")))
+        yield
+
+
+def _chain(tmp_path, settings: dict, points, store: str = "") -> None:
+    """The run of ``settings`` uninterrupted (in this process), then the same run (a
+    subprocess, in ``store``: a folder of ``tmp_path`` unless given) stopped at each of
+    ``points`` ((kind, phase, step), one per process, in the order the run meets them) and
+    re-run until it ends: every fault fired, and the weights are the uninterrupted run's."""
+    cfg = tiny_run(**settings)
+    straight = train(cfg, str(tmp_path / "straight") if not store else "", log=lambda *_: None,
+                     store=store, run_name="straight")
+    assert any(h["rollout/zero_variance_frac"] < 1.0 for h in straight["history"]), \
+        "no step had a learning signal: equal weights would prove nothing"
+    summary = tmp_path / "s.json"
+    where = ["--store", store, "--run-name", "chain"] if store else \
+        ["--workdir", str(tmp_path / "chain")]
+    cmd = [sys.executable, "-m", "verl_core.train", *where, "--summary-json", str(summary)]
+    for k, v in settings.items():
+        cmd += ["--set", f"{k}={v}"]
+    faults = [{"kind": k, "phase": p, "step": s} for k, p, s in points]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    if WARM_TERM in points:  # a cache of its own: the chain warm-starts, not reuses the reference's
+        env["VERL_ASSET_CACHE"] = str(tmp_path / "assets")
+    codes = rerun_until_done(cmd, env, faults, tmp_path, tries=len(points) + 1)
+    last = open(tmp_path / f"run{len(codes) - 1}.out").read()[-3000:]
+    assert codes == [EXIT[k] for k, _, _ in points] + [0], (codes, last)
+    if WARM_TERM in points:
+        after = open(tmp_path / f"run{points.index(WARM_TERM) + 1}.out").read()
+        assert "warm start: resuming from step 10" in after, after[-3000:]
+    got = json.loads(summary.read_text())["final_model"]
+    assert weights_sha(got) == weights_sha(straight["final_model"]), last
+
+
+@pytest.mark.slow
+def test_off_policy_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
+        asset_cache, tmp_path):
+    _chain(tmp_path, {**BASE, "rollout.max_staleness": 1, "algorithm.rollout_is": "token"},
+           [WARM_TERM, REWARD, TERM, ADVANTAGE, CHECKPOINT, EVALUATE, FINALIZE])
+
+
+@pytest.mark.slow
+def test_lora_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(asset_cache,
+                                                                             tmp_path):
+    _chain(tmp_path, {**BASE, "model.lora_rank": 4, "model.lora_alpha": 8.0,
+                      "algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.1},
+           [WARM_TERM, REWARD, TERM, ADVANTAGE, UPDATE, EVALUATE, FINALIZE])
+
+
+@pytest.mark.slow
+def test_multi_turn_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
+        asset_cache, tmp_path):
+    # the calculator task (its tool config built in): the warm start on call transcripts stops
+    # at 0.2 accuracy (about 240 steps), where groups' rewards differ (100 steps: all equal)
+    _chain(tmp_path, {**BASE, "data.synthetic_task": "calculator", "model.warmup_mixed_steps": 0},
+           [REWARD, TERM, ADVANTAGE, UPDATE, CHECKPOINT, EVALUATE, FINALIZE])
+
+
+@pytest.mark.slow
+def test_s3_store_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
+        asset_cache, moto_s3_readme, tmp_path):
+    # the run store on a real S3 server (moto_server on 127.0.0.1, VERL_S3_ENDPOINT: every
+    # process of the chain reaches it as docs/cluster.md says)
+    _, bucket = moto_s3_readme
+    _chain(tmp_path, BASE, [WARM_TERM, REWARD, TERM, ADVANTAGE, UPDATE, EVALUATE,
+                            ("kill", "rollout", 2), FINALIZE],
+           store=f"s3://{bucket}/runs")
