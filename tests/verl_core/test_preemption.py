@@ -17,7 +17,10 @@ from verl_core.checkpoint.deadline import must_stop, parse_must_save_by
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
-SETTINGS = {**TINY, "checkpoint.checkpoint_interval": 100, "val_before_train": False}
+# a warm start to 0.2 accuracy: some groups' rewards differ, so the updates move the weights
+# (TINY's 5 warm-start steps leave every reward equal: equal weights would prove nothing)
+SETTINGS = {**TINY, "model.warmup_sft_steps": 400, "model.warmup_target_accuracy": 0.2,
+            "checkpoint.checkpoint_interval": 100, "val_before_train": False}
 
 
 def _argv(workdir, summary, **extra) -> list[str]:
@@ -49,6 +52,11 @@ def uninterrupted(tmp_path_factory):
     proc = _cli(_argv(root / "run", root / "s.json"))
     out, err = proc.communicate(timeout=1800)
     assert proc.returncode == 0, err[-3000:]
+    import pandas as pd
+
+    metrics = pd.read_parquet(next((root / "run" / "metrics").glob("*.parquet")))
+    assert (metrics["rollout/zero_variance_frac"].dropna() < 1.0).any(), \
+        "no step had a learning signal: equal weights would prove nothing"
     return _weights_sha(root / "s.json")
 
 
