@@ -633,6 +633,9 @@ class RLTrainer:
                                   enforce_eager=cfg.rollout.enforce_eager,
                                   free_cache_engine=cfg.rollout.free_cache_engine,
                                   cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
+                                  engine_own_process=cfg.rollout.engine_own_process,
+                                  engine_timeout_s=cfg.rollout.engine_timeout_s,
+                                  engine_max_restarts=cfg.rollout.engine_max_restarts,
                                   # the longest sequence a run asks for (not the model's
                                   # context, whose KV cache may not fit cpu_kv_cache_gib)
                                   max_model_len=cfg.rollout.max_model_len or
@@ -654,6 +657,7 @@ class RLTrainer:
                 device=next(self.rollout_model.parameters()).device)
 
     def close(self):
+        self.engine.close()  # a vllm engine's processes (rollout.engine_own_process)
         self.scorer.close()
         if self.tool_host is not None:
             self.tool_host.close()

@@ -6,7 +6,10 @@ this class to its worker's bases (the GPU worker, or the CPU worker of ``vllm-cp
 :meth:`WeightSyncExtension.verl_load_weights` on every worker, with ``self`` the worker
 (``self.model_runner``, ``self.vllm_config`` are vLLM's). This is how verl, OpenRLHF and TRL
 refresh vLLM's weights after an update (STACK_NOTES.md); reaching into the engine's internals
-instead breaks once the worker runs in another process.
+instead breaks once the worker runs in another process. A worker in another process (the
+engine core in a process of its own) gets the state dict as one ``torch.save`` blob
+(:meth:`WeightSyncExtension.verl_load_weights_blob`): vLLM's msgpack arguments carry no tensor
+an untyped call can rebuild.
 
 Two weight paths, chosen by what the served model's parameters are, not by platform name:
 
@@ -29,6 +32,7 @@ loaded already, and this module imports anywhere.
 from __future__ import annotations
 
 import hashlib
+import io
 from typing import Iterable
 
 import torch
@@ -87,6 +91,12 @@ class WeightSyncExtension:
         if loaded is None:  # a model whose load_weights reports nothing: cannot check
             return []
         return sorted(expected - set(loaded))
+
+    def verl_load_weights_blob(self, blob: bytes) -> list[str]:
+        """:meth:`verl_load_weights` of a state dict sent as one ``torch.save`` blob
+        (``vllm.weights_blob``): how the weights reach a worker in another process."""
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        return self.verl_load_weights(state.items())
 
     @torch.no_grad()
     def verl_weights_checksum(self) -> str:
