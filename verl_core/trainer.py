@@ -951,6 +951,8 @@ class RLTrainer:
                                 seed=derive_seed(self.cfg.seed, step, phase))
         rows = [self.train_rows[i] for i in rows_idx.tolist()]
         t0 = time.perf_counter()
+        restarts, timeouts = self.engine.restarts, self.engine.timeouts
+        faults.engine_drill(self.engine, step)  # a VERL_FAULTS drill (engine_kill/_hang)
         extra, metrics, infos = {}, {}, [r.extra_info for r in rows]
         if rc.multi_turn:
             out = self._generate_turns(self.train_prompt_ids[rows_idx],
@@ -990,7 +992,11 @@ class RLTrainer:
                        "response_length/clip_ratio": float(
                            (lengths >= rc.max_new_tokens).float().mean()),
                        # 1: the engine gave its memory back for the update (vLLM's sleep mode)
-                       "rollout/memory_released": float(self.engine.releases_memory), **metrics}
+                       "rollout/memory_released": float(self.engine.releases_memory),
+                       # rebuilds of a dead or hung engine (vllm in its own process)
+                       "rollout/engine_restarts": float(self.engine.restarts - restarts),
+                       "rollout/engine_timeouts": float(self.engine.timeouts - timeouts),
+                       **metrics}
 
     def model_inputs(self, batch: Batch) -> Batch:
         """``batch`` with the per-token inputs the later phases need from a model: reference

@@ -11,6 +11,7 @@ float32. Each rebuild costs one engine start (~20 s on 2 loaded cores), so the t
 engine and rebuild it once each. The rest runs anywhere: the deadline's derivation, the config,
 the drills' declarations and the per-phase sums.
 """
+import json
 import os
 import signal
 import time
@@ -20,6 +21,7 @@ import torch
 
 from verl_core.config import ConfigError, RolloutConfig
 from verl_core.errors import RolloutEngineError, TransientError
+from verl_core.guard import faults
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.vllm_health import deadline_s
 
@@ -46,6 +48,42 @@ def test_the_health_settings_are_checked_and_change_no_trajectory():
     other = tiny_run(**{"rollout.engine": "vllm", "rollout.engine_timeout_s": 60.0,
                         "rollout.engine_max_restarts": 5, "rollout.engine_own_process": True})
     assert other.trajectory_hash() == base.trajectory_hash()
+
+
+def test_the_engine_drills_fire_once_in_the_rollout_and_need_an_engine_process(
+        tmp_path, monkeypatch):
+    with pytest.raises(faults.FaultSpecError, match="fires only in phase 'rollout'"):
+        faults.parse_faults('[{"kind": "engine_kill", "phase": "update", "step": 1}]')
+    monkeypatch.setenv("VERL_FAULTS", '[{"kind": "engine_hang", "phase": "rollout", "step": 1}]')
+    monkeypatch.setenv("VERL_FAULTS_DIR", str(tmp_path))
+    sent = []
+
+    class Engine:  # what the drill asks of the engine: a signal to its process, mid-generate
+        def signal_when_generating(self, sig):
+            sent.append(sig)
+
+    faults.engine_drill(Engine(), 0)  # another step
+    faults.engine_drill(Engine(), 1)
+    faults.engine_drill(Engine(), 1)  # "times" defaults to 1
+    assert sent == [signal.SIGSTOP]
+    monkeypatch.setenv("VERL_FAULTS", '[{"kind": "engine_kill", "phase": "rollout", "step": 2}]')
+    from verl_core.models import build_tiny_model
+    model, tok = build_tiny_model(seed=0)
+    hf = make_engine("hf", model=model, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id)
+    with pytest.raises(faults.InjectedPermanentFault, match="HFEngine.*no process of its own"):
+        faults.engine_drill(hf, 2)
+
+
+def test_a_rollout_split_in_generation_batches_sums_its_engine_restarts():
+    from verl_core.engine.dynamic_sampling import _merge_metrics
+
+    merged = _merge_metrics([(32, {"rollout/engine_restarts": 1.0, "rollout/engine_timeouts": 1.0,
+                                   "response_length/mean": 4.0}),
+                             (16, {"rollout/engine_restarts": 2.0, "rollout/engine_timeouts": 0.0,
+                                   "response_length/mean": 1.0})])
+    assert merged["rollout/engine_restarts"] == 3.0 and merged["rollout/engine_timeouts"] == 1.0
+    assert merged["response_length/mean"] == 3.0  # (32 x 4 + 16 x 1) / 48: averaged by rows
 
 
 def test_a_failed_engine_is_a_transient_error():
@@ -167,3 +205,53 @@ def test_a_hung_engine_hits_the_deadline_is_killed_and_rebuilt(served):
     assert took >= eng.timeout_s
     _torn_down(old)
     assert _same(out, served["ref"])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_run_whose_engine_is_killed_mid_rollout_finishes_with_the_undisturbed_weights(
+        tmp_path, monkeypatch):
+    """``verl_core.train`` on vLLM with VERL_FAULTS ``engine_kill`` in the rollout of step 1: the
+    engine core is SIGKILLed mid-generate, rebuilt and synced, the rollout repeated; the run ends
+    with the undisturbed run's weights, bit for bit. The restart is in the step's metrics, in
+    the guard's event log and in its counter, which a resumed run carries on from its
+    checkpoint."""
+    from tests.presets import tiny_run
+    from verl_core.checkpoint import CheckpointManager
+    from verl_core.guard.events import read_events
+    from verl_core.store import RunStore
+    from verl_core.train import train
+
+    def sha(folder):
+        import hashlib
+        with open(os.path.join(folder, "model.safetensors"), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    quiet = lambda *_: None  # noqa: E731
+    monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))  # one warm start
+    on_vllm = {"rollout.engine": "vllm", "rollout.engine_own_process": True}
+    cfg = tiny_run(total_steps=2, **on_vllm)
+    straight = train(cfg, str(tmp_path / "straight"), log=quiet)
+    monkeypatch.setenv("VERL_FAULTS", json.dumps([{"kind": "engine_kill", "phase": "rollout",
+                                                   "step": 1}]))
+    monkeypatch.setenv("VERL_FAULTS_DIR", str(tmp_path / "faults"))
+    logs: list[str] = []
+    killed = train(cfg, str(tmp_path / "killed"), log=logs.append)
+    assert [h["rollout/engine_restarts"] for h in killed["history"]] == [0.0, 1.0]
+    assert any(line.startswith("guard: step 1 rollout_engine: the rollout engine died or hung "
+                               "and was rebuilt 1 time(s)") for line in logs), logs
+    assert sha(killed["final_model"]) == sha(straight["final_model"])
+    assert [h["reward/mean"] for h in killed["history"]] == \
+        [h["reward/mean"] for h in straight["history"]]
+    store = RunStore(str(tmp_path / "killed"))
+    events = [e for e in read_events(store, cfg.trajectory_hash())
+              if e["detector"] == "rollout_engine"]
+    assert [(e["step"], e["phase"], e["action"], e["value"]) for e in events] == \
+        [(1, "rollout", "restart_engine", 1.0)]
+    assert CheckpointManager(store).load("latest")[1]["guard"]["engine_restarts"] == 1
+    # one more step from the checkpoint of step 2: the counter goes on from it
+    monkeypatch.delenv("VERL_FAULTS")
+    more = train(tiny_run(total_steps=3, **on_vllm),
+                 str(tmp_path / "killed"), log=quiet)
+    assert [h["rollout/engine_restarts"] for h in more["history"]] == [0.0]
+    assert CheckpointManager(store).load("latest")[1]["guard"]["engine_restarts"] == 1
