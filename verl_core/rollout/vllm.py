@@ -73,7 +73,7 @@ from verl_core.errors import PermanentError, RolloutEngineError
 from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, check_rows,
                                     register_engine, resolve_stop_ids)
 from verl_core.rollout.vllm_health import (EngineFailure, EngineProcesses, Watchdog, deadline_s,
-                                           failure_of, signal_when_generating)
+                                           failure_of, signal_when_generating, trainer_env)
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +304,8 @@ class VLLMEngine(RolloutEngine):
         # own process: vLLM's V1 multiprocessing (EngineCore, and a Worker on CPU); else the
         # worker lives in this process
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.own_process else "0"}
+        if self.own_process:  # its processes end when this one is gone (vllm_health)
+            env.update(trainer_env())
         if self.on_cpu:
             threads = torch.get_num_threads()
             # an explicit OMP_NUM_THREADS keeps vLLM from dropping torch to one thread; nobind

@@ -26,7 +26,9 @@ Two weight paths, chosen by what the served model's parameters are, not by platf
 The method names carry a ``verl_`` prefix because vLLM refuses an extension that defines a name
 its worker already has (vLLM's worker has its own ``update_weights`` and ``reload_weights``).
 vLLM is imported inside the methods only: the class runs inside vLLM's worker, where it is
-loaded already, and this module imports anywhere.
+loaded already, and this module imports anywhere. Importing it in an engine's own process (vLLM
+does, where the worker runs) starts ``vllm_health.follow_trainer``: that process ends when the
+trainer's does.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ import io
 from typing import Iterable
 
 import torch
+
+from verl_core.rollout.vllm_health import follow_trainer
+
+follow_trainer()  # in an engine's own processes: end with the trainer's (vllm_health)
 
 
 def _in_place_loadable(model: torch.nn.Module) -> bool:

@@ -20,6 +20,9 @@ bounds a hang. What this module adds, used by :class:`~verl_core.rollout.vllm.VL
   ``EngineDeadError`` (:func:`unblock`).
 * :func:`signal_when_generating`: the drills' and the tests' way to kill (or stop) the engine
   mid-rollout: a real signal to the real engine core process once a request has its first tokens.
+* :func:`follow_trainer`: the other way round, the engine's processes end when the trainer's
+  process is gone (a SIGKILL, the OOM killer): vLLM's engine core outlives its client otherwise,
+  holding the model and the KV cache (minutes, here), and a resumed run would build another.
 
 The rebuild itself (a new ``LLM``, the weights the old one held, the call again with the same
 seeds) is the engine's (``vllm.py``). An engine in the worker's process (W > 1, or
@@ -39,6 +42,9 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+TRAINER_ENV = "VERL_VLLM_TRAINER"
+"""``<pid>:<start time>`` of the process that built the engine, given to the engine's processes
+(:func:`follow_trainer`)."""
 POLL_S = 0.1
 """How often a :class:`Watchdog` checks the engine's processes and the deadline."""
 FLOOR_S = 300.0
@@ -243,6 +249,46 @@ class Watchdog:
             if self.failure:
                 unblock(self.llm)
                 return
+
+
+def trainer_env() -> dict[str, str]:
+    """The environment that makes an engine's processes follow this one (:data:`TRAINER_ENV`)."""
+    import psutil
+
+    return {TRAINER_ENV: f"{os.getpid()}:{psutil.Process().create_time()!r}"}
+
+
+def follow_trainer() -> None:
+    """In a process of an engine that runs in processes of its own (:data:`TRAINER_ENV` set, and
+    this is not the trainer's process): a thread that, once the trainer's process is gone, kills
+    the engine core (this process's parent, when this is its worker) and this process. Called
+    where vLLM imports the worker extension (``vllm_ext``), which runs in the engine's
+    processes."""
+    spec = os.environ.get(TRAINER_ENV, "")
+    if not spec or int(spec.split(":")[0]) == os.getpid():
+        return
+    import psutil
+
+    pid, created = int(spec.split(":")[0]), float(spec.split(":", 1)[1])
+    parent = os.getppid()
+    core = parent if parent != pid else None  # the engine core, when this is its worker
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(pid).create_time() != created  # a pid used again
+        except psutil.NoSuchProcess:
+            return True
+
+    def watch():
+        while not gone():
+            time.sleep(1.0)
+        log.warning("the trainer's process (pid %d) is gone: ending its vLLM engine", pid)
+        if core is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(core, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="verl-follow-trainer", daemon=True).start()
 
 
 def signal_when_generating(current, sig: int, *, give_up_s: float = 600.0) -> threading.Thread:

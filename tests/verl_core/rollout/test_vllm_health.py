@@ -92,16 +92,23 @@ def test_a_failed_engine_is_a_transient_error():
 
 # ----------------------------------------------------------------- vLLM's CPU backend
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """One engine in a process of its own, holding weights that are not its folder's (one
-    projection scaled), so a rebuild that forgot to load them back samples differently; and the
-    undisturbed reference: the rollout it gives for fixed seeds."""
+def tiny(tmp_path_factory):
+    """The tiny model (head size 64) and its Hugging Face folder."""
     from verl_core.models import build_tiny_model
 
     model, tok = build_tiny_model(hidden_size=256, heads=4, layers=2, seed=0)
     path = tmp_path_factory.mktemp("tiny-hf")
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
+    return model, tok, path
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    """One engine in a process of its own, holding weights that are not its folder's (one
+    projection scaled), so a rebuild that forgot to load them back samples differently; and the
+    undisturbed reference: the rollout it gives for fixed seeds."""
+    model, tok, path = tiny
     eng = make_engine("vllm", model_path=str(path), model=model, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, dtype="float32", cpu_kv_cache_gib=0.25,
                       seed=0, engine_own_process=True)
@@ -205,6 +212,42 @@ def test_a_hung_engine_hits_the_deadline_is_killed_and_rebuilt(served):
     assert took >= eng.timeout_s
     _torn_down(old)
     assert _same(out, served["ref"])
+
+
+@pytest.mark.vllm
+def test_the_engine_processes_end_when_the_trainers_process_is_killed(tiny):
+    """The other way round: a SIGKILLed trainer (the OOM killer, a lost pod's process) leaves no
+    engine behind. Without ``vllm_health.follow_trainer`` vLLM's engine core and worker outlived
+    it (minutes, here), holding the model, the KV cache and 400 MiB of shared memory."""
+    import subprocess
+    import sys
+
+    _, tok, path = tiny
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import json, time
+from verl_core.rollout import make_engine
+eng = make_engine("vllm", model_path={str(path)!r}, eos_token_id={tok.eos_token_id},
+                  pad_token_id={tok.pad_token_id}, dtype="float32", cpu_kv_cache_gib=0.25,
+                  engine_own_process=True)
+print("ENGINE " + json.dumps([eng.procs.pids, eng.procs.shm]), flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = next(line for line in child.stdout if line.startswith("ENGINE "))
+        pids, shm = json.loads(line[len("ENGINE "):])
+        assert len(pids) == 2 and shm
+        child.kill()  # SIGKILL: nothing of the trainer runs after it
+        child.wait()
+        # the engine's processes follow within the 1 s poll; the resource tracker unlinks the
+        # shared memory once its last user is gone
+        end = time.monotonic() + 30
+        while not (_gone(pids) and not any(os.path.exists(p) for p in shm)) \
+                and time.monotonic() < end:
+            time.sleep(0.2)
+        assert _gone(pids), pids
+        assert not any(os.path.exists(p) for p in shm), shm
+    finally:
+        child.kill()
 
 
 @pytest.mark.vllm
