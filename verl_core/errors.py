@@ -80,3 +80,11 @@ class CheckpointDisagreementError(PermanentError):
 
 class CheckpointSaveError(PermanentError):
     """A save was refused (e.g. unsupported value type in the state); nothing was committed."""
+
+
+# ------------------------------------------------- rollout engines (verl_core.rollout)
+class RolloutEngineError(TransientError):
+    """A rollout engine running in a process of its own (vLLM's engine core) died or hung more
+    often in one call than ``rollout.engine_max_restarts`` rebuilds could cure. The message
+    names the engine, the last failure and what to change; the phase may succeed when retried
+    (a fresh engine is built then)."""

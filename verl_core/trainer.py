@@ -639,6 +639,9 @@ class RLTrainer:
                                   enforce_eager=cfg.rollout.enforce_eager,
                                   free_cache_engine=cfg.rollout.free_cache_engine,
                                   cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
+                                  engine_own_process=cfg.rollout.engine_own_process,
+                                  engine_timeout_s=cfg.rollout.engine_timeout_s,
+                                  engine_max_restarts=cfg.rollout.engine_max_restarts,
                                   # the longest sequence a run asks for (not the model's
                                   # context, whose KV cache may not fit cpu_kv_cache_gib)
                                   max_model_len=cfg.rollout.max_model_len or
@@ -660,6 +663,7 @@ class RLTrainer:
                 device=next(self.rollout_model.parameters()).device)
 
     def close(self):
+        self.engine.close()  # a vllm engine's processes (rollout.engine_own_process)
         self.scorer.close()
         if self.tool_host is not None:
             self.tool_host.close()
@@ -953,6 +957,8 @@ class RLTrainer:
                                 seed=derive_seed(self.cfg.seed, step, phase))
         rows = [self.train_rows[i] for i in rows_idx.tolist()]
         t0 = time.perf_counter()
+        restarts, timeouts = self.engine.restarts, self.engine.timeouts
+        faults.engine_drill(self.engine, step)  # a VERL_FAULTS drill (engine_kill/_hang)
         extra, metrics, infos = {}, {}, [r.extra_info for r in rows]
         if rc.multi_turn:
             out = self._generate_turns(self.train_prompt_ids[rows_idx],
@@ -992,7 +998,11 @@ class RLTrainer:
                        "response_length/clip_ratio": float(
                            (lengths >= rc.max_new_tokens).float().mean()),
                        # 1: the engine gave its memory back for the update (vLLM's sleep mode)
-                       "rollout/memory_released": float(self.engine.releases_memory), **metrics}
+                       "rollout/memory_released": float(self.engine.releases_memory),
+                       # rebuilds of a dead or hung engine (vllm in its own process)
+                       "rollout/engine_restarts": float(self.engine.restarts - restarts),
+                       "rollout/engine_timeouts": float(self.engine.timeouts - timeouts),
+                       **metrics}
 
     def model_inputs(self, batch: Batch) -> Batch:
         """``batch`` with the per-token inputs the later phases need from a model: reference

@@ -16,6 +16,9 @@ NOT_USER_ERRORS = {
     "verl_core.errors.TransientError": "a base: retried",
     "verl_core.reward.manager._Deadline": "a scorer worker's internal alarm",
     "verl_core.agent.tools._Refused": "a tool host's internal signal: the call becomes an error observation",
+    "verl_core.rollout.vllm._Failed": "an engine call's internal signal: rebuild and retry",
+    "verl_core.errors.RolloutEngineError": "a fault (the engine died or hung past its rebuilds): "
+                                           "transient, retried",
     "verl_core.guard.faults.InjectedPermanentFault": "a fault the user asked the drill to inject",
     "verl_core.guard.faults.InjectedTransientFault": "a fault the user asked the drill to inject",
     # faults of the run, its machines or its store: the traceback is the evidence

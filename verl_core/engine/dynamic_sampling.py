@@ -197,7 +197,7 @@ def _merge_metrics(parts: list[tuple[int, dict]]) -> dict:
     out: dict[str, float] = {}
     for n, m in parts:
         for k, v in m.items():
-            summed = k.endswith("_s") or k.endswith("/timeouts")
+            summed = k.endswith(("_s", "/timeouts", "/engine_restarts", "/engine_timeouts"))
             out[k] = out.get(k, 0.0) + (float(v) if summed else float(v) * n / total)
     return out
 

@@ -398,6 +398,7 @@ class RunWorker:
         self.ensure_state(step)
         t0 = time.perf_counter()
         batch, metrics = self._sample(step)
+        self._count_engine_restarts(step, metrics)
         if not self.leader:  # the driver takes rank 0's answer
             return "", metrics
         validate_and_record(self.store, self.trajectory_hash, step, "rollout", batch, self.cfg)
@@ -745,6 +746,25 @@ class RunWorker:
             if self.leader:
                 record_event(self.store, self.trajectory_hash, e)
         return event_metrics(events)
+
+    def _count_engine_restarts(self, step: int, metrics: dict) -> None:
+        """The rollout engine's rebuilds in the rollout of ``step`` (a dead or hung vllm engine,
+        docs/vllm.md#engine-health; ``rollout/engine_restarts``, counted where it sampled, in a
+        background thread or process too): added to the guard's ``engine_restarts`` (saved in
+        every checkpoint) and recorded as a guard event, which the step's metrics count."""
+        restarts = metrics.get("rollout/engine_restarts", 0.0)
+        if not restarts:
+            return
+        from verl_core.guard.events import engine_restart_event, record_event
+
+        guard = self.trainer.guard
+        guard["engine_restarts"] = int(guard.get("engine_restarts", 0) + restarts)
+        e = engine_restart_event(step=step, phase="rollout", restarts=restarts,
+                                 timeouts=metrics.get("rollout/engine_timeouts", 0.0),
+                                 max_restarts=self.cfg.rollout.engine_max_restarts)
+        log.warning("guard: step %d rollout: %s", step, e["message"])
+        if self.leader:
+            record_event(self.store, self.trajectory_hash, e)
 
     def _drop_pending(self, step: int) -> None:
         """The step's phase outputs are consumed: the lineage record now keeps the batch the

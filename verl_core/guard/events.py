@@ -9,7 +9,8 @@ rewrites its own event instead of adding a second one::
      "time"}
 
 ``action`` is what the policy decided (after escalation: ``warn``, ``skip_batch``,
-``retry_phase``, ``rollback``, ``halt``), ``outcome`` what happened (``logged``, ``skipped``,
+``retry_phase``, ``rollback``, ``halt``; ``restart_engine`` for a rollout engine rebuilt after
+it died or hung, :func:`engine_restart_event`), ``outcome`` what happened (``logged``, ``skipped``,
 ``rolled back to step j``, ``retrying``, ``halted``, ``refused``). Events are small docs, not
 gc roots (they name no object). They also reach the per-step metrics table (``guard/*``
 columns) and the console line of the step (see ``tasks.common.progress``).
@@ -44,6 +45,19 @@ def make_event(*, step: int, phase: str, detector: str, action: str, outcome: st
     return {"step": int(step), "phase": phase, "detector": detector, "signal": signal,
             "value": _num(value), "threshold": _num(threshold), "action": action,
             "outcome": outcome, "message": message, "time": time.time()}
+
+
+def engine_restart_event(*, step: int, phase: str, restarts: float, timeouts: float,
+                         max_restarts: int) -> dict:
+    """The event of a phase whose rollout engine died or hung and was rebuilt ``restarts`` times
+    (``timeouts`` of them past ``rollout.engine_timeout_s``), each call repeated with the same
+    seeds (docs/vllm.md#engine-health); the bound is the rebuilds allowed per call."""
+    return make_event(step=step, phase=phase, detector="rollout_engine", signal="restarts",
+                      value=float(restarts), threshold=float(max_restarts),
+                      action="restart_engine", outcome="rebuilt, call repeated",
+                      message=f"the rollout engine died or hung and was rebuilt {restarts:g} "
+                              f"time(s) ({timeouts:g} past rollout.engine_timeout_s); its calls "
+                              "were repeated with the same seeds")
 
 
 def record_event(store: RunStore, config_hash: str, event: dict) -> None:

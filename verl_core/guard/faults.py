@@ -29,6 +29,11 @@ except ``permanent`` and ``hang`` which default to every time). Kinds:
                   with garbage of the same size (phase ``checkpoint``)
   second_writer   a second process tries to take the run's writer lease while the run holds
                   it; it must be refused (the phase fails if it is not)
+  engine_kill     SIGKILL the rollout engine's process once its generation has its first
+                  tokens (phase ``rollout``; ``rollout.engine=vllm`` in its own process): the
+                  engine is rebuilt and the generation repeated (docs/vllm.md#engine-health)
+  engine_hang     SIGSTOP it instead (a hung engine): ``rollout.engine_timeout_s`` expires, the
+                  engine is killed, rebuilt and the generation repeated
 
 Phases: the task-level names (``rollout``, ``reward``, ``advantage``, ``update``, ``checkpoint``,
 ``evaluate``, ``finalize``), plus ``update-rank<r>`` inside worker r of a worker group (0 with
@@ -59,13 +64,16 @@ from verl_core.store import before_io
 log = logging.getLogger(__name__)
 
 KINDS = ("transient", "permanent", "hang", "kill", "term", "slow", "store_outage", "nan_grad",
-         "nan_reward", "corrupt_object", "second_writer")
+         "nan_reward", "corrupt_object", "second_writer", "engine_kill", "engine_hang")
 HOOKS = {"reward_scored": ("reward", "nan_reward"),
          "after_backward": ("update", "nan_grad"),
-         "checkpoint_committed": ("checkpoint", "corrupt_object")}
+         "checkpoint_committed": ("checkpoint", "corrupt_object"),
+         "rollout_started": ("rollout", "engine_kill"),
+         "rollout_started_hang": ("rollout", "engine_hang")}
 """The named points in the library's code where a fault is applied by that code itself
 (:func:`hook`): point -> (phase, kind). The reward phase once its scores are computed, the update
-after its first backward, the checkpoint phase once the checkpoint of its step committed."""
+after its first backward, the checkpoint phase once the checkpoint of its step committed, the
+rollout as it starts sampling (:func:`engine_drill`)."""
 IN_CODE = tuple(kind for _, kind in HOOKS.values())
 """Kinds that the phase's own code applies (at a :data:`HOOKS` point), not :func:`maybe_inject`."""
 
@@ -231,6 +239,20 @@ def hook(point: str, step: int) -> dict | None:
             log.warning("VERL_FAULTS: injecting %s in %s of step %d", kind, phase, step)
             return f
     return None
+
+
+def engine_drill(engine, step: int) -> None:
+    """The ``engine_kill``/``engine_hang`` faults of ``step``'s rollout, if declared: ``engine``
+    gets SIGKILL/SIGSTOP in its process once its next generation has its first tokens."""
+    for point, sig in (("rollout_started", signal.SIGKILL),
+                       ("rollout_started_hang", signal.SIGSTOP)):
+        if "engine_" in os.environ.get("VERL_FAULTS", "") and hook(point, step):
+            send = getattr(engine, "signal_when_generating", None)
+            if send is None:
+                raise InjectedPermanentFault(
+                    f"{HOOKS[point][1]} fault: the {type(engine).__name__} rollout engine has no "
+                    "process of its own to signal (rollout.engine=vllm has)")
+            send(sig)
 
 
 def store_outage_active() -> bool:

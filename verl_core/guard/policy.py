@@ -31,8 +31,9 @@ SEVERITY = {"warn": 0, "retry_phase": 1, "skip_batch": 2, "rollback": 3, "halt":
 
 GUARD_DEFAULTS = {"skipped_nonfinite_steps": 0, "last_skipped_step": None,
                   "consecutive_skips": 0, "rollbacks": 0, "lr_scale": 1.0,
-                  "skipped_steps": [], "rollback_steps": []}
-"""The guard state a checkpoint carries (older checkpoints start with these)."""
+                  "skipped_steps": [], "rollback_steps": [], "engine_restarts": 0}
+"""The guard state a checkpoint carries (older checkpoints start with these). ``engine_restarts``:
+rebuilds of a dead or hung rollout engine in the rollouts so far (docs/vllm.md#engine-health)."""
 
 _KEEP = 64  # skipped/rolled-back step lists are bounded (the event log has them all)
 

@@ -104,6 +104,12 @@ class RolloutEngine(abc.ABC):
     """True when the engine frees its memory after each :meth:`generate` (vLLM's sleep mode,
     where the platform has it), so the update gets it back."""
 
+    restarts: int = 0
+    """Times the engine was rebuilt after it died or hung (``vllm`` in a process of its own:
+    ``rollout.engine_own_process``); the rollout's ``rollout/engine_restarts`` counts them."""
+    timeouts: int = 0
+    """Those of :attr:`restarts` whose cause was the deadline (``rollout.engine_timeout_s``)."""
+
     @abc.abstractmethod
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  params: SamplingParams, *, first_row: int = 0,
@@ -132,6 +138,9 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the policy weights (after an update)."""
+
+    def close(self) -> None:
+        """Free what the engine holds beyond this process's memory (its processes)."""
 
 
 _ENGINES: dict[str, Callable[..., RolloutEngine]] = {}

@@ -88,6 +88,25 @@ class RolloutConfig:
     free_cache_engine: bool = in_trajectory(True)
     """vLLM only: sleep after each generation (KV cache freed, weights offloaded to CPU) so
     training gets the GPU memory back; False keeps vLLM resident."""
+    engine_own_process: bool = not_in_trajectory(False)
+    """vLLM only: run vLLM's engine core in a process of its own (vLLM's V1 multiprocessing),
+    watched: an engine that dies or hangs mid-call is killed, rebuilt with the weights it held,
+    and the call made again with the same seeds (docs/vllm.md#engine-health); ~15 s more to
+    build on 2 CPU cores, the weights serialised once per sync. False runs it in the worker's
+    process (verl's colocated mode), where a dead engine takes the worker with it (a resume's
+    case) and a hang is ``guard.phase_timeout_s``'s. W > 1 workers always run it in their own
+    process (vLLM's external launcher)."""
+    engine_timeout_s: float = not_in_trajectory(0.0)
+    """vLLM in its own process: the deadline of one call into the engine (a ``generate``, a
+    weight load); past it the engine counts as hung, is killed and rebuilt. 0: derived from the
+    work asked: 300 s + 0.1 s per token (prompts and ``max_new_tokens`` of all the call's rows)
+    + 0.1 s per MiB of weights loaded, loose enough for any working engine; set it to a few
+    times a measured rollout's time to catch hangs sooner."""
+    engine_max_restarts: int = not_in_trajectory(2)
+    """vLLM in its own process: rebuilds of a dead or hung engine within one call (a rollout's
+    ``generate``, a turn's, a weight load); one more failure raises ``RolloutEngineError``
+    (transient: the phase is retried). Each rebuild is counted: ``rollout/engine_restarts``,
+    the guard's ``engine_restarts`` and a guard event."""
     multi_turn: bool = in_trajectory(False, when=_multi_turn_on)
     """Multi-turn rollouts with tool calls (verl's ``multi_turn.enable``,
     ``rollout/multi_turn.py``, docs/agent.md): a response is assistant turns and the tools'
@@ -146,7 +165,8 @@ class RolloutConfig:
             _fail("rollout", "gpu_memory_utilization", self.gpu_memory_utilization,
                   "must be in (0, 1]")
         self._check_multi_turn()
-        _non_negative("rollout", self, "max_staleness", "max_num_seqs", "max_model_len")
+        _non_negative("rollout", self, "max_staleness", "max_num_seqs", "max_model_len",
+                      "engine_timeout_s", "engine_max_restarts")
         _one_of("rollout", "async_mode", self.async_mode, {"thread", "process"})
         if self.max_staleness > MAX_STALENESS:
             _fail("rollout", "max_staleness", self.max_staleness,

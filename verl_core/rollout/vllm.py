@@ -23,9 +23,10 @@ How it meets the :class:`~verl_core.rollout.base.RolloutEngine` contract:
   its seed and position only, so W workers sampling blocks draw what one worker would.
 * **Weights.** :meth:`VLLMEngine.load_weights` hands the trainer's tensors to vLLM's worker
   (``vllm_ext.WeightSyncExtension``) through ``collective_rpc``: in place on CUDA, by vLLM's
-  layer-wise reload on CPU (whose backend repacks the linear weights; see ``vllm_ext``). vLLM
-  runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as verl and TRL colocate it), so
-  the call passes the tensors as Python objects: no serialisation.
+  layer-wise reload on CPU (whose backend repacks the linear weights; see ``vllm_ext``). To
+  an engine core in its own process (below) they go as one ``torch.save`` blob
+  (:func:`weights_blob`); to one in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as verl
+  and TRL colocate it) as Python objects: no serialisation.
 * **Memory.** Where the platform has sleep mode (CUDA), with ``free_cache_engine`` the engine
   sleeps after each ``generate`` (level 1: KV cache freed, weights offloaded to CPU), so the
   update phase gets the GPU back; the next ``generate`` or ``load_weights`` wakes it
@@ -33,11 +34,23 @@ How it meets the :class:`~verl_core.rollout.base.RolloutEngine` contract:
   vLLM's CPU backend has no sleep mode: the engine stays resident and :attr:`VLLMEngine.
   sleep_supported` is False (the rollout's ``rollout/memory_released`` metric says which).
   On CPU the KV cache takes ``rollout.cpu_kv_cache_gib`` of RAM, not a fraction of the machine.
-* **The process.** On CPU, vLLM's worker pins torch to one thread and replaces
-  ``torch.set_num_threads`` with a no-op, and sets ``LD_PRELOAD``: the engine restores the
-  trainer's thread count (a run's numerics depend on it, ``verl_core.threads``), the function
-  and the variable after building, and asks vLLM not to bind threads to cores
+* **The process.** With ``own_process`` (``rollout.engine_own_process``, one worker) vLLM's
+  engine core runs in a process of its own (vLLM's V1 multiprocessing: ``EngineCore``, and on
+  CPU a ``Worker`` under it, started with ``spawn``); with W > 1 workers (vLLM's external
+  launcher) or without it, in this one. On CPU, vLLM's worker pins torch to one thread and
+  replaces ``torch.set_num_threads`` with a no-op, and sets ``LD_PRELOAD``: in this process the
+  engine restores the trainer's thread count (a run's numerics depend on it,
+  ``verl_core.threads``), the function and the variable after building; either way it gives the
+  engine the trainer's thread count and asks vLLM not to bind threads to cores
   (``VLLM_CPU_OMP_THREADS_BIND=nobind``: the trainer shares them).
+* **Health.** An engine in its own process is watched (``vllm_health``): a call that finds it
+  dead (liveness, before and during the call), or gets no result within its deadline
+  (``rollout.engine_timeout_s``, else derived from the work asked), kills it, rebuilds it, loads
+  the weights it held (the last :meth:`VLLMEngine.load_weights`' state dict, else the folder's)
+  and makes the call again with the same requests and seeds, at most
+  ``rollout.engine_max_restarts`` times a call; then ``RolloutEngineError``.
+  :attr:`VLLMEngine.restarts` and :attr:`VLLMEngine.timeouts` count the rebuilds (the rollout's
+  ``rollout/engine_restarts``, the guard's ``engine_restarts``; docs/vllm.md "Engine health").
 
 Run on CPU with ``vllm-cpu`` 0.32.0 (tests/verl_core/rollout/test_vllm_engine.py and the other
 ``vllm``-marked tests, in ``.venv-vllm``); the CUDA paths (sleep mode's memory release, the
@@ -47,14 +60,22 @@ in-place weight load, NCCL) are what ``bench/gpu_check.py`` checks on a GPU.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
+import io
+import logging
 import os
+import time
 
 import torch
 
-from verl_core.errors import PermanentError
+from verl_core.errors import PermanentError, RolloutEngineError
 from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, check_rows,
                                     register_engine, resolve_stop_ids)
+from verl_core.rollout.vllm_health import (EngineFailure, EngineProcesses, Watchdog, deadline_s,
+                                           failure_of, signal_when_generating, trainer_env)
+
+log = logging.getLogger(__name__)
 
 EXTENSION = "verl_core.rollout.vllm_ext.WeightSyncExtension"
 MAX_TEMPERATURE = 2.0
@@ -168,6 +189,28 @@ def to_generation_output(token_ids: list[list[int]], logprobs: list[list[float]]
     return GenerationOutput(response_ids=ids, response_mask=mask, logprobs=logp)
 
 
+def weights_blob(state_dict: dict[str, torch.Tensor]) -> bytes:
+    """``state_dict`` as one ``torch.save`` blob: how the tensors reach an engine core in a
+    process of its own (vLLM serialises ``collective_rpc``'s arguments with msgpack, which sends a
+    tensor argument as a raw buffer index that an untyped call cannot turn back into a tensor).
+    Tied weights stay tied; the engine's side loads it with ``weights_only=True``."""
+    buf = io.BytesIO()
+    torch.save({k: v.detach() for k, v in state_dict.items()}, buf)
+    return buf.getvalue()
+
+
+def state_mib(state_dict: dict[str, torch.Tensor]) -> float:
+    return sum(t.numel() * t.element_size() for t in state_dict.values()) / 2**20
+
+
+class _Failed(Exception):
+    """An engine call failed as an engine (dead or hung), not as a request: rebuild and retry."""
+
+    def __init__(self, failure: EngineFailure):
+        super().__init__(failure.detail)
+        self.failure = failure
+
+
 def filters_tokens(params: SamplingParams) -> bool:
     """Whether vLLM's processed log-probs differ from the contract's: sampling (T > 0) with
     top-k or top-p on (vLLM reports the truncated, renormalised distribution then)."""
@@ -179,7 +222,13 @@ class VLLMEngine(RolloutEngine):
 
     ``model``: the torch model holding the same weights as the policy (the trainer's rollout
     model). Only read to recompute log-probs when top-k/top-p is on, and to restore vLLM's
-    weights after a level-2 sleep nobody refreshed; without it those raise."""
+    weights after a level-2 sleep nobody refreshed; without it those raise.
+
+    ``own_process`` (``rollout.engine_own_process``): vLLM's engine core in a process of its own,
+    watched (``vllm_health``): a call that finds it dead, or that it does not answer within
+    ``timeout_s`` (``rollout.engine_timeout_s``; 0: derived from the work), has it killed,
+    rebuilt with the weights it held and the call repeated, at most ``max_restarts`` times a
+    call (module docstring, "Health"). :meth:`close` ends its processes."""
 
     owns_weights = True
 
@@ -188,7 +237,8 @@ class VLLMEngine(RolloutEngine):
                  free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int | None = None, cpu_kv_cache_gib: float = 0.5,
                  eos_token_id: int | None = None, max_num_seqs: int = 0,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, own_process: bool = False,
+                 timeout_s: float = 0.0, max_restarts: int = 2):
         self.eos_token_ids = resolve_stop_ids(eos_token_ids, eos_token_id)
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -226,6 +276,7 @@ class VLLMEngine(RolloutEngine):
             # outgrow one step's token budget (multi-turn rollouts' later turns) hits it.
             # Without chunked prefill a prompt is always prefilled in one step.
             kwargs["enable_chunked_prefill"] = False
+        self.own_process = own_process
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             # W > 1 trainer workers already form a torch.distributed group: each runs its own
@@ -237,7 +288,24 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
             os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank() if self.on_cpu
                                                     else torch.cuda.current_device()))
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the worker lives in this process
+            self.own_process = False  # vLLM's external launcher runs the engine in-process
+        self.timeout_s, self.max_restarts = timeout_s, max_restarts
+        self.restarts = self.timeouts = 0
+        self._weights: dict[str, torch.Tensor] | None = None  # what vLLM holds, if not the folder's
+        self._resync = False  # a rebuilt engine has the folder's weights: load _weights first
+        self._vllm, self._kwargs = vllm, kwargs
+        self.llm, self.procs = None, None
+        self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        """Build vLLM's ``LLM`` (:attr:`llm`) and, when it runs in processes of its own, take
+        their list (:attr:`procs`)."""
+        # own process: vLLM's V1 multiprocessing (EngineCore, and a Worker on CPU); else the
+        # worker lives in this process
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.own_process else "0"}
+        if self.own_process:  # its processes end when this one is gone (vllm_health)
+            env.update(trainer_env())
         if self.on_cpu:
             threads = torch.get_num_threads()
             # an explicit OMP_NUM_THREADS keeps vLLM from dropping torch to one thread; nobind
@@ -249,7 +317,7 @@ class VLLMEngine(RolloutEngine):
         set_num_threads = torch.set_num_threads
         os.environ.update(env)
         try:
-            self.llm = vllm.LLM(**kwargs)
+            self.llm = self._vllm.LLM(**self._kwargs)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -260,7 +328,11 @@ class VLLMEngine(RolloutEngine):
                 torch.set_num_threads = set_num_threads
             if self.on_cpu:
                 set_num_threads(threads)
-        self._vllm = vllm
+        self.procs = EngineProcesses.of(self.llm) if self.own_process else None
+        if self.own_process and self.procs is None:
+            log.warning("vllm engine: vLLM did not start its engine core in a process of its own; "
+                        "it is not watched (no deadline, no rebuilds)")
+        self._sleep_level = 0
 
     # ------------------------------------------------------------------ memory
     @property
@@ -301,7 +373,7 @@ class VLLMEngine(RolloutEngine):
                 raise RuntimeError(
                     "the vllm engine slept at level 2 (weights discarded) and no weights were "
                     "loaded since; call load_weights(state_dict) before generate")
-            self.load_weights(self.model.state_dict())  # wakes it
+            self._load(self._keep(self.model.state_dict()))  # wakes it
             return
         self.llm.wake_up()
         self._sleep_level = 0
@@ -310,11 +382,38 @@ class VLLMEngine(RolloutEngine):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy the policy's weights (Hugging Face names, any device/dtype) into vLLM, in place.
         Asleep: wake the weights only, load, then wake the KV cache; the prefix cache is
-        reset either way (its entries were computed by the old weights)."""
+        reset either way (its entries were computed by the old weights).
+
+        An engine in its own process keeps ``state_dict`` to load into a rebuilt engine
+        (:meth:`_keep`)."""
+        if not self.own_process:  # nothing to rebuild: nothing kept
+            self._load(state_dict)
+            return
+        self._keep(state_dict)
+        self._resync = True
+        self._call("load_weights")  # the resync is the load
+
+    def _keep(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state_dict`` on CPU, kept (own process) as the weights a rebuilt engine loads. A
+        CPU tensor is kept itself, not copied, so it must keep its values until the next load:
+        the trainer's do, every change to the weights it samples with being followed by a load
+        before the next ``generate``. A GPU tensor is copied to CPU, as its blob needs anyway.
+        In this process: ``state_dict`` as it is, not kept."""
+        if not self.own_process:
+            return state_dict
+        self._weights = {k: v.detach().cpu() for k, v in state_dict.items()}
+        return self._weights
+
+    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
         asleep = bool(self._sleep_level)
         if asleep:
             self.llm.wake_up(tags=["weights"])
-        missing = self.llm.collective_rpc("verl_load_weights", args=(list(state_dict.items()),))
+        if self.procs is not None:  # another process: the tensors travel as one blob
+            missing = self.llm.collective_rpc("verl_load_weights_blob",
+                                              args=(weights_blob(state_dict),))
+        else:  # this process: the tensors themselves, no copy
+            missing = self.llm.collective_rpc("verl_load_weights",
+                                              args=(list(state_dict.items()),))
         if asleep:
             self.llm.wake_up(tags=["kv_cache"])
         self._sleep_level = 0
@@ -328,8 +427,113 @@ class VLLMEngine(RolloutEngine):
 
     def weights_checksum(self) -> list[str]:
         """sha256 of the served weights, one per vLLM worker (tests compare them)."""
-        self.wake()
-        return self.llm.collective_rpc("verl_weights_checksum")
+        def checksum():
+            self.wake()
+            return self.llm.collective_rpc("verl_weights_checksum")
+
+        return self._call("weights_checksum", checksum, deadline_s(self.timeout_s))
+
+    # ------------------------------------------------------------------ health
+    def _call(self, what: str, fn=None, deadline: float = 0.0):
+        """``fn()`` (one call into the engine; None: none, only the weights brought up to date)
+        on a live engine with the weights it should hold.
+        In a process of its own the engine is watched: found dead before the call (liveness), or
+        dead or past ``deadline`` during it (``vllm_health.Watchdog``), it is killed, rebuilt
+        from the weights it held and the call made again, at most :attr:`max_restarts` times;
+        then :class:`~verl_core.errors.RolloutEngineError`. Any other exception is ``fn``'s own
+        (a bad request): raised as it is."""
+        if self._closed:
+            raise RuntimeError("the vllm engine was closed")
+        rebuilds = 0
+        while True:
+            why = "it is not running (its last rebuild failed)" if self.llm is None else \
+                self.procs.dead() if self.procs is not None else ""
+            failure = EngineFailure("dead", why) if why else None
+            if failure is None:
+                try:
+                    if self._resync:  # the weights it should hold, first
+                        self._resync = False
+                        self._guarded(lambda: self._load(self._weights),
+                                      deadline_s(self.timeout_s, mib=state_mib(self._weights)))
+                    return None if fn is None else self._guarded(fn, deadline)
+                except _Failed as e:
+                    failure = e.failure
+            if rebuilds >= self.max_restarts:
+                raise RolloutEngineError(
+                    f"the vllm rollout engine failed in {what} ({failure.kind}: "
+                    f"{failure.detail}) after {rebuilds} rebuild(s) in this call "
+                    f"(rollout.engine_max_restarts={self.max_restarts}). Its own log lines above "
+                    "say why it stopped (an out-of-memory kill shows in dmesg). To go on: give it "
+                    "less to hold (rollout.cpu_kv_cache_gib, rollout.gpu_memory_utilization, "
+                    "rollout.max_num_seqs), raise rollout.engine_timeout_s if it is slow rather "
+                    "than hung, or set rollout.engine=hf; the phase is retried as a transient "
+                    "failure, with a fresh engine") from None
+            rebuilds += 1
+            self._restart(what, failure, rebuilds)
+
+    def _guarded(self, fn, deadline: float):
+        """``fn()`` under a watchdog (own process); an engine failure becomes :class:`_Failed`."""
+        if self.procs is None:
+            return fn()
+        with Watchdog(self.llm, self.procs, deadline) as dog:
+            try:
+                return fn()
+            except Exception as e:
+                failure = dog.failure or failure_of(e)
+                if failure is None:
+                    raise
+                raise _Failed(failure) from e
+
+    def _restart(self, what: str, failure: EngineFailure, attempt: int) -> None:
+        """Tear the engine down (its processes killed and waited for, their shared memory
+        unlinked) and build it again; the next call loads the weights the old one held."""
+        t0 = time.perf_counter()
+        log.warning("vllm engine: %s failed (%s: %s); rebuilding it (%d of at most %d rebuilds "
+                    "in this call)", what, failure.kind, failure.detail, attempt,
+                    self.max_restarts)
+        self._teardown()
+        try:
+            self._start()
+        except Exception as e:
+            raise RolloutEngineError(f"the vllm rollout engine failed in {what} ({failure.kind}: "
+                                     f"{failure.detail}) and could not be rebuilt: {e}") from e
+        self._resync = self._weights is not None
+        self.restarts += 1
+        self.timeouts += failure.kind == "timeout"
+        log.warning("vllm engine: rebuilt in %.1f s (pids %s)", time.perf_counter() - t0,
+                    self.procs.pids if self.procs else "in-process")
+
+    def _teardown(self) -> None:
+        """Kill an engine in its own process (:meth:`EngineProcesses.kill`) and drop what is
+        left of vLLM's client (its sockets)."""
+        llm, procs = self.llm, self.procs
+        self.llm = self.procs = None
+        if procs is not None:
+            procs.kill()
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+        gc.collect()
+
+    def close(self) -> None:
+        """Shut an engine in its own process down as a failed one is (:meth:`_teardown`: it
+        holds nothing to save, and vLLM's own shutdown waits 5 s for the engine core to exit
+        before it kills it). The engine cannot be used after. An engine in this process is left
+        to the garbage collector, as it always was: vLLM's shutdown there also ends the workers'
+        torch.distributed group (W > 1)."""
+        if not self.own_process:
+            return
+        self._teardown()
+        self._closed = True
+
+    def signal_when_generating(self, sig: int):
+        """Send ``sig`` to the engine core process once the next ``generate`` has its first
+        tokens (VERL_FAULTS' ``engine_kill``/``engine_hang`` drills, the tests): a thread."""
+        if self.procs is None:
+            raise RuntimeError("the vllm engine runs in this process (rollout.engine_own_process"
+                               "=False, or W > 1): there is no engine process to signal")
+        return signal_when_generating(lambda: (self.llm, self.procs), sig)
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams, *, first_row: int = 0,
@@ -358,11 +562,17 @@ class VLLMEngine(RolloutEngine):
             max_tokens=limit, logprobs=0,  # 0: only the sampled token's
             seed=None if greedy else s, stop_token_ids=list(self.eos_token_ids),
             detokenize=False) for s, limit in zip(seeds, limits)]
-        self.wake()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
-                                 use_tqdm=False)
-        if self.free_cache_engine and not self._held:
-            self.sleep(level=1)
+
+        def run():  # once, or again on a rebuilt engine: the same requests, the same seeds
+            self.wake()
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                     sampling, use_tqdm=False)
+            if self.free_cache_engine and not self._held:
+                self.sleep(level=1)
+            return outs
+
+        tokens = sum(len(p) for p in prompts) + sum(limits)
+        outs = self._call("generate", run, deadline_s(self.timeout_s, tokens=tokens))
         token_ids, logprobs = [], []
         for o in outs:
             c = o.outputs[0]
@@ -402,11 +612,15 @@ def _make_vllm(model_path: str, pad_token_id: int, eos_token_ids=None,
                gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                free_cache_engine: bool = True, dtype: str = "bfloat16", seed: int = 0,
                max_model_len: int | None = None, cpu_kv_cache_gib: float = 0.5,
-               max_num_seqs: int = 0, enable_chunked_prefill: bool = True, **_):
+               max_num_seqs: int = 0, enable_chunked_prefill: bool = True,
+               engine_own_process: bool = False, engine_timeout_s: float = 0.0,
+               engine_max_restarts: int = 2, **_):
     return VLLMEngine(model_path, eos_token_ids=eos_token_ids, eos_token_id=eos_token_id,
                       pad_token_id=pad_token_id,
                       model=model, gpu_memory_utilization=gpu_memory_utilization,
                       enforce_eager=enforce_eager, free_cache_engine=free_cache_engine,
                       dtype=dtype, seed=seed, max_model_len=max_model_len,
                       cpu_kv_cache_gib=cpu_kv_cache_gib, max_num_seqs=max_num_seqs,
-                      enable_chunked_prefill=enable_chunked_prefill)
+                      enable_chunked_prefill=enable_chunked_prefill,
+                      own_process=engine_own_process, timeout_s=engine_timeout_s,
+                      max_restarts=engine_max_restarts)

@@ -6,7 +6,10 @@ this class to its worker's bases (the GPU worker, or the CPU worker of ``vllm-cp
 :meth:`WeightSyncExtension.verl_load_weights` on every worker, with ``self`` the worker
 (``self.model_runner``, ``self.vllm_config`` are vLLM's). This is how verl, OpenRLHF and TRL
 refresh vLLM's weights after an update (STACK_NOTES.md); reaching into the engine's internals
-instead breaks once the worker runs in another process.
+instead breaks once the worker runs in another process. A worker in another process (the
+engine core in a process of its own) gets the state dict as one ``torch.save`` blob
+(:meth:`WeightSyncExtension.verl_load_weights_blob`): vLLM's msgpack arguments carry no tensor
+an untyped call can rebuild.
 
 Two weight paths, chosen by what the served model's parameters are, not by platform name:
 
@@ -23,15 +26,22 @@ Two weight paths, chosen by what the served model's parameters are, not by platf
 The method names carry a ``verl_`` prefix because vLLM refuses an extension that defines a name
 its worker already has (vLLM's worker has its own ``update_weights`` and ``reload_weights``).
 vLLM is imported inside the methods only: the class runs inside vLLM's worker, where it is
-loaded already, and this module imports anywhere.
+loaded already, and this module imports anywhere. Importing it in an engine's own process (vLLM
+does, where the worker runs) starts ``vllm_health.follow_trainer``: that process ends when the
+trainer's does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 from typing import Iterable
 
 import torch
+
+from verl_core.rollout.vllm_health import follow_trainer
+
+follow_trainer()  # in an engine's own processes: end with the trainer's (vllm_health)
 
 
 def _in_place_loadable(model: torch.nn.Module) -> bool:
@@ -87,6 +97,12 @@ class WeightSyncExtension:
         if loaded is None:  # a model whose load_weights reports nothing: cannot check
             return []
         return sorted(expected - set(loaded))
+
+    def verl_load_weights_blob(self, blob: bytes) -> list[str]:
+        """:meth:`verl_load_weights` of a state dict sent as one ``torch.save`` blob
+        (``vllm.weights_blob``): how the weights reach a worker in another process."""
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        return self.verl_load_weights(state.items())
 
     @torch.no_grad()
     def verl_weights_checksum(self) -> str:

@@ -34,7 +34,9 @@ def test_a_hook_point_applies_its_own_fault_once_at_its_step(tmp_path, monkeypat
     assert faults.hook("reward_scored", 2)["kind"] == "nan_reward"
     assert faults.hook("reward_scored", 2) is None  # "times" defaults to 1
     assert faults.IN_CODE_PHASE == {"nan_reward": "reward", "nan_grad": "update",
-                                    "corrupt_object": "checkpoint"}
+                                    "corrupt_object": "checkpoint", "engine_kill": "rollout",
+                                    "engine_hang": "rollout"}
+
 
 
 def test_a_term_fault_sends_sigterm_once_and_the_warm_start_is_a_phase(tmp_path, monkeypatch):
