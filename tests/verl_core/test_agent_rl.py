@@ -298,7 +298,10 @@ def test_a_sigkill_in_the_middle_of_a_multi_turn_rollout_resumes_bit_identical(t
     conf.write_text(yaml.safe_dump({"tools": [{
         "class_name": f"{tmp_path / 'hanging.py'}:HangingCalculator",
         "tool_schema": CalculatorTool.SCHEMA}]}))
-    over = {**CALC, "rollout.tool_config_path": str(conf), "total_steps": 2,
+    # the warm start to 0.2 accuracy (CALC's 100 steps leave every group's rewards equal: the
+    # compared weights would not move)
+    over = {**CALC, "model.warmup_sft_steps": 400, "model.warmup_target_accuracy": 0.2,
+            "rollout.tool_config_path": str(conf), "total_steps": 2,
             "checkpoint.checkpoint_interval": 1, "val_before_train": False}
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))  # one warm start for all
 
@@ -306,6 +309,8 @@ def test_a_sigkill_in_the_middle_of_a_multi_turn_rollout_resumes_bit_identical(t
     ref = train(tiny_run(**over), str(tmp_path / "ref"), log=lambda *_: None)
     per_step = [round(h["tool_calls/mean"] * 32) for h in ref["history"]]  # 8 prompts x 4
     assert per_step[1] >= 1, per_step  # the second step's rollout calls the tool
+    assert any(h["rollout/zero_variance_frac"] < 1.0 for h in ref["history"]), \
+        "no step had a learning signal: equal weights would prove nothing"
 
     # 2. the same run; SIGKILL while a call of the second step's rollout runs (its first turn
     #    sampled; the phase log counts steps from 0)
