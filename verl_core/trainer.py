@@ -961,9 +961,13 @@ class RLTrainer:
         faults.engine_drill(self.engine, step)  # a VERL_FAULTS drill (engine_kill/_hang)
         extra, metrics, infos = {}, {}, [r.extra_info for r in rows]
         if rc.multi_turn:
-            out = self._generate_turns(self.train_prompt_ids[rows_idx],
-                                       self.train_prompt_mask[rows_idx], params,
-                                       list(range(len(rows))), rows, phase)
+            self.tool_host.fault_step = step  # where VERL_FAULTS' tool_call point fires
+            try:
+                out = self._generate_turns(self.train_prompt_ids[rows_idx],
+                                           self.train_prompt_mask[rows_idx], params,
+                                           list(range(len(rows))), rows, phase)
+            finally:
+                self.tool_host.fault_step = None
             extra = {"response_attention_mask": out.attention_mask,
                      "turns": out.stored_turns()}
             metrics.update(turn_metrics(out))

@@ -469,6 +469,9 @@ class ToolHost:
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.restarts = 0
+        self.fault_step: int | None = None
+        """The training rollout step these calls belong to, while one runs (its owner sets it):
+        where VERL_FAULTS' ``tool_call`` point fires (None: nowhere, e.g. an evaluation)."""
         self._proc = None
         self._conn = None
         self._running = None
@@ -558,6 +561,10 @@ class ToolHost:
                                  max_chars))
         except OSError:  # a broken pipe: the host is gone
             died = True
+        if self.fault_step is not None and any(r.op == "execute" for r in requests):
+            from verl_core.guard import faults  # a VERL_FAULTS drill: the calls are in flight
+
+            faults.maybe_inject("tool_call", self.fault_step)
         deadline = time.monotonic() + limit
         left = len(requests)
         while left and not died:

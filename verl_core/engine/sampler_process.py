@@ -79,6 +79,7 @@ class SamplerProcess:
 
 def _serve(conn, config_json: str, assets, shared: dict) -> None:
     from verl_core.config import RunConfig
+    from verl_core.guard import faults
     from verl_core.trainer import RLTrainer
 
     trainer = RLTrainer(RunConfig.from_dict(json.loads(config_json)), assets)
@@ -94,6 +95,7 @@ def _serve(conn, config_json: str, assets, shared: dict) -> None:
             if version != loaded:  # an engine with its own copy (vllm) takes the new weights
                 trainer.behaviour_changed()
                 loaded = version
+            faults.maybe_inject("sampler", step)  # a VERL_FAULTS drill (a kill ends this process)
             try:
                 conn.send(("ok", trainer.sample(step, idx)))
             except Exception as e:  # noqa: BLE001 - the worker samples again and reports

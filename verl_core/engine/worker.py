@@ -476,6 +476,7 @@ class RunWorker:
         def body():
             t0 = time.perf_counter()
             try:
+                faults.maybe_inject("background_rollout", step)  # a VERL_FAULTS drill
                 batch, metrics = sample(step, idx)
                 box["out"] = (batch, {**metrics, "rollout/prefetched": 1.0})
             except BaseException as e:  # noqa: BLE001 - reported where the rollout is taken

@@ -42,7 +42,14 @@ one worker), in the middle of its update (after the batch is read and, with
 optimizer steps), and ``warm_start``, whose ``step`` counts the warm start's own supervised
 steps done (prepare's warm start, ``verl_core/warmstart.py``, after each step and before its
 periodic save: a ``term`` there saves it at once, as a real SIGTERM does; nothing retries the
-warm start, so a raised fault fails the run, and the same command resumes it).
+warm start, so a raised fault fails the run, and the same command resumes it). Three more points
+lie inside a rollout, each firing in the process that runs it: ``tool_call`` once the tool calls of
+a turn of step ``step``'s training rollout are sent to the tool host and before their answers are
+read (a ``kill`` there ends the trainer while its calls run); ``background_rollout`` as the
+background rollout of step ``step`` (``rollout.max_staleness``) starts, in the worker's thread (a
+``kill`` ends the worker while the update before it runs); ``sampler`` as the sampler process
+(``rollout.async_mode=process``) starts sampling step ``step`` (a ``kill`` ends that process
+alone: the worker samples the step again in the foreground and starts a new one).
 
 Where they fire, all from here: a phase task calls :func:`maybe_inject` at its start (each worker
 of a group at ``update-rank<r>``, the warm start after each of its steps); the in-code kinds at the named points of :data:`HOOKS`
@@ -79,9 +86,9 @@ IN_CODE = tuple(kind for _, kind in HOOKS.values())
 
 
 PHASES = ("rollout", "reward", "advantage", "update", "checkpoint", "evaluate", "finalize",
-          "warm_start")
-"""The phases a fault can name: the tasks' and the warm start (plus ``update-rank<r>``, see the
-module docstring)."""
+          "warm_start", "tool_call", "background_rollout", "sampler")
+"""The phases a fault can name: the tasks', the warm start, and three points inside a rollout
+(plus ``update-rank<r>``, see the module docstring)."""
 IN_CODE_PHASE = {kind: phase for phase, kind in HOOKS.values()}
 """The one phase whose code applies each in-code kind: elsewhere it would never fire."""
 _KEYS = {"kind", "phase", "step", "times", "seconds"}

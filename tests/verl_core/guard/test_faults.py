@@ -55,3 +55,26 @@ def test_a_term_fault_sends_sigterm_once_and_the_warm_start_is_a_phase(tmp_path,
         assert got == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_the_points_inside_a_rollout_are_phases_and_a_tool_call_fault_fires_mid_call(
+        tmp_path, monkeypatch):
+    # tool_call, background_rollout and sampler are phases a fault may name (docs/resume.md's
+    # chains use them); tool_call fires in ToolHost once a training rollout's calls are sent
+    # (fault_step set), not in an evaluation's (None)
+    from verl_core.agent.tools import BUILTIN_CALCULATOR, Request, ToolHost, tool_entries
+
+    monkeypatch.setenv("VERL_FAULTS", '[{"kind": "permanent", "phase": "tool_call", "step": 3},'
+                       '{"kind": "kill", "phase": "background_rollout", "step": 1},'
+                       '{"kind": "kill", "phase": "sampler", "step": 1}]')
+    monkeypatch.setenv("VERL_FAULTS_DIR", str(tmp_path))
+    assert faults.check_faults() == 3
+    [entry] = tool_entries(BUILTIN_CALCULATOR)
+    with ToolHost([entry], timeout_s=60) as host:
+        calls = [Request("create", entry.name, "a", {}),
+                 Request("execute", entry.name, "a", {"parameters": {"expression": "2+3"}})]
+        assert host.run(calls)[1].status == "ok"  # no step: nothing fires
+        host.fault_step = 3
+        assert host.run(calls[:1])[0].status == "ok"  # a create alone: no tool call runs
+        with pytest.raises(faults.InjectedPermanentFault, match="tool_call of step 3"):
+            host.run(calls[1:])
