@@ -10,6 +10,7 @@ that never moved."""
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -36,6 +37,14 @@ TERM = ("term", "rollout", 1)
 # a preemption in the warm start, after its 10th step: saved at once, resumed from there
 WARM_TERM = ("term", "warm_start", 10)
 EXIT = {"kill": -signal.SIGKILL, "term": 128 + signal.SIGTERM}
+# inside a rollout: the trainer killed while step 0's tool calls run (its foreground rollout:
+# the first of a process), the sampler process killed as it starts the background rollout of
+# step 1 (the run goes on: step 1 is sampled again in the foreground, a new sampler started),
+# the trainer killed as the background rollout of step 2 starts (update 1 runs beside it)
+TOOL_CALL, SAMPLER = ("kill", "tool_call", 0), ("kill", "sampler", 1)
+BACKGROUND = ("kill", "background_rollout", 2)
+SURVIVED = {"sampler"}
+"""Fault phases whose ``kill`` ends a process of the run's own, not the run: no exit code."""
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +75,14 @@ def _chain(tmp_path, settings: dict, points, store: str = "") -> None:
     env = {**os.environ, "PYTHONPATH": REPO}
     if WARM_TERM in points:  # a cache of its own: the chain warm-starts, not reuses the reference's
         env["VERL_ASSET_CACHE"] = str(tmp_path / "assets")
-    codes = rerun_until_done(cmd, env, faults, tmp_path, tries=len(points) + 1)
+    ends = [p for p in points if p[1] not in SURVIVED]
+    codes = rerun_until_done(cmd, env, faults, tmp_path, tries=len(ends) + 1)
     last = open(tmp_path / f"run{len(codes) - 1}.out").read()[-3000:]
-    assert codes == [EXIT[k] for k, _, _ in points] + [0], (codes, last)
+    assert codes == [EXIT[k] for k, _, _ in ends] + [0], (codes, last)
+    for k, phase, step in points:  # each fault fired (counted in VERL_FAULTS_DIR as it did)
+        assert (tmp_path / "faults" / f"{phase}-{step}-{k}.attempts").exists(), (phase, last)
     if WARM_TERM in points:
-        after = open(tmp_path / f"run{points.index(WARM_TERM) + 1}.out").read()
+        after = open(tmp_path / f"run{ends.index(WARM_TERM) + 1}.out").read()
         assert "warm start: resuming from step 10" in after, after[-3000:]
     got = json.loads(summary.read_text())["final_model"]
     assert weights_sha(got) == weights_sha(straight["final_model"]), last
@@ -109,3 +121,52 @@ def test_s3_store_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
     _chain(tmp_path, BASE, [WARM_TERM, REWARD, TERM, ADVANTAGE, UPDATE, EVALUATE,
                             ("kill", "rollout", 2), FINALIZE],
            store=f"s3://{bucket}/runs")
+
+
+@pytest.mark.slow
+def test_inside_rollouts_off_policy_lora_multi_turn_s3_ends_as_uninterrupted(
+        asset_cache, moto_s3_readme, tmp_path):
+    # the fault points inside a rollout, in the modes that have them all at once: one-step
+    # off-policy with its background rollout in a sampler process, LoRA adapters, the calculator
+    # task (multi-turn: tool calls), the run store on S3; a tool call, the sampler process and
+    # the background rollout (TOOL_CALL, SAMPLER, BACKGROUND above). The warm start is the
+    # multi-turn chain's (the same key: LoRA and off-policy are RL settings)
+    _, bucket = moto_s3_readme
+    _chain(tmp_path, {**BASE, "data.synthetic_task": "calculator",
+                      "model.warmup_mixed_steps": 0, "model.lora_rank": 4,
+                      "model.lora_alpha": 8.0, "rollout.max_staleness": 1,
+                      "algorithm.rollout_is": "token", "rollout.async_mode": "process"},
+           [TOOL_CALL, SAMPLER, BACKGROUND], store=f"s3://{bucket}/inside")
+
+
+@pytest.mark.slow
+def test_multi_turn_warm_start_preempted_ends_as_an_undisturbed_one(tmp_path):
+    # the calculator's warm start (on call transcripts, its probe a multi-turn rollout with the
+    # tool) preempted after its 10th step and resumed: the warm-started model is the undisturbed
+    # one's, byte for byte (docs/resume.md's (d)). 40 steps, no accuracy target: the chains'
+    # 0.2 accuracy takes ~240 steps, twice (the preempted one has a cache of its own)
+    sets = {**TINY, "data.synthetic_task": "calculator", "model.warmup_mixed_steps": 0,
+            "model.warmup_sft_steps": 40, "model.warmup_target_accuracy": 1.0}
+
+    def cmd(name):
+        out = [sys.executable, "-m", "verl_core.train", "--steps", "1", "--store",
+               str(tmp_path / "runs"), "--run-name", name]
+        for k, v in sets.items():
+            out += ["--set", f"{k}={v}"]
+        return out
+
+    env = {**os.environ, "PYTHONPATH": REPO, "VERL_ASSET_CACHE": str(tmp_path / "cache")}
+    codes = rerun_until_done(cmd("chain"), env, [{"kind": "term", "phase": "warm_start",
+                                                 "step": 10}], tmp_path, tries=2)
+    assert codes == [EXIT["term"], 0], open(tmp_path / f"run{len(codes) - 1}.out").read()[-3000:]
+    assert "warm start: resuming from step 10" in open(tmp_path / "run1.out").read()
+    ref = subprocess.run(cmd("ref"), env={**env, "VERL_ASSET_CACHE": str(tmp_path / "cache-ref")},
+                         capture_output=True, text=True, timeout=900)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    assert "warm start: resuming" not in ref.stdout
+
+    def model_sha(name):  # the warm-started model in the run's asset index
+        [index] = (tmp_path / "runs" / name / "assets").glob("*.json")
+        return json.loads(index.read_text())["model"]["model.safetensors"]
+
+    assert model_sha("chain") == model_sha("ref")

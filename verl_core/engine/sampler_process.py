@@ -56,6 +56,7 @@ class SamplerProcess:
             self.conn.send(("sample", step, list(idx), version))
             kind, out = self.conn.recv()
         except (EOFError, OSError) as e:
+            self.proc.join(5)  # its pipe closes as it dies: the exit code follows at once
             raise SamplerError(f"the sampler process died (exit code {self.proc.exitcode}) "
                                f"sampling step {step}") from e
         if kind == "error":
