@@ -24,7 +24,7 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 import verl_core
-from verl_core import phases, runlog
+from verl_core import interrupt, phases, runlog
 from verl_core.types import PhaseOut, RunSpec, StepState
 from verl_core.guard.events import event_line
 from verl_core.train import format_step
@@ -137,7 +137,10 @@ class _RayTask(RayFunctionTask):
     (psutil; BENCHMARKS.md "Small costs"), three times per RL step, only to return at once
     because this process is connected already. Locally, when Ray is initialised, that call is
     a no-op and is skipped; the first Ray task of a local run and every task on a cluster run
-    the plugin's own ``pre_execute``."""
+    the plugin's own ``pre_execute``. Locally that first ``ray.init`` (a re-run whose prepare
+    was a cache hit starts Ray here, not in prepare) puts Ray's SIGTERM handler (``sys.exit``)
+    in place of the interrupt's, so the handlers are installed again after it, as prepare does
+    after its own start of Ray."""
 
     def pre_execute(self, user_params: ExecutionParameters) -> ExecutionParameters:
         if FlyteContextManager.current_context().execution_state.is_local_execution():
@@ -145,6 +148,9 @@ class _RayTask(RayFunctionTask):
 
             if ray.is_initialized():
                 return user_params
+            params = super().pre_execute(user_params)
+            interrupt.install()
+            return params
         return super().pre_execute(user_params)
 
 

@@ -38,18 +38,20 @@ def weights_sha(final: str) -> str:
     return h.hexdigest()
 
 
-def rerun_until_done(cmd: list[str], env: dict, faults: list[dict], logs, tries: int) -> list[int]:
-    """Run ``cmd`` with the faults ``faults`` declared (VERL_FAULTS; each fires once, counted in
-    ``logs/faults``) until it exits 0 or ``tries`` runs ended: the exit code of each run. Output
-    goes to files in ``logs`` (a pipe would hang on a child the kill orphaned), and what a killed
-    run left of its process group (a tool host, a sampler process) is killed after it."""
+def rerun_until_done(cmd: list[str], env: dict, faults: list[dict], logs, tries: int,
+                     cwd=None) -> list[int]:
+    """Run ``cmd`` (in ``cwd``, when given) with the faults ``faults`` declared (VERL_FAULTS;
+    each fires once, counted in ``logs/faults``) until it exits 0 or ``tries`` runs ended: the
+    exit code of each run. Output goes to files in ``logs`` (a pipe would hang on a child the
+    kill orphaned), and what a killed run left of its process group (a tool host, a sampler
+    process, a local Ray instance) is killed after it."""
     import json
 
     env = {**env, "VERL_FAULTS": json.dumps(faults), "VERL_FAULTS_DIR": str(logs / "faults")}
     codes = []
     for i in range(tries):
         with open(logs / f"run{i}.out", "w") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             codes.append(proc.wait(timeout=900))
         try:
