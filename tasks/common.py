@@ -137,10 +137,12 @@ class _RayTask(RayFunctionTask):
     (psutil; BENCHMARKS.md "Small costs"), three times per RL step, only to return at once
     because this process is connected already. Locally, when Ray is initialised, that call is
     a no-op and is skipped; the first Ray task of a local run and every task on a cluster run
-    the plugin's own ``pre_execute``. Locally that first ``ray.init`` (a re-run whose prepare
-    was a cache hit starts Ray here, not in prepare) puts Ray's SIGTERM handler (``sys.exit``)
-    in place of the interrupt's, so the handlers are installed again after it, as prepare does
-    after its own start of Ray."""
+    the plugin's own ``pre_execute``. Locally that first Ray task (a re-run whose prepare was a
+    cache hit starts Ray here, not in prepare) starts the lean local instance prepare would have
+    (:func:`~verl_core.engine.workers.start_local_ray`: the plugin's own ``ray.init`` adds a
+    dashboard, its agents and their subprocesses, seconds of CPU on every re-run), and its
+    ``ray.init`` puts Ray's SIGTERM handler (``sys.exit``) in place of the interrupt's, so the
+    handlers are installed again after it, as prepare does after its own start of Ray."""
 
     def pre_execute(self, user_params: ExecutionParameters) -> ExecutionParameters:
         if FlyteContextManager.current_context().execution_state.is_local_execution():
@@ -148,6 +150,9 @@ class _RayTask(RayFunctionTask):
 
             if ray.is_initialized():
                 return user_params
+            from verl_core.engine import workers
+
+            workers.start_local_ray()  # lean, as prepare starts it: the plugin's init reuses it
             params = super().pre_execute(user_params)
             interrupt.install()
             return params

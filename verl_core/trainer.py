@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
 import random
@@ -961,13 +962,14 @@ class RLTrainer:
         faults.engine_drill(self.engine, step)  # a VERL_FAULTS drill (engine_kill/_hang)
         extra, metrics, infos = {}, {}, [r.extra_info for r in rows]
         if rc.multi_turn:
-            self.tool_host.fault_step = step  # where VERL_FAULTS' tool_call point fires
+            # VERL_FAULTS' tool_call point: in this step's calls, once sent (a no-op without it)
+            self.tool_host.on_calls_sent = functools.partial(faults.maybe_inject, "tool_call", step)
             try:
                 out = self._generate_turns(self.train_prompt_ids[rows_idx],
                                            self.train_prompt_mask[rows_idx], params,
                                            list(range(len(rows))), rows, phase)
             finally:
-                self.tool_host.fault_step = None
+                self.tool_host.on_calls_sent = None
             extra = {"response_attention_mask": out.attention_mask,
                      "turns": out.stored_turns()}
             metrics.update(turn_metrics(out))

@@ -1,33 +1,26 @@
 """Multi-turn RL with tool calls end to end (issue 25), on the calculator task: the tiny model,
 warm-started briefly on call transcripts, its real multi-turn rollouts through the real tool
-host, the trainer's forward, the store, the plain loop and SIGKILL. Nothing is mocked: what the
+host, the trainer's forward and the store (the plain loop SIGKILLed in a tool call:
+test_resume_table.py's multi-turn chain). Nothing is mocked: what the
 model samples is whatever it samples, and the checks hold for any sample (every row's spans are
 checked against the chat template's ids of the observations the batch stores)."""
 import dataclasses
-import hashlib
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
 
-from tests.crash import kill_at_marker
 from tests.gloo_workers import finish, run_gloo_workers
 from tests.presets import TINY, tiny_run
 from verl_core.agent.tools import ToolConfigError
 from verl_core.agent.turns import observation_ids
 from verl_core.data.batch import batch_from_parquet_bytes, batch_to_parquet_bytes
-from verl_core.runlog import read_phase_log
 from verl_core.store import sha256_hex
-from verl_core.train import train
 from verl_core.trainer import RLTrainer, prepare_assets
 from verl_core.training.dist import init_process_group
 from verl_core.training.forward import batched_logprobs
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 # the calculator task at the tiny run's sizes; 100 warm-start steps on 64 transcripts that all
 # call the tool teach the call's format (the model then calls in most rows, sampled or greedy)
@@ -263,76 +256,3 @@ def test_on_vllm_two_workers_roll_out_the_batch_of_one(calc, rolled_vllm, tmp_pa
     cfg, trainer, batch, metrics = rolled_vllm
     _assert_two_workers_roll_out_the_batch_of_one(cfg, calc[1], trainer, batch, metrics,
                                                   tmp_path)
-
-
-# ------------------------------------------------------------------ SIGKILL mid-rollout
-# the calculator, hanging (after writing a marker) at the call after HANG_AFTER of them
-HANGING = """
-import asyncio, os
-from verl_core.agent.tools import CalculatorTool
-
-
-class HangingCalculator(CalculatorTool):
-    calls = 0
-
-    async def execute(self, instance_id, parameters, **kwargs):
-        HangingCalculator.calls += 1
-        after = os.environ.get("HANG_AFTER")
-        if after and HangingCalculator.calls > int(after):
-            open(os.environ["HANG_MARKER"], "w").close()
-            await asyncio.sleep(3600)
-        return await super().execute(instance_id, parameters, **kwargs)
-"""
-
-
-def _sha256(model_folder: str) -> str:
-    with open(os.path.join(model_folder, "model.safetensors"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def test_a_sigkill_in_the_middle_of_a_multi_turn_rollout_resumes_bit_identical(tmp_path,
-                                                                               monkeypatch):
-    (tmp_path / "hanging.py").write_text(HANGING)
-    conf = tmp_path / "tools.yaml"
-    from verl_core.agent.tools import CalculatorTool
-    conf.write_text(yaml.safe_dump({"tools": [{
-        "class_name": f"{tmp_path / 'hanging.py'}:HangingCalculator",
-        "tool_schema": CalculatorTool.SCHEMA}]}))
-    # the warm start to 0.2 accuracy (CALC's 100 steps leave every group's rewards equal: the
-    # compared weights would not move)
-    over = {**CALC, "model.warmup_sft_steps": 400, "model.warmup_target_accuracy": 0.2,
-            "rollout.tool_config_path": str(conf), "total_steps": 2,
-            "checkpoint.checkpoint_interval": 1, "val_before_train": False}
-    monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))  # one warm start for all
-
-    # 1. undisturbed
-    ref = train(tiny_run(**over), str(tmp_path / "ref"), log=lambda *_: None)
-    per_step = [round(h["tool_calls/mean"] * 32) for h in ref["history"]]  # 8 prompts x 4
-    assert per_step[1] >= 1, per_step  # the second step's rollout calls the tool
-    assert any(h["rollout/zero_variance_frac"] < 1.0 for h in ref["history"]), \
-        "no step had a learning signal: equal weights would prove nothing"
-
-    # 2. the same run; SIGKILL while a call of the second step's rollout runs (its first turn
-    #    sampled; the phase log counts steps from 0)
-    work, marker = tmp_path / "work", tmp_path / "hung"
-    cmd = [sys.executable, "-m", "verl_core.train", "--workdir", str(work)]
-    for k, v in over.items():
-        cmd += ["--set", f"{k}={v}"]
-    env = {**os.environ, "PYTHONPATH": REPO}
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True,
-                            env={**env, "HANG_AFTER": str(per_step[0]), "HANG_MARKER": str(marker)})
-    kill_at_marker(proc, marker, "the second step's tool calls")  # the trainer, its tool host
-    before = [(r["phase"], r["step"]) for r in read_phase_log(str(work))]
-    assert ("update", 0) in before and ("rollout", 1) not in before
-
-    # 3. the same command again: resumes at the second step's rollout, ends with the undisturbed weights
-    done = subprocess.run(cmd + ["--summary-json", str(tmp_path / "s.json")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "resuming from the checkpoint of step" in done.stdout
-    got = json.loads((tmp_path / "s.json").read_text())
-    assert _sha256(got["final_model"]) == _sha256(ref["final_model"])
-    first = got["history"][0]["step"]
-    for key in ("tool_calls/mean", "num_turns/mean", "reward/mean"):  # the same rollouts
-        assert [h[key] for h in got["history"]] == [h[key] for h in ref["history"][first - 1:]]

@@ -107,9 +107,11 @@ def test_lora_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(asse
 def test_multi_turn_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
         asset_cache, tmp_path):
     # the calculator task (its tool config built in): the warm start on call transcripts stops
-    # at 0.2 accuracy (about 240 steps), where groups' rewards differ (100 steps: all equal)
+    # at 0.2 accuracy (about 240 steps), where groups' rewards differ (100 steps: all equal).
+    # Killed in a tool call of step 0 first, and as the rollout of step 2 starts
     _chain(tmp_path, {**BASE, "data.synthetic_task": "calculator", "model.warmup_mixed_steps": 0},
-           [REWARD, TERM, ADVANTAGE, UPDATE, CHECKPOINT, EVALUATE, FINALIZE])
+           [TOOL_CALL, REWARD, TERM, ADVANTAGE, UPDATE, CHECKPOINT, EVALUATE,
+            ("kill", "rollout", 2), FINALIZE])
 
 
 @pytest.mark.slow

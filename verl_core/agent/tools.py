@@ -47,7 +47,7 @@ import traceback
 import types
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable
 
 from verl_core.agent.turns import valid_text
 from verl_core.errors import PermanentError
@@ -469,9 +469,10 @@ class ToolHost:
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.restarts = 0
-        self.fault_step: int | None = None
-        """The training rollout step these calls belong to, while one runs (its owner sets it):
-        where VERL_FAULTS' ``tool_call`` point fires (None: nowhere, e.g. an evaluation)."""
+        self.on_calls_sent: Callable[[], None] | None = None
+        """Called once a batch holding ``execute`` calls is sent, before any answer is read (its
+        owner sets it for a training rollout: VERL_FAULTS' ``tool_call`` drill, which this layer
+        does not import)."""
         self._proc = None
         self._conn = None
         self._running = None
@@ -561,10 +562,8 @@ class ToolHost:
                                  max_chars))
         except OSError:  # a broken pipe: the host is gone
             died = True
-        if self.fault_step is not None and any(r.op == "execute" for r in requests):
-            from verl_core.guard import faults  # a VERL_FAULTS drill: the calls are in flight
-
-            faults.maybe_inject("tool_call", self.fault_step)
+        if self.on_calls_sent is not None and any(r.op == "execute" for r in requests):
+            self.on_calls_sent()  # the calls are in flight
         deadline = time.monotonic() + limit
         left = len(requests)
         while left and not died:

@@ -1,5 +1,6 @@
 """guard/faults.py's store outage reaches the run store through the store's own check list
 (``store.before_io``): the store imports nothing above it, and the drill still fails every call."""
+import functools
 import time
 
 import pytest
@@ -60,8 +61,8 @@ def test_a_term_fault_sends_sigterm_once_and_the_warm_start_is_a_phase(tmp_path,
 def test_the_points_inside_a_rollout_are_phases_and_a_tool_call_fault_fires_mid_call(
         tmp_path, monkeypatch):
     # tool_call, background_rollout and sampler are phases a fault may name (docs/resume.md's
-    # chains use them); tool_call fires in ToolHost once a training rollout's calls are sent
-    # (fault_step set), not in an evaluation's (None)
+    # chains use them); tool_call fires through ToolHost's on_calls_sent (the trainer sets it
+    # for a training rollout's calls), once the calls are sent, not for a create alone
     from verl_core.agent.tools import BUILTIN_CALCULATOR, Request, ToolHost, tool_entries
 
     monkeypatch.setenv("VERL_FAULTS", '[{"kind": "permanent", "phase": "tool_call", "step": 3},'
@@ -74,7 +75,7 @@ def test_the_points_inside_a_rollout_are_phases_and_a_tool_call_fault_fires_mid_
         calls = [Request("create", entry.name, "a", {}),
                  Request("execute", entry.name, "a", {"parameters": {"expression": "2+3"}})]
         assert host.run(calls)[1].status == "ok"  # no step: nothing fires
-        host.fault_step = 3
+        host.on_calls_sent = functools.partial(faults.maybe_inject, "tool_call", 3)
         assert host.run(calls[:1])[0].status == "ok"  # a create alone: no tool call runs
         with pytest.raises(faults.InjectedPermanentFault, match="tool_call of step 3"):
             host.run(calls[1:])
