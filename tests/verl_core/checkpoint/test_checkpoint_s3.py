@@ -153,13 +153,16 @@ def test_s3_without_credentials_is_a_permanent_error_naming_the_fix(moto_s3, mon
 
 
 def test_store_deadline_bounds_a_frozen_server(moto_server_factory):
-    # client timeouts far longer than the store's deadline: the deadline is what ends the call
+    # client timeouts far longer than the store's deadline: the deadline is what ends the call.
+    # The store opens and writes under the default deadline (a loaded machine's first requests
+    # to a fresh moto_server once took over 2 s), then the 2 s deadline meets the frozen server
     server = moto_server_factory()
     bucket = server.create_bucket()
     opts = server.storage_options(connect_timeout=60, read_timeout=60,
                                   retries={"max_attempts": 1, "mode": "standard"})
-    store = RunStore(f"s3://{bucket}/run", opts, op_timeout_s=2)
+    store = RunStore(f"s3://{bucket}/run", opts)
     store.put_bytes(b"before")
+    store.op_timeout_s = 2
     server.pause()
     try:
         t0 = time.monotonic()
@@ -168,6 +171,7 @@ def test_store_deadline_bounds_a_frozen_server(moto_server_factory):
         assert time.monotonic() - t0 < 10
     finally:
         server.resume()
+    store.op_timeout_s = 60
     assert store.get_bytes(store.put_bytes(b"after")) == b"after"
 
 
