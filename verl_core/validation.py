@@ -19,15 +19,18 @@ Suites, cumulative per stage (a stored batch of stage s passes every check of th
 
 A list column (one value per token) is checked through a per-row column derived from it
 (``response_logprobs_nonfinite``: how many of the row's values are not finite), because
-expectations are per row. Each check runs in two passes, both Great Expectations: an aggregate
-expectation per column (``expect_column_max_to_be_between``: one metric) decides; only a column
-that fails it is checked row by row (``expect_column_values_to_be_between``, which names the
-offending rows, about twice the cost): a passing batch pays only for the aggregates. GX's cost is
-per check whatever the row count (its own per-expectation bookkeeping), so
-``validation.sample_rows`` helps only large batches (BENCHMARKS.md "Data validation").
+expectations are per row. A suite whose checks all pass on their column aggregates (max, min,
+the columns present, the row count), computed in pandas, is reported without GX
+(:func:`_passing`: the outcomes GX gives, tested equal): GX's import alone costs ~3.7 s of CPU in
+every process, and every resumed run, pyflyte task and Ray worker is a new process. Anything else
+runs in two passes, both Great Expectations: an aggregate expectation per column
+(``expect_column_max_to_be_between``: one metric) decides; only a column that fails it is checked
+row by row (``expect_column_values_to_be_between``, which names the offending rows, about twice
+the cost). GX's cost is per check whatever the row count (its own per-expectation bookkeeping),
+so ``validation.sample_rows`` helps only large batches (BENCHMARKS.md "Data validation").
 
-GX is imported on first use only (the import takes seconds) and its ephemeral context, pandas
-data source and batch definition are made once per process (:func:`_gx`).
+GX is imported on first use only and its ephemeral context, pandas data source and batch
+definition are made once per process (:func:`_gx`).
 """
 
 from __future__ import annotations
@@ -225,9 +228,67 @@ def _validate(frame: pd.DataFrame, suite, result_format: dict):
     return batch.validate(suite, result_format=result_format)
 
 
+_MAX, _MIN = "expect_column_max_to_be_between", "expect_column_min_to_be_between"
+
+
+def _passing(frame: pd.DataFrame, checks: tuple[_Check, ...]
+             ) -> tuple[ExpectationOutcome, ...] | None:
+    """The outcomes GX's aggregate pass gives ``checks`` when every one of them holds, computed
+    with pandas; None when any fails or cannot be judged this way (an empty frame, a missing
+    or non-numeric column, a NaN), and GX decides.
+
+    Written by hand, beside GX, for the passing case only, because GX's import costs ~3.7 s of
+    CPU in every process (a run resumed in a new process, each pyflyte task, each Ray worker
+    pays it again) and its per-expectation bookkeeping ~2.5 ms a check (BENCHMARKS.md "Data
+    validation"), against ~0.1 ms here. Every failure, and every report naming offending rows,
+    is still GX's (:func:`_run`); ``tests/verl_core/test_validation.py`` checks that both give
+    the same outcomes on passing frames."""
+    if frame.empty:
+        return None
+    outcomes = []
+    for c in checks:
+        if c.columns:
+            if not set(c.columns) <= set(frame.columns):
+                return None
+            outcomes.append(ExpectationOutcome("expect_table_columns_to_match_set", c.column,
+                                               c.checked, c.description, True,
+                                               str(sorted(frame.columns))))
+            continue
+        if c.min_rows:
+            if len(frame) < c.min_rows:
+                return None
+            outcomes.append(ExpectationOutcome("expect_table_row_count_to_be_between",
+                                               c.column, c.checked, c.description, True,
+                                               str(len(frame))))
+            continue
+        values = frame.get(c.checked)
+        if values is None or values.dtype.kind not in "iuf" or values.isna().any():
+            return None
+        kinds, observed = [], []
+        for kind, bound, agg in ((_MAX, c.max_value, values.max), (_MIN, c.min_value, values.min)):
+            if bound is None:
+                continue
+            v = agg()
+            if not (v <= bound if kind == _MAX else v >= bound):
+                return None
+            kinds.append(kind)
+            observed.append(str(v))
+        outcomes.append(ExpectationOutcome(", ".join(kinds), c.column, c.checked, c.description,
+                                           True, "; ".join(observed)))
+    return tuple(outcomes)
+
+
 def _run(frame: pd.DataFrame, checks: tuple[_Check, ...], describe: Callable[[str, int], str]
          ) -> tuple[ExpectationOutcome, ...]:
-    """Run ``checks`` on ``frame`` (aggregates first, row level only for what failed)."""
+    """Run ``checks`` on ``frame``: all passing by their aggregates in pandas (:func:`_passing`),
+    or else GX: aggregates first, row level only for what failed."""
+    passing = _passing(frame, checks)
+    return passing if passing is not None else _judge(frame, checks, describe)
+
+
+def _judge(frame: pd.DataFrame, checks: tuple[_Check, ...], describe: Callable[[str, int], str]
+           ) -> tuple[ExpectationOutcome, ...]:
+    """``checks`` on ``frame`` in GX: aggregates first, row level only for what failed."""
     suite = _suites(checks)
     result = _validate(frame, suite, {"result_format": "BASIC", "partial_unexpected_count": 0})
     by_key = {}
