@@ -4,7 +4,9 @@ One process: GX's first use (import + ephemeral context, once per process) is ti
 the default configuration's model and data are prepared and real steps are run with validation
 off (their median wall time is the step time). After each step, each stage's suite runs on that
 step's real batches (the first time: the suite is built), for every row and for row samples, and
-with the report written to a local run store; medians over the steps after the first. The large
+with the report written to a local run store, and for every row with GX deciding every check (the
+pandas pre-pass for passing batches turned off: the cost before it); medians over the steps after
+the first. The large
 configuration (B=768 x G=8, the orchestration bench's) gets the same with its own step time. The
 verdict applies the issue's rule: validate a sample when the full batch costs > 2% of a step.
 
@@ -56,13 +58,26 @@ def _median_s(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def _gx_only(batch, stage: str, cfg):
+    """``validate_batch`` with every check decided by GX: the pandas pre-pass for passing
+    batches (``validation._passing``) turned off, as before it existed."""
+    passing = validation._passing
+    validation._passing = lambda *_: None
+    try:
+        return validation.validate_batch(batch, stage, cfg)
+    finally:
+        validation._passing = passing
+
+
 def bench(name: str, assets, steps: int, repeat: int, work: str) -> dict:
     """Real steps with validation off, each followed by the validations of its three batches
     (interleaved, so a busy machine slows both alike); medians over the steps after the first."""
     base = {"model.path": assets.model_path, "data.train_files": assets.train_files[0],
             "data.val_files": assets.val_files[0], "total_steps": steps}
     off = with_overrides(grpo_preset(), {**CONFIGS[name], **base, "validation.mode": "off"})
-    on = with_overrides(off, {"validation.mode": "fail", "validation.sample_rows": 0})
+    # every_steps=1: every step's batches are validated (the default, 25, skips steps 1-24)
+    on = with_overrides(off, {"validation.mode": "fail", "validation.sample_rows": 0,
+                              "validation.every_steps": 1})
     store = RunStore(os.path.join(work, f"store-{name}"))
     h = on.trajectory_hash()
     rows = off.data.train_batch_size * off.rollout.n
@@ -70,7 +85,7 @@ def bench(name: str, assets, steps: int, repeat: int, work: str) -> dict:
                if k < rows]
     cfgs = {k: with_overrides(on, {"validation.sample_rows": k}) for k in samples}
     step_times, first, n_expect = [], {}, {}
-    cost = {(stage, k): [] for stage in STAGES for k in [*samples, "store"]}
+    cost = {(stage, k): [] for stage in STAGES for k in [*samples, "store", "gx"]}
     trainer = RLTrainer(off, assets)
     try:
         for step in range(steps):
@@ -90,6 +105,7 @@ def bench(name: str, assets, steps: int, repeat: int, work: str) -> dict:
                 for k in samples:
                     cost[stage, k].append(_median_s(
                         lambda: validation.validate_batch(b, stage, cfgs[k]), repeat))
+                cost[stage, "gx"].append(_median_s(lambda: _gx_only(b, stage, on), repeat))
                 cost[stage, "store"].append(_median_s(
                     lambda: validation.validate_and_record(store, h, step, stage, b, on), repeat))
     finally:
@@ -99,7 +115,8 @@ def bench(name: str, assets, steps: int, repeat: int, work: str) -> dict:
     return {"name": name, "rows": rows, "step_s": statistics.median(step_times[steady]),
             "stages": {s: {"expectations": n_expect[s], "first_s": first[s],
                            "by_sample": {k: med[s, k] for k in samples},
-                           "recorded_s": med[s, "store"]} for s in STAGES}}
+                           "recorded_s": med[s, "store"], "gx_s": med[s, "gx"]}
+                       for s in STAGES}}
 
 
 def report(r: dict) -> None:
@@ -108,14 +125,16 @@ def report(r: dict) -> None:
           f"(median, validation off)\n")
     samples = list(r["stages"]["rollout"]["by_sample"])  # 0 (all rows) first, then smaller
     head = " | ".join("all rows" if k == 0 else f"{k} rows" for k in samples)
-    print(f"| stage | expectations | first call ms | {head} | all rows + store doc |")
-    print("|---|---:|---:|" + "---:|" * len(samples) + "---:|")
+    print(f"| stage | expectations | first call ms | {head} | all rows + store doc | "
+          "all rows, GX only | x GX only |")
+    print("|---|---:|---:|" + "---:|" * len(samples) + "---:|---:|---:|")
     totals = {k: 0.0 for k in samples}
     total_rec = 0.0
     for stage, s in r["stages"].items():
         cells = " | ".join(f"{s['by_sample'][k] * 1000:.1f}" for k in samples)
         print(f"| {stage} | {s['expectations']} | {s['first_s'] * 1000:.1f} | {cells} | "
-              f"{s['recorded_s'] * 1000:.1f} |")
+              f"{s['recorded_s'] * 1000:.1f} | {s['gx_s'] * 1000:.1f} | "
+              f"{s['by_sample'][0] / s['gx_s']:.3f} |")
         for k in samples:
             totals[k] += s["by_sample"][k]
         total_rec += s["recorded_s"]
