@@ -247,13 +247,15 @@ def run_phase(spec: RunSpec, phase: str, step: int, body: Callable[..., T], *arg
     recoverable exception, so a cluster retries only this phase), else as itself. Permanent
     faults propagate unchanged: they fail fast."""
     t0 = time.time()
-    timeout = spec.config.guard.phase_timeout_s
     what = f"{phase} of step {step}"
     interrupt.status(where=f"the {what}", kept="every finished phase and checkpoint",
                      store=spec.store)
     beat()  # a phase started (the probe fails if none starts or ends for too long)
     for attempt in range(1, ATTEMPTS + 1):
         t = time.perf_counter()
+        # phase_timeout_s, plus restore_timeout_s while the run's worker is new (a retry after a
+        # hang gets a new one: it restores again)
+        timeout = WORKERS.deadline_s(spec)
         try:
             try:
                 with deadline(timeout, what):

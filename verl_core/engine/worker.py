@@ -320,6 +320,7 @@ class RunWorker:
                         self._lineage(step - 1))
             self._live_valid = False
         self._drop_prefetch()  # the state changes: a background rollout of it is void
+        faults.maybe_inject("restore", step)  # a VERL_FAULTS drill
         # Going forward, a checkpoint past the in-memory state saves replaying up to it.
         ahead = (self._live_valid and step > self.step
                  and self._load_checkpoint(max_step=step, min_step=self.step))

@@ -44,7 +44,8 @@ def deadline(seconds: float, what: str):
     their own timeout as well (:func:`call`). Signals only reach the main thread: elsewhere the
     block runs without this deadline (the worker calls inside keep theirs)."""
     return alarm(seconds, lambda: PhaseTimeoutError(
-        f"{what} passed its deadline of {seconds:.0f}s (guard.phase_timeout_s): a hang"))
+        f"{what} passed its deadline of {seconds:.0f}s (guard.phase_timeout_s, and "
+        "guard.restore_timeout_s for a new worker's first phase): a hang"))
 
 
 def runs_on_this_host() -> bool:
@@ -103,8 +104,9 @@ def call(worker, method: str, *args, timeout_s: float | None = None):
     except ray.exceptions.GetTimeoutError as e:
         ray.kill(worker)  # a hung actor would run the retry after the hung call: replace it
         raise PhaseTimeoutError(f"{method} on the run's worker did not answer within "
-                                f"{timeout_s:.0f}s (guard.phase_timeout_s); the worker was "
-                                "killed") from e
+                                f"{timeout_s:.0f}s (guard.phase_timeout_s, and "
+                                "guard.restore_timeout_s for a new worker's first phase); the "
+                                "worker was killed") from e
 
 
 def _kill_actor(worker) -> None:
@@ -123,6 +125,22 @@ class Workers:
     def __init__(self) -> None:
         self._handles: dict[tuple, object] = {}
         self._fenced: dict[tuple, tuple] = {}  # key -> (worker, fence) last handed to it
+        self._restored: set[tuple] = set()  # keys whose worker has answered a phase call
+
+    def deadline_s(self, spec: RunSpec) -> float:
+        """A phase's deadline on the run's worker: ``guard.phase_timeout_s``, plus
+        ``guard.restore_timeout_s`` until the worker this process holds has answered a phase
+        call. A new worker's first phase (the first of a launch, of a task's pod, after a hung or
+        lost worker was replaced) also restores the state it starts from: its start-up, a
+        checkpoint read, the updates since replayed. Counted against a phase's deadline, a
+        restore longer than it would be a hang every time, and the run could never resume."""
+        g = spec.config.guard
+        restored = spec.key in self._restored and spec.key in self._handles
+        return g.phase_timeout_s + (0.0 if restored else g.restore_timeout_s)
+
+    def answered(self, spec: RunSpec) -> None:
+        """The run's worker answered a phase call: its state is restored."""
+        self._restored.add(spec.key)
 
     def handle(self, spec: RunSpec):
         """The run's worker, created on first use. With ``cluster.mode=attached`` the run's
@@ -163,6 +181,7 @@ class Workers:
 
     def drop(self, spec: RunSpec):
         """Forget the run's worker (it is gone, or being replaced); returns it (or None)."""
+        self._restored.discard(spec.key)
         return self._handles.pop(spec.key, None)
 
     def hand_fence(self, spec: RunSpec, worker) -> None:
@@ -172,13 +191,14 @@ class Workers:
         sent = self._fenced.get(spec.key)
         if sent is not None and sent[0] is worker and sent[1] == fence:
             return
-        call(worker, "set_fence", fence, timeout_s=spec.config.guard.phase_timeout_s)
+        call(worker, "set_fence", fence, timeout_s=self.deadline_s(spec))  # a new actor starts
         self._fenced[spec.key] = (worker, fence)
 
     def forget(self, spec: RunSpec) -> None:
         """Drop (and kill, if it is a Ray actor) the run's worker: after a hang its state and
         its queue are unknown; the next call starts a fresh one that rebuilds from the store."""
         w = self._handles.get(spec.key)
+        self._restored.discard(spec.key)  # its replacement, or its rebuilt state, restores again
         if isinstance(w, RunWorker):
             w._live_valid = False  # in-process: interrupted mid-change, so rebuild the state
             return
@@ -198,6 +218,7 @@ class Workers:
     def release(self, spec: RunSpec) -> None:
         """Close the run's workers (pending writes finish) and, in ``attached`` mode, remove
         every detached actor and placement group of the run from the cluster."""
+        self._restored.discard(spec.key)
         w = self._handles.pop(spec.key, None)
         try:
             if isinstance(w, (RunWorker, WorkerGroup)):
@@ -225,11 +246,13 @@ class Workers:
             except Exception as e:  # noqa: BLE001
                 log.warning("closing worker %s failed: %s", key, e)
             self._handles.pop(key, None)
+        self._restored.clear()
 
     def reset(self) -> None:
         """Forget every handle without closing it (what a new process knows)."""
         self._handles.clear()
         self._fenced.clear()
+        self._restored.clear()
 
 
 WORKERS = Workers()
@@ -250,7 +273,9 @@ def _on_worker(method: Callable[Concatenate[RunWorker, P], R]
         positional = signature.bind(None, *args, **kwargs).args[1:]  # what a Ray call carries
         try:
             WORKERS.hand_fence(spec, worker)  # it commits only while this launch holds the lease
-            return call(worker, name, *positional, timeout_s=spec.config.guard.phase_timeout_s)
+            out = call(worker, name, *positional, timeout_s=WORKERS.deadline_s(spec))
+            WORKERS.answered(spec)
+            return out
         except (WorkerLostError, PhaseTimeoutError):
             WORKERS.drop(spec)  # the worker is gone: the retry starts a new one
             raise

@@ -122,6 +122,10 @@ class GuardConfig:
     phase_timeout_s: float = not_in_trajectory(3600.0)
     """Deadline of every phase call on a worker; past it the call fails as transient (a hang),
     the worker is replaced and the phase is retried."""
+    restore_timeout_s: float = not_in_trajectory(3600.0)
+    """Added to ``phase_timeout_s`` for a new worker's first phase, which also restores the state
+    it starts from (start-up, a checkpoint read, the updates since it replayed): a resume whose
+    restore outlasts a phase's deadline is not taken for a hang, and retried from scratch."""
     lease_ttl_s: float = not_in_trajectory(60.0)
     """Single-writer run lease: a dead run's lease frees after this many seconds without renewal
     (renewed every third of it); 0 = take no lease (docs/checkpoints.md)."""
@@ -142,7 +146,7 @@ class GuardConfig:
                   "step without signal changes no weight: skipping or rolling it back would "
                   "change nothing)")
         _positive("guard", self, "max_consecutive_skips", "rollback_lr_scale", "phase_timeout_s",
-                  "no_signal_steps")
+                  "restore_timeout_s", "no_signal_steps")
         _non_negative("guard", self, "max_rollbacks", "lease_ttl_s")
         if self.rollback_lr_scale > 1:
             _fail("guard", "rollback_lr_scale", self.rollback_lr_scale, "must be in (0, 1]")

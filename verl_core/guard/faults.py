@@ -49,7 +49,9 @@ read (a ``kill`` there ends the trainer while its calls run); ``background_rollo
 background rollout of step ``step`` (``rollout.max_staleness``) starts, in the worker's thread (a
 ``kill`` ends the worker while the update before it runs); ``sampler`` as the sampler process
 (``rollout.async_mode=process``) starts sampling step ``step`` (a ``kill`` ends that process
-alone: the worker samples the step again in the foreground and starts a new one).
+alone: the worker samples the step again in the foreground and starts a new one). ``restore``
+fires as a worker starts rebuilding the state after ``step`` updates (a checkpoint read, the
+updates since replayed: the first phase of a resumed run, or after a worker was replaced).
 
 Where they fire, all from here: a phase task calls :func:`maybe_inject` at its start (each worker
 of a group at ``update-rank<r>``, the warm start after each of its steps); the in-code kinds at the named points of :data:`HOOKS`
@@ -86,9 +88,9 @@ IN_CODE = tuple(kind for _, kind in HOOKS.values())
 
 
 PHASES = ("rollout", "reward", "advantage", "update", "checkpoint", "evaluate", "finalize",
-          "warm_start", "tool_call", "background_rollout", "sampler")
-"""The phases a fault can name: the tasks', the warm start, and three points inside a rollout
-(plus ``update-rank<r>``, see the module docstring)."""
+          "warm_start", "tool_call", "background_rollout", "sampler", "restore")
+"""The phases a fault can name: the tasks', the warm start, three points inside a rollout and a
+worker's restore of its state (plus ``update-rank<r>``, see the module docstring)."""
 IN_CODE_PHASE = {kind: phase for phase, kind in HOOKS.values()}
 """The one phase whose code applies each in-code kind: elsewhere it would never fire."""
 _KEYS = {"kind", "phase", "step", "times", "seconds"}

@@ -63,3 +63,40 @@ def test_the_guard_off_watches_nothing(tmp_path):
         runlog.watch_phase(spec, "rollout", step, 0.2, {})
     runlog.watch_phase(spec, "rollout", 12, 1e4, {})
     assert read_events(spec.open_store(), spec.trajectory_hash) == []
+
+
+RESTORE: list = []
+
+
+def test_a_restore_longer_than_a_phase_is_not_taken_for_a_hang(tmp_path):
+    """A resumed run's first phase also restores the state it starts from (a new worker, a
+    checkpoint read, the updates since replayed). Here that restore takes longer than
+    ``guard.phase_timeout_s`` (a VERL_FAULTS ``slow`` at ``restore``, on every attempt): the run
+    finishes, because a new worker's first phase has ``guard.restore_timeout_s`` on top. Counted
+    against the phase's deadline, each attempt passed it and the retries repeated the restore
+    until the run failed (what this test met before the fix)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.presets import TINY
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    phase_s = 20.0  # a tiny phase takes well under a second idle, a few on loaded cores
+    cmd = [sys.executable, "-m", "verl_core.train", "--workdir", str(tmp_path / "run")]
+    for k, v in {**TINY, "guard.phase_timeout_s": phase_s}.items():
+        cmd += ["--set", f"{k}={v}"]
+    env = {**os.environ, "PYTHONPATH": repo, "VERL_ASSET_CACHE": str(tmp_path / "assets"),
+           "VERL_FAULTS_DIR": str(tmp_path / "faults")}
+    first = subprocess.run([*cmd, "--steps", "2"], env=env, capture_output=True, text=True,
+                           timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    slow = [{"kind": "slow", "phase": "restore", "step": 2, "seconds": phase_s + 5, "times": 3}]
+    again = subprocess.run([*cmd, "--steps", "3", *RESTORE], env={**env, "VERL_FAULTS": json.dumps(slow)},
+                           capture_output=True, text=True, timeout=900)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert (tmp_path / "faults" / "restore-2-slow.attempts").read_text() == "1", out[-3000:]
+    assert "passed its deadline" not in out and "step 3/3" in out, out[-3000:]
