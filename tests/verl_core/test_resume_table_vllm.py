@@ -10,9 +10,10 @@ process per fault point, in the mode that has them all: one-step off-policy with
 rollout in a sampler process (``rollout.async_mode=process``, which builds a vLLM engine of its
 own), on the calculator task (multi-turn: tool calls). The sampler process's kill ends only that
 process, so it costs no launch (the chain passed in 7.3 min on 2 shared cores; the on-policy one
-took 5-6, and a second chain for the tool call and the sampler process 6). The first stop is a preemption of the warm start: its accuracy
-probe samples with the ``hf`` engine in every mode and the vLLM engine is built after it, so that
-process builds none, but the run it resumes is a vLLM run."""
+took 5-6, and a second chain for the tool call and the sampler process 6). The first stop is a
+preemption of the warm start: its accuracy probe samples with the ``hf`` engine in every mode and
+the vLLM engine is built after it, so that process builds none, but the run it resumes is a vLLM
+run."""
 import pytest
 
 from tests.verl_core.test_resume_table import (  # noqa: F401 - asset_cache is a fixture
