@@ -20,8 +20,8 @@ def tiny_run(algorithm: str = "grpo", **overrides) -> RunConfig:
 
 
 def has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (the vLLM tests that fail on an AVX2-only machine skip
-    without it; issue 40's note of 2026-12-04 night)."""
+    """Whether this CPU has AVX-512 (test_resume's vLLM SIGKILL test, which once failed on an
+    AVX2-only machine, skips without it; issue 40's note of 2026-12-04 night)."""
     try:
         return "avx512f" in open("/proc/cpuinfo").read()
     except OSError:

