@@ -150,3 +150,41 @@ def test_two_workers_killed_or_preempted_at_each_fault_point_end_as_uninterrupte
     want, got = _final_weights(stdout), _final_weights(outs[-1])
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
+
+# docs/resume.md's tool-call cell of the W = 2 column: the calculator task (multi-turn, its tool
+# built in), warm-started on call transcripts until 0.2 train-slice accuracy (at most 400 steps)
+# so that some groups' rewards differ, as test_resume_table.py's multi-turn chain is
+CALCULATOR = {**W2, "data.synthetic_task": "calculator", "model.warmup_mixed_steps": 0,
+              "model.warmup_sft_steps": 400, "model.warmup_target_accuracy": 0.2}
+TOOL_CALL = ("kill", "tool_call", 1)
+
+
+@pytest.mark.timeout(3600)  # two W = 2 multi-turn launches and a 400-step warm start, loaded
+def test_two_workers_killed_in_a_tool_call_end_as_uninterrupted(tmp_path):
+    """A W = 2 multi-turn run SIGKILLed in a tool call ends with the undisturbed W = 2 run's
+    exact weights.
+
+    The ``tool_call`` fault fires where the calls run: in a worker of the group (each samples its
+    block of rows and runs their tool calls), once the calls of step 1's first turn are sent to
+    its tool host. The worker dies with its calls in flight; the rollout task finds it gone,
+    tears the group down (WorkerLostError, transient) and retries in the same launch: a new
+    group rebuilds state 1 from the run store (no checkpoint before step 2: the warm start plus
+    update 0's replay) and samples step 1 again: the launch goes on and exits 0. The faulted run
+    shares the reference's asset cache (its warm start is not what this test is about)."""
+    ref = run(ppo_cmd(tmp_path / "ref", steps=3, overrides=CALCULATOR),
+              flyte_env(tmp_path / "ref-env"), timeout=1500)
+    _assert_learned(ref.stdout)
+    env = flyte_env(tmp_path / "env", VERL_ASSET_CACHE=str(tmp_path / "ref-env" / "assets"))
+    kind, phase, step = TOOL_CALL
+    codes = rerun_until_done(ppo_cmd(tmp_path / "store", steps=3, overrides=CALCULATOR), env,
+                             [{"kind": kind, "phase": phase, "step": step}], tmp_path, tries=1,
+                             cwd=REPO)
+    outs = [(tmp_path / f"run{i}.out").read_text(errors="replace") for i in range(len(codes))]
+    # the launch was not stopped: the kill ended a worker, and the rollout task's retry went on
+    assert codes == [0], (codes, outs[-1][-3000:])
+    # it fired (counted in VERL_FAULTS_DIR) in a worker of the group, inside the rollout of step 1
+    assert (tmp_path / "faults" / f"{phase}-{step}-{kind}.attempts").exists(), outs[0][-3000:]
+    assert "rollout of step 1: transient failure (worker group lost during rollout" in outs[0], \
+        outs[0][-3000:]
+    want, got = _final_weights(ref.stdout), _final_weights(outs[-1])
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
