@@ -5,7 +5,8 @@ same weights as the default `per_task` mode, on the defaults: neither run pins `
 compute with the count their first prepare recorded (issue 21 item 8: the attached actor used to
 get Ray's one thread, the per_task actor the host's CPU count, and the weights differed). And
 docs/resume.md's W = 2 column: the same W = 2 run stopped at several fault points in turn and
-re-run until done ends with the undisturbed W = 2 run's exact weights."""
+re-run until done ends with the undisturbed W = 2 run's exact weights, and so does a W = 2
+multi-turn run whose worker is SIGKILLed in a tool call."""
 import json
 import os
 import pathlib
