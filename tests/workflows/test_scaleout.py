@@ -105,7 +105,8 @@ def test_two_workers_match_one_and_attached_mode_matches_per_task_through_pyflyt
 # finalize name state 3). A fault fires in the pyflyte process, where prepare (the warm start)
 # and the phases' tasks run: a ``kill`` takes its Ray instance (the worker group's two actors)
 # with it. Each fault costs one more launch (about a minute on a loaded 2-core machine): the
-# chain took 10 min on a 2-core machine at load 8-20. docs/resume.md's W = 2 column (footnote 14)
+# chain took 4 min on a quiet 2-core machine (5 with its reference), 10 at load 8-20.
+# docs/resume.md's W = 2 column (footnote 14)
 WARM_TERM = ("term", "warm_start", 10)
 CHAIN = [WARM_TERM, ("kill", "rollout", 1), ("term", "update", 1), ("kill", "checkpoint", 2),
          ("kill", "evaluate", 3), ("kill", "finalize", 3)]
