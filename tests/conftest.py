@@ -1,4 +1,15 @@
+import pytest
+
 pytest_plugins = ["tests.conftest_s3"]
+
+
+@pytest.fixture(scope="session")
+def shared_asset_cache(tmp_path_factory):
+    """An asset cache (``VERL_ASSET_CACHE``) for the session's runs that share a warm start (its
+    key, ``verl_core.warmstart.warm_start_key``, leaves out RL settings and the worker count):
+    docs/resume.md's multi-turn chains and the W = 2 tool-call test warm the calculator once per
+    session, not once per module (~90 s on an idle 2-core machine, ~12 min under load)."""
+    return tmp_path_factory.mktemp("shared-assets")
 
 
 def pytest_collection_modifyitems(config, items):

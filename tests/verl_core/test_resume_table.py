@@ -48,10 +48,12 @@ SURVIVED = {"sampler"}
 
 
 @pytest.fixture(scope="module")
-def asset_cache(tmp_path_factory):
-    """One warm start per model for the module's runs (the reference's; the chains reuse it)."""
+def asset_cache(shared_asset_cache):
+    """One warm start per model for the module's runs (the reference's; the chains reuse it),
+    in the session's shared cache (test_scaleout.py's W = 2 tool-call test takes the calculator's
+    from there)."""
     with pytest.MonkeyPatch.context() as m:
-        m.setenv("VERL_ASSET_CACHE", str(tmp_path_factory.mktemp("assets")))
+        m.setenv("VERL_ASSET_CACHE", str(shared_asset_cache))
         yield
 
 

@@ -5,7 +5,8 @@ same weights as the default `per_task` mode, on the defaults: neither run pins `
 compute with the count their first prepare recorded (issue 21 item 8: the attached actor used to
 get Ray's one thread, the per_task actor the host's CPU count, and the weights differed). And
 docs/resume.md's W = 2 column: the same W = 2 run stopped at several fault points in turn and
-re-run until done ends with the undisturbed W = 2 run's exact weights."""
+re-run until done ends with the undisturbed W = 2 run's exact weights, and so does a W = 2
+multi-turn run whose worker is SIGKILLed in a tool call."""
 import json
 import os
 import pathlib
@@ -56,6 +57,17 @@ def _threads(store_run) -> int:
     return json.loads((store_run / "compute.json").read_text())["num_threads"]
 
 
+def _assert_learned(stdout: str) -> None:
+    """The undisturbed run learned something (some step's groups' rewards differ): equal weights
+    are not the weights of a run that never moved."""
+    import pandas as pd
+
+    table = [ln for ln in stdout.splitlines() if ln.startswith("Summary(")][-1]
+    table = table.split("metrics_table='", 1)[1].split("'", 1)[0]
+    assert (pd.read_parquet(table)["rollout/zero_variance_frac"] < 1.0).any(), \
+        "no step had a learning signal: equal weights would prove nothing"
+
+
 def test_two_workers_match_one_and_attached_mode_matches_per_task_through_pyflyte(
         tmp_path, reference_run, two_workers):
     one = reference_run(3)  # W = 1, per_task: the plain run (shared with test_heal.py)
@@ -89,13 +101,15 @@ def test_two_workers_match_one_and_attached_mode_matches_per_task_through_pyflyt
 
 
 # (kind, phase, step) in the order the W = 2 run meets them (steps 0-based: the checkpoint of
-# step k + 1 follows update k; TINY checkpoints after steps 2 and 3). A fault fires in the
-# pyflyte process, where the phase's task runs: a ``kill`` takes its Ray instance (the worker
-# group's two actors) with it. Each fault costs one more launch (about a minute on a loaded
-# 2-core machine); the chain also passed with ("term", "warm_start", 10) first and
-# ("kill", "evaluate", 3), ("kill", "finalize", 3) last (7.4-9.8 min in all), left out for CI's
-# time (docs/resume.md "Missing cells").
-CHAIN = [("kill", "rollout", 1), ("term", "update", 1), ("kill", "checkpoint", 2)]
+# step k + 1 follows update k; TINY checkpoints after steps 2 and 3; the end evaluation and
+# finalize name state 3). A fault fires in the pyflyte process, where prepare (the warm start)
+# and the phases' tasks run: a ``kill`` takes its Ray instance (the worker group's two actors)
+# with it. Each fault costs one more launch (about a minute on a loaded 2-core machine): the
+# chain took 4 min on a quiet 2-core machine (5 with its reference), 10 at load 8-20.
+# docs/resume.md's W = 2 column (footnote 14)
+WARM_TERM = ("term", "warm_start", 10)
+CHAIN = [WARM_TERM, ("kill", "rollout", 1), ("term", "update", 1), ("kill", "checkpoint", 2),
+         ("kill", "evaluate", 3), ("kill", "finalize", 3)]
 EXIT = {"kill": -signal.SIGKILL, "term": 128 + signal.SIGTERM}
 
 
@@ -112,13 +126,7 @@ def test_two_workers_killed_or_preempted_at_each_fault_point_end_as_uninterrupte
     ``hang`` after the ``term``: otherwise the run could reach the next fault within the grace,
     and what it interrupts would depend on the machine's pace)."""
     stdout, _ = two_workers
-    # the undisturbed run learned something (step 3's groups' rewards differ): equal weights
-    # are not the weights of a run that never moved
-    import pandas as pd
-
-    table = [ln for ln in stdout.splitlines() if ln.startswith("Summary(")][-1]
-    table = table.split("metrics_table='", 1)[1].split("'", 1)[0]
-    assert (pd.read_parquet(table)["rollout/zero_variance_frac"] < 1.0).any()
+    _assert_learned(stdout)
     faults = [{"kind": k, "phase": p, "step": s} for k, p, s in CHAIN]
     at = faults.index({"kind": "term", "phase": "update", "step": 1}) + 1
     faults.insert(at, {"kind": "hang", "phase": "update", "step": 1, "times": 1})
@@ -131,10 +139,56 @@ def test_two_workers_killed_or_preempted_at_each_fault_point_end_as_uninterrupte
         what = "killing" if kind == "kill" else "SIGTERM to"
         assert re.search(rf"VERL_FAULTS: {what} pid \d+ in {phase} of step {step}\n", out), \
             out[-3000:]
+    # the warm start (TINY: 30 steps, in prepare) preempted after its 10th step saved itself, and
+    # the re-run resumed it there: the chain's env has an asset cache of its own (flyte_env:
+    # VERL_ASSET_CACHE under tmp_path), so it warm-starts rather than taking the reference's
+    after = outs[CHAIN.index(WARM_TERM) + 1]
+    assert "warm start: resuming from step 10" in after, after[-3000:]
     term = outs[CHAIN.index(("term", "update", 1))]
     assert "[verl] interrupted (SIGTERM) during the update of step 1" in term, term[-3000:]
     # the run was a W = 2 one throughout: both checkpoints written by two workers
     ckpts = sorted((tmp_path / "store" / "t" / "checkpoints").glob("*.json"))
     assert [json.loads(c.read_text())["world_size"] for c in ckpts] == [2, 2]
     want, got = _final_weights(stdout), _final_weights(outs[-1])
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+# docs/resume.md's tool-call cell of the W = 2 column: the calculator task (multi-turn, its tool
+# built in), warm-started on call transcripts until 0.2 train-slice accuracy (at most 400 steps)
+# so that some groups' rewards differ, as test_resume_table.py's multi-turn chain is
+CALCULATOR = {**W2, "data.synthetic_task": "calculator", "model.warmup_mixed_steps": 0,
+              "model.warmup_sft_steps": 400, "model.warmup_target_accuracy": 0.2}
+TOOL_CALL = ("kill", "tool_call", 1)
+
+
+@pytest.mark.timeout(3600)  # two W = 2 multi-turn launches and a 400-step warm start, loaded
+def test_two_workers_killed_in_a_tool_call_end_as_uninterrupted(tmp_path, shared_asset_cache):
+    """A W = 2 multi-turn run SIGKILLed in a tool call ends with the undisturbed W = 2 run's
+    exact weights.
+
+    The ``tool_call`` fault fires where the calls run: in a worker of the group (each samples its
+    block of rows and runs their tool calls), once the calls of step 1's first turn are sent to
+    its tool host. The worker dies with its calls in flight; the rollout task finds it gone,
+    tears the group down (WorkerLostError, transient) and retries in the same launch: a new
+    group rebuilds state 1 from the run store (no checkpoint before step 2: the warm start plus
+    update 0's replay) and samples step 1 again: the launch goes on and exits 0. Both runs take
+    the calculator's warm start from the session's shared cache (the same key as
+    test_resume_table.py's multi-turn chains: it is not what this test is about)."""
+    cache = str(shared_asset_cache)  # test_resume_table.py's multi-turn chains warm it first
+    ref = run(ppo_cmd(tmp_path / "ref", steps=3, overrides=CALCULATOR),
+              flyte_env(tmp_path / "ref-env", VERL_ASSET_CACHE=cache), timeout=1500)
+    _assert_learned(ref.stdout)
+    env = flyte_env(tmp_path / "env", VERL_ASSET_CACHE=cache)
+    kind, phase, step = TOOL_CALL
+    codes = rerun_until_done(ppo_cmd(tmp_path / "store", steps=3, overrides=CALCULATOR), env,
+                             [{"kind": kind, "phase": phase, "step": step}], tmp_path, tries=1,
+                             cwd=REPO)
+    outs = [(tmp_path / f"run{i}.out").read_text(errors="replace") for i in range(len(codes))]
+    # the launch was not stopped: the kill ended a worker, and the rollout task's retry went on
+    assert codes == [0], (codes, outs[-1][-3000:])
+    # it fired (counted in VERL_FAULTS_DIR) in a worker of the group, inside the rollout of step 1
+    assert (tmp_path / "faults" / f"{phase}-{step}-{kind}.attempts").exists(), outs[0][-3000:]
+    assert "rollout of step 1: transient failure (worker group lost during rollout" in outs[0], \
+        outs[0][-3000:]
+    want, got = _final_weights(ref.stdout), _final_weights(outs[-1])
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
