@@ -16,6 +16,7 @@ LAYERS = {
     "verl_core.store": {"verl_core.errors", "verl_core.layout"},
     "verl_core.algorithms": {"verl_core.algorithms"},
     "verl_core.config_fields": set(),
+    "verl_core.seeds": set(),
     # the tool host's child process imports this package: no torch, no engines (agent/__init__)
     "verl_core.agent": {"verl_core.agent", "verl_core.errors"},
     **{f"verl_core.{c}.config": {"verl_core.config_fields"}
@@ -29,7 +30,10 @@ NOT_ABOVE = ("verl_core.engine", "verl_core.phases", "verl_core.trainer", "verl_
 """What the building blocks below may not import: the engine and the drivers on top of it."""
 BLOCKS = ("verl_core.agent", "verl_core.checkpoint", "verl_core.guard", "verl_core.data",
           "verl_core.models", "verl_core.rollout", "verl_core.reward", "verl_core.training",
-          "verl_core.config", "verl_core.store", "verl_core.layout")
+          "verl_core.config", "verl_core.store", "verl_core.layout", "verl_core.seeds",
+          # what a run starts from (engine/assets.py stores them): below the engine too
+          "verl_core.assets", "verl_core.tiny_warmup", "verl_core.format_warmup",
+          "verl_core.warmstart")
 
 
 def _module(path: pathlib.Path) -> str:
