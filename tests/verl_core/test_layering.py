@@ -21,10 +21,13 @@ LAYERS = {
     "verl_core.agent": {"verl_core.agent", "verl_core.errors"},
     **{f"verl_core.{c}.config": {"verl_core.config_fields"}
        for c in ("data", "models", "rollout", "reward", "training", "checkpoint", "guard")},
+    # rollout.engine is checked against the engine registry's names (a module importing nothing)
+    "verl_core.rollout.config": {"verl_core.config_fields", "verl_core.rollout.registry"},
+    "verl_core.rollout.registry": set(),
 }
 """Module (or package) -> the only verl_core modules and packages it may import. A section's
-config beside its component imports the field machinery only, so ``verl_core.config`` can import
-every section without a circle."""
+config beside its component imports the field machinery only (and the rollout section the engine
+registry's names), so ``verl_core.config`` can import every section without a circle."""
 NOT_ABOVE = ("verl_core.engine", "verl_core.phases", "verl_core.trainer", "verl_core.train",
              "verl_core.tasks")
 """What the building blocks below may not import: the engine and the drivers on top of it."""
