@@ -27,7 +27,7 @@ from verl_core.warmstart import WarmStart
 
 
 def tiny_warm_start(cfg: RunConfig, model, tok, rows, schemas, calculator: bool, ws: WarmStart,
-                log) -> None:
+                    log) -> None:
     """The tiny model's supervised warm start (``training/sft.py``), in its parts, resumed from
     and saved through ``ws``; sets ``ws.steps_done`` and ``ws.accuracy``."""
     m = cfg.model

@@ -48,16 +48,16 @@ def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
     DAPO reward manager (a reward model's score replaces it unpenalised). ``details`` (a dict):
     filled with ``score`` (N,), the score before that penalty, and ``acc`` (N,), the scorer's
     ``acc`` where it returns one, else that score (what DAPO's group filter may read). A batch
-    that carries greedy
-    baseline responses (ReMax) also gets ``baseline_score`` (N,): each prompt's greedy response
-    is scored once, by the same scorer, and its score given to the prompt's G rows.
+    that carries greedy baseline responses (ReMax) also gets ``baseline_score`` (N,): each
+    prompt's greedy response is scored once, by the same scorer, and its score given to the
+    prompt's G rows.
 
     With a reward model (``reward_model.enable``): ``model_scores`` (N,) are its scores of the
     rows and ``baseline_model_scores`` (B,) of the greedy responses, one per group in the order of
-    :func:`group_first_rows` (both from :meth:`~verl_core.trainer.RLTrainer.model_scores`). ``combine="replace"``:
-    the model's score is the score and the scorer is not called (verl 0.9 without a custom reward
-    function); ``"add"``: score = scorer's + model's. Adds ``reward/model_mean`` (and
-    ``reward/rule_mean`` when added)."""
+    :func:`group_first_rows` (both from :meth:`~verl_core.trainer.RLTrainer.model_scores`).
+    ``combine="replace"``: the model's score is the score and the scorer is not called (verl 0.9
+    without a custom reward function); ``"add"``: score = scorer's + model's. Adds
+    ``reward/model_mean`` (and ``reward/rule_mean`` when added)."""
     dec = decoded(tokenizer, batch)
     rule, timeouts = None, 0
     if model_scores is None or combine == "add":
