@@ -1,5 +1,6 @@
-"""The rollout-engine registry (``verl_core/rollout/registry.py``): the names the run's config
-accepts for ``rollout.engine`` are the registry's, before and after the engines register."""
+"""The rollout-engine registry (``verl_core/rollout/registry.py``; test files need unique names,
+``algorithms/test_registry.py`` has the other): the names the run's config accepts for
+``rollout.engine`` are the registry's, before and after the engines register."""
 import subprocess
 import sys
 
