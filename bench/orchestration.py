@@ -30,7 +30,7 @@ sys.path.insert(0, REPO)
 from verl_core.config import with_overrides, grpo_preset  # noqa: E402
 from verl_core.runlog import read_phase_log  # noqa: E402
 from verl_core.train import train  # noqa: E402
-from verl_core.trainer import prepare_assets  # noqa: E402
+from verl_core.assets import prepare_assets  # noqa: E402
 
 CONFIGS = {
     # the default configuration (B=32 prompts x G=8)

@@ -282,7 +282,7 @@ def trl_child(spec: dict) -> None:
     from verl_core.data.dataset import render_prompt
     from verl_core.models import load_tokenizer
     from verl_core.reward.gsm8k import compute_score
-    from verl_core.trainer import load_checked_rows
+    from verl_core.data.prompts import load_checked_rows
 
     torch.set_num_threads(spec["threads"])
     o = spec["over"]

@@ -53,7 +53,8 @@ def _se(p: float, n: int) -> float:
 def base_accuracy(model: str, workdir: str) -> tuple[float, int, float]:
     """The base model's held-out accuracy by the run's own evaluator: (accuracy, rows, seconds)."""
     from verl_core.config import grpo_preset
-    from verl_core.trainer import RLTrainer, prepare_assets
+    from verl_core.trainer import RLTrainer
+    from verl_core.assets import prepare_assets
 
     sets = {k: v for k, v in RECIPE.items() if not k.startswith("model.format_warmup")}
     cfg = grpo_preset(**{"model.path": model, **sets})

@@ -39,7 +39,9 @@ from verl_core.data.dataset import render_prompt  # noqa: E402
 from verl_core.models import load_tokenizer  # noqa: E402
 from verl_core.reward.arithmetic import compute_score  # noqa: E402
 from verl_core.train import train  # noqa: E402
-from verl_core.trainer import Assets, RLTrainer, load_checked_rows, prepare_assets  # noqa: E402
+from verl_core.trainer import RLTrainer  # noqa: E402
+from verl_core.assets import Assets, prepare_assets  # noqa: E402
+from verl_core.data.prompts import load_checked_rows  # noqa: E402
 
 B, G, NEW_TOKENS = 32, 8, 4
 WORK = {  # the shared work, as our config's overrides

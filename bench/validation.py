@@ -39,7 +39,8 @@ FIRST_GX_S = time.perf_counter() - T_GX
 from verl_core.store import RunStore  # noqa: E402
 from verl_core.config import grpo_preset, with_overrides  # noqa: E402
 from verl_core.models import load_tokenizer  # noqa: E402
-from verl_core.trainer import Assets, RLTrainer, prepare_assets  # noqa: E402
+from verl_core.trainer import RLTrainer  # noqa: E402
+from verl_core.assets import Assets, prepare_assets  # noqa: E402
 
 CONFIGS = {
     "default": {},  # B=32 prompts x G=8 = 256 rows

@@ -39,9 +39,10 @@ from verl_core.layout import export_path, metrics_table_path, pending_doc
 from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer
 from verl_core.reward.overlong import OverlongBuffer
+from verl_core.reward.scoring import score_batch
 from verl_core.runlog import log_phase, metrics_table, record_step_metrics, watch_phase
 from verl_core.threads import intra_op_threads
-from verl_core.trainer import compute_advantages, score_batch
+from verl_core.trainer import compute_advantages
 from verl_core.types import Metrics, PhaseOut, RunSpec, StepState
 from verl_core.validation import validate_and_record
 

@@ -11,6 +11,7 @@ import os
 import tempfile
 
 from verl_core import interrupt
+from verl_core.assets import prepare_assets
 from verl_core.checkpoint.manager import CheckpointManager, open_checkpoint
 from verl_core.config import ConfigError, RunConfig
 from verl_core.engine import cluster
@@ -22,7 +23,6 @@ from verl_core.guard.writer import LEASES
 from verl_core.layout import asset_index_doc
 from verl_core.store import RunStore, check_doc_name
 from verl_core.threads import pin_num_threads
-from verl_core.trainer import prepare_assets
 from verl_core.types import STORES, RunSpec
 from verl_core.validation import check_run_inputs
 

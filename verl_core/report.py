@@ -7,6 +7,8 @@ tasks show (``tasks/`` attach the strings; this module never imports flytekit).
   events.
 - :func:`step_card`: the light per-checkpoint card: one small table, no plots.
 - :func:`for_run`: :func:`run_report` from a run store (metrics table, samples, guard events).
+- :class:`EvalSample`: one held-out sample as an evaluation scored it (the worker stores them as
+  dicts, the reports read those).
 
 Everything is inline (SVG from matplotlib, CSS in a ``<style>``): no script, no network access,
 so a report renders the same in the Flyte console, a saved file or an air-gapped cluster.
@@ -24,6 +26,20 @@ from dataclasses import dataclass
 import pandas as pd
 
 from verl_core import layout
+
+
+@dataclass(frozen=True)
+class EvalSample:
+    """One greedy held-out response as scored (what the reports show)."""
+
+    prompt: str
+    """The prompt's tokens as the policy read them (chat template, BOS; padding stripped)."""
+    response: str
+    """The generated tokens, EOS included, special tokens visible (scored: cut at the EOS)."""
+    ground_truth: str
+    """The row's reference answer."""
+    score: float
+    """The scorer's score of the response."""
 
 
 @dataclass(frozen=True)

@@ -13,44 +13,39 @@ state dicts (:meth:`RLTrainer.state`, :meth:`RLTrainer.load_state`); ``checkpoin
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import hashlib
-import os
-import random
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from transformers.utils import logging as hf_logging
 
 from verl_core import report
-from verl_core.agent.tools import ToolConfigError, ToolHost, tool_entries
-from verl_core.agent.turns import observation_ids
+from verl_core.agent.tools import ToolHost, tool_entries
 from verl_core.algorithms import (apply_kl_penalty, get_advantage_estimator, make_kl_controller,
                                   outcome_to_token_rewards)
 from verl_core.algorithms.utils import masked_mean
+from verl_core.assets import Assets
 from verl_core.checkpoint.state import capture_rng_state, restore_rng_state
 from verl_core.config import RunConfig
-from verl_core.data.batch import Batch, encode_prompts
+from verl_core.data.batch import Batch
 from verl_core.data.dataset import PromptRow, load_prompt_rows, render_prompt
+from verl_core.data.prompts import encode_rows, val_subset
 from verl_core.data.sampler import ResumableSampler
-from verl_core.data.synthetic import write_arithmetic_dataset, write_calculator_dataset
-from verl_core.data.word_problems import write_word_problem_dataset
-from verl_core.models import build_tiny_model, load_causal_lm, load_critic, load_tokenizer
-from verl_core.models.loading import precision_line, write_overridden_folder
-from verl_core.models.tokenizer import CHAR_CHAT_TEMPLATE, build_char_tokenizer
+from verl_core.models import load_causal_lm, load_critic, load_tokenizer
+from verl_core.report import EvalSample
 from verl_core.reward.decode import decode_responses, stop_token_ids
 from verl_core.reward.manager import RewardScorer
-from verl_core.reward.model import RewardModel, check_finite, check_reward_model
+from verl_core.reward.model import RewardModel, check_finite
 from verl_core.reward.overlong import OverlongBuffer
+from verl_core.reward.scoring import decoded, group_first_rows, score_batch, turn_extra_info
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.base import GenerationOutput, concat_outputs
-from verl_core.models.lora import (apply_lora, check_lora, lora_meta, meta_model, model_state,
-                                   reference_of, split_state)
+from verl_core.models.lora import (apply_lora, lora_meta, model_state, reference_of,
+                                   split_state)
 from verl_core.rollout.multi_turn import (MultiTurnOutput, concat_turn_outputs, generate_turns,
-                                          turn_metrics)
+                                          turn_limits, turn_metrics)
+from verl_core.seeds import derive_seed
 from verl_core.training.forward import batched_logprobs, batched_sum_pi_squared, batched_values
 from verl_core.training.device import make_deterministic, resolve_device
 from verl_core.training.dist import SINGLE, DataParallel
@@ -58,22 +53,12 @@ from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.training.packing import in_row_order, row_tokens, worker_order
 from verl_core.training.ppo import ppo_update
 from verl_core.training import sharding
-from verl_core.training.sft import supervised_warm_start
 from verl_core.threads import intra_op_threads
-from verl_core.validation import validate_dataset_files
-from verl_core.warmstart import WarmStart, warm_start_key
-from verl_core.format_warmup import format_answers, format_warm_start
 from verl_core.guard import checks, faults
 from verl_core.guard.policy import GUARD_DEFAULTS
 
 
 hf_logging.disable_progress_bar()  # per-phase "Loading weights" bars would bury the step lines
-
-
-def derive_seed(seed: int, step: int, phase: str) -> int:
-    """A 63-bit seed for one phase of one step (docs/design.md#rule-3-phases-are-deterministic)."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{phase}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 HISTORY_STEPS = 256
@@ -85,337 +70,6 @@ def _poison_gradients(model) -> None:
         if p.grad is not None:
             p.grad.fill_(float("nan"))
             return
-
-
-@dataclass(frozen=True)
-class Assets:
-    """What a run starts from: a model folder and the train/val parquet files."""
-
-    model_path: str
-    train_files: list[str]
-    val_files: list[str]
-    reward_model_path: str = ""
-    """The reward model's folder ("" without ``reward_model.enable``)."""
-    model_source_path: str = ""
-    """The folder you brought when ``model_path`` is a copy made from it (its format warm start,
-    ``model.format_warmup_steps``, or its config.json with ``model.override_config``); ""
-    otherwise."""
-
-
-@dataclass(frozen=True)
-class EvalSample:
-    """One greedy held-out response as scored (what the reports show)."""
-
-    prompt: str
-    """The prompt's tokens as the policy read them (chat template, BOS; padding stripped)."""
-    response: str
-    """The generated tokens, EOS included, special tokens visible (scored: cut at the EOS)."""
-    ground_truth: str
-    """The row's reference answer."""
-    score: float
-    """The scorer's score of the response."""
-
-
-def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool = True,
-                   store=None) -> Assets:
-    """Materialise the embedded defaults: the synthetic dataset when no files are given, the tiny
-    warm-started model when no model path is given. Deterministic in ``cfg.seed``.
-    ``build_model=False``: no warm start (``model_path`` stays empty when none is given): a
-    trajectory that ran before takes its model from its record (``prepare_run``). ``store``
-    (the run store): the warm start saves its progress there and resumes from it, and a
-    finished one with the same inputs is reused (``verl_core/warmstart.py``)."""
-    rm = cfg.reward_model
-    if rm.enable:  # not a one-label sequence classifier: fail before the data and the warm start
-        check_reward_model(rm.path, rm.max_length)
-    calculator = not cfg.data.train_files and cfg.data.synthetic_task == "calculator"
-    if cfg.data.train_files:
-        train_files, val_files = cfg.data.train_file_list, cfg.data.val_file_list
-    elif cfg.data.synthetic_task == "word_problems":
-        train, val = write_word_problem_dataset(
-            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
-            val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
-        train_files, val_files = [train], [val]
-    elif calculator:
-        train, val = write_calculator_dataset(
-            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
-            val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
-        train_files, val_files = [train], [val]
-    else:
-        train, val = write_arithmetic_dataset(
-            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
-            val_size=cfg.data.synthetic_val_size, max_operand=cfg.data.synthetic_max_operand,
-            seed=cfg.seed)
-        train_files, val_files = [train], [val]
-    # Every file is checked (rows, columns, prompt lengths) before any model work: a bad row must
-    # not cost a warm start first.
-    # the tiny model's tokenizer is the character one (with a chat template for tool turns)
-    template = CHAR_CHAT_TEMPLATE if calculator else None
-    tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer(template)
-    schemas = check_tools(cfg, tok)
-    rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length, cfg.data.truncation,
-                             schemas)
-    load_checked_rows(tok, val_files, cfg.data.max_prompt_length, cfg.data.truncation, schemas)
-    # the GX suite, every row; without the tokenizer: the prompt lengths were checked just above
-    validate_dataset_files([*train_files, *val_files], cfg)
-    if cfg.model.path and cfg.model.format_warmup_steps:
-        check_lora(cfg.model, meta_model(cfg.model.path))  # model.lora_*: before any work
-        format_answers(rows, train_files)  # every row has its solution: before any work
-        model_path = ""
-        if build_model:  # else a trajectory that ran before takes it from its record
-            model_path = os.path.join(workdir, "model")
-            format_warm_start(cfg, tok, rows, train_files, model_path, store, log,
-                              seed=derive_seed(cfg.seed, 0, "format-warmup"))
-            if cfg.model.override_config:  # RL trains the warm-started weights with them
-                write_overridden_folder(model_path, model_path + "-config",
-                                        cfg.model.config_overrides)
-                model_path += "-config"
-            log(precision_line(model_path, cfg.model.dtype))
-        return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
-                      reward_model_path=rm.path if rm.enable else "",
-                      model_source_path=cfg.model.path)
-    if cfg.model.path:
-        check_lora(cfg.model, meta_model(cfg.model.path))  # model.lora_*: before any work
-        model_path = cfg.model.path
-        if cfg.model.override_config:  # the run's copy, config.json changed, weights linked
-            model_path = write_overridden_folder(cfg.model.path, os.path.join(workdir, "model"),
-                                                 cfg.model.config_overrides)
-            log(precision_line(model_path, cfg.model.dtype))
-            return Assets(model_path=model_path, train_files=train_files,
-                          val_files=val_files, reward_model_path=rm.path if rm.enable else "",
-                          model_source_path=cfg.model.path)
-    elif not build_model:
-        return Assets(model_path="", train_files=train_files, val_files=val_files,
-                      reward_model_path=rm.path if rm.enable else "")
-    else:
-        model_path = os.path.join(workdir, "model")
-        model, tok = build_tiny_model(hidden_size=cfg.model.tiny_hidden_size,
-                                      layers=cfg.model.tiny_layers, heads=cfg.model.tiny_heads,
-                                      seed=cfg.seed, chat_template=template)
-        check_lora(cfg.model, model)  # model.lora_*: before the warm start
-        ws = WarmStart(store, warm_start_key(cfg, train_files, template), log,
-                       total_steps=cfg.model.warmup_sft_steps
-                       + (cfg.model.warmup_mixed_steps if calculator else 0),
-                       target=cfg.model.warmup_target_accuracy)
-        if not ws.reuse(model_path):
-            _warm_start(cfg, model, tok, rows, schemas, calculator, ws, log)
-            model.save_pretrained(model_path, safe_serialization=True)
-            tok.save_pretrained(model_path)
-            ws.finish(model_path, ws.steps_done, ws.accuracy)
-    log(precision_line(model_path, cfg.model.dtype))
-    return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
-                  reward_model_path=rm.path if rm.enable else "")
-
-
-def _warm_start(cfg: RunConfig, model, tok, rows, schemas, calculator: bool, ws: WarmStart,
-                log) -> None:
-    """The tiny model's supervised warm start (``training/sft.py``), in its parts, resumed from
-    and saved through ``ws``; sets ``ws.steps_done`` and ``ws.accuracy``."""
-    m = cfg.model
-    prompts = [render_prompt(r, tok, schemas) for r in rows]
-    host = ToolHost(tool_entries(cfg.rollout.tool_config_path),
-                    timeout_s=cfg.rollout.tool_timeout_s) if schemas else None
-    try:
-        probe = _AccuracyProbe(model, tok, rows[:256], prompts[:256], cfg, host, schemas)
-        t0 = time.perf_counter()
-        # the calculator task: every transcript calls the tool, then a mixed part in which
-        # most answer at once (model.warmup_mixed_steps)
-        parts = [(m.warmup_sft_steps, 1.0, "sft"), (m.warmup_mixed_steps,
-                                                    m.warmup_tool_fraction, "sft-mixed")] \
-            if calculator else [(m.warmup_sft_steps, None, "sft")]
-        saved = ws.resume_point()
-        if saved is not None:
-            model.load_state_dict(saved["model"])
-            probe.last = saved["probe_last"]
-        losses = list(saved["prior_losses"]) if saved is not None else []
-        first_part = saved["part"] if saved is not None else 0
-        for i, (steps, fraction, phase) in enumerate(parts):
-            if i < first_part:
-                continue
-            targets = {"answers": [r.ground_truth for r in rows]} if fraction is None else \
-                {"responses": calculator_transcripts(
-                    tok, rows, schemas, derive_seed(cfg.seed, 0, phase + "-tools"), fraction)}
-            prior = list(losses)
-
-            def on_step(part_losses, snapshot, i=i, prior=prior):
-                ws.after_step(len(prior) + len(part_losses), part_losses[-20:], probe.last,
-                              lambda: {"part": i, "prior_losses": prior, "inner": snapshot(),
-                                       "model": model.state_dict(), "probe_last": probe.last})
-
-            losses += supervised_warm_start(
-                model, tok, prompts, **targets,
-                steps=steps, batch_size=m.warmup_sft_batch_size,
-                lr=m.warmup_sft_lr, seed=derive_seed(cfg.seed, 0, phase),
-                max_prompt_length=cfg.data.max_prompt_length,
-                truncation=cfg.data.truncation,
-                stop_fn=(lambda: probe() >= m.warmup_target_accuracy)
-                if m.warmup_target_accuracy < 1.0 else None,
-                resume=saved["inner"] if saved is not None and i == first_part else None,
-                on_step=on_step)
-    finally:
-        if host is not None:
-            host.close()
-    ws.steps_done, ws.accuracy = len(losses), probe.last
-    if losses:
-        acc = "" if probe.last != probe.last else f", train-slice accuracy {probe.last:.3f}"
-        log(f"warm start: {len(losses)} SFT steps in {time.perf_counter() - t0:.1f}s, "
-            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{acc}")
-
-
-def decoded(tokenizer, batch: Batch):
-    """The batch's responses as scorers see them (``reward/decode.py``; a multi-turn row's whole
-    transcript)."""
-    multi = batch.response_attention_mask is not None
-    return decode_responses(tokenizer, batch.response_ids, batch.response_attn,
-                            sampled_mask=batch.response_mask if multi else None)
-
-
-def turn_extra_info(infos: list[dict], turns: list[dict]) -> list[dict]:
-    """Each multi-turn row's ``extra_info`` as verl's reward managers give it to a scorer: the
-    row's own, plus ``num_turns`` (assistant turns) and ``tool_rewards`` (each call's step
-    reward, then each tool's ``calc_reward``)."""
-    return [{**(info or {}), "num_turns": len(t["turns"]), "tool_rewards": list(t["tool_rewards"])}
-            for info, t in zip(infos, turns)]
-
-
-def turn_limits(rc) -> dict:
-    """:func:`generate_turns`' limits from the ``rollout`` section (one place for the rollout
-    phase, the evaluation and the warm start's probe)."""
-    return dict(max_assistant_turns=rc.max_assistant_turns, max_user_turns=rc.max_user_turns,
-                max_parallel_calls=rc.max_parallel_calls,
-                max_tool_response_length=rc.max_tool_response_length,
-                truncate_side=rc.tool_response_truncate_side, budget_s=rc.tool_budget_s)
-
-
-def check_tools(cfg: RunConfig, tokenizer) -> list[dict] | None:
-    """``rollout.multi_turn``: the tools' schemas (what prompts show the model), after building
-    every tool once in a tool host, so a class that cannot be imported or built is refused
-    before any work, naming it; None without multi-turn rollouts."""
-    rc = cfg.rollout
-    if not rc.multi_turn:
-        return None
-    if not getattr(tokenizer, "chat_template", None):
-        raise ToolConfigError("rollout.multi_turn=True needs a model whose tokenizer has a chat "
-                              "template (it renders the tool calls' responses between turns); "
-                              "this one has none: set model.path to a chat model")
-    entries = tool_entries(rc.tool_config_path)
-    with ToolHost(entries, timeout_s=rc.tool_timeout_s):
-        pass
-    return [e.schema for e in entries]
-
-
-def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
-                model_scores: Sequence[float] | None = None,
-                baseline_model_scores: Sequence[float] | None = None,
-                combine: str = "replace", overlong: OverlongBuffer | None = None,
-                details: dict | None = None) -> tuple[Batch, dict]:
-    """Reward phase: decode the responses (each cut at its first EOS, special tokens kept, see
-    ``reward/decode.py``) and score them. Adds ``score`` (N,). With ``overlong`` (DAPO's overlong
-    buffer, ``reward/overlong.py``) the scorer's score gets its length penalty added, as verl's
-    DAPO reward manager (a reward model's score replaces it unpenalised). ``details`` (a dict):
-    filled with ``score`` (N,), the score before that penalty, and ``acc`` (N,), the scorer's
-    ``acc`` where it returns one, else that score (what DAPO's group filter may read). A batch
-    that carries greedy
-    baseline responses (ReMax) also gets ``baseline_score`` (N,): each prompt's greedy response
-    is scored once, by the same scorer, and its score given to the prompt's G rows.
-
-    With a reward model (``reward_model.enable``): ``model_scores`` (N,) are its scores of the
-    rows and ``baseline_model_scores`` (B,) of the greedy responses, one per group in the order of
-    :func:`group_first_rows` (both from :meth:`RLTrainer.model_scores`). ``combine="replace"``:
-    the model's score is the score and the scorer is not called (verl 0.9 without a custom reward
-    function); ``"add"``: score = scorer's + model's. Adds ``reward/model_mean`` (and
-    ``reward/rule_mean`` when added)."""
-    dec = decoded(tokenizer, batch)
-    rule, timeouts = None, 0
-    if model_scores is None or combine == "add":
-        res = scorer.score(batch.data_source, dec.texts, batch.ground_truth, batch.extra_info,
-                           special_token=dec.special_token)
-        rule, timeouts = torch.tensor(res.scores, dtype=torch.float32), res.num_timeouts  # (N,)
-    score = _combine(rule, model_scores, combine)  # (N,)
-    overlong_metrics = {}
-    if details is not None:
-        details.update(score=score, acc=_acc(res.extras, score) if rule is not None else score)
-    if overlong is not None and rule is not None:
-        penalty, overlong_metrics = overlong.penalty(batch.response_attn)  # (N,)
-        score = score + penalty
-    n = max(1, batch.num_rows)
-    metrics = {"reward/mean": float(score.mean()), "reward/max": float(score.max()),
-               "reward/min": float(score.min()), "reward/timeouts": float(timeouts),
-               "reward/timeout_fraction": timeouts / n,
-               "reward/special_token_fraction": sum(dec.special_token) / n}
-    metrics.update(overlong_metrics)
-    # groups whose G scores are all equal (zero advantage): the guard's no_signal counts them
-    metrics.update(checks.zero_variance_groups(score, batch.group))
-    if model_scores is not None:
-        metrics["reward/model_mean"] = float(_combine(None, model_scores, "replace").mean())
-        if rule is not None:
-            metrics["reward/rule_mean"] = float(rule.mean())
-    changes = {"score": score}
-    if batch.baseline_response_ids is not None:
-        if model_scores is not None and baseline_model_scores is None:
-            raise ValueError("score_batch: this batch has greedy baseline responses; pass "
-                             "baseline_model_scores with model_scores")
-        changes["baseline_score"], baseline_metrics = _score_baseline(
-            batch, scorer, tokenizer, baseline_model_scores, combine, overlong)
-        metrics.update(baseline_metrics)
-    return batch.replace(**changes), metrics
-
-
-def _acc(extras: dict, score: torch.Tensor) -> torch.Tensor:
-    """(N,) the scorer's ``acc`` (verl's DAPO reward manager: a dict scorer's ``acc``, a number
-    scorer's score), ``score`` (N,) where a row has none."""
-    acc = extras.get("acc")
-    if acc is None:
-        return score
-    return torch.tensor([float(s) if a is None else float(a) for a, s in zip(acc, score.tolist())],
-                        dtype=torch.float32)
-
-
-def _combine(rule: torch.Tensor | None, model: Sequence[float] | None,
-             combine: str) -> torch.Tensor:
-    """The score (n,) float32 from the scorer's (n,) and the reward model's (n,) scores."""
-    if model is None:
-        return rule
-    m = torch.tensor(list(model), dtype=torch.float32)  # (n,)
-    if combine == "replace":
-        return m
-    if combine == "add":
-        return rule + m
-    raise ValueError(f"combine={combine!r}: known: replace, add")
-
-
-def group_first_rows(group: torch.Tensor) -> list[int]:
-    """(B,) the first row of each group, in order of first appearance: the rows whose greedy
-    baseline response is scored (a group's rows share the prompt, hence that response)."""
-    first: dict[int, int] = {}  # group id -> its first row
-    for i, g in enumerate(group.tolist()):
-        first.setdefault(g, i)
-    return list(first.values())
-
-
-def _score_baseline(batch: Batch, scorer: RewardScorer, tokenizer,
-                    model_scores: Sequence[float] | None = None,
-                    combine: str = "replace",
-                    overlong: OverlongBuffer | None = None) -> tuple[torch.Tensor, dict]:
-    """``baseline_score`` (N,): the score of each row's greedy baseline response, computed once
-    per group; ``model_scores`` (B,) combine with it as in :func:`score_batch`."""
-    rows = group_first_rows(batch.group)  # (B,)
-    idx = torch.tensor(rows, dtype=torch.long)
-    rule, timeouts = None, 0
-    if model_scores is None or combine == "add":
-        dec = decode_responses(tokenizer, batch.baseline_response_ids[idx],
-                               batch.baseline_response_mask[idx])
-        res = scorer.score([batch.data_source[i] for i in rows], dec.texts,
-                           [batch.ground_truth[i] for i in rows],
-                           [batch.extra_info[i] for i in rows], special_token=dec.special_token)
-        rule, timeouts = torch.tensor(res.scores, dtype=torch.float32), res.num_timeouts  # (B,)
-        if overlong is not None:  # verl's REMAX baseline is scored by the same reward manager
-            rule = rule + overlong.penalty(batch.baseline_response_mask[idx])[0]
-    per_prompt = _combine(rule, model_scores, combine)  # (B,)
-    per_group = dict(zip(batch.group[idx].tolist(), per_prompt.tolist()))
-    baseline = torch.tensor([per_group[g] for g in batch.group.tolist()], dtype=torch.float32)
-    values = res.scores if model_scores is None else per_prompt.tolist()
-    return baseline, {"reward/baseline_mean": sum(values) / max(1, len(rows)),
-                      "reward/baseline_timeouts": float(timeouts)}
 
 
 def compute_advantages(batch: Batch, algo) -> tuple[Batch, dict]:
@@ -446,98 +100,6 @@ def compute_advantages(batch: Batch, algo) -> tuple[Batch, dict]:
     if batch.values is not None:
         metrics["critic/values_mean"] = float(masked_mean(batch.values, mask))
     return batch.replace(advantages=adv, returns=ret, meta=meta), metrics
-
-
-CALCULATOR_CALL = '<tool_call>{{"name":"calculator","arguments":{{"expression":"{}"}}}}</tool_call>'
-"""The call the calculator task's warm start teaches (hermes, compact JSON)."""
-
-
-def calculator_transcripts(tok, rows: list[PromptRow], tools: list[dict] | None,
-                           seed: int, tool_fraction: float) -> list[tuple[list[int], list[float]]]:
-    """The calculator task's warm-start responses, (ids, loss mask) per row, built as a
-    rollout builds them (``rollout/multi_turn.py``): a call turn, the tool's response as the
-    chat template's ids (mask 0), the answer turn; or, for the rows a seeded draw leaves out
-    (``model.warmup_tool_fraction``), the answer alone."""
-    rng, eos = random.Random(seed), tok.eos_token_id
-    out = []
-    for r in rows:
-        answer = tok(r.ground_truth, add_special_tokens=False)["input_ids"] + [eos]
-        if rng.random() >= tool_fraction:
-            out.append((answer, [1.0] * len(answer)))
-            continue
-        e = r.extra_info
-        call = tok(CALCULATOR_CALL.format(f"{e['a']}{e['op']}{e['b']}"),
-                   add_special_tokens=False)["input_ids"] + [eos]
-        obs = observation_ids(tok, [{"role": "tool", "content": r.ground_truth}],
-                              end_of_turn=tok.eos_token, tools=tools)
-        out.append((call + obs + answer, [1.0] * len(call) + [0.0] * len(obs)
-                    + [1.0] * len(answer)))
-    return out
-
-
-class _AccuracyProbe:
-    """Greedy accuracy of ``model`` on a fixed slice of training prompts (rule scorer); with a
-    tool ``host``, of multi-turn rollouts."""
-
-    def __init__(self, model, tok, rows, prompts, cfg: RunConfig, host=None, tools=None):
-        self.ids, self.mask = encode_prompts(tok, prompts, cfg.data.max_prompt_length,
-                                             truncation=cfg.data.truncation)
-        self.rows, self.tok, self.model, self.host, self.tools = rows, tok, model, host, tools
-        self.rc = cfg.rollout
-        self.engine = make_engine("hf", model=model, eos_token_ids=stop_token_ids(tok),
-                                  pad_token_id=tok.pad_token_id)
-        self.params = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
-        self.scorer = RewardScorer.from_config(cfg.reward)
-        self.last = float("nan")
-
-    def __call__(self) -> float:
-        if self.host is not None:
-            out = generate_turns(
-                self.engine, self.tok,
-                [i[m.bool()].tolist() for i, m in zip(self.ids, self.mask)], self.params,
-                host=self.host, tools=self.tools, **turn_limits(self.rc), instance_prefix="probe")
-            dec = decode_responses(self.tok, out.response_ids, out.attention_mask,
-                                   sampled_mask=out.response_mask)
-        else:
-            out = self.engine.generate(self.ids, self.mask, self.params)
-            dec = decode_responses(self.tok, out.response_ids, out.response_mask)
-        res = self.scorer.score([r.data_source for r in self.rows], dec.texts,
-                                [r.ground_truth for r in self.rows],
-                                special_token=dec.special_token)
-        self.last = sum(res.scores) / len(res.scores)
-        return self.last
-
-
-def val_subset(rows: list[PromptRow], cap: int, seed: int) -> list[PromptRow]:
-    """At most ``cap`` of the held-out ``rows`` (-1: all): a seeded draw without replacement, in
-    file order, the same for every evaluation of a run (``data.val_max_samples``)."""
-    if cap < 0 or len(rows) <= cap:
-        return rows
-    keep = sorted(random.Random(derive_seed(seed, 0, "val-subset")).sample(range(len(rows)), cap))
-    return [rows[i] for i in keep]
-
-
-def encode_rows(tokenizer, rows: list[PromptRow], max_len: int, truncation: str = "error",
-                tools: list[dict] | None = None):
-    texts = [render_prompt(r, tokenizer, tools) for r in rows]
-    return encode_prompts(tokenizer, texts, max_len, names=[f"dataset row {r.index}" for r in rows],
-                          truncation=truncation)
-
-
-def load_checked_rows(tokenizer, files: list[str], max_len: int,
-                      truncation: str = "error", tools: list[dict] | None = None) -> list[PromptRow]:
-    """:func:`load_prompt_rows` (same rows, same indices) plus the prompt-length check, file by
-    file so that an over-long prompt is named by its file and 0-based row (with ``truncation``
-    ``error``; otherwise such a prompt is cut when it is encoded)."""
-    rows: list[PromptRow] = []
-    for path in files:
-        part = load_prompt_rows([path])  # indices 0.. within this file
-        encode_prompts(tokenizer, [render_prompt(r, tokenizer, tools) for r in part], max_len,
-                       names=[f"{path}: row {r.index} (0-based), column 'prompt'" for r in part],
-                       truncation=truncation)
-        start = len(rows)
-        rows.extend(dataclasses.replace(r, index=start + r.index) for r in part)
-    return rows
 
 
 class RLTrainer:

@@ -15,7 +15,8 @@ newcomer's first run does before its first RL step. Here it:
   the same inputs (``key``: :func:`warm_start_key`) takes it at once, whatever its RL settings.
 
 What does not belong here: the supervised loop itself (``training/sft.py``), the tiny model and
-the targets (``trainer.prepare_assets``), what the run records as its assets (``prepare.py``).
+the targets (``assets.py``, ``tiny_warmup.py``), what the run records as its assets
+(``prepare.py``).
 """
 
 from __future__ import annotations

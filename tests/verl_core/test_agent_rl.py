@@ -17,7 +17,8 @@ from verl_core.agent.tools import ToolConfigError
 from verl_core.agent.turns import observation_ids
 from verl_core.data.batch import batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.store import sha256_hex
-from verl_core.trainer import RLTrainer, prepare_assets
+from verl_core.trainer import RLTrainer
+from verl_core.assets import prepare_assets
 from verl_core.training.dist import init_process_group
 from verl_core.training.forward import batched_logprobs
 
@@ -148,7 +149,7 @@ def test_an_update_on_a_multi_turn_batch_scores_the_transcripts_last_line(rolled
     trainer, batch, _ = rolled
     scored, metrics = trainer.reward(batch)
     from verl_core.reward.calculator import compute_score
-    from verl_core.trainer import decoded
+    from verl_core.reward.scoring import decoded
     texts = decoded(trainer.tokenizer, batch).texts
     assert scored.score.tolist() == [compute_score(t, g) for t, g in
                                      zip(texts, batch.ground_truth)]
@@ -193,7 +194,7 @@ def test_a_tool_class_that_cannot_be_built_is_refused_before_any_work(tmp_path):
 def _worker(rank: int, world: int, init: str, cfg_json: str, assets_json: str, out: str):
     torch.set_num_threads(1)
     from verl_core.config import RunConfig
-    from verl_core.trainer import Assets
+    from verl_core.assets import Assets
     dp = init_process_group("gloo", init, rank, world, 120.0)
     cfg = RunConfig.from_dict(json.loads(cfg_json))
     trainer = RLTrainer(cfg, Assets(**json.loads(assets_json)), dp)

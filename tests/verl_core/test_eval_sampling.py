@@ -7,7 +7,8 @@ import pytest
 
 from tests.presets import tiny_run
 from verl_core.config import with_overrides
-from verl_core.trainer import RLTrainer, prepare_assets
+from verl_core.trainer import RLTrainer
+from verl_core.assets import prepare_assets
 
 SAMPLED = {"rollout.val_do_sample": True, "rollout.val_temperature": 1.0,
            "rollout.val_top_p": 0.7, "rollout.val_n": 3}
@@ -58,7 +59,7 @@ def test_several_greedy_responses_are_refused():
 
 
 def test_val_max_samples_is_the_same_seeded_subset_every_time(assets):
-    from verl_core.trainer import val_subset
+    from verl_core.data.prompts import val_subset
 
     rows = list(range(10))
     a = val_subset(rows, 4, seed=1)

@@ -20,7 +20,7 @@ from verl_core.engine.assets import AssetsChangedError
 from verl_core.layout import warm_start_doc
 from verl_core.prepare import prepare_run
 from verl_core.store import RunStore
-from verl_core.trainer import prepare_assets
+from verl_core.assets import prepare_assets
 from verl_core.warmstart import WarmStart, warm_start_key
 
 

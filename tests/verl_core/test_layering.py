@@ -16,20 +16,27 @@ LAYERS = {
     "verl_core.store": {"verl_core.errors", "verl_core.layout"},
     "verl_core.algorithms": {"verl_core.algorithms"},
     "verl_core.config_fields": set(),
+    "verl_core.seeds": set(),
     # the tool host's child process imports this package: no torch, no engines (agent/__init__)
     "verl_core.agent": {"verl_core.agent", "verl_core.errors"},
     **{f"verl_core.{c}.config": {"verl_core.config_fields"}
        for c in ("data", "models", "rollout", "reward", "training", "checkpoint", "guard")},
+    # rollout.engine is checked against the engine registry's names (a module importing nothing)
+    "verl_core.rollout.config": {"verl_core.config_fields", "verl_core.rollout.registry"},
+    "verl_core.rollout.registry": set(),
 }
 """Module (or package) -> the only verl_core modules and packages it may import. A section's
-config beside its component imports the field machinery only, so ``verl_core.config`` can import
-every section without a circle."""
+config beside its component imports the field machinery only (and the rollout section the engine
+registry's names), so ``verl_core.config`` can import every section without a circle."""
 NOT_ABOVE = ("verl_core.engine", "verl_core.phases", "verl_core.trainer", "verl_core.train",
              "verl_core.tasks")
 """What the building blocks below may not import: the engine and the drivers on top of it."""
 BLOCKS = ("verl_core.agent", "verl_core.checkpoint", "verl_core.guard", "verl_core.data",
           "verl_core.models", "verl_core.rollout", "verl_core.reward", "verl_core.training",
-          "verl_core.config", "verl_core.store", "verl_core.layout")
+          "verl_core.config", "verl_core.store", "verl_core.layout", "verl_core.seeds",
+          # what a run starts from (engine/assets.py stores them): below the engine too
+          "verl_core.assets", "verl_core.tiny_warmup", "verl_core.format_warmup",
+          "verl_core.warmstart")
 
 
 def _module(path: pathlib.Path) -> str:

@@ -17,7 +17,8 @@ from tests.crash import kill_at_marker
 from tests.presets import TINY, tiny_run
 from verl_core.models.lora import LoRAConfigError
 from verl_core.train import train
-from verl_core.trainer import RLTrainer, prepare_assets
+from verl_core.trainer import RLTrainer
+from verl_core.assets import prepare_assets
 from verl_core.verl_keys import to_ours
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))

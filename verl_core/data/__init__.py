@@ -1,7 +1,8 @@
 """Prompt data: verl-layout parquet datasets, synthetic verifiable tasks, a resumable sampler.
 
 ``dataset.py`` reads and validates files into :class:`PromptRow` records; ``synthetic.py`` writes
-the arithmetic task in the same layout; ``sampler.py`` picks the B prompt indices of each step;
+the arithmetic task in the same layout; ``prompts.py`` loads rows for a tokenizer (length-checked)
+and encodes them; ``sampler.py`` picks the B prompt indices of each step;
 ``batch.py`` holds the per-response frames that cross phase boundaries.
 """
 

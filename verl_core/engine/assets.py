@@ -29,7 +29,7 @@ import fsspec
 from verl_core.layout import asset_index_doc, asset_record_doc
 from verl_core.store import RunStore, check_sha256, resolve_storage_options, sha256_hex
 from verl_core.errors import CorruptObjectError, PermanentError
-from verl_core.trainer import Assets
+from verl_core.assets import Assets
 from verl_core.local_cache import AssetCacheError, cache_root  # noqa: F401  (their home before)
 from verl_core.local_cache import file_sha256 as _file_sha
 from verl_core.local_cache import files_under as _files_under

@@ -24,7 +24,7 @@ lineage record of the step before). So a step's prompts are a function of the st
 sampled before, stored with the batches: a rebuild replays stored batches, a resume continues at
 the recorded position, and caching and lineage replay stay exact.
 
-What is not here: scoring (``trainer.score_batch``), the overlong penalty
+What is not here: scoring (``reward/scoring.py``), the overlong penalty
 (``reward/overlong.py``), what the reward phase does with an already scored batch
 (``phases.reward``: passes it on, so nothing is scored twice).
 """

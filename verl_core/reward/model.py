@@ -5,7 +5,7 @@ What belongs here: checking a reward-model folder (:func:`check_reward_model`, a
 before any work), loading it (:meth:`RewardModel.load`), building its input text, tokenising and
 scoring in micro-batches. What does not: where it runs (``RLTrainer.model_scores`` splits the rows
 among the run's workers and gathers them), and how its score meets the ``reward.scorer`` score
-(``trainer.score_batch``). Not imported by ``verl_core.reward`` (that package stays torch-free for
+(``reward/scoring.py``). Not imported by ``verl_core.reward`` (that package stays torch-free for
 the custom-scorer processes).
 
 Input text (as verl builds it):

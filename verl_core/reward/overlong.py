@@ -12,7 +12,7 @@ with a budget of ``max_resp_len`` tokens (``rollout.max_new_tokens``) and a buff
 
 so 0 up to ``expected_len`` tokens, then linearly down to ``-penalty_factor`` at the whole budget.
 What belongs here: the formula and its config view. Where it is applied (the reward phase's
-scoring, ``trainer.score_batch``): to the scorer's score, not to a reward model's (verl's manager
+scoring, ``reward/scoring.py``): to the scorer's score, not to a reward model's (verl's manager
 returns the reward model's scores as they are).
 """
 

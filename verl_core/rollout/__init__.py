@@ -7,7 +7,7 @@ without paying for transformers."""
 from verl_core.lazy import exports
 
 __all__, __getattr__ = exports(__name__, {
-    "verl_core.rollout.base": ("GenerationOutput", "RolloutEngine", "SamplingParams",
-                               "register_engine"),
+    "verl_core.rollout.base": ("GenerationOutput", "RolloutEngine", "SamplingParams"),
+    "verl_core.rollout.registry": ("register_engine",),
     "verl_core.rollout.engines": ("make_engine",),
 })

@@ -10,9 +10,11 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
+
+from verl_core.rollout.registry import engine_factory
 
 
 @dataclass(frozen=True)
@@ -143,18 +145,6 @@ class RolloutEngine(abc.ABC):
         """Free what the engine holds beyond this process's memory (its processes)."""
 
 
-_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
-
-
-def register_engine(name: str):
-    def deco(factory):
-        if name in _ENGINES:
-            raise ValueError(f"rollout engine {name!r} is registered twice")
-        _ENGINES[name] = factory
-        return factory
-    return deco
-
-
 def make_engine(name: str, **kwargs) -> RolloutEngine:  # the built-ins: rollout/engines.py
     """The engine ``name`` built from the keywords its factory reads (each ignores the rest):
     ``hf`` needs ``model``; ``vllm`` needs ``model_path`` (the Hugging Face folder) and takes the
@@ -162,7 +152,5 @@ def make_engine(name: str, **kwargs) -> RolloutEngine:  # the built-ins: rollout
     model's whole EOS set (:func:`verl_core.reward.decode.stop_token_ids`): a response stops after,
     and keeps, the first of them. ``vllm`` without CUDA or the package raises
     ``VLLMUnavailableError``."""
-    if name not in _ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}; known: {', '.join(sorted(_ENGINES))}")
-    return _ENGINES[name](**kwargs)
+    return engine_factory(name)(**kwargs)
 

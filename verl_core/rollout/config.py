@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of, _positive,
                                      in_trajectory, not_in_trajectory)
+from verl_core.rollout.registry import engine_names
 
 
 def _multi_turn_on(run) -> bool:
@@ -156,7 +157,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         _check_types("rollout", self)
-        _one_of("rollout", "engine", self.engine, {"hf", "vllm"})
+        _one_of("rollout", "engine", self.engine, engine_names())
         _positive("rollout", self, "n", "max_new_tokens", "micro_batch_size", "cpu_kv_cache_gib",
                   "val_n")
         for prefix in ("", "val_"):  # the rollout's sampling, then the evaluation's

@@ -15,8 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, check_rows,
-                                    concat_outputs, cut_to_limits, register_engine,
-                                    resolve_stop_ids)
+                                    concat_outputs, cut_to_limits, resolve_stop_ids)
+from verl_core.rollout.registry import register_engine
 from verl_core.training.forward import cache_kwarg, distinct_rows, takes_logits_to_keep
 
 

@@ -121,6 +121,15 @@ class _Deadline:
         return None if self.end is None else max(0.0, self.end - time.monotonic())
 
 
+def turn_limits(rc) -> dict:
+    """:func:`generate_turns`' limits from the ``rollout`` section (one place for the rollout
+    phase, the evaluation and the warm start's probe)."""
+    return dict(max_assistant_turns=rc.max_assistant_turns, max_user_turns=rc.max_user_turns,
+                max_parallel_calls=rc.max_parallel_calls,
+                max_tool_response_length=rc.max_tool_response_length,
+                truncate_side=rc.tool_response_truncate_side, budget_s=rc.tool_budget_s)
+
+
 @torch.no_grad()
 def generate_turns(engine: RolloutEngine, tokenizer, prompts: list[list[int]],
                    params: SamplingParams, *, host: ToolHost, tools: list[dict] | None = None,

@@ -71,7 +71,8 @@ import torch
 
 from verl_core.errors import PermanentError, RolloutEngineError
 from verl_core.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, check_rows,
-                                    register_engine, resolve_stop_ids)
+                                    resolve_stop_ids)
+from verl_core.rollout.registry import register_engine
 from verl_core.rollout.vllm_health import (EngineFailure, EngineProcesses, Watchdog, deadline_s,
                                            failure_of, signal_when_generating, trainer_env)
 

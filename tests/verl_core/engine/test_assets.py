@@ -9,7 +9,7 @@ import pytest
 from verl_core.store import RunStore
 from verl_core.engine import assets as assets_mod
 from verl_core.engine.assets import AssetCacheError, materialize_assets, publish_assets
-from verl_core.trainer import Assets
+from verl_core.assets import Assets
 
 
 @pytest.fixture

@@ -14,7 +14,9 @@ from verl_core.config import ConfigError
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, StaleBatchError, get_batch, put_batch
 from verl_core.store import RunStore
-from verl_core.trainer import compute_advantages, prepare_assets, score_batch
+from verl_core.trainer import compute_advantages
+from verl_core.assets import prepare_assets
+from verl_core.reward.scoring import score_batch
 
 STEPS = 5
 ASYNC = {**TINY, "model.warmup_sft_steps": 400, "model.warmup_target_accuracy": 0.2,

@@ -10,7 +10,7 @@ from verl_core.data.batch import Batch
 from verl_core.models.tokenizer import build_char_tokenizer
 from verl_core.reward.decode import decode_responses, special_token_ids
 from verl_core.reward.manager import RewardScorer
-from verl_core.trainer import score_batch
+from verl_core.reward.scoring import score_batch
 
 
 @pytest.fixture(scope="module")

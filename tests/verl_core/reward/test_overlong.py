@@ -8,7 +8,7 @@ from verl_core.data.batch import Batch
 from verl_core.models.tokenizer import build_char_tokenizer
 from verl_core.reward.manager import RewardScorer
 from verl_core.reward.overlong import OverlongBuffer, overlong_penalty
-from verl_core.trainer import score_batch
+from verl_core.reward.scoring import score_batch
 from verl_core.validation import declared_score_range
 
 

@@ -33,7 +33,8 @@ from verl_core.reward.manager import RewardScorer
 from verl_core.reward.model import (RewardModel, RewardModelError, RewardModelLoadError,
                                     check_reward_model)
 from verl_core.reward.registry import UnknownDataSourceError
-from verl_core.trainer import prepare_assets, score_batch
+from verl_core.assets import prepare_assets
+from verl_core.reward.scoring import score_batch
 
 TOL64, TOL32 = 1e-10, 1e-4  # see the module docstring
 TEXTS = ["12+7=19", "3-1=2", "40+40=80<pad>", "1", "9+9=18 and a longer answer, 18", "5-5=0",

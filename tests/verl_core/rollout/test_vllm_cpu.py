@@ -101,7 +101,8 @@ class _OwnCopyEngine(HFEngine):
 
 
 def test_trainer_refreshes_an_engine_that_owns_its_weights_after_an_update(tmp_path):
-    from verl_core.trainer import RLTrainer, prepare_assets
+    from verl_core.trainer import RLTrainer
+    from verl_core.assets import prepare_assets
 
     cfg = tiny_run(**{"model.warmup_sft_steps": 2, "data.synthetic_train_size": 32,
                       "data.synthetic_val_size": 4, "data.train_batch_size": 2, "rollout.n": 2,

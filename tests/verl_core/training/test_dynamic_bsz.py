@@ -290,7 +290,8 @@ def test_trainer_packs_every_forward_to_its_budget(tmp_path):
     reference's and the critic's no-grad forwards, the old log-probs, and both updates run in
     micro-batches within their own budgets (a longer row alone), recorded by forward hooks on
     the real models."""
-    from verl_core.trainer import RLTrainer, prepare_assets
+    from verl_core.trainer import RLTrainer
+    from verl_core.assets import prepare_assets
 
     budgets = {"ppo_max_token_len_per_gpu": 40, "log_prob_max_token_len_per_gpu": 50,
                "ref_log_prob_max_token_len_per_gpu": 60, "critic_ppo_max_token_len_per_gpu": 70,

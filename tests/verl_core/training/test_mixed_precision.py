@@ -10,7 +10,8 @@ from tests.standins import gsm8k_parquet, llama3_folder
 from tests.verl_core.training.test_ppo_update import _rollout
 from verl_core.config import AlgorithmConfig, ConfigError, OptimConfig, preset
 from verl_core.models.loading import precision_line, stored_dtype
-from verl_core.trainer import Assets, RLTrainer
+from verl_core.trainer import RLTrainer
+from verl_core.assets import Assets
 from verl_core.training import sharding
 from verl_core.training.dist import SINGLE, init_process_group
 from verl_core.training.forward import batched_logprobs

@@ -238,7 +238,8 @@ def test_trainer_packs_every_forward(tmp_path):
     updates each run one packed sequence per micro-batch (no padding), every real token once
     per pass, recorded by forward hooks on the real models."""
     from tests.presets import tiny_run
-    from verl_core.trainer import RLTrainer, prepare_assets
+    from verl_core.trainer import RLTrainer
+    from verl_core.assets import prepare_assets
 
     cfg = tiny_run("ppo", **{"data.train_batch_size": 4, "rollout.n": 3,
                              "actor.ppo_micro_batch_size": 12, "algorithm.use_kl_loss": True,

@@ -11,7 +11,8 @@ from verl_core.data.dataset import DatasetError, load_prompt_rows
 from verl_core.prepare import prepare_run
 from verl_core.models.tokenizer import build_char_tokenizer
 from verl_core.train import main
-from verl_core.trainer import load_checked_rows, prepare_assets
+from verl_core.assets import prepare_assets
+from verl_core.data.prompts import load_checked_rows
 
 
 def _row(content="12+7=", gt="19"):

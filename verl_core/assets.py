@@ -1,0 +1,151 @@
+"""What a run starts from (:class:`Assets`): its train/val parquet files and its model folder,
+made by :func:`prepare_assets` when the config names none (the synthetic dataset; the tiny model
+and its warm start, ``tiny_warmup.py``; a brought model's format warm start,
+``format_warmup.py``), every dataset file checked before any model work.
+
+What does not belong here: storing the assets in the run store and materialising them on a
+worker (``engine/assets.py``), what the run records as its assets (``prepare.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from verl_core.agent.tools import ToolConfigError, ToolHost, tool_entries
+from verl_core.config import RunConfig
+from verl_core.data.prompts import load_checked_rows
+from verl_core.data.synthetic import write_arithmetic_dataset, write_calculator_dataset
+from verl_core.data.word_problems import write_word_problem_dataset
+from verl_core.format_warmup import format_answers, format_warm_start
+from verl_core.models import build_tiny_model, load_tokenizer
+from verl_core.models.lora import check_lora, meta_model
+from verl_core.models.loading import precision_line, write_overridden_folder
+from verl_core.models.tokenizer import CHAR_CHAT_TEMPLATE, build_char_tokenizer
+from verl_core.reward.model import check_reward_model
+from verl_core.seeds import derive_seed
+from verl_core.tiny_warmup import tiny_warm_start
+from verl_core.validation import validate_dataset_files
+from verl_core.warmstart import WarmStart, warm_start_key
+
+
+@dataclass(frozen=True)
+class Assets:
+    """What a run starts from: a model folder and the train/val parquet files."""
+
+    model_path: str
+    train_files: list[str]
+    val_files: list[str]
+    reward_model_path: str = ""
+    """The reward model's folder ("" without ``reward_model.enable``)."""
+    model_source_path: str = ""
+    """The folder you brought when ``model_path`` is a copy made from it (its format warm start,
+    ``model.format_warmup_steps``, or its config.json with ``model.override_config``); ""
+    otherwise."""
+
+
+def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool = True,
+                   store=None) -> Assets:
+    """Materialise the embedded defaults: the synthetic dataset when no files are given, the tiny
+    warm-started model when no model path is given. Deterministic in ``cfg.seed``.
+    ``build_model=False``: no warm start (``model_path`` stays empty when none is given): a
+    trajectory that ran before takes its model from its record (``prepare_run``). ``store``
+    (the run store): the warm start saves its progress there and resumes from it, and a
+    finished one with the same inputs is reused (``verl_core/warmstart.py``)."""
+    rm = cfg.reward_model
+    if rm.enable:  # not a one-label sequence classifier: fail before the data and the warm start
+        check_reward_model(rm.path, rm.max_length)
+    calculator = not cfg.data.train_files and cfg.data.synthetic_task == "calculator"
+    if cfg.data.train_files:
+        train_files, val_files = cfg.data.train_file_list, cfg.data.val_file_list
+    elif cfg.data.synthetic_task == "word_problems":
+        train, val = write_word_problem_dataset(
+            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
+            val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
+        train_files, val_files = [train], [val]
+    elif calculator:
+        train, val = write_calculator_dataset(
+            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
+            val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
+        train_files, val_files = [train], [val]
+    else:
+        train, val = write_arithmetic_dataset(
+            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
+            val_size=cfg.data.synthetic_val_size, max_operand=cfg.data.synthetic_max_operand,
+            seed=cfg.seed)
+        train_files, val_files = [train], [val]
+    # Every file is checked (rows, columns, prompt lengths) before any model work: a bad row must
+    # not cost a warm start first.
+    # the tiny model's tokenizer is the character one (with a chat template for tool turns)
+    template = CHAR_CHAT_TEMPLATE if calculator else None
+    tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer(template)
+    schemas = check_tools(cfg, tok)
+    rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length, cfg.data.truncation,
+                             schemas)
+    load_checked_rows(tok, val_files, cfg.data.max_prompt_length, cfg.data.truncation, schemas)
+    # the GX suite, every row; without the tokenizer: the prompt lengths were checked just above
+    validate_dataset_files([*train_files, *val_files], cfg)
+    if cfg.model.path and cfg.model.format_warmup_steps:
+        check_lora(cfg.model, meta_model(cfg.model.path))  # model.lora_*: before any work
+        format_answers(rows, train_files)  # every row has its solution: before any work
+        model_path = ""
+        if build_model:  # else a trajectory that ran before takes it from its record
+            model_path = os.path.join(workdir, "model")
+            format_warm_start(cfg, tok, rows, train_files, model_path, store, log,
+                              seed=derive_seed(cfg.seed, 0, "format-warmup"))
+            if cfg.model.override_config:  # RL trains the warm-started weights with them
+                write_overridden_folder(model_path, model_path + "-config",
+                                        cfg.model.config_overrides)
+                model_path += "-config"
+            log(precision_line(model_path, cfg.model.dtype))
+        return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
+                      reward_model_path=rm.path if rm.enable else "",
+                      model_source_path=cfg.model.path)
+    if cfg.model.path:
+        check_lora(cfg.model, meta_model(cfg.model.path))  # model.lora_*: before any work
+        model_path = cfg.model.path
+        if cfg.model.override_config:  # the run's copy, config.json changed, weights linked
+            model_path = write_overridden_folder(cfg.model.path, os.path.join(workdir, "model"),
+                                                 cfg.model.config_overrides)
+            log(precision_line(model_path, cfg.model.dtype))
+            return Assets(model_path=model_path, train_files=train_files,
+                          val_files=val_files, reward_model_path=rm.path if rm.enable else "",
+                          model_source_path=cfg.model.path)
+    elif not build_model:
+        return Assets(model_path="", train_files=train_files, val_files=val_files,
+                      reward_model_path=rm.path if rm.enable else "")
+    else:
+        model_path = os.path.join(workdir, "model")
+        model, tok = build_tiny_model(hidden_size=cfg.model.tiny_hidden_size,
+                                      layers=cfg.model.tiny_layers, heads=cfg.model.tiny_heads,
+                                      seed=cfg.seed, chat_template=template)
+        check_lora(cfg.model, model)  # model.lora_*: before the warm start
+        ws = WarmStart(store, warm_start_key(cfg, train_files, template), log,
+                       total_steps=cfg.model.warmup_sft_steps
+                       + (cfg.model.warmup_mixed_steps if calculator else 0),
+                       target=cfg.model.warmup_target_accuracy)
+        if not ws.reuse(model_path):
+            tiny_warm_start(cfg, model, tok, rows, schemas, calculator, ws, log)
+            model.save_pretrained(model_path, safe_serialization=True)
+            tok.save_pretrained(model_path)
+            ws.finish(model_path, ws.steps_done, ws.accuracy)
+    log(precision_line(model_path, cfg.model.dtype))
+    return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
+                  reward_model_path=rm.path if rm.enable else "")
+
+
+def check_tools(cfg: RunConfig, tokenizer) -> list[dict] | None:
+    """``rollout.multi_turn``: the tools' schemas (what prompts show the model), after building
+    every tool once in a tool host, so a class that cannot be imported or built is refused
+    before any work, naming it; None without multi-turn rollouts."""
+    rc = cfg.rollout
+    if not rc.multi_turn:
+        return None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ToolConfigError("rollout.multi_turn=True needs a model whose tokenizer has a chat "
+                              "template (it renders the tool calls' responses between turns); "
+                              "this one has none: set model.path to a chat model")
+    entries = tool_entries(rc.tool_config_path)
+    with ToolHost(entries, timeout_s=rc.tool_timeout_s):
+        pass
+    return [e.schema for e in entries]
