@@ -58,7 +58,7 @@ def test_several_greedy_responses_are_refused():
 
 
 def test_val_max_samples_is_the_same_seeded_subset_every_time(assets):
-    from verl_core.trainer import val_subset
+    from verl_core.data.prompts import val_subset
 
     rows = list(range(10))
     a = val_subset(rows, 4, seed=1)

@@ -279,3 +279,20 @@ def _release(host: ToolHost, created: set, prefix: str, rewards: list[list[float
     for (i, _), r in zip(order, got):
         rewards[i].append(r.reward if r.status == "ok" else 0.0)
     host.run([Request("release", name, _instance(prefix, rows[i], name)) for i, name in order])
+
+
+def turn_limits(rc) -> dict:
+    """:func:`generate_turns`' limits from the ``rollout`` section (one place for the rollout
+    phase, the evaluation and the warm start's probe)."""
+    return dict(max_assistant_turns=rc.max_assistant_turns, max_user_turns=rc.max_user_turns,
+                max_parallel_calls=rc.max_parallel_calls,
+                max_tool_response_length=rc.max_tool_response_length,
+                truncate_side=rc.tool_response_truncate_side, budget_s=rc.tool_budget_s)
+
+
+def turn_extra_info(infos: list[dict], turns: list[dict]) -> list[dict]:
+    """Each multi-turn row's ``extra_info`` as verl's reward managers give it to a scorer: the
+    row's own, plus ``num_turns`` (assistant turns) and ``tool_rewards`` (each call's step
+    reward, then each tool's ``calc_reward``)."""
+    return [{**(info or {}), "num_turns": len(t["turns"]), "tool_rewards": list(t["tool_rewards"])}
+            for info, t in zip(infos, turns)]

@@ -27,11 +27,11 @@ def _cfg(**over):
 
 def _weights_sha(worker) -> str:
     h = hashlib.sha256()
-    for model in (worker.trainer.actor, worker.trainer.critic):
+    for model in (worker.trainer.actor.model, worker.trainer.critic.model):
         for k, v in sorted(model.state_dict().items()):
             h.update(k.encode())
             h.update(v.detach().contiguous().numpy().tobytes())
-    h.update(json.dumps(worker.trainer.kl_ctrl.state_dict()).encode())
+    h.update(json.dumps(worker.trainer.actor.kl_ctrl.state_dict()).encode())
     return h.hexdigest()
 
 
@@ -265,5 +265,5 @@ def test_checkpoint_export_of_a_run_is_a_complete_hf_folder(tmp_path, assets):
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     ids = tok(["12+7="], return_tensors="pt").input_ids
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, w.trainer.actor(ids).logits)
+        assert torch.equal(model(ids).logits, w.trainer.actor.model(ids).logits)
     w.close()

@@ -1,0 +1,74 @@
+"""A run's prompts as the models read them: the tokenizer, the dataset rows (training and
+held-out), their encoded prompts, and the tools whose schemas every prompt shows (with
+``rollout.multi_turn``: the schemas and the host process that runs the calls)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verl_core.agent.tools import ToolHost, tool_entries
+from verl_core.data.batch import encode_prompts
+from verl_core.data.dataset import PromptRow, load_prompt_rows, render_prompt
+from verl_core.models import load_tokenizer
+from verl_core.seeds import derive_seed
+
+
+@dataclass
+class Prompts:
+    tokenizer: Any
+    train_rows: list[PromptRow]
+    val_rows: list[PromptRow]
+    """The held-out rows an evaluation scores (``data.val_max_samples`` of them)."""
+    train_ids: torch.Tensor
+    """(R, P) every training row's prompt, left-padded; ``train_mask`` (R, P) its real tokens."""
+    train_mask: torch.Tensor
+    val_ids: torch.Tensor
+    val_mask: torch.Tensor
+    tool_schemas: list[dict] | None = None
+    tool_host: Any = None
+    """``rollout.multi_turn``: the ``ToolHost`` (a process) the calls run in; None otherwise."""
+
+    def close(self) -> None:
+        if self.tool_host is not None:
+            self.tool_host.close()
+
+
+def load_prompts(cfg, assets) -> Prompts:
+    """The run's prompts: tokenizer, rows, encoded prompts and, with ``rollout.multi_turn``, the
+    tools (their schemas in every prompt) in a host process."""
+    tok = load_tokenizer(assets.model_path)
+    train_rows = load_prompt_rows(assets.train_files)
+    val_rows = val_subset(load_prompt_rows(assets.val_files), cfg.data.val_max_samples, cfg.seed)
+    schemas = host = None
+    if cfg.rollout.multi_turn:
+        entries = tool_entries(cfg.rollout.tool_config_path)
+        schemas = [e.schema for e in entries]
+        host = ToolHost(entries, timeout_s=cfg.rollout.tool_timeout_s)
+    d = cfg.data
+    train_ids, train_mask = encode_rows(tok, train_rows, d.max_prompt_length, d.truncation, schemas)
+    val_ids, val_mask = encode_rows(tok, val_rows, d.max_prompt_length, d.truncation, schemas)
+    return Prompts(tokenizer=tok, train_rows=train_rows, val_rows=val_rows, train_ids=train_ids,
+                   train_mask=train_mask, val_ids=val_ids, val_mask=val_mask,
+                   tool_schemas=schemas, tool_host=host)
+
+
+def val_subset(rows: list[PromptRow], cap: int, seed: int) -> list[PromptRow]:
+    """At most ``cap`` of the held-out ``rows`` (-1: all): a seeded draw without replacement, in
+    file order, the same for every evaluation of a run (``data.val_max_samples``)."""
+    if cap < 0 or len(rows) <= cap:
+        return rows
+    keep = sorted(random.Random(derive_seed(seed, 0, "val-subset")).sample(range(len(rows)), cap))
+    return [rows[i] for i in keep]
+
+
+def encode_rows(tokenizer, rows: list[PromptRow], max_len: int, truncation: str = "error",
+                tools: list[dict] | None = None):
+    """(ids, mask) of ``rows``' prompts as the policy reads them (chat template, tools),
+    left-padded; an over-long prompt is named by its dataset row."""
+    texts = [render_prompt(r, tokenizer, tools) for r in rows]
+    return encode_prompts(tokenizer, texts, max_len, names=[f"dataset row {r.index}" for r in rows],
+                          truncation=truncation)
