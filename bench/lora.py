@@ -17,6 +17,7 @@ and the *new* bytes the second checkpoint wrote (what every later checkpoint cos
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -45,7 +46,7 @@ def one(config: str) -> dict:
     from verl_core.checkpoint.manager import CheckpointManager
     from verl_core.config import AlgorithmConfig, OptimConfig
     from verl_core.models.config import ModelConfig
-    from verl_core.models.lora import apply_lora, reference_of, split_state
+    from verl_core.models.lora import apply_lora, split_state
     from verl_core.training.forward import batched_logprobs
     from verl_core.training.optim import make_optimizer, make_scheduler
     from verl_core.training.ppo import ppo_update
@@ -70,7 +71,7 @@ def one(config: str) -> dict:
         mgr = CheckpointManager(root)
         for k in range(UPDATES):
             t0 = time.perf_counter()
-            with reference_of(ref):
+            with ref.disable_adapter() if lora else contextlib.nullcontext():
                 refs = batched_logprobs(ref, batch, 1.0, 8, max_token_len=BUDGET,
                                         remove_padding=True)
             ppo_update(model, opt, sched, batch.replace(ref_logprobs=refs), algo,

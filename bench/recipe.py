@@ -63,7 +63,7 @@ def base_accuracy(model: str, workdir: str) -> tuple[float, int, float]:
     try:
         t0 = time.perf_counter()
         acc = trainer.evaluate()["val/accuracy"]
-        return acc, int(trainer.val_prompt_ids.shape[0]), time.perf_counter() - t0
+        return acc, int(trainer.prompts.val_ids.shape[0]), time.perf_counter() - t0
     finally:
         trainer.close()
 

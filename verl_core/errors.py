@@ -88,3 +88,13 @@ class RolloutEngineError(TransientError):
     often in one call than ``rollout.engine_max_restarts`` rebuilds could cure. The message
     names the engine, the last failure and what to change; the phase may succeed when retried
     (a fresh engine is built then)."""
+
+
+class StaleBatchError(PermanentError):
+    """An update's batch was sampled with weights further behind than ``rollout.max_staleness``
+    allows (or ahead of them)."""
+
+
+RECOVER = ("re-run the same command with --overwrite-cache (pyflyte run --overwrite-cache …), "
+           "which recomputes every phase of the run and rewrites what they stored")
+"""The one command that recovers a run whose stored data cannot be rebuilt from the store."""

@@ -74,7 +74,7 @@ def _assert_spans(trainer, batch, metrics):
                 assert a == e
                 obs = observation_ids(tok, [{"role": "tool", "content": r["observation"]}
                                             for r in turn["results"]],
-                                      end_of_turn=tok.eos_token, tools=trainer.tool_schemas)
+                                      end_of_turn=tok.eos_token, tools=trainer.prompts.tool_schemas)
                 assert ids[a:b] == obs[:b - a]  # the template's ids, cut only at the budget
                 calls += len(turn["results"])
                 pos = b
@@ -102,14 +102,14 @@ def test_the_trainers_log_probs_equal_the_rollouts_on_sampled_tokens(rolled):
 
 
 def _assert_trainer_agrees(trainer, batch):
-    logp = batched_logprobs(trainer.actor, batch, trainer.cfg.rollout.temperature, 8)
+    logp = batched_logprobs(trainer.actor.model, batch, trainer.cfg.rollout.temperature, 8)
     sampled = batch.response_mask.bool()
     bound = _rounding_bound(trainer, batch)
     diff = (logp - batch.response_logprobs)[sampled].abs().max().item()
     assert diff <= bound, (diff, bound)
     # and the trainer reads the observations: without them the sampled tokens after a tool's
     # response are predicted from another context
-    blind = batched_logprobs(trainer.actor, batch.replace(response_attention_mask=None),
+    blind = batched_logprobs(trainer.actor.model, batch.replace(response_attention_mask=None),
                              trainer.cfg.rollout.temperature, 8)
     after = sampled & (batch.response_mask.cumsum(-1) < torch.arange(
         1, batch.response_mask.shape[1] + 1))  # sampled tokens that follow a hole
@@ -124,10 +124,10 @@ def _rounding_bound(trainer, batch) -> float:
     and n the chained terms, 2 x layers x (hidden + intermediate) = 1280 for the tiny model,
     relative to the largest logit magnitude; |Δ log-softmax| <= 2 max|Δ logit|."""
     from verl_core.training.forward import response_logits
-    cfg = trainer.actor.config
+    cfg = trainer.actor.model.config
     n = 2 * cfg.num_hidden_layers * (cfg.hidden_size + cfg.intermediate_size)
     with torch.no_grad():
-        biggest = float(response_logits(trainer.actor, batch.prompt_ids, batch.prompt_mask,
+        biggest = float(response_logits(trainer.actor.model, batch.prompt_ids, batch.prompt_mask,
                                         batch.response_ids, batch.response_attn).abs().max())
     return 2 * n * 2.0 ** -24 * biggest / trainer.cfg.rollout.temperature
 
@@ -247,7 +247,7 @@ def rolled_vllm(calc):
 def test_on_vllm_the_batch_is_the_sampled_ids_and_the_templates_ids_and_the_trainer_agrees(
         rolled_vllm):
     _, trainer, batch, metrics = rolled_vllm
-    assert type(trainer.engine).__name__ == "VLLMEngine"
+    assert type(trainer.behaviour.engine).__name__ == "VLLMEngine"
     _assert_spans(trainer, batch, metrics)
     _assert_trainer_agrees(trainer, batch)
 

@@ -64,7 +64,7 @@ def test_a_rollback_drops_the_rollout_in_flight(tmp_path, monkeypatch):
     w = RunWorker(spec.store, spec.config_json, json.loads(spec.assets_json))
     try:
         assert w.rollout(4)[0] == ref
-        assert w.replayed == 2 and w.behaviour_step == 4
+        assert w.replayed == 2 and w.trainer.behaviour.version == 4
     finally:
         w.close()
         release_lease(spec)

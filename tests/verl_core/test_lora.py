@@ -95,17 +95,17 @@ def test_the_reference_log_probs_are_the_base_models(assets):
     cfg = tiny_run(**LORA)
     trainer = RLTrainer(cfg, assets)
     try:
-        assert trainer.ref is None  # no second copy of the base
+        assert trainer.actor.ref is None  # no second copy of the base
         with torch.no_grad():  # move the adapters off zero: policy != base
-            for n, p in trainer.actor.named_parameters():
+            for n, p in trainer.actor.model.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0, 0.5)
-        trainer._rollout_stale = True
+        trainer.behaviour.actor_changed()
         batch, _ = trainer.rollout(1)
         plain = RLTrainer(tiny_run(**{**LORA, "model.lora_rank": 0}), assets)
         try:
             from verl_core.training.forward import batched_logprobs
-            base = batched_logprobs(plain.ref, batch, cfg.rollout.temperature, 8)
+            base = batched_logprobs(plain.actor.ref, batch, cfg.rollout.temperature, 8)
         finally:
             plain.close()
         m = batch.response_mask.bool()
@@ -185,7 +185,7 @@ def test_a_run_starts_from_an_exported_adapter(run, assets, tmp_path):
     cfg = tiny_run(**{**LORA, "model.lora_adapter_path": adapter})
     trainer = RLTrainer(cfg, assets)
     try:
-        got = {k.replace(".default.", "."): v for k, v in trainer.actor.state_dict().items()
+        got = {k.replace(".default.", "."): v for k, v in trainer.actor.model.state_dict().items()
                if ".lora_" in k}
         saved = load_file(os.path.join(adapter, "adapter_model.safetensors"))
         assert got.keys() == saved.keys()
@@ -246,16 +246,16 @@ def test_on_vllm_the_rollout_samples_the_adapted_policy(assets):
     cfg = tiny_run(**{**LORA, "rollout.engine": "vllm"})
     trainer = RLTrainer(cfg, assets)
     try:
-        assert type(trainer.engine).__name__ == "VLLMEngine"
+        assert type(trainer.behaviour.engine).__name__ == "VLLMEngine"
         with torch.no_grad():
-            for n, p in trainer.actor.named_parameters():
+            for n, p in trainer.actor.model.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0, 0.5)
-        trainer._rollout_stale = True
+        trainer.behaviour.actor_changed()
         batch, _ = trainer.rollout(1)
         m = batch.response_mask.bool()
         t = cfg.rollout.temperature
-        policy = batched_logprobs(trainer.actor, batch, t, 8)
+        policy = batched_logprobs(trainer.actor.model, batch, t, 8)
         assert (policy - batch.response_logprobs)[m].abs().max().item() <= 1e-4
         assert (batch.ref_logprobs - batch.response_logprobs)[m].abs().max().item() > 1e-2
     finally:

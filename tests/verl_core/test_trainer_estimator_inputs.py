@@ -43,8 +43,9 @@ def test_remax_rolls_out_and_scores_one_greedy_response_per_prompt(assets):
         rows = slice(b * G, (b + 1) * G)
         assert (ids[rows] == ids[b * G]).all() and (mask[rows] == mask[b * G]).all()
     prompts = trainer.prompt_indices(0)
-    out = trainer.engine.generate(trainer.train_prompt_ids[prompts], trainer.train_prompt_mask[prompts],
-                                  SamplingParams(temperature=0.0, max_new_tokens=8))
+    p = trainer.prompts
+    out = trainer.behaviour.engine.generate(p.train_ids[prompts], p.train_mask[prompts],
+                                            SamplingParams(temperature=0.0, max_new_tokens=8))
     T = out.response_ids.shape[1]
     assert torch.equal(ids[::G, :T], out.response_ids) and not mask[::G, T:].any()
     # its score is the rule scorer's on the decoded greedy text, given to the prompt's G rows
@@ -92,10 +93,10 @@ def test_greedy_rollout_pads_prompts_to_the_worker_count_and_drops_the_copies(as
     trainer = RLTrainer(_cfg("remax"), assets)
     trainer.close()
     prompts = [5, 9, 11, 2]
-    ids, mask = trainer.train_prompt_ids[prompts], trainer.train_prompt_mask[prompts]
-    one = trainer._generate_greedy(ids, mask)
+    ids, mask = trainer.prompts.train_ids[prompts], trainer.prompts.train_mask[prompts]
+    one = trainer.behaviour.generate_greedy(ids, mask)
     trainer.dp = ThreeWorkersInOneProcess()
-    padded = trainer._generate_greedy(ids, mask)
+    padded = trainer.behaviour.generate_greedy(ids, mask)
     assert torch.equal(padded.response_ids, one.response_ids)
     assert torch.equal(padded.response_mask, one.response_mask)
     assert one.response_mask[:, -1].any()  # trimmed: no column that is padding in every row

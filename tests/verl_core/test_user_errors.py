@@ -37,7 +37,7 @@ NOT_USER_ERRORS = {
     "verl_core.store.NotFoundError": "a stored doc or object is missing",
     "verl_core.engine.worker.StaleBatchError": "an off-policy batch outside the bound",
     "verl_core.engine.worker.StateUnavailableError": "a worker's state is not where it should be",
-    "verl_core.engine.sampler_process.SamplerError": "the background sampler process failed",
+    "verl_core.parts.sampler_process.SamplerError": "the background sampler process failed",
     "verl_core.engine.dynamic_sampling.FilterGroupsExhaustedError":
         "the data gave too few mixed groups during training",
     "verl_core.reward.manager.ScorerError": "a custom scorer failed on a row during training",

@@ -225,24 +225,26 @@ ADAPTER_FOLDER = "adapter"
 
 
 def export_trained(model: Any, folder: str, source: str,
-                   state: Optional[dict[str, torch.Tensor]] = None) -> None:
+                   state: Optional[dict[str, torch.Tensor]] = None, *,
+                   merged: Optional[dict[str, torch.Tensor]] = None,
+                   lora: Optional[dict] = None) -> None:
     """The trained ``model`` as a Hugging Face folder faithful to the user's model folder
     ``source`` (its tokenizer files and generation config as given, its stored dtype, tied
-    weights once): the plain loop's ``final_model`` and the workflow's finalize. ``state``: the
-    full state dict when ``model`` is sharded (gathered on this rank); default
-    ``model.state_dict()``."""
-    from verl_core.models.lora import adapter_weights, is_lora, lora_meta, model_state
-    from verl_core.models.lora import write_adapter_files
+    weights once): the plain loop's ``final_model`` and the workflow's finalize (through
+    ``Actor.export``). ``state``: the full state dict when ``model`` is sharded (gathered on this
+    rank); default ``model.state_dict()``. A LoRA policy (``lora``: its adapters' settings,
+    ``Actor.lora``) gives its ``merged`` weights (W + s B A: what vLLM and from_pretrained load)
+    and gets its adapters written as PEFT writes them in adapter/
+    (PeftModel.from_pretrained(base, folder/adapter))."""
+    from verl_core.models.lora import adapter_weights, write_adapter_files
 
     os.makedirs(folder, exist_ok=True)
     full = model.state_dict() if state is None else state
-    # a LoRA policy: the merged model (W + s B A: what vLLM and from_pretrained load), and its
-    # adapters as PEFT writes them in adapter/ (PeftModel.from_pretrained(base, folder/adapter))
-    write_hf_folder(folder, model_state(model, full), model.config.to_dict(),
+    write_hf_folder(folder, full if merged is None else merged, model.config.to_dict(),
                     model_folder_files(source), dtype=folder_export_dtype(source))
-    if is_lora(model):
+    if lora is not None:
         write_adapter_files(os.path.join(folder, ADAPTER_FOLDER), adapter_weights(full),
-                            lora_meta(model), base=source)
+                            lora, base=source)
 
 
 def _write_weights(state: dict[str, torch.Tensor], folder: str, max_shard_bytes: int) -> list[str]:

@@ -1,6 +1,8 @@
-"""Prompt rows for a tokenizer: loaded and length-checked file by file (:func:`load_checked_rows`,
-what run preparation refuses a dataset with), rendered and encoded (:func:`encode_rows`), and the
-held-out subset an evaluation reads (:func:`val_subset`).
+"""A run's prompts as the models read them (:class:`Prompts`, built by :func:`load_prompts`: the
+tokenizer, the training and held-out rows, their encoded prompts, the tools every prompt shows);
+prompt rows loaded and length-checked file by file (:func:`load_checked_rows`, what run
+preparation refuses a dataset with), rendered and encoded (:func:`encode_rows`), and the held-out
+subset an evaluation reads (:func:`val_subset`).
 
 What does not belong here: reading and validating the parquet rows (``dataset.py``), the
 padding itself (``batch.py``'s :func:`~verl_core.data.batch.encode_prompts`).
@@ -10,10 +12,55 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from verl_core.agent.tools import ToolHost, tool_entries
 from verl_core.data.batch import encode_prompts
 from verl_core.data.dataset import PromptRow, load_prompt_rows, render_prompt
+from verl_core.models import load_tokenizer
 from verl_core.seeds import derive_seed
+
+
+@dataclass
+class Prompts:
+    tokenizer: Any
+    train_rows: list[PromptRow]
+    val_rows: list[PromptRow]
+    """The held-out rows an evaluation scores (``data.val_max_samples`` of them)."""
+    train_ids: torch.Tensor
+    """(R, P) every training row's prompt, left-padded; ``train_mask`` (R, P) its real tokens."""
+    train_mask: torch.Tensor
+    val_ids: torch.Tensor
+    val_mask: torch.Tensor
+    tool_schemas: list[dict] | None = None
+    tool_host: Any = None
+    """``rollout.multi_turn``: the ``ToolHost`` (a process) the calls run in; None otherwise."""
+
+    def close(self) -> None:
+        if self.tool_host is not None:
+            self.tool_host.close()
+
+
+def load_prompts(cfg, assets) -> Prompts:
+    """The run's prompts: tokenizer, rows, encoded prompts and, with ``rollout.multi_turn``, the
+    tools (their schemas in every prompt) in a host process."""
+    tok = load_tokenizer(assets.model_path)
+    train_rows = load_prompt_rows(assets.train_files)
+    val_rows = val_subset(load_prompt_rows(assets.val_files), cfg.data.val_max_samples, cfg.seed)
+    schemas = host = None
+    if cfg.rollout.multi_turn:
+        entries = tool_entries(cfg.rollout.tool_config_path)
+        schemas = [e.schema for e in entries]
+        host = ToolHost(entries, timeout_s=cfg.rollout.tool_timeout_s)
+    d = cfg.data
+    train_ids, train_mask = encode_rows(tok, train_rows, d.max_prompt_length, d.truncation, schemas)
+    val_ids, val_mask = encode_rows(tok, val_rows, d.max_prompt_length, d.truncation, schemas)
+    return Prompts(tokenizer=tok, train_rows=train_rows, val_rows=val_rows, train_ids=train_ids,
+                   train_mask=train_mask, val_ids=val_ids, val_mask=val_mask,
+                   tool_schemas=schemas, tool_host=host)
 
 
 def val_subset(rows: list[PromptRow], cap: int, seed: int) -> list[PromptRow]:

@@ -211,8 +211,8 @@ def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, d
     cfg, dp = trainer.cfg, trainer.dp
     algo, G, B = cfg.algorithm, cfg.rollout.n, cfg.data.train_batch_size
     try:
-        sampler = ResumableSampler(len(trainer.train_rows), cfg.data.gen_batch_prompts, cfg.seed,
-                                   shuffle=cfg.data.shuffle)
+        sampler = ResumableSampler(len(trainer.prompts.train_rows), cfg.data.gen_batch_prompts,
+                                   cfg.seed, shuffle=cfg.data.shuffle)
     except ValueError as e:
         raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size}: {e}") from e
     # seq_final_reward under use_kl_in_reward reads the reference log-probs before filtering

@@ -25,27 +25,26 @@ import json
 import logging
 import math
 import os
-import threading
 import time
 
 import torch
 
-from verl_core.checkpoint.hf_export import export_trained, store_tokenizer
+from verl_core.checkpoint.hf_export import store_tokenizer
 from verl_core.checkpoint.local_tier import Replicator, open_local_store
 from verl_core.checkpoint.manager import SHARED_GROUPS, CheckpointManager, open_checkpoint
 from verl_core.store import NotFoundError, RunStore, is_sha256, sha256_hex
 from verl_core.config import ConfigError, RunConfig
 from verl_core.data.batch import Batch, batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.engine.assets import materialize_assets
-from verl_core.errors import (CheckpointNotFoundError, CorruptObjectError, PermanentError,
-                              StoreUnavailableError, UnsafeManifestError)
+from verl_core.errors import (RECOVER, CheckpointNotFoundError, CorruptObjectError,
+                              PermanentError, StaleBatchError, StoreUnavailableError,
+                              UnsafeManifestError)
 from verl_core.guard import checks, faults
 from verl_core.guard.faults import maybe_inject
 from verl_core.guard.lease import FencedError
 from verl_core.layout import (BEST_DOC, TOKENIZER_DOC, eval_samples_doc, lineage_doc,
                               pending_doc)
 from verl_core.trainer import RLTrainer, compute_advantages
-from verl_core.training import sharding
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.validation import validate_and_record
 
@@ -62,20 +61,8 @@ class StateUnavailableError(PermanentError):
     """The state a phase asks for can be neither found nor rebuilt."""
 
 
-class StaleBatchError(PermanentError):
-    """An update's batch was sampled with weights further behind than ``rollout.max_staleness``
-    allows (or ahead of them)."""
-
-
-@dataclasses.dataclass
-class Prefetch:
-    """``rollout.max_staleness``: the rollout of ``step`` sampling in a background thread (from
-    the behaviour policy, the state after ``version`` updates) while the update runs."""
-
-    step: int
-    version: int
-    thread: threading.Thread
-    box: dict  # "out": (batch, metrics), or "error"; "span": (start, end) perf_counter times
+__all__ = ["RunWorker", "StateUnavailableError", "StaleBatchError", "RECOVER", "put_batch",
+           "get_batch"]
 
 
 # what makes one checkpoint unusable (not the store): the worker then tries an older one
@@ -93,11 +80,6 @@ PENDING_PHASES = ("rollout", "reward", "advantage")
 
 INPUT_OF = {"reward": "rollout", "advantage": "reward"}
 """The phase whose batch each light phase reads (a rollout reads the state of its step)."""
-
-RECOVER = ("re-run the same command with --overwrite-cache (pyflyte run --overwrite-cache …), "
-           "which recomputes every phase of the run and rewrites what they stored")
-"""The one command that recovers a run whose stored data cannot be rebuilt from the store."""
-
 
 def put_batch(store: RunStore, batch: Batch, *, pending: str | None = None) -> str:
     """Store ``batch`` as a parquet object; with ``pending`` (a :func:`pending_doc` name), also
@@ -155,12 +137,6 @@ class RunWorker:
                 keep_every=c.keep_every or None, gc_grace_s=c.gc_grace_s)
             self.replicator = Replicator(self.local_ckpt, self.ckpt)
         self._pending_save = None  # the SaveHandle of a background checkpoint write
-        # rollout.max_staleness: the state the behaviour policy (the trainer's rollout model)
-        # holds: the step before the live one (the state after a rollback: the live one); and
-        # the next step's rollout when it is sampling in the background (docs/async.md)
-        self.behaviour_step = 0
-        self._prefetch: Prefetch | None = None
-        self._sampler = None  # rollout.async_mode=process: the SamplerProcess (started lazily)
         self.trainer = RLTrainer(self.cfg, self.assets, dp)
         if self.leader and not self.store.has_json(TOKENIZER_DOC):  # once per run (export)
             store_tokenizer(self.store, self.assets.model_path)  # the user's files, as given
@@ -206,11 +182,9 @@ class RunWorker:
         the initial model of the assets (step 0)."""
         spec = self.cfg.checkpoint.resume_from_checkpoint
         with self._changing_state():
-            self._drop_prefetch()
-            self._close_sampler()  # it shares the weights of the trainer that goes now
-            self.trainer.close()
+            self.trainer.close()  # its background rollout and sampler process too
             self.trainer = RLTrainer(self.cfg, self.assets, self.dp)
-            self.step = self.behaviour_step = 0
+            self.step = 0
             self.applied = None
             if spec not in ("auto", "none", ""):
                 mgr, ref = open_checkpoint(spec, self.store.storage_options)
@@ -227,7 +201,7 @@ class RunWorker:
         manifest (``load_distributed`` compares every worker's choice and refuses to restore if
         they differ, naming each worker and manifest hash)."""
         needed = _needed(info)
-        self._drop_prefetch()  # it samples from the weights this load replaces
+        self.trainer.behaviour.drop_prefetch()  # it samples from the weights this load replaces
         if self.dp.distributed:
             state = self.trainer.load_targets(groups=needed)
             meta, _ = mgr.load_distributed(info.name, state, dp=self.dp, groups=list(state))
@@ -235,9 +209,8 @@ class RunWorker:
         else:
             groups, meta, _ = mgr.load(info.name, groups=needed,
                                        out=self.trainer.load_targets(groups=needed))
-        self.trainer.load_state(groups, meta)
+        self.trainer.load_state(groups, meta, info.step)
         self.step = info.step
-        self.behaviour_step = int(meta.get("behaviour_step", info.step))
         self.applied = None
 
     def _tiers(self) -> list[CheckpointManager]:
@@ -319,7 +292,7 @@ class RunWorker:
                         "(lineage %s); rebuilding it from the store", step,
                         self._lineage(step - 1))
             self._live_valid = False
-        self._drop_prefetch()  # the state changes: a background rollout of it is void
+        self.trainer.behaviour.drop_prefetch()  # the state changes: a rollout of it is void
         faults.maybe_inject("restore", step)  # a VERL_FAULTS drill
         # Going forward, a checkpoint past the in-memory state saves replaying up to it.
         ahead = (self._live_valid and step > self.step
@@ -354,27 +327,37 @@ class RunWorker:
             self.replayed += 1
 
     def _replay(self, s: int, doc: dict) -> None:
-        """Redo update ``s`` as its lineage record says it happened: applied, skipped or rolled
-        back by the guard. The record, not a new decision, is replayed, so a rebuilt state is the
-        original one whatever the detectors would say now."""
-        action = doc.get("action", "update")
+        """Redo update ``s`` as its lineage record says it happened (:meth:`_carry_out`). The
+        record, not a new decision, is replayed, so a rebuilt state is the original one whatever
+        the detectors would say now."""
+        self._carry_out(s, doc)
+
+    def _carry_out(self, s: int, record: dict) -> None:
+        """Make the state the one after update ``s`` as ``record`` (its lineage record) says the
+        guard decided: ``update`` (applied: redone from its batch when replaying; live, it has
+        just run), ``skip`` (the state before it, with the record's guard state) or ``rollback``
+        (the state of the record's ``to`` step, with its guard state and LR scale). The one place
+        guard actions are carried out, live (:meth:`update`) and replayed (:meth:`_replay`)."""
+        action = record.get("action", "update")
         if action == "update":
-            batch = self.batch(s, "advantage", doc["batch"])
-            with self._changing_state():
-                self._snap(s)  # the behaviour policy of the rollout after it
-                self.trainer.update(batch, s)
-                self.step = s + 1
+            if self.step == s:  # replaying
+                batch = self.batch(s, "advantage", record["batch"])
+                with self._changing_state():
+                    self.trainer.behaviour.snapshot(s)  # the behaviour policy of the next rollout
+                    self.trainer.update(batch, s)
+                    self.step = s + 1
         elif action == "skip":
-            self.trainer.guard = dict(doc["guard"])
-            self._snap(s)
+            if not self._live_valid:  # the update may have run: rebuild the state before it
+                self.ensure_state(s)
+            self.trainer.guard = dict(record["guard"])
+            self.trainer.behaviour.snapshot(s)
             self.step = s + 1
         elif action == "rollback":
-            self._roll_back(s, int(doc["to"]), doc["guard"])
-        if action in ("update", "skip", "rollback"):
-            self.applied = _digest(doc)
+            self._roll_back(s, int(record["to"]), record["guard"])
         else:
             raise StateUnavailableError(f"lineage {self._lineage(s)} in {self.store.uri} has an "
                                         f"unknown action {action!r} (written by a newer version?)")
+        self.applied = _digest(record)
 
     def _roll_back(self, s: int, to: int, guard: dict) -> None:
         """Make the state after update ``s`` the state of step ``to`` (loaded from its verified
@@ -387,9 +370,9 @@ class RunWorker:
             if factor != 1.0:
                 self.trainer.scale_lr(factor)
             self.step = s + 1
-            # max_staleness: the next rollout samples the rolled-back weights (lag 0); what was
+            # off-policy: the next rollout samples the rolled-back weights (lag 0); what was
             # sampling from the discarded ones was dropped when the state was rebuilt
-            self._snap(s + 1)
+            self.trainer.behaviour.snapshot(s + 1)
 
     def _has_lineage(self, start: int, stop: int) -> bool:
         return all(self.store.has_json(self._lineage(s)) for s in range(start, stop))
@@ -410,140 +393,16 @@ class RunWorker:
 
     def _sample(self, step: int) -> tuple[Batch, dict]:
         """The rollout batch of ``step`` from the state after ``step`` updates: the trainer's
-        rollout, or with ``algorithm.filter_groups_enable`` DAPO's dynamic sampling (scored
-        already), which starts at the generation batch where the previous step's ended
-        (:meth:`_gen_cursor`). With ``rollout.max_staleness`` the responses come from the
-        behaviour policy (:meth:`_sample_behind`)."""
-        if self.cfg.rollout.max_staleness:
-            return self._sample_behind(step)
+        rollout (from the behaviour policy: off-policy, maybe sampled in the background while
+        the update before ran), or with ``algorithm.filter_groups_enable`` DAPO's dynamic
+        sampling (scored already), which starts at the generation batch where the previous
+        step's ended (:meth:`_gen_cursor`)."""
         if not self.cfg.algorithm.filter_groups_enable:
-            batch, metrics = self.trainer.rollout(step)
-        else:
-            from verl_core.engine.dynamic_sampling import dynamic_rollout
+            return self.trainer.rollout(step)
+        from verl_core.engine.dynamic_sampling import dynamic_rollout
 
-            batch, metrics = dynamic_rollout(self.trainer, step, self._gen_cursor(step))
+        batch, metrics = dynamic_rollout(self.trainer, step, self._gen_cursor(step))
         return batch, {**metrics, "rollout/staleness": 0.0}  # on-policy
-
-    # ------------------------------------------------------------------ off-policy rollout
-    def _sample_behind(self, step: int) -> tuple[Batch, dict]:
-        """``rollout.max_staleness``: the rollout of ``step`` sampled by the behaviour policy
-        (the state after ``self.behaviour_step`` updates: ``step - 1``, or ``step`` at the start
-        and after a rollback), taken from the background thread that update ``step - 1``
-        started when there is one (:meth:`_start_prefetch`), else sampled now; the same bytes
-        either way (every draw is seeded by (seed, step, row)). Then, at the live state, what
-        the later phases need from a model (reference log-probs, critic values: ``model_inputs``)
-        and the KL coefficient. ``meta["policy_version"]`` records the behaviour's step."""
-        t = self.trainer
-        got = self._take_prefetch(step)
-        idx = t.prompt_indices(step)  # the sampler's position after this step, either way
-        if got is None:
-            batch, metrics = t.sample(step, idx)
-            metrics["rollout/prefetched"] = 0.0
-        else:
-            batch, metrics = got
-        batch = batch.replace(meta={**batch.meta, "kl_coef": t.kl_ctrl.value,
-                                    "policy_version": self.behaviour_step})
-        metrics["rollout/staleness"] = float(step - self.behaviour_step)
-        return t.model_inputs(batch), metrics
-
-    def _snap(self, version: int) -> None:
-        """``rollout.max_staleness``: the behaviour policy takes the live weights, the state
-        after ``version`` updates (a background rollout of the weights it held is dropped)."""
-        if not self.cfg.rollout.max_staleness:
-            return
-        self._drop_prefetch()
-        self.trainer.snapshot_behaviour()
-        self.behaviour_step = version
-
-    def _start_prefetch(self, step: int) -> None:
-        """Start sampling the rollout of ``step`` from the behaviour policy in a background
-        thread (the update of ``step - 1`` runs meanwhile on the actor, another copy). It only
-        reads the behaviour model, the prompts and the tool host, and draws only from its own
-        seeded generators; the prompts are chosen here, so the sampler is not touched there."""
-        idx = self.trainer.prompt_indices(step, keep_position=True)
-        box: dict = {}
-        sample, version = self.trainer.sample, self.behaviour_step
-        if self.cfg.rollout.async_mode == "process":
-            if self._sampler is None:
-                from verl_core.engine.sampler_process import SamplerProcess
-
-                self._sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
-                                               self.trainer.rollout_model)
-            sampler = self._sampler
-
-            def sample(step, idx):
-                return sampler.sample(step, idx, version)
-
-        def body():
-            t0 = time.perf_counter()
-            try:
-                faults.maybe_inject("background_rollout", step)  # a VERL_FAULTS drill
-                batch, metrics = sample(step, idx)
-                box["out"] = (batch, {**metrics, "rollout/prefetched": 1.0})
-            except BaseException as e:  # noqa: BLE001 - reported where the rollout is taken
-                box["error"] = e
-            box["span"] = (t0, time.perf_counter())
-
-        thread = threading.Thread(target=body, name=f"verl-rollout-step-{step}", daemon=True)
-        self._prefetch = Prefetch(step=step, version=self.behaviour_step, thread=thread, box=box)
-        thread.start()
-
-    def _take_prefetch(self, step: int) -> tuple[Batch, dict] | None:
-        """The background rollout of ``step`` from the behaviour policy the worker holds now,
-        waited for; None when there is none (or it failed: the phase samples again, and raises
-        if that fails too)."""
-        p = self._prefetch
-        if p is None or p.step != step or p.version != self.behaviour_step:
-            self._drop_prefetch()
-            return None
-        self._prefetch = None
-        t0 = time.perf_counter()
-        p.thread.join()
-        if "error" in p.box:
-            log.warning("the background rollout of step %d failed (%s); sampling it again",
-                        step, p.box["error"])
-            if self._sampler is not None and not self._sampler.proc.is_alive():
-                self._close_sampler()  # the next background rollout starts a new one
-            return None
-        batch, metrics = p.box["out"]
-        start, end = p.box["span"]
-        # the overlap, as the phase timeline shows it: how long the phase waited for the
-        # background rollout, and how much of it ran before the phase asked
-        metrics["rollout/prefetch_wait_s"] = time.perf_counter() - t0
-        metrics["rollout/prefetch_ahead_s"] = max(0.0, min(end, t0) - start)
-        return batch, metrics
-
-    def _drop_prefetch(self) -> None:
-        """Wait for a background rollout and discard it (the state it belongs to is changing,
-        or it is for another step). A thread cannot be stopped half-way; it only ever reads the
-        behaviour model, which is why it is waited for before that changes."""
-        p, self._prefetch = self._prefetch, None
-        if p is not None:
-            p.thread.join()
-
-    def _close_sampler(self) -> None:
-        sampler, self._sampler = self._sampler, None
-        if sampler is not None:
-            sampler.close()
-
-    def _quiesce(self) -> None:
-        """Wait for a background rollout to finish, keeping it: before a phase that shares
-        what it uses (the tool host, an engine holding its own weights: the evaluation)."""
-        if self._prefetch is not None:
-            self._prefetch.thread.join()
-
-    def _check_lag(self, step: int, batch: Batch, ref: str) -> None:
-        """The batch of update ``step`` was sampled with weights at most
-        ``rollout.max_staleness`` updates behind (its ``meta["policy_version"]``; an on-policy
-        batch's version is its step), never ahead."""
-        allowed = self.cfg.rollout.max_staleness
-        version = int(batch.meta.get("policy_version", batch.meta.get("step", step)))
-        if not 0 <= step - version <= allowed:
-            raise StaleBatchError(
-                f"update {step}: its batch {ref[:12]} was sampled with the weights of step "
-                f"{version} (policy version {version}), {step - version} updates behind the "
-                f"weights it updates (step {step}); rollout.max_staleness={allowed} allows "
-                f"0..{allowed}. The batch is not this run's rollout of step {step}: {RECOVER}")
 
     def _gen_cursor(self, step: int) -> int:
         """Generation batches (of DAPO's dynamic sampling) the steps before ``step`` consumed:
@@ -671,15 +530,13 @@ class RunWorker:
         self.ensure_state(step)
         t0 = time.perf_counter()
         batch = self.batch(step, "advantage", batch_ref)
-        self._check_lag(step, batch, batch_ref)
-        if self.cfg.rollout.max_staleness:
-            # the state now is the behaviour policy of the next rollout: sample it in the
-            # background while the update runs. Until the update is recorded the live state is
-            # not trusted (a retry or a failure rebuilds it, with its behaviour policy)
-            self._live_valid = False
-            self._snap(step)
-            if step + 1 < self.cfg.total_steps:
-                self._start_prefetch(step + 1)
+        self.trainer.behaviour.check_lag(step, batch, batch_ref)
+        # the behaviour policy follows (off-policy: it takes this state and samples the next
+        # rollout in the background while the update runs). Until the update is recorded the
+        # live state is then not trusted (a retry or a failure rebuilds it, with its behaviour)
+        valid, self._live_valid = self._live_valid, False
+        if not self.trainer.follow(step):
+            self._live_valid = valid
         # VERL_FAULTS drills: a worker hanging (or killed) mid-update (one worker: rank 0)
         maybe_inject(f"update-rank{self.dp.rank}", step)
         g, can_roll_back = self.cfg.guard, step > self.base_step
@@ -699,22 +556,18 @@ class RunWorker:
             self._live_valid = self._live_valid and self.step == step  # touched: rebuild later
             outcome = "retrying" if decision.action == "retry_phase" else "halted"
         elif decision.action == "skip_batch":
-            guard = policy.after_skip(before, step)
+            record.update(action="skip", guard=policy.after_skip(before, step))
             self._live_valid = False  # the update may have run: rebuild the state before it
-            self.ensure_state(step)
-            self.trainer.guard = dict(guard)
-            self._snap(step)
-            self.step = step + 1
-            record.update(action="skip", guard=guard)
+            self._carry_out(step, record)
             outcome = "skipped"
         elif decision.action == "rollback":
             to = policy.rollback_target(
                 step, checkpoint_interval=self.cfg.checkpoint.checkpoint_interval,
                 base_step=self.base_step)
-            guard = policy.after_rollback(before, step, g.rollback_lr_scale)
+            record.update(action="rollback", to=to,
+                          guard=policy.after_rollback(before, step, g.rollback_lr_scale))
             self._live_valid = False
-            self._roll_back(step, to, guard)
-            record.update(action="rollback", to=to, guard=guard)
+            self._carry_out(step, record)
             outcome = f"rolled back to step {to}"
         if decision.fired:
             metrics.update(self._record_events(step, "update", decision, outcome))
@@ -728,7 +581,9 @@ class RunWorker:
             self.ckpt.check_fence(f"the lineage record of update {step}")  # the launch's lease
             self.store.put_json(self._lineage(step), record)
             self._drop_pending(step)
-        self.applied = _digest(record)
+        if decision.action in ("none", "warn"):
+            self._carry_out(step, record)  # applied already: the version is this record's
+
         metrics["timing/update_s"] = time.perf_counter() - t0
         return metrics
 
@@ -790,10 +645,8 @@ class RunWorker:
         self.ensure_state(step)
         t0 = time.perf_counter()
         # W > 1: every worker writes its own shards (DCP), rank 0 commits the manifest
-        groups, meta = self.trainer.state(with_optimizer=self.cfg.checkpoint.save_optimizer_state)
-        meta["step"] = step
-        if self.cfg.rollout.max_staleness:  # the step its "behaviour" group's weights are of
-            meta["behaviour_step"] = self.behaviour_step
+        groups, meta = self.trainer.state(
+            step, with_optimizer=self.cfg.checkpoint.save_optimizer_state)
         saver = self.local_ckpt or self.ckpt  # the local tier commits first when there is one
         if self.cfg.checkpoint.async_save and not sync:
             done = self._pending_save = saver.async_save_distributed(
@@ -892,7 +745,6 @@ class RunWorker:
         ``rollout.val_*`` say, seeded by ``step``); the first
         :data:`EVAL_SAMPLES` responses go to the store for the reports (:func:`eval_samples_doc`)."""
         self.ensure_state(step)
-        self._quiesce()  # the tool host and a vllm engine are shared with the evaluation
         shown = self.cfg.log_val_generations
         metrics, samples = self.trainer.evaluate_with_samples(max(EVAL_SAMPLES, shown), step)
         if self.leader:
@@ -933,11 +785,9 @@ class RunWorker:
     def export_final(self, step: int, folder: str) -> str:
         """Write the policy after ``step`` updates as a Hugging Face folder (local path)."""
         self.ensure_state(step)
-        actor = self.trainer.actor  # its float32 master weights (W > 1: gathered, a collective)
-        state = sharding.full_model_state(actor, rank0_only=True) \
-            if self.trainer.dp.distributed else None
-        if self.leader:  # the CLI export's writer: the user's tokenizer files, stored dtype, ties
-            export_trained(actor, folder, self.assets.model_path, state)
+        # its float32 master weights (W > 1: gathered, a collective), with the CLI export's
+        # writer: the user's tokenizer files, stored dtype, ties
+        self.trainer.actor.export(folder, self.assets.model_path)
         return folder
 
     def set_fence(self, fence) -> None:
@@ -959,8 +809,7 @@ class RunWorker:
 
     def close(self):
         try:
-            self._drop_prefetch()
-            self._close_sampler()
+            self.trainer.behaviour.stop()
             self.wait_checkpoints()
             if self.replicator is not None:  # best effort: finalize already waited for the last
                 self.replicator.close(timeout_s=CLOSE_REPLICATION_TIMEOUT_S)

@@ -4,8 +4,10 @@
   so the adapted model starts as the base; A drawn from a generator seeded by the run's seed, so
   every worker builds the same) or the adapter folder ``model.lora_adapter_path``. The base's
   weights are frozen; only the adapters train.
-* The reference model is the policy with its adapters off (:func:`reference_of`, PEFT's
+* The reference model is the policy with its adapters off (``Actor.reference``, PEFT's
   ``disable_adapter``), as verl does when ``lora_rank > 0``: no second copy of the base.
+* Whether the policy is LoRA is the actor's to say (``verl_core/parts/actor.py``,
+  ``Actor.lora``); nothing here sniffs a model for it.
 * Checkpoints split the policy in two groups (:func:`split_state`): ``policy`` holds the
   adapters (what trains) and ``base`` the frozen weights, a shared group stored once per run.
 * :func:`merged_state` is the policy as one plain model's state dict (W' = W + s B A, base
@@ -65,20 +67,6 @@ def apply_lora(model: torch.nn.Module, mc, seed: int) -> torch.nn.Module:
         return peft.get_peft_model(model, lora_config(mc))
 
 
-def is_lora(model) -> bool:
-    """Whether ``model`` is a PEFT model (also once FSDP2 has swapped its class for a
-    subclass)."""
-    return any(c.__module__.startswith("peft.") for c in type(model).__mro__)
-
-
-def reference_of(model):
-    """A context under which ``model`` computes the reference log-probs: its adapters off (a
-    LoRA policy), or nothing to do (a separate reference model)."""
-    import contextlib
-
-    return model.disable_adapter() if is_lora(model) else contextlib.nullcontext()
-
-
 def split_state(model, state: dict) -> tuple[dict, dict]:
     """A LoRA policy's state dict (``get_model_state_dict``) -> (trainable, frozen): the
     adapters and the base weights, by the parameters' ``requires_grad``."""
@@ -116,13 +104,6 @@ def merged_state(state: dict[str, torch.Tensor],
             value = (value.float() + scale[layer] * (b @ a)).to(value.dtype)
         out[name] = value
     return out
-
-
-def model_state(model, state: dict | None = None) -> dict[str, torch.Tensor]:
-    """``model``'s weights as a plain model's state dict: merged for a LoRA policy, else as
-    they are. ``state``: its full state dict when the model is sharded (gathered)."""
-    state = model.state_dict() if state is None else state
-    return merged_state(state, scalings(model)) if is_lora(model) else state
 
 
 def check_lora(mc, model) -> None:

@@ -3,9 +3,9 @@ prompt + response (verl's ``reward_model.enable``, a discriminative reward model
 
 What belongs here: checking a reward-model folder (:func:`check_reward_model`, at prepare time,
 before any work), loading it (:meth:`RewardModel.load`), building its input text, tokenising and
-scoring in micro-batches. What does not: where it runs (``RLTrainer.model_scores`` splits the rows
-among the run's workers and gathers them), and how its score meets the ``reward.scorer`` score
-(``reward/scoring.py``). Not imported by ``verl_core.reward`` (that package stays torch-free for
+scoring in micro-batches, each worker its share of the rows (:meth:`RewardModel.score_rows`).
+What does not: how its score meets the ``reward.scorer`` score (``reward/scoring.py``). Not
+imported by ``verl_core.reward`` (that package stays torch-free for
 the custom-scorer processes).
 
 Input text (as verl builds it):
@@ -222,6 +222,29 @@ class RewardModel:
         width = max((len(r) for r in ids), default=0)
         return check_finite(self.score_ids(ids, width=width, micro_batch_size=micro_batch_size),
                             names)
+
+
+    def score_rows(self, rows: Sequence, responses: Sequence[str], tokenizer, dp, *,
+                   micro_batch_size: int) -> list[float]:
+        """(n,) the score of each (dataset row ``rows[i]``, response text ``responses[i]``).
+
+        With W > 1 worker ``r`` of ``dp`` scores the ``r``-th contiguous share of the rows and
+        the shares are gathered (a collective: every worker calls it). Every worker tokenises all
+        n rows to find the one padded width, so neither W nor ``micro_batch_size`` changes a row's
+        input shapes. A row too long for ``max_length``, or a non-finite score, raises
+        :class:`RewardModelError` naming it, on every worker."""
+        from verl_core.data.dataset import render_prompt
+
+        texts = [self.render(r.chat, render_prompt(r, tokenizer), resp)
+                 for r, resp in zip(rows, responses)]
+        names = [f"row {i} (dataset row {r.index}, data_source {r.data_source!r})"
+                 for i, r in enumerate(rows)]
+        ids = self.encode(texts, names)
+        width = max((len(x) for x in ids), default=0)
+        n, W, k = len(ids), dp.size, dp.rank
+        lo, hi = n * k // W, n * (k + 1) // W  # no collectives in the forward: shares may differ
+        local = self.score_ids(ids[lo:hi], width=width, micro_batch_size=micro_batch_size)
+        return check_finite([s for part in dp.gather_objects(local) for s in part], names)
 
 
 def check_finite(scores: list[float], names: Sequence[str] | None = None) -> list[float]:

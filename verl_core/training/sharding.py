@@ -27,11 +27,9 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a Hugging Face decoder (``model.model.layers`` for Llama, Qwen,
     Mistral …; ``transformer.h`` for GPT-2 style). Empty if none is found: the root alone is then
     one FSDP unit (correct, just less overlap of communication and compute)."""
-    from verl_core.models.lora import is_lora
-
-    if is_lora(model):  # a PEFT wrapper: the wrapped model's layers
-        model = model.base_model.model
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+    # the last path: a PEFT wrapper's (PeftModel.base_model.model is the wrapped causal LM)
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers",
+                 "base_model.model.model.layers"):
         obj: Any = model
         for part in path.split("."):
             obj = getattr(obj, part, None)

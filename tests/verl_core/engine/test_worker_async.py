@@ -54,7 +54,7 @@ def test_staleness_0_is_the_run_it_was():
 
 def _weights_sha(worker) -> str:
     h = hashlib.sha256()
-    for k, v in sorted(worker.trainer.actor.state_dict().items()):
+    for k, v in sorted(worker.trainer.actor.model.state_dict().items()):
         h.update(k.encode())
         h.update(v.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
@@ -125,12 +125,12 @@ def test_the_background_rollout_is_what_the_previous_state_samples(run, assets):
         for t in (1, 3):
             stored = get_batch(st, refs[t])
             w.ensure_state(t - 1)
-            w.trainer.snapshot_behaviour()
+            w.trainer.behaviour.snapshot(w.step)
             again, _ = w.trainer.sample(t, w.trainer.prompt_indices(t))
             assert torch.equal(again.response_ids, stored.response_ids)
             assert torch.equal(again.response_logprobs, stored.response_logprobs)
             w.ensure_state(t)
-            w.trainer.snapshot_behaviour()
+            w.trainer.behaviour.snapshot(w.step)
             on_policy, _ = w.trainer.sample(t, w.trainer.prompt_indices(t))
             assert not torch.equal(on_policy.response_logprobs, stored.response_logprobs)
     finally:
@@ -193,7 +193,7 @@ def test_a_sampler_process_samples_the_same_batches_and_a_killed_one_is_replaced
         got = []
         for s in range(4):
             if s == 2:
-                sampler = w._sampler
+                sampler = w.trainer.behaviour._sampler
                 os.kill(sampler.proc.pid, signal.SIGKILL)
                 sampler.proc.join(30)
             ref, m, _ = _step(w, s)
@@ -201,7 +201,8 @@ def test_a_sampler_process_samples_the_same_batches_and_a_killed_one_is_replaced
         assert [r for r, _ in got] == refs[:4]
         assert [p for _, p in got] == [0.0, 1.0, 1.0, 0.0] or \
             [p for _, p in got] == [0.0, 1.0, 0.0, 1.0]
-        assert w._sampler is not None and w._sampler is not sampler and w._sampler.proc.is_alive()
+        now = w.trainer.behaviour._sampler
+        assert now is not None and now is not sampler and now.proc.is_alive()
     finally:
         w.close()
 

@@ -67,7 +67,7 @@ def _lineage(w, step):
 
 
 def _finite(w):
-    return all(torch.isfinite(p).all() for p in w.trainer.actor.parameters())
+    return all(torch.isfinite(p).all() for p in w.trainer.actor.model.parameters())
 
 
 def _rebuilt(uri, cfg, index, step):
@@ -128,12 +128,12 @@ def test_rollback_restores_the_scheduled_checkpoint_and_scales_the_lr(tmp_path, 
     rec = _lineage(w, 3)
     assert rec["action"] == "rollback" and rec["to"] == 2 and rec["guard"]["rollbacks"] == 1
     lr0 = cfg.optim.lr
-    assert w.trainer.actor_scheduler.base_lrs[0] == pytest.approx(lr0 * 0.5, rel=1e-12)
+    assert w.trainer.actor.scheduler.base_lrs[0] == pytest.approx(lr0 * 0.5, rel=1e-12)
     final, guard = shas[5], dict(w.trainer.guard)
     w.close()
     fresh = _rebuilt(uri, cfg, index, 5)
     assert _weights_sha(fresh) == final and fresh.trainer.guard == guard
-    assert fresh.trainer.actor_scheduler.base_lrs[0] == pytest.approx(lr0 * 0.5, rel=1e-12)
+    assert fresh.trainer.actor.scheduler.base_lrs[0] == pytest.approx(lr0 * 0.5, rel=1e-12)
     fresh.close()
 
 

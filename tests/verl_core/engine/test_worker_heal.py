@@ -62,7 +62,7 @@ def _quarantined(store: RunStore) -> list[str]:
 def _weights(spec) -> str:
     w = WORKERS.handle(spec)
     h = hashlib.sha256()
-    for k, v in sorted(w.trainer.actor.state_dict().items()):
+    for k, v in sorted(w.trainer.actor.model.state_dict().items()):
         h.update(k.encode())
         h.update(v.detach().contiguous().numpy().tobytes())
     return h.hexdigest()

@@ -29,11 +29,11 @@ def _cfg(**over):
 
 def _weights_sha(worker) -> str:
     h = hashlib.sha256()
-    for model in (worker.trainer.actor, worker.trainer.critic):
+    for model in (worker.trainer.actor.model, worker.trainer.critic.model):
         for k, v in sorted(model.state_dict().items()):
             h.update(k.encode())
             h.update(v.detach().contiguous().numpy().tobytes())
-    h.update(json.dumps(worker.trainer.kl_ctrl.state_dict()).encode())
+    h.update(json.dumps(worker.trainer.actor.kl_ctrl.state_dict()).encode())
     return h.hexdigest()
 
 
@@ -178,16 +178,16 @@ def test_update_failing_half_way_is_rebuilt_not_trusted(tmp_path, assets, monkey
     batch, _ = score_batch(batch, b.trainer.scorer, b.trainer.tokenizer)
     batch, _ = compute_advantages(batch, b.cfg.algorithm)
     batch_ref = put_batch(b.store, batch)
-    import verl_core.trainer
+    import verl_core.parts.actor
 
-    real = verl_core.trainer.ppo_update
+    real = verl_core.parts.actor.ppo_update
 
     def dies_after_stepping(*a, **k):
         real(*a, **k)  # the optimizer has stepped
         raise RuntimeError("CUDA out of memory (injected)")
 
     with monkeypatch.context() as m:
-        m.setattr(verl_core.trainer, "ppo_update", dies_after_stepping)
+        m.setattr(verl_core.parts.actor, "ppo_update", dies_after_stepping)
         with pytest.raises(RuntimeError, match="injected"):
             b.update(2, batch_ref)
     b.update(2, batch_ref)  # the retry: initial model + replay of updates 0 and 1, then update 2
@@ -267,5 +267,5 @@ def test_checkpoint_export_of_a_run_is_a_complete_hf_folder(tmp_path, assets):
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     ids = tok(["12+7="], return_tensors="pt").input_ids
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, w.trainer.actor(ids).logits)
+        assert torch.equal(model(ids).logits, w.trainer.actor.model(ids).logits)
     w.close()

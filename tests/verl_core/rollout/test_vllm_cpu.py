@@ -114,12 +114,12 @@ def test_trainer_refreshes_an_engine_that_owns_its_weights_after_an_update(tmp_p
     trainer = RLTrainer(cfg, assets)
     try:
         tok = trainer.tokenizer
-        trainer.engine = _OwnCopyEngine(trainer.rollout_model, eos_token_id=tok.eos_token_id,
-                                        pad_token_id=tok.pad_token_id)
+        trainer.behaviour.engine = _OwnCopyEngine(
+            trainer.behaviour.model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
         def same_as_actor():
-            own = trainer.engine.model.state_dict()
-            return all(torch.equal(v, own[k]) for k, v in trainer.actor.state_dict().items())
+            own = trainer.behaviour.engine.model.state_dict()
+            return all(torch.equal(v, own[k]) for k, v in trainer.actor.model.state_dict().items())
 
         batch, _ = trainer.rollout(step=0)
         batch, _ = trainer.reward(batch)

@@ -49,7 +49,7 @@ def _batch_with_advantages(trainer):
 def test_bf16_computes_in_bf16_over_fp32_masters_and_one_update_moves_most_weights(bf16_run):
     cfg, assets = bf16_run
     trainer = RLTrainer(cfg, assets)
-    actor = trainer.actor
+    actor = trainer.actor.model
     assert {p.dtype for p in actor.parameters()} == {torch.float32}  # the masters
     seen = []
     hook = actor.model.layers[0].self_attn.q_proj.register_forward_hook(
@@ -62,7 +62,7 @@ def test_bf16_computes_in_bf16_over_fp32_masters_and_one_update_moves_most_weigh
     # every forward (rollout, update) ran the matmuls on bf16 weights with bf16 outputs
     assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}, set(seen)
     assert {p.dtype for p in actor.parameters()} == {torch.float32}
-    state = trainer.actor_optimizer.state
+    state = trainer.actor.optimizer.state
     assert state and {t.dtype for s in state.values() for k, t in s.items()
                       if k in ("exp_avg", "exp_avg_sq")} == {torch.float32}
     # Adam's first step moves a weight with g != 0 by lr * g / (|g| + eps) ~ lr = 1e-6 (plus
@@ -85,15 +85,15 @@ def test_checkpoint_state_carries_the_fp32_masters_and_loads_back(bf16_run):
     cfg, assets = bf16_run
     a = RLTrainer(cfg, assets)
     a.update(_batch_with_advantages(a), 0)
-    groups, meta = a.state()
+    groups, meta = a.state(1)
     assert {t.dtype for t in groups["policy"].values()} == {torch.float32}
     b = RLTrainer(cfg, assets)
-    b.load_state(copy.deepcopy(groups), meta)
-    for (n, p), q in zip(a.actor.named_parameters(), b.actor.parameters()):
+    b.load_state(copy.deepcopy(groups), meta, 1)
+    for (n, p), q in zip(a.actor.model.named_parameters(), b.actor.model.parameters()):
         assert q.dtype == torch.float32 and torch.equal(p, q), n
     # the frozen reference needs no master: it is bf16 (GRPO's KL loss reads it)
-    if b.ref is not None:
-        assert {p.dtype for p in b.ref.parameters()} == {torch.bfloat16}
+    if b.actor.ref is not None:
+        assert {p.dtype for p in b.actor.ref.parameters()} == {torch.bfloat16}
 
 
 def test_reference_in_bf16_reproduces_the_actors_logprobs_before_any_update(bf16_run):

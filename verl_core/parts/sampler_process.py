@@ -4,11 +4,12 @@ sampler process of its own (docs/async.md).
 Why a process: the worker's update and a sampling thread beside it share one interpreter lock,
 and with a small model (or the per-token loop of the ``hf`` engine) both spend most of their time
 holding it, so a thread overlaps little but the tool calls' waits. The sampler process builds the
-run's trainer from the same config and assets (tokenizer, prompts, tool host, engine) and samples
-with :meth:`RLTrainer.sample`, the code the worker's own rollout runs. Its behaviour model's
-weights *are* the worker's: the worker's rollout model is moved to shared memory and the child
-aliases those tensors, so the worker's ``snapshot_behaviour`` (an in-place copy) is all the
-transfer there is. Draws are seeded by (seed, step, row) and the child computes with the run's
+run's prompts and behaviour policy from the same config and assets (tokenizer, prompts, tool host,
+engine; no actor) and samples with :meth:`Behaviour.sample`, the code the worker's own rollout
+runs. Its behaviour model's
+weights *are* the worker's: the worker's behaviour model is moved to shared memory and the child
+aliases those tensors, so ``Behaviour.snapshot`` (an in-place copy) is all the transfer there
+is. Draws are seeded by (seed, step, row) and the child computes with the run's
 thread count, so it samples the bytes the worker would.
 
 The worker only asks it to sample while the behaviour weights stand still (they change only after
@@ -36,7 +37,9 @@ class SamplerError(RuntimeError):
 class SamplerProcess:
     """A child process sampling rollouts from ``rollout_model``'s weights (shared in place)."""
 
-    def __init__(self, config_json: str, assets, rollout_model: torch.nn.Module):
+    def __init__(self, config_json: str, assets, rollout_model: torch.nn.Module, behaviour):
+        """``behaviour``: the class the child samples with (:class:`~verl_core.parts.Behaviour`,
+        handed in rather than imported: it is the one that starts this process)."""
         rollout_model.share_memory()  # in place: the worker's engine keeps the same model
         ctx = torch.multiprocessing.get_context("spawn")  # no fork of a process holding threads
         self.conn, child = ctx.Pipe()
@@ -44,13 +47,14 @@ class SamplerProcess:
         # told (close, at the latest when this interpreter exits: atexit runs it before
         # multiprocessing joins its children), or when this process is gone (its pipe closes)
         self.proc = ctx.Process(target=_serve, name="verl-sampler",
-                                args=(child, config_json, assets, rollout_model.state_dict()))
+                                args=(child, config_json, assets, rollout_model.state_dict(),
+                                      behaviour))
         self.proc.start()
         child.close()
         atexit.register(self.close)
 
     def sample(self, step: int, idx: list[int], version: int):
-        """``RLTrainer.sample(step, idx)`` in the child, from the behaviour weights of
+        """``Behaviour.sample(step, idx)`` in the child, from the behaviour weights of
         ``version``: (batch, metrics)."""
         try:
             self.conn.send(("sample", step, list(idx), version))
@@ -78,15 +82,24 @@ class SamplerProcess:
         self.conn.close()
 
 
-def _serve(conn, config_json: str, assets, shared: dict) -> None:
+def _serve(conn, config_json: str, assets, shared: dict, Behaviour) -> None:
     from verl_core.config import RunConfig
+    from verl_core.data.prompts import load_prompts
     from verl_core.guard import faults
-    from verl_core.trainer import RLTrainer
+    from verl_core.threads import intra_op_threads
+    from verl_core.training.device import make_deterministic, resolve_device
+    from verl_core.training.dist import SINGLE
 
-    trainer = RLTrainer(RunConfig.from_dict(json.loads(config_json)), assets)
+    cfg = RunConfig.from_dict(json.loads(config_json))
+    # as the worker's trainer computes (its recorded thread count, device, determinism)
+    torch.set_num_threads(intra_op_threads(cfg))
+    device = resolve_device(cfg.trainer.device)
+    make_deterministic(device, cfg.trainer.deterministic)
+    prompts = load_prompts(cfg, assets)
+    behaviour = Behaviour(cfg, assets, None, prompts, SINGLE, device)
     try:
         # the worker's behaviour weights, aliased (tied weights stay tied: one tensor, two names)
-        trainer.rollout_model.load_state_dict(shared, assign=True)
+        behaviour.model.load_state_dict(shared, assign=True)
         loaded = None
         while True:
             msg = conn.recv()
@@ -94,15 +107,17 @@ def _serve(conn, config_json: str, assets, shared: dict) -> None:
                 return
             _, step, idx, version = msg
             if version != loaded:  # an engine with its own copy (vllm) takes the new weights
-                trainer.behaviour_changed()
+                behaviour.changed()
                 loaded = version
             faults.maybe_inject("sampler", step)  # a VERL_FAULTS drill (a kill ends this process)
             try:
-                conn.send(("ok", trainer.sample(step, idx)))
+                # the KL coefficient is the worker's to set when it takes the batch
+                conn.send(("ok", behaviour.sample(step, idx, cfg.algorithm.kl_coef)))
             except Exception as e:  # noqa: BLE001 - the worker samples again and reports
                 log.exception("sampling step %d failed", step)
                 conn.send(("error", f"{type(e).__name__}: {e}"))
     except EOFError:
         return  # the worker is gone
     finally:
-        trainer.close()
+        behaviour.close()
+        prompts.close()
