@@ -33,7 +33,8 @@ from verl_core.types import RunSpec
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, get_batch, put_batch
 from verl_core.guard import checks
-from verl_core.trainer import compute_advantages, prepare_assets, score_batch
+from verl_core.trainer import prepare_assets, score_batch
+from verl_core.training.advantage import compute_advantages
 
 GUARD_TIME = [0.0]
 PARTS: dict[str, list[float]] = {}

@@ -28,9 +28,7 @@ from transformers.utils import logging as hf_logging
 from verl_core import report
 from verl_core.agent.tools import ToolConfigError, ToolHost, tool_entries
 from verl_core.agent.turns import observation_ids
-from verl_core.algorithms import (apply_kl_penalty, get_advantage_estimator, make_kl_controller,
-                                  outcome_to_token_rewards)
-from verl_core.algorithms.utils import masked_mean
+from verl_core.algorithms import make_kl_controller
 from verl_core.checkpoint.state import capture_rng_state, restore_rng_state
 from verl_core.config import RunConfig
 from verl_core.data.batch import Batch, encode_prompts
@@ -51,6 +49,7 @@ from verl_core.models.lora import (apply_lora, check_lora, lora_meta, meta_model
                                    reference_of, split_state)
 from verl_core.rollout.multi_turn import (MultiTurnOutput, concat_turn_outputs, generate_turns,
                                           turn_metrics)
+from verl_core.training.advantage import compute_advantages
 from verl_core.training.forward import batched_logprobs, batched_sum_pi_squared, batched_values
 from verl_core.training.device import make_deterministic, resolve_device
 from verl_core.training.dist import SINGLE, DataParallel
@@ -416,36 +415,6 @@ def _score_baseline(batch: Batch, scorer: RewardScorer, tokenizer,
     values = res.scores if model_scores is None else per_prompt.tolist()
     return baseline, {"reward/baseline_mean": sum(values) / max(1, len(rows)),
                       "reward/baseline_timeouts": float(timeouts)}
-
-
-def compute_advantages(batch: Batch, algo) -> tuple[Batch, dict]:
-    """Advantage phase: token rewards (the outcome score on the last response token, minus
-    ``kl_coef * KL`` when ``use_kl_in_reward``), then the configured estimator. Adds
-    ``advantages``/``returns`` (N, T); records the reward KL in ``meta["reward_kl"]``."""
-    mask = batch.response_mask
-    token_rewards = outcome_to_token_rewards(batch.score, mask)  # (N, T)
-    metrics = {}
-    meta = dict(batch.meta)
-    if algo.use_kl_in_reward:
-        # The rollout log-probs stand in for the actor's: the hf engine computes them with the
-        # same weights and forward (within float rounding).
-        token_rewards, kl_m = apply_kl_penalty(
-            token_rewards, batch.response_logprobs, batch.ref_logprobs, mask,
-            kl_coef=meta["kl_coef"], kl_penalty=algo.kl_penalty)
-        meta["reward_kl"] = float(kl_m["kl"])
-        metrics["actor/reward_kl"] = meta["reward_kl"]
-    # every estimator takes every optional input; the batch has those its traits asked for
-    # (rollout / reward phases), the rest are None. The rollout log-probs are the behaviour
-    # policy's, as for the reward KL above.
-    adv, ret = get_advantage_estimator(algo.adv_estimator)(
-        token_rewards, mask, batch.group, batch.values, gamma=algo.gamma, lam=algo.lam,
-        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, baseline_score=batch.baseline_score,
-        old_logprobs=batch.response_logprobs, sum_pi_squared=batch.sum_pi_squared)
-    metrics["advantages/mean"] = float(masked_mean(adv, mask))
-    metrics["advantages/abs_max"] = float((adv.abs() * mask).max()) if mask.any() else 0.0
-    if batch.values is not None:
-        metrics["critic/values_mean"] = float(masked_mean(batch.values, mask))
-    return batch.replace(advantages=adv, returns=ret, meta=meta), metrics
 
 
 CALCULATOR_CALL = '<tool_call>{{"name":"calculator","arguments":{{"expression":"{}"}}}}</tool_call>'

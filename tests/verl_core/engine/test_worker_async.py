@@ -14,7 +14,8 @@ from verl_core.config import ConfigError
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, StaleBatchError, get_batch, put_batch
 from verl_core.store import RunStore
-from verl_core.trainer import compute_advantages, prepare_assets, score_batch
+from verl_core.trainer import prepare_assets, score_batch
+from verl_core.training.advantage import compute_advantages
 
 STEPS = 5
 ASYNC = {**TINY, "model.warmup_sft_steps": 400, "model.warmup_target_accuracy": 0.2,

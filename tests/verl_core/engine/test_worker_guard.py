@@ -13,7 +13,8 @@ from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, get_batch, put_batch
 from verl_core.guard.events import read_events
 from verl_core.guard.policy import GuardHaltError
-from verl_core.trainer import compute_advantages, prepare_assets, score_batch
+from verl_core.trainer import prepare_assets, score_batch
+from verl_core.training.advantage import compute_advantages
 
 from test_worker_resume import _weights_sha
 
