@@ -55,7 +55,7 @@ from verl_core.training.device import make_deterministic, resolve_device
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.training.optim import make_optimizer, make_scheduler
 from verl_core.training.packing import in_row_order, row_tokens, worker_order
-from verl_core.training.ppo import ppo_update
+from verl_core.training.ppo import UpdateOptions, ppo_update
 from verl_core.training import sharding
 from verl_core.training.sft import supervised_warm_start
 from verl_core.threads import intra_op_threads
@@ -1092,19 +1092,10 @@ class RLTrainer:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(c.seed, step, "update-global"))
             metrics.update(ppo_update(
-                self.actor, self.actor_optimizer, self.actor_scheduler, batch, c.algorithm,
-                temperature=c.rollout.temperature,
-                mini_batch_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
-                micro_batch_rows=c.actor.ppo_micro_batch_size, epochs=c.actor.ppo_epochs,
-                grad_clip=c.optim.grad_clip, seed=derive_seed(c.seed, step, "update"),
+                self.actor, self.actor_optimizer, self.actor_scheduler, batch,
+                UpdateOptions.from_config(c), seed=derive_seed(c.seed, step, "update"),
                 critic=self.critic, critic_optimizer=self.critic_optimizer,
-                critic_scheduler=self.critic_scheduler, dp=self.dp, after_backward=poison,
-                max_token_len=c.actor.token_budget("ppo_max_token_len_per_gpu"),
-                critic_max_token_len=c.actor.token_budget("critic_ppo_max_token_len_per_gpu"),
-                log_prob_max_token_len=c.actor.token_budget("log_prob_max_token_len_per_gpu"),
-                balance_batch=c.trainer.balance_batch,
-                remove_padding=c.actor.use_remove_padding,
-                prefix_grouper=c.actor.use_prefix_grouper))
+                critic_scheduler=self.critic_scheduler, dp=self.dp, after_backward=poison))
         if self.device.type == "cuda":  # verl's perf/* memory metrics: the step's peak
             metrics["perf/max_memory_allocated_gb"] = \
                 torch.cuda.max_memory_allocated(self.device) / 2**30
