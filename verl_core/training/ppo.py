@@ -173,9 +173,8 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, opts: Upda
     (:func:`~verl_core.training.packing.token_micro_batches`: runs of rows of similar length,
     padding counted; a longer row alone), each cut to its longest response;
     ``critic_max_token_len`` likewise for the critic and ``log_prob_max_token_len`` for the
-    no-grad old log-probs (0: rows of
-    ``micro_batch_rows``). The weights above make the step's gradient the same, up to float
-    summation order. ``balance_batch`` (verl's ``trainer.balance_batch``, W > 1) reorders each
+    no-grad old log-probs (0: rows of ``micro_batch_rows``). The weights above make the step's
+    gradient the same, up to float summation order. ``balance_batch`` (verl's ``trainer.balance_batch``, W > 1) reorders each
     mini-batch's rows so that the W blocks hold nearly equal token counts: the same rows, the
     same loss.
 
@@ -201,8 +200,7 @@ def ppo_update(actor, actor_optimizer, actor_scheduler, batch: Batch, opts: Upda
     ``training/rollout_probs_diff_{max,mean,std}``
     (:func:`~verl_core.algorithms.rollout_probs_diff`) of the trainer's log-probs of the sampled
     tokens, with the rollout's weights, against the engine's, from a forward the update already
-    runs: the recomputed ``old_logp`` (all rows);
-    exactly on-policy, the update's own forward (all rows, all before the one optimizer step);
+    runs: the recomputed ``old_logp`` (all rows); exactly on-policy, the update's own forward (all rows, all before the one optimizer step);
     with ``old_logp_from_rollout``, the update's forward of the first mini-batch of the first
     epoch only (the later ones run after a step has moved the weights), so there the statistics
     cover those rows (and, in a model with dropout, include its noise: a training-mode
