@@ -44,7 +44,7 @@ from verl_core.config import preset  # noqa: E402
 from verl_core.engine.assets import publish_assets  # noqa: E402
 from verl_core.engine.worker import RunWorker, get_batch, put_batch  # noqa: E402
 from verl_core.store import RunStore  # noqa: E402
-from verl_core.trainer import compute_advantages  # noqa: E402
+from verl_core.training.advantage import compute_advantages  # noqa: E402
 from verl_core.assets import prepare_assets  # noqa: E402
 from verl_core.reward.scoring import score_batch  # noqa: E402
 

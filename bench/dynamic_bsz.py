@@ -82,7 +82,7 @@ def one(which: str, config: str) -> dict:
     from verl_core.config import AlgorithmConfig, OptimConfig
     from verl_core.training import forward
     from verl_core.training.optim import make_optimizer, make_scheduler
-    from verl_core.training.ppo import ppo_update
+    from verl_core.training.ppo import UpdateOptions, ppo_update
 
     max_token_len, rmpad, attention = CONFIGS[config]
     forward.CPU_PACKED_ATTENTION = attention
@@ -99,10 +99,12 @@ def one(which: str, config: str) -> dict:
     opt = make_optimizer(model.parameters(), cfg, cfg.lr)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
-    metrics = ppo_update(model, opt, make_scheduler(opt, cfg, 10), batch, AlgorithmConfig(),
-                         temperature=1.0, mini_batch_rows=N, micro_batch_rows=MICRO_ROWS,
-                         epochs=1, grad_clip=1.0, seed=0, max_token_len=max_token_len,
-                         log_prob_max_token_len=max_token_len, remove_padding=rmpad)
+    metrics = ppo_update(model, opt, make_scheduler(opt, cfg, 10), batch,
+                         UpdateOptions(algo=AlgorithmConfig(), temperature=1.0, mini_batch_rows=N,
+                                       micro_batch_rows=MICRO_ROWS, epochs=1, grad_clip=1.0,
+                                       max_token_len=max_token_len,
+                                       log_prob_max_token_len=max_token_len, remove_padding=rmpad),
+                         seed=0)
     dt = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"wall_s": dt, "peak_gb": peak / 1e9, "growth_gb": (peak - before) / 1e9,

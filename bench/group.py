@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, args, init: str, out: dict) -> None:
     from verl_core.training import sharding
     from verl_core.training.dist import SINGLE, init_process_group
     from verl_core.training.optim import make_optimizer, make_scheduler
-    from verl_core.training.ppo import ppo_update
+    from verl_core.training.ppo import UpdateOptions, ppo_update
 
     torch.set_num_threads(1)
     dp = init_process_group("gloo", init, rank, world, 600) if world > 1 else SINGLE
@@ -73,9 +73,10 @@ def _worker(rank: int, world: int, args, init: str, out: dict) -> None:
         if dp.distributed:
             dp.barrier()
         t0 = time.perf_counter()
-        ppo_update(model, opt, sched, batch, AlgorithmConfig(), temperature=1.0,
-                   mini_batch_rows=args.rows, micro_batch_rows=args.micro, epochs=1,
-                   grad_clip=1.0, seed=i, dp=dp)
+        ppo_update(model, opt, sched, batch,
+                   UpdateOptions(algo=AlgorithmConfig(), temperature=1.0, mini_batch_rows=args.rows,
+                                 micro_batch_rows=args.micro, epochs=1, grad_clip=1.0),
+                   seed=i, dp=dp)
         if dp.distributed:
             dp.barrier()
         if i >= args.warmup:

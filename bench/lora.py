@@ -49,7 +49,7 @@ def one(config: str) -> dict:
     from verl_core.models.lora import apply_lora, split_state
     from verl_core.training.forward import batched_logprobs
     from verl_core.training.optim import make_optimizer, make_scheduler
-    from verl_core.training.ppo import ppo_update
+    from verl_core.training.ppo import UpdateOptions, ppo_update
 
     model, ids, mask, _ = build(16384)
     params_total = sum(p.numel() for p in model.parameters())
@@ -74,10 +74,12 @@ def one(config: str) -> dict:
             with ref.disable_adapter() if lora else contextlib.nullcontext():
                 refs = batched_logprobs(ref, batch, 1.0, 8, max_token_len=BUDGET,
                                         remove_padding=True)
-            ppo_update(model, opt, sched, batch.replace(ref_logprobs=refs), algo,
-                       temperature=1.0, mini_batch_rows=N, micro_batch_rows=8, epochs=1,
-                       grad_clip=1.0, seed=k, max_token_len=BUDGET,
-                       log_prob_max_token_len=BUDGET, remove_padding=True)
+            ppo_update(model, opt, sched, batch.replace(ref_logprobs=refs),
+                       UpdateOptions(algo=algo, temperature=1.0, mini_batch_rows=N,
+                                     micro_batch_rows=8, epochs=1, grad_clip=1.0,
+                                     max_token_len=BUDGET, log_prob_max_token_len=BUDGET,
+                                     remove_padding=True),
+                       seed=k)
             walls.append(time.perf_counter() - t0)
             if k < 2:  # the checkpoints after the first and the second update
                 state = model.state_dict()

@@ -42,7 +42,7 @@ from verl_core.reward.overlong import OverlongBuffer
 from verl_core.reward.scoring import score_batch
 from verl_core.runlog import log_phase, metrics_table, record_step_metrics, watch_phase
 from verl_core.threads import intra_op_threads
-from verl_core.trainer import compute_advantages
+from verl_core.training.advantage import compute_advantages
 from verl_core.types import Metrics, PhaseOut, RunSpec, StepState
 from verl_core.validation import validate_and_record
 

@@ -21,8 +21,6 @@ from typing import Sequence
 import torch
 from transformers.utils import logging as hf_logging
 
-from verl_core.algorithms import apply_kl_penalty, get_advantage_estimator, outcome_to_token_rewards
-from verl_core.algorithms.utils import masked_mean
 from verl_core.assets import Assets
 from verl_core.checkpoint.state import capture_rng_state, restore_rng_state
 from verl_core.config import RunConfig
@@ -40,6 +38,7 @@ from verl_core.reward.model import RewardModel
 from verl_core.reward.overlong import OverlongBuffer
 from verl_core.reward.scoring import decoded, group_first_rows, score_batch
 from verl_core.seeds import derive_seed
+from verl_core.training.advantage import compute_advantages
 from verl_core.threads import intra_op_threads
 from verl_core.training.device import make_deterministic, resolve_device
 from verl_core.training.dist import SINGLE, DataParallel
@@ -59,36 +58,6 @@ def _poison_gradients(model) -> None:
         if p.grad is not None:
             p.grad.fill_(float("nan"))
             return
-
-
-def compute_advantages(batch: Batch, algo) -> tuple[Batch, dict]:
-    """Advantage phase: token rewards (the outcome score on the last response token, minus
-    ``kl_coef * KL`` when ``use_kl_in_reward``), then the configured estimator. Adds
-    ``advantages``/``returns`` (N, T); records the reward KL in ``meta["reward_kl"]``."""
-    mask = batch.response_mask
-    token_rewards = outcome_to_token_rewards(batch.score, mask)  # (N, T)
-    metrics = {}
-    meta = dict(batch.meta)
-    if algo.use_kl_in_reward:
-        # The rollout log-probs stand in for the actor's: the hf engine computes them with the
-        # same weights and forward (within float rounding).
-        token_rewards, kl_m = apply_kl_penalty(
-            token_rewards, batch.response_logprobs, batch.ref_logprobs, mask,
-            kl_coef=meta["kl_coef"], kl_penalty=algo.kl_penalty)
-        meta["reward_kl"] = float(kl_m["kl"])
-        metrics["actor/reward_kl"] = meta["reward_kl"]
-    # every estimator takes every optional input; the batch has those its traits asked for
-    # (rollout / reward phases), the rest are None. The rollout log-probs are the behaviour
-    # policy's, as for the reward KL above.
-    adv, ret = get_advantage_estimator(algo.adv_estimator)(
-        token_rewards, mask, batch.group, batch.values, gamma=algo.gamma, lam=algo.lam,
-        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, baseline_score=batch.baseline_score,
-        old_logprobs=batch.response_logprobs, sum_pi_squared=batch.sum_pi_squared)
-    metrics["advantages/mean"] = float(masked_mean(adv, mask))
-    metrics["advantages/abs_max"] = float((adv.abs() * mask).max()) if mask.any() else 0.0
-    if batch.values is not None:
-        metrics["critic/values_mean"] = float(masked_mean(batch.values, mask))
-    return batch.replace(advantages=adv, returns=ret, meta=meta), metrics
 
 
 class RLTrainer:

@@ -8,7 +8,8 @@ from tests.presets import tiny_run
 from verl_core.data.batch import batch_from_parquet_bytes, batch_to_parquet_bytes
 from verl_core.reward.decode import decode_responses
 from verl_core.rollout import SamplingParams
-from verl_core.trainer import RLTrainer, compute_advantages
+from verl_core.trainer import RLTrainer
+from verl_core.training.advantage import compute_advantages
 from verl_core.assets import prepare_assets
 
 

@@ -6,8 +6,9 @@ caller reduces and logs. No config objects, I/O or host syncs in here. Each fami
 config's name and never branch on it:
 
 * ``ADVANTAGE_ESTIMATORS`` (``algorithm.adv_estimator``): one decorated function per estimator
-  in ``advantages.py`` (``ADVANTAGE_ESTIMATORS.names()`` lists them); each entry carries its
-  :class:`EstimatorTraits` (critic, groups, greedy baseline, Σπ²);
+  in ``advantages.py`` (``ADVANTAGE_ESTIMATORS.names()`` lists them), each taking one
+  :class:`EstimatorInputs`; each entry carries its :class:`EstimatorTraits` (critic, groups,
+  greedy baseline, Σπ²);
 * ``POLICY_LOSSES`` (``algorithm.policy_loss``): vanilla, gspo, cispo, dppo_tv, dppo_kl, sapo,
   geo_mean, gpg, dro, clip_cov, kl_cov, bypass_mode; hyper-parameters in one
   :class:`PolicyLossOptions`, rollout importance weights from :func:`rollout_is_weights`, the mismatch they correct
@@ -23,6 +24,7 @@ Shapes: N rows (responses), T response tokens, V vocabulary (see ``verl_core``'s
 
 from verl_core.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    EstimatorInputs,
     EstimatorTraits,
     get_advantage_estimator,
     register_advantage,
@@ -58,6 +60,7 @@ from verl_core.algorithms.value import entropy_loss, value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "EstimatorInputs",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",

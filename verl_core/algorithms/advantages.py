@@ -1,16 +1,13 @@
 """Advantage estimators: token rewards (and critic values) -> advantages and returns.
 
-Every estimator has exactly one signature (enforced at registration)::
+Every estimator takes one record and returns two tensors (the registry enforces the signature)::
 
-    fn(token_level_rewards (N, T), response_mask (N, T), group_index (N,) long,
-       values (N, T) | None, *, gamma: float, lam: float, norm_adv_by_std_in_grpo: bool,
-       baseline_score (N,) | None = None, old_logprobs (N, T) | None = None,
-       sum_pi_squared (N, T) | None = None, reward_components (N, K) | None = None)
-    -> (advantages (N, T), returns (N, T))
+    fn(inp: EstimatorInputs) -> (advantages (N, T), returns (N, T))
 
-so the trainer calls ``get_advantage_estimator(cfg.adv_estimator)(...)`` whatever the name, and
-the estimators' docstrings give only their formula. Arguments an estimator does not use are
-accepted and ignored. ``returns`` is the estimator's return where it has one (GAE: A + V; the
+so the advantage phase (``verl_core/training/advantage.py``) builds one :class:`EstimatorInputs`
+and calls ``get_advantage_estimator(cfg.adv_estimator)(inp)`` whatever the name, and the
+estimators' docstrings give only their formula. Fields an estimator does not use are ignored.
+``returns`` is the estimator's return where it has one (GAE: A + V; the
 reward-to-go estimators: G) and a copy of ``advantages`` for the outcome estimators (verl returns
 one tensor twice); both are 0 where ``response_mask`` is 0. ``group_index[i]`` says which prompt
 row ``i`` answers; only equality matters (any long values, groups need not be contiguous).
@@ -18,13 +15,10 @@ Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline, opo, gpg, grpo_pas
 score per response, ``token_level_rewards.sum(-1)``, as verl does; rewards outside the mask are
 expected to be 0 (``outcome_to_token_rewards`` and ``apply_kl_penalty`` guarantee it).
 
-The optional keywords are the inputs only some estimators read: ``baseline_score`` the score of a
-greedy response to the row's prompt (remax), ``old_logprobs`` / ``sum_pi_squared`` the sampled
-token's log-prob and Σ_v π_v² under the rollout policy (the optimal-token-baseline pair),
-``reward_components`` K separately scored reward dimensions (gdpo). Each entry's *traits*
-(:class:`EstimatorTraits`, declared at registration) say which of these the run must produce
-and whether the estimator needs a critic or groups of responses; the config and the trainer ask
-the registry (``ADVANTAGE_ESTIMATORS.traits(name)``), never a list of names.
+The optional fields are the inputs only some estimators read (their field docs say which). Each
+entry's *traits* (:class:`EstimatorTraits`, declared at registration) say which of these the run
+must produce and whether the estimator needs a critic or groups of responses; the config and the
+trainer ask the registry (``ADVANTAGE_ESTIMATORS.traits(name)``), never a list of names.
 
 Numbers follow verl's ``verl/trainer/ppo/core_algos.py`` (v0.9; function named in each
 docstring) on every position where ``response_mask`` is set. One deliberate difference: every
@@ -76,13 +70,53 @@ class EstimatorTraits:
     forward pass of the policy for Σ_v π_v² at every response token."""
 
 
-def _estimator_prototype(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-                         values: Optional[Tensor], *, gamma: float, lam: float,
-                         norm_adv_by_std_in_grpo: bool,
-                         baseline_score: Optional[Tensor] = None,
-                         old_logprobs: Optional[Tensor] = None,
-                         sum_pi_squared: Optional[Tensor] = None,
-                         reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True, kw_only=True)
+class EstimatorInputs:
+    """Everything an advantage estimator may read: one record, built once per advantage phase.
+
+    Construction checks the shapes of the tensors every estimator reads (a mismatch raises
+    ``ValueError`` naming the field); an estimator checks the optional fields it needs."""
+
+    token_level_rewards: Tensor
+    """(N, T) reward of each response token: the outcome score on the last valid token (minus the
+    reward KL when ``use_kl_in_reward``), 0 outside ``response_mask``."""
+    response_mask: Tensor
+    """(N, T) 1 on the tokens the policy sampled (0 on padding and on tool output)."""
+    group_index: Tensor
+    """(N,) long: which prompt each row answers (only equality matters)."""
+    gamma: float
+    """Discount γ (``algorithm.gamma``): GAE and REINFORCE++."""
+    lam: float
+    """GAE's λ (``algorithm.lam``)."""
+    norm_adv_by_std_in_grpo: bool
+    """Divide by the group's std (GRPO) or not (Dr. GRPO): grpo, grpo_passk, gdpo."""
+    values: Optional[Tensor] = None
+    """(N, T) critic values V_t: GAE (``needs_critic``)."""
+    baseline_score: Optional[Tensor] = None
+    """(N,) score of a greedy response to each row's prompt: remax (``needs_greedy_baseline``)."""
+    old_logprobs: Optional[Tensor] = None
+    """(N, T) the rollout policy's log-prob of each sampled token: the optimal token baselines
+    (``needs_sum_pi_squared``)."""
+    sum_pi_squared: Optional[Tensor] = None
+    """(N, T) Σ_v π_v² of the rollout policy at each response token: the optimal token
+    baselines (``needs_sum_pi_squared``)."""
+    reward_components: Optional[Tensor] = None
+    """(N, K) K separately scored reward dimensions: gdpo (batches carry one score, so the
+    trainer leaves it None)."""
+
+    def __post_init__(self):
+        if self.token_level_rewards.dim() != 2:
+            raise ValueError("token_level_rewards must be (N, T), "
+                             f"got {tuple(self.token_level_rewards.shape)}")
+        N, T = self.token_level_rewards.shape
+        for name, want, shape in (("response_mask", "(N, T)", (N, T)),
+                                  ("group_index", "(N,)", (N,)), ("values", "(N, T)", (N, T))):
+            x = getattr(self, name)
+            if x is not None and tuple(x.shape) != shape:
+                raise ValueError(f"{name} must be {want}={shape}, got {tuple(x.shape)}")
+
+
+def _estimator_prototype(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     raise NotImplementedError  # the one signature every estimator repeats
 
 
@@ -102,19 +136,6 @@ def get_advantage_estimator(name: str):
 
 
 # ---------------------------------------------------------------- helpers
-def _check(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-           values: Optional[Tensor]) -> None:
-    if token_level_rewards.dim() != 2:
-        raise ValueError(f"token_level_rewards must be (N, T), got {tuple(token_level_rewards.shape)}")
-    N, T = token_level_rewards.shape
-    if tuple(response_mask.shape) != (N, T):
-        raise ValueError(f"response_mask must be (N, T)=({N}, {T}), got {tuple(response_mask.shape)}")
-    if tuple(group_index.shape) != (N,):
-        raise ValueError(f"group_index must be (N,)=({N},), got {tuple(group_index.shape)}")
-    if values is not None and tuple(values.shape) != (N, T):
-        raise ValueError(f"values must be (N, T)=({N}, {T}), got {tuple(values.shape)}")
-
-
 def _need(estimator: str, name: str, x: Optional[Tensor], shape: tuple, what: str) -> Tensor:
     """``x`` when it is given with ``shape`` (``None`` in it: any size), else a ValueError saying
     what the estimator needs and where it comes from."""
@@ -167,13 +188,7 @@ def _group_stats(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, T
 # ---------------------------------------------------------------- estimators
 @register_advantage("gae", needs_critic=True)
 @torch.no_grad()
-def gae(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-        values: Optional[Tensor], *, gamma: float, lam: float,
-        norm_adv_by_std_in_grpo: bool,
-        baseline_score: Optional[Tensor] = None,
-        old_logprobs: Optional[Tensor] = None,
-        sum_pi_squared: Optional[Tensor] = None,
-        reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def gae(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438).
 
     Follows verl ``compute_gae_advantage_return`` (recent form): the backward recursion moves
@@ -182,21 +197,21 @@ def gae(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
     as zero-valued states. Returns are the un-whitened advantages plus the values; advantages
     are then whitened over all valid tokens of the batch.
     """
-    if values is None:
+    if inp.values is None:
         raise ValueError("the 'gae' advantage estimator needs critic values (N, T); got values=None "
                          "(compute values with the critic, or pick an outcome estimator such as 'grpo')")
-    _check(token_level_rewards, response_mask, group_index, values)
+    gamma, lam = inp.gamma, inp.lam
     # at least float32: a bf16 critic's values would otherwise make the recursion bf16
-    dtype = torch.promote_types(torch.promote_types(token_level_rewards.dtype, values.dtype),
-                                torch.float32)
-    token_level_rewards, values = token_level_rewards.to(dtype), values.to(dtype)
-    mask = response_mask.to(dtype)  # (N, T)
-    N, T = token_level_rewards.shape
+    dtype = torch.promote_types(
+        torch.promote_types(inp.token_level_rewards.dtype, inp.values.dtype), torch.float32)
+    rewards, values = inp.token_level_rewards.to(dtype), inp.values.to(dtype)  # (N, T) each
+    mask = inp.response_mask.to(dtype)  # (N, T)
+    N, T = rewards.shape
     next_value = torch.zeros(N, dtype=values.dtype, device=values.device)  # V of the next valid token
     last_gae = torch.zeros_like(next_value)  # A of the next valid token
     advantages = torch.zeros_like(values)  # (N, T)
     for t in reversed(range(T)):
-        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]  # δ_t = r_t + γV_{t+1} - V_t
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # δ_t = r_t + γV_{t+1} - V_t
         gae_t = delta + gamma * lam * last_gae  # A_t = δ_t + γλ A_{t+1}
         m = mask[:, t]
         next_value = m * values[:, t] + (1 - m) * next_value  # carry across masked positions
@@ -209,13 +224,7 @@ def gae(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
 
 @register_advantage("grpo", "grpo_vectorized", needs_groups=True, one_response_ok=True)
 @torch.no_grad()
-def grpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-         values: Optional[Tensor], *, gamma: float, lam: float,
-         norm_adv_by_std_in_grpo: bool,
-         baseline_score: Optional[Tensor] = None,
-         old_logprobs: Optional[Tensor] = None,
-         sum_pi_squared: Optional[Tensor] = None,
-         reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def grpo(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """Group-relative outcome advantage (GRPO, Shao et al. 2024, arXiv:2402.03300 sec. 4.1.2).
 
     Follows verl ``compute_grpo_outcome_advantage``: with s_i the response score and the group's
@@ -227,10 +236,9 @@ def grpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
 
     ``grpo_vectorized`` is an alias: verl's vectorized function gives the same numbers.
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    scores = token_level_rewards.sum(dim=-1)  # (N,) s_i
-    adv = _grpo_scores(scores, group_index, norm_adv_by_std_in_grpo)
-    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+    scores = inp.token_level_rewards.sum(dim=-1)  # (N,) s_i
+    adv = _grpo_scores(scores, inp.group_index, inp.norm_adv_by_std_in_grpo)
+    return _outcome_over_tokens(adv, inp.token_level_rewards.dtype, inp.response_mask)
 
 
 def _grpo_scores(scores: Tensor, group_index: Tensor, norm_by_std: bool) -> Tensor:
@@ -255,13 +263,7 @@ def _outcome_over_tokens(adv: Tensor, dtype: torch.dtype, response_mask: Tensor)
 
 @register_advantage("rloo", needs_groups=True, one_response_ok=True)
 @torch.no_grad()
-def rloo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-         values: Optional[Tensor], *, gamma: float, lam: float,
-         norm_adv_by_std_in_grpo: bool,
-         baseline_score: Optional[Tensor] = None,
-         old_logprobs: Optional[Tensor] = None,
-         sum_pi_squared: Optional[Tensor] = None,
-         reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def rloo(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740;
     Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free").
 
@@ -271,30 +273,22 @@ def rloo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
     broadcast over the response's tokens; a group of one keeps its raw score, A_i = s_i.
     :func:`rloo_vectorized` differs from it on groups of one only, as verl's two functions do.
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,)
-    adv = _leave_one_out(scores, group_index, singleton=scores)
-    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+    scores = inp.token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,)
+    adv = _leave_one_out(scores, inp.group_index, singleton=scores)
+    return _outcome_over_tokens(adv, inp.token_level_rewards.dtype, inp.response_mask)
 
 
 @register_advantage("rloo_vectorized", needs_groups=True)
 @torch.no_grad()
-def rloo_vectorized(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-                    values: Optional[Tensor], *, gamma: float, lam: float,
-                    norm_adv_by_std_in_grpo: bool,
-                    baseline_score: Optional[Tensor] = None,
-                    old_logprobs: Optional[Tensor] = None,
-                    sum_pi_squared: Optional[Tensor] = None,
-                    reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def rloo_vectorized(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """RLOO as verl ``compute_rloo_vectorized_outcome_advantage`` computes it:
         A_i = (n s_i - Σ_j s_j) / max(n - 1, 1) * [n > 1]
     :func:`rloo`'s numbers, except that a group of one gets 0 (nothing to compare with) where
     :func:`rloo` keeps its score: each name gives its own verl function's numbers.
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,)
-    adv = _leave_one_out(scores, group_index, singleton=torch.zeros_like(scores))
-    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+    scores = inp.token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,)
+    adv = _leave_one_out(scores, inp.group_index, singleton=torch.zeros_like(scores))
+    return _outcome_over_tokens(adv, inp.token_level_rewards.dtype, inp.response_mask)
 
 
 def _leave_one_out(scores: Tensor, group_index: Tensor, *, singleton: Tensor) -> Tensor:
@@ -307,13 +301,7 @@ def _leave_one_out(scores: Tensor, group_index: Tensor, *, singleton: Tensor) ->
 
 @register_advantage("reinforce_plus_plus")
 @torch.no_grad()
-def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-                        values: Optional[Tensor], *, gamma: float, lam: float,
-                        norm_adv_by_std_in_grpo: bool,
-                        baseline_score: Optional[Tensor] = None,
-                        old_logprobs: Optional[Tensor] = None,
-                        sum_pi_squared: Optional[Tensor] = None,
-                        reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def reinforce_plus_plus(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted returns, whitened over the batch.
 
     Follows verl ``compute_reinforce_plus_plus_outcome_advantage`` as fixed for verl issue #7278
@@ -325,14 +313,13 @@ def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, grou
     Mask [1,1,0,0,1,1], γ = 1, reward 1 at the end: G = [1,1,0,0,1,1] (before the fix
     [0,0,0,0,1,1]).
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    mask = response_mask.to(token_level_rewards.dtype)  # (N, T)
-    valid = response_mask.bool()  # (N, T)
-    N, T = token_level_rewards.shape
-    returns = torch.zeros_like(token_level_rewards)  # (N, T)
+    mask = inp.response_mask.to(inp.token_level_rewards.dtype)  # (N, T)
+    valid = inp.response_mask.bool()  # (N, T)
+    N, T = inp.token_level_rewards.shape
+    returns = torch.zeros_like(inp.token_level_rewards)  # (N, T)
     running = torch.zeros(N, dtype=returns.dtype, device=returns.device)  # G of next valid token
     for t in reversed(range(T)):
-        g_t = token_level_rewards[:, t] + gamma * running  # G_t = r_t + γ G_{t'}
+        g_t = inp.token_level_rewards[:, t] + inp.gamma * running  # G_t = r_t + γ G_{t'}
         returns[:, t] = torch.where(valid[:, t], g_t, torch.zeros_like(g_t))
         running = torch.where(valid[:, t], g_t, running)  # masked: carried unchanged
     advantages = masked_whiten(returns, mask) * mask
@@ -341,13 +328,7 @@ def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, grou
 
 @register_advantage("reinforce_plus_plus_baseline", needs_groups=True)
 @torch.no_grad()
-def reinforce_plus_plus_baseline(token_level_rewards: Tensor, response_mask: Tensor,
-                                 group_index: Tensor, values: Optional[Tensor], *, gamma: float,
-                                 lam: float, norm_adv_by_std_in_grpo: bool,
-                                 baseline_score: Optional[Tensor] = None,
-                                 old_logprobs: Optional[Tensor] = None,
-                                 sum_pi_squared: Optional[Tensor] = None,
-                                 reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def reinforce_plus_plus_baseline(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with a group-mean baseline (Hu 2025, arXiv:2501.03262).
 
     Follows verl ``compute_reinforce_plus_plus_baseline_outcome_advantage``:
@@ -356,12 +337,11 @@ def reinforce_plus_plus_baseline(token_level_rewards: Tensor, response_mask: Ten
     i.e. the group mean removes the prompt's difficulty and the batch-wide (token-weighted) std
     sets the scale, instead of GRPO's per-group std.
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    mask = response_mask.to(token_level_rewards.dtype)  # (N, T)
-    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,)
-    count, mean, _ = _group_stats(scores, group_index)
+    mask = inp.response_mask.to(inp.token_level_rewards.dtype)  # (N, T)
+    scores = inp.token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,)
+    count, mean, _ = _group_stats(scores, inp.group_index)
     centred = scores - torch.where(count > 1, mean, torch.zeros_like(mean))  # s_i - μ_group
-    centred = centred.to(token_level_rewards.dtype)
+    centred = centred.to(inp.token_level_rewards.dtype)
     tiled = centred.unsqueeze(-1) * mask  # (N, T) the score on every valid token
     advantages = masked_whiten(tiled, mask) * mask
     return advantages, advantages.clone()
@@ -369,13 +349,7 @@ def reinforce_plus_plus_baseline(token_level_rewards: Tensor, response_mask: Ten
 
 @register_advantage("remax", needs_greedy_baseline=True)
 @torch.no_grad()
-def remax(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-          values: Optional[Tensor], *, gamma: float, lam: float,
-          norm_adv_by_std_in_grpo: bool,
-          baseline_score: Optional[Tensor] = None,
-          old_logprobs: Optional[Tensor] = None,
-          sum_pi_squared: Optional[Tensor] = None,
-          reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def remax(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """ReMax: REINFORCE with the greedy response's reward as baseline (Li et al. 2023,
     "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large
     Language Models", arXiv:2310.10505).
@@ -387,27 +361,20 @@ def remax(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tenso
     The baseline costs one greedy decode per prompt instead of a critic or a group, so ReMax
     works with ``rollout.n = 1``.
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    N = token_level_rewards.shape[0]
-    b = _need("remax", "baseline_score", baseline_score, (N,),
+    N = inp.token_level_rewards.shape[0]
+    b = _need("remax", "baseline_score", inp.baseline_score, (N,),
               "(N,), the score of a greedy response to each row's prompt (the trainer's rollout "
               "makes it when the estimator's traits say needs_greedy_baseline)")
-    mask = response_mask.to(torch.float64)  # (N, T)
-    returns = _reward_to_go(token_level_rewards, mask) * mask  # G_t
+    mask = inp.response_mask.to(torch.float64)  # (N, T)
+    returns = _reward_to_go(inp.token_level_rewards, mask) * mask  # G_t
     advantages = (returns - b.to(torch.float64).unsqueeze(-1)) * mask  # A_t = G_t - b
-    dtype = token_level_rewards.dtype
+    dtype = inp.token_level_rewards.dtype
     return advantages.to(dtype), returns.to(dtype)
 
 
 @register_advantage("opo", needs_groups=True)
 @torch.no_grad()
-def opo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-        values: Optional[Tensor], *, gamma: float, lam: float,
-        norm_adv_by_std_in_grpo: bool,
-        baseline_score: Optional[Tensor] = None,
-        old_logprobs: Optional[Tensor] = None,
-        sum_pi_squared: Optional[Tensor] = None,
-        reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def opo(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """On-Policy RL with Optimal reward baseline (OPO, Hao et al. 2025, "On-Policy RL with Optimal
     Reward Baseline", arXiv:2505.23585).
 
@@ -419,29 +386,22 @@ def opo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
     A group of one has b = 0 (keeps its raw score), as in verl. A group whose responses are all
     empty has b = 0 too (verl divides by zero there; its advantages are masked out either way).
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
-    length = response_mask.sum(dim=-1).to(torch.float64)  # (N,) l_i
-    count, mean, _ = _group_stats(scores, group_index)  # (N,) n, μ
-    group, K = _dense_groups(group_index)
+    scores = inp.token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
+    length = inp.response_mask.sum(dim=-1).to(torch.float64)  # (N,) l_i
+    count, mean, _ = _group_stats(scores, inp.group_index)  # (N,) n, μ
+    group, K = _dense_groups(inp.group_index)
     # b = Σ l s / Σ l, written as μ + Σ l (s - μ) / Σ l: the same number, but exactly μ when all
     # scores are equal, so such a group gets advantage 0 (as GRPO's float64 statistics ensure)
     weighted = _group_sum(length * (scores - mean), group, K)[group]  # (N,) Σ l (s - μ)
     total_length = _group_sum(length, group, K)[group]  # (N,) Σ l
     b = torch.where((count > 1) & (total_length > 0), mean + weighted / total_length.clamp(min=1.0),
                     torch.zeros_like(scores))
-    return _outcome_over_tokens(scores - b, token_level_rewards.dtype, response_mask)
+    return _outcome_over_tokens(scores - b, inp.token_level_rewards.dtype, inp.response_mask)
 
 
 @register_advantage("gpg", needs_groups=True)
 @torch.no_grad()
-def gpg(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-        values: Optional[Tensor], *, gamma: float, lam: float,
-        norm_adv_by_std_in_grpo: bool,
-        baseline_score: Optional[Tensor] = None,
-        old_logprobs: Optional[Tensor] = None,
-        sum_pi_squared: Optional[Tensor] = None,
-        reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def gpg(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """Group Policy Gradient (GPG, Chu et al. 2025, "GPG: A Simple and Strong Reinforcement
     Learning Baseline for Model Reasoning", arXiv:2504.02546).
 
@@ -453,25 +413,18 @@ def gpg(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
     scores. A group of one uses mean 0, as in verl. Usable with any policy loss (the paper pairs
     it with ``policy_loss="gpg"``).
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
-    count, mean, _ = _group_stats(scores, group_index)
+    scores = inp.token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
+    count, mean, _ = _group_stats(scores, inp.group_index)
     mean = torch.where(count < 2, torch.zeros_like(mean), mean)
     nonzero = (scores != 0).sum().to(torch.float64).clamp(min=1.0)  # #{s_i != 0}, at least 1
     alpha = scores.numel() / nonzero  # α = N / #{s_i != 0}
     adv = alpha * (scores - mean) / GPG_F_NORM  # A = α (s - μ) / F_norm
-    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+    return _outcome_over_tokens(adv, inp.token_level_rewards.dtype, inp.response_mask)
 
 
 @register_advantage("grpo_passk", needs_groups=True)
 @torch.no_grad()
-def grpo_passk(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-               values: Optional[Tensor], *, gamma: float, lam: float,
-               norm_adv_by_std_in_grpo: bool,
-               baseline_score: Optional[Tensor] = None,
-               old_logprobs: Optional[Tensor] = None,
-               sum_pi_squared: Optional[Tensor] = None,
-               reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def grpo_passk(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """Pass@k advantage (Tang et al. 2025, "Optimizing Language Models for Inference Time
     Objectives using Reinforcement Learning", arXiv:2503.19595, the paper verl cites; see also
     Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration and Exploitation",
@@ -489,9 +442,8 @@ def grpo_passk(token_level_rewards: Tensor, response_mask: Tensor, group_index: 
     Raises ``ValueError`` on a group of one response, as verl does (pass@k needs k >= 2 samples);
     the config refuses ``rollout.n < 2`` for it.
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    scores = token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
-    group, K = _dense_groups(group_index)
+    scores = inp.token_level_rewards.sum(dim=-1).to(torch.float64)  # (N,) s_i
+    group, K = _dense_groups(inp.group_index)
     count = _group_sum(torch.ones_like(scores), group, K)  # (K,)
     lone = int((count < 2).sum())  # a host sync, like unique's; pass@k is undefined otherwise
     if lone:
@@ -505,21 +457,15 @@ def grpo_passk(token_level_rewards: Tensor, response_mask: Tensor, group_index: 
                                        "amax")  # (K,) best score below the top
     best = is_top & (n_top == 1)  # the unique best response of its group
     adv = torch.where(best, scores - runner_up[group], torch.zeros_like(scores))  # s_(1) - s_(2)
-    if norm_adv_by_std_in_grpo:
-        _, _, std = _group_stats(scores, group_index)
+    if inp.norm_adv_by_std_in_grpo:
+        _, _, std = _group_stats(scores, inp.group_index)
         adv = adv / (std + GRPO_EPSILON)
-    return _outcome_over_tokens(adv, token_level_rewards.dtype, response_mask)
+    return _outcome_over_tokens(adv, inp.token_level_rewards.dtype, inp.response_mask)
 
 
 @register_advantage("gdpo", needs_groups=True)
 @torch.no_grad()
-def gdpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor,
-         values: Optional[Tensor], *, gamma: float, lam: float,
-         norm_adv_by_std_in_grpo: bool,
-         baseline_score: Optional[Tensor] = None,
-         old_logprobs: Optional[Tensor] = None,
-         sum_pi_squared: Optional[Tensor] = None,
-         reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def gdpo(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """Group reward-Decoupled normalization Policy Optimization (GDPO, Liu et al. 2026, "GDPO:
     Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL Optimization",
     arXiv:2601.05242).
@@ -536,17 +482,16 @@ def gdpo(token_level_rewards: Tensor, response_mask: Tensor, group_index: Tensor
     ``reward_components`` and GDPO uses that score, verl's own fallback (GRPO, then whitening).
     Given ``reward_components`` (N, K) it computes the multi-reward form, equal weights.
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    N = token_level_rewards.shape[0]
-    if reward_components is None:
-        comps = token_level_rewards.sum(dim=-1, keepdim=True)  # (N, 1)
+    N = inp.token_level_rewards.shape[0]
+    if inp.reward_components is None:
+        comps = inp.token_level_rewards.sum(dim=-1, keepdim=True)  # (N, 1)
     else:
-        comps = _need("gdpo", "reward_components", reward_components, (N, None), "(N, K)")
+        comps = _need("gdpo", "reward_components", inp.reward_components, (N, None), "(N, K)")
     total = torch.zeros(N, dtype=torch.float64, device=comps.device)  # (N,) a_i
     for k in range(comps.shape[1]):
-        total += _grpo_scores(comps[:, k], group_index, norm_adv_by_std_in_grpo)  # Σ_k A_k
-    mask = response_mask.to(token_level_rewards.dtype)  # (N, T)
-    tiled = total.to(token_level_rewards.dtype).unsqueeze(-1) * mask  # (N, T)
+        total += _grpo_scores(comps[:, k], inp.group_index, inp.norm_adv_by_std_in_grpo)  # Σ_k A_k
+    mask = inp.response_mask.to(inp.token_level_rewards.dtype)  # (N, T)
+    tiled = total.to(inp.token_level_rewards.dtype).unsqueeze(-1) * mask  # (N, T)
     advantages = masked_whiten(tiled, mask) * mask
     return advantages, advantages.clone()
 
@@ -602,13 +547,7 @@ _OTB_INPUTS = ("(N, T), from the rollout (the trainer makes them when the estima
 
 @register_advantage("optimal_token_baseline", needs_groups=True, needs_sum_pi_squared=True)
 @torch.no_grad()
-def optimal_token_baseline(token_level_rewards: Tensor, response_mask: Tensor,
-                           group_index: Tensor, values: Optional[Tensor], *, gamma: float,
-                           lam: float, norm_adv_by_std_in_grpo: bool,
-                           baseline_score: Optional[Tensor] = None,
-                           old_logprobs: Optional[Tensor] = None,
-                           sum_pi_squared: Optional[Tensor] = None,
-                           reward_components: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def optimal_token_baseline(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """Optimal Token Baseline (OTB, Li et al. 2026, "The Optimal Token Baseline: Variance
     Reduction for Long-Horizon LLM-RL", arXiv:2602.07078).
 
@@ -626,31 +565,23 @@ def optimal_token_baseline(token_level_rewards: Tensor, response_mask: Tensor,
     weights); rollout and training share weights here, so ρ = 1. π_j is the rollout's log-prob
     of the sampled token (``old_logprobs``), with Σ_v π_v² from ``sum_pi_squared``.
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    N, T = token_level_rewards.shape
-    logp = _need("optimal_token_baseline", "old_logprobs", old_logprobs, (N, T), _OTB_INPUTS)
-    sq = _need("optimal_token_baseline", "sum_pi_squared", sum_pi_squared, (N, T), _OTB_INPUTS)
-    mask = response_mask.to(torch.float64)  # (N, T)
-    returns = _reward_to_go(token_level_rewards, mask)  # (N, T) G_t
+    N, T = inp.token_level_rewards.shape
+    logp = _need("optimal_token_baseline", "old_logprobs", inp.old_logprobs, (N, T), _OTB_INPUTS)
+    sq = _need("optimal_token_baseline", "sum_pi_squared", inp.sum_pi_squared, (N, T), _OTB_INPUTS)
+    mask = inp.response_mask.to(torch.float64)  # (N, T)
+    returns = _reward_to_go(inp.token_level_rewards, mask)  # (N, T) G_t
     energy = _token_energy(logp, sq, mask)  # (N, T) W_t
-    lengths = response_mask.sum(dim=-1).long()  # (N,)
-    baseline = _token_baseline(returns, energy, mask, lengths, group_index,
+    lengths = inp.response_mask.sum(dim=-1).long()  # (N,)
+    baseline = _token_baseline(returns, energy, mask, lengths, inp.group_index,
                                member=torch.ones_like(lengths, dtype=torch.bool))
     advantages = (returns - baseline) * mask  # A_t = G_t - B_t
-    dtype = token_level_rewards.dtype
+    dtype = inp.token_level_rewards.dtype
     return advantages.to(dtype), (returns * mask).to(dtype)
 
 
 @register_advantage("tir_optimal_token_baseline", needs_groups=True, needs_sum_pi_squared=True)
 @torch.no_grad()
-def tir_optimal_token_baseline(token_level_rewards: Tensor, response_mask: Tensor,
-                               group_index: Tensor, values: Optional[Tensor], *, gamma: float,
-                               lam: float, norm_adv_by_std_in_grpo: bool,
-                               baseline_score: Optional[Tensor] = None,
-                               old_logprobs: Optional[Tensor] = None,
-                               sum_pi_squared: Optional[Tensor] = None,
-                               reward_components: Optional[Tensor] = None
-                               ) -> tuple[Tensor, Tensor]:
+def tir_optimal_token_baseline(inp: EstimatorInputs) -> tuple[Tensor, Tensor]:
     """Optimal Token Baseline for tool-integrated (multi-turn) responses (Li et al. 2026,
     arXiv:2602.07078).
 
@@ -664,15 +595,14 @@ def tir_optimal_token_baseline(token_level_rewards: Tensor, response_mask: Tenso
     keeps A = G); zero tail as in ``optimal_token_baseline``, on valid-token indices. The same
     note on rollout importance weights applies.
     """
-    _check(token_level_rewards, response_mask, group_index, values)
-    N, T = token_level_rewards.shape
+    N, T = inp.token_level_rewards.shape
     name = "tir_optimal_token_baseline"
-    logp = _need(name, "old_logprobs", old_logprobs, (N, T), _OTB_INPUTS)
-    sq = _need(name, "sum_pi_squared", sum_pi_squared, (N, T), _OTB_INPUTS)
-    mask = response_mask.to(torch.float64)  # (N, T)
-    returns = _reward_to_go(token_level_rewards, mask)  # (N, T) G_t
+    logp = _need(name, "old_logprobs", inp.old_logprobs, (N, T), _OTB_INPUTS)
+    sq = _need(name, "sum_pi_squared", inp.sum_pi_squared, (N, T), _OTB_INPUTS)
+    mask = inp.response_mask.to(torch.float64)  # (N, T)
+    returns = _reward_to_go(inp.token_level_rewards, mask)  # (N, T) G_t
     energy = _token_energy(logp, sq, mask)  # (N, T) W_t
-    valid = response_mask.bool()
+    valid = inp.response_mask.bool()
     lengths = valid.sum(dim=-1)  # (N,) long
     # column t -> valid-token index k(t); masked columns go to a spare last slot, dropped after
     k = torch.where(valid, valid.long().cumsum(dim=-1) - 1, torch.full_like(lengths, T)[:, None])
@@ -681,10 +611,10 @@ def tir_optimal_token_baseline(token_level_rewards: Tensor, response_mask: Tenso
     packed_energy = torch.zeros_like(packed_returns).scatter_(1, k, energy)
     packed_returns, packed_energy = packed_returns[:, :T], packed_energy[:, :T]  # (N, T) by k
     packed_valid = (torch.arange(T, device=mask.device)[None] < lengths[:, None]).to(torch.float64)
-    baseline = _token_baseline(packed_returns, packed_energy, packed_valid, lengths, group_index,
-                               member=lengths > 0)  # (N, T) B_k
+    baseline = _token_baseline(packed_returns, packed_energy, packed_valid, lengths,
+                               inp.group_index, member=lengths > 0)  # (N, T) B_k
     packed_adv = torch.cat([packed_returns - baseline,
                             torch.zeros(N, 1, dtype=torch.float64, device=mask.device)], dim=1)
     advantages = packed_adv.gather(1, k) * mask  # A_t = G_t - B_k(t)
-    dtype = token_level_rewards.dtype
+    dtype = inp.token_level_rewards.dtype
     return advantages.to(dtype), (returns * mask).to(dtype)

@@ -44,7 +44,8 @@ from verl_core.guard.faults import maybe_inject
 from verl_core.guard.lease import FencedError
 from verl_core.layout import (BEST_DOC, TOKENIZER_DOC, eval_samples_doc, lineage_doc,
                               pending_doc)
-from verl_core.trainer import RLTrainer, compute_advantages
+from verl_core.trainer import RLTrainer
+from verl_core.training.advantage import compute_advantages
 from verl_core.training.dist import SINGLE, DataParallel
 from verl_core.validation import validate_and_record
 

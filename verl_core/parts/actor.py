@@ -19,7 +19,7 @@ from verl_core.parts.trained import Trained, model_state
 from verl_core.training import sharding
 from verl_core.training.dist import DataParallel
 from verl_core.training.optim import make_optimizer, make_scheduler
-from verl_core.training.ppo import ppo_update
+from verl_core.training.ppo import UpdateOptions, ppo_update
 
 
 class Actor(Trained):
@@ -159,18 +159,9 @@ class Actor(Trained):
             self.kl_ctrl.update(batch.meta["reward_kl"], batch.num_rows)
             metrics["actor/kl_coef"] = self.kl_ctrl.value
         metrics.update(ppo_update(
-            self.model, self.optimizer, self.scheduler, batch, c.algorithm,
-            temperature=c.rollout.temperature,
-            mini_batch_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
-            micro_batch_rows=c.actor.ppo_micro_batch_size, epochs=c.actor.ppo_epochs,
-            grad_clip=c.optim.grad_clip, seed=seed,
-            critic=critic and critic.model, critic_optimizer=critic and critic.optimizer,
+            self.model, self.optimizer, self.scheduler, batch, UpdateOptions.from_config(c),
+            seed=seed, critic=critic and critic.model,
+            critic_optimizer=critic and critic.optimizer,
             critic_scheduler=critic and critic.scheduler, dp=self.dp,
-            after_backward=after_backward,
-            max_token_len=c.actor.token_budget("ppo_max_token_len_per_gpu"),
-            critic_max_token_len=c.actor.token_budget("critic_ppo_max_token_len_per_gpu"),
-            log_prob_max_token_len=c.actor.token_budget("log_prob_max_token_len_per_gpu"),
-            balance_batch=c.trainer.balance_batch,
-            remove_padding=c.actor.use_remove_padding,
-            prefix_grouper=c.actor.use_prefix_grouper))
+            after_backward=after_backward))
         return metrics

@@ -1,7 +1,8 @@
 """One typed record per registry signature: a test builds a case once and calls it on as many
 advantage estimators or policy losses as it compares, instead of spelling out the signature at
-each call. Fields follow the registry's one signature (its tests check that), with the
-defaults the tests share; shapes as in ``verl_core/__init__.py`` (N rows, T response tokens)."""
+each call. Fields follow the registry's one signature (for estimators, the fields of
+:class:`verl_core.algorithms.EstimatorInputs`; its tests check that), with the defaults the tests
+share; shapes as in ``verl_core/__init__.py`` (N rows, T response tokens)."""
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -10,13 +11,16 @@ import torch
 from torch import Tensor
 
 from verl_core.algorithms import PolicyLossOptions, get_advantage_estimator, get_policy_loss
+from verl_core.algorithms import advantages
 
 LOSS_OPTIONS = PolicyLossOptions(dro_beta=0.05)  # verl's defaults, plus the β dro needs
 
 
 @dataclass(frozen=True)
 class EstimatorInputs:
-    """What an advantage estimator takes; ``call`` returns its (advantages, returns), each (N, T)."""
+    """What an advantage estimator takes, positional and with defaults for the tests (``group_index``
+    None: one group); ``record`` is the library's :class:`~verl_core.algorithms.EstimatorInputs`,
+    ``call`` returns an estimator's (advantages, returns) on it, each (N, T)."""
 
     token_level_rewards: Tensor  # (N, T)
     response_mask: Tensor  # (N, T)
@@ -30,13 +34,15 @@ class EstimatorInputs:
     sum_pi_squared: Optional[Tensor] = None  # (N, T) Σ_v π_v² at each token
     reward_components: Optional[Tensor] = None  # (N, K) separately scored rewards (gdpo)
 
-    def call(self, name: str) -> tuple[Tensor, Tensor]:
+    def record(self) -> advantages.EstimatorInputs:
         index = self.group_index
         if index is None:
             index = torch.zeros(self.token_level_rewards.shape[0], dtype=torch.long)
-        return get_advantage_estimator(name)(
-            self.token_level_rewards, self.response_mask, index, self.values,
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)[4:]})
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return advantages.EstimatorInputs(**{**fields, "group_index": index})
+
+    def call(self, name: str) -> tuple[Tensor, Tensor]:
+        return get_advantage_estimator(name)(self.record())
 
     def rows(self, order: Tensor) -> "EstimatorInputs":
         """The same case with its rows taken in ``order`` (N,): every per-row tensor reordered."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.verl_core.algorithms.inputs import EstimatorInputs
+from verl_core import algorithms
 from verl_core.algorithms import ADVANTAGE_ESTIMATORS
 
 
@@ -420,11 +421,14 @@ def test_one_signature_no_grad_and_shapes(name):
 
 
 def test_the_inputs_record_is_the_one_signature():
-    # every entry has the prototype's signature (the registry checks it at registration)
-    params = inspect.signature(ADVANTAGE_ESTIMATORS.get("grpo")).parameters
-    assert [f.name for f in dataclasses.fields(EstimatorInputs)] == list(params)
-    defaults = {f.name: f.default for f in dataclasses.fields(EstimatorInputs)}
-    assert all(defaults[n] == p.default for n, p in params.items() if p.default is not p.empty)
+    # every entry takes one EstimatorInputs (the registry checks it at registration), and the
+    # tests' record has the library record's fields, with the same defaults where it has them
+    for name in ADVANTAGE_ESTIMATORS.names():
+        assert list(inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters) == ["inp"], name
+    library = {f.name: f.default for f in dataclasses.fields(algorithms.EstimatorInputs)}
+    tests = {f.name: f.default for f in dataclasses.fields(EstimatorInputs)}
+    assert set(tests) == set(library)
+    assert all(tests[n] == d for n, d in library.items() if d is not dataclasses.MISSING)
 
 
 def test_shape_errors_are_clear():

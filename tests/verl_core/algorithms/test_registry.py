@@ -160,3 +160,15 @@ def test_two_pending_decorators_for_one_name_cannot_both_register():
     with pytest.raises(ValueError, match="already registered"):
         second(lambda: 2)
     assert reg.get("x")() == 1
+
+
+def test_an_estimator_of_the_old_keyword_signature_is_refused_at_registration():
+    # the 11-parameter signature estimators had before EstimatorInputs: refused at import time,
+    # the message naming the one record an estimator takes
+    with pytest.raises(TypeError, match=r"must take exactly \(inp\)"):
+        @register_advantage("old_style")
+        def old_style(token_level_rewards, response_mask, group_index, values, *, gamma, lam,
+                      norm_adv_by_std_in_grpo, baseline_score=None, old_logprobs=None,
+                      sum_pi_squared=None, reward_components=None):
+            pass
+    assert "old_style" not in ADVANTAGE_ESTIMATORS

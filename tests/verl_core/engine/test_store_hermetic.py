@@ -15,7 +15,7 @@ from verl_core.engine import assets as assets_mod
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import get_batch, put_batch
 from verl_core.layout import pending_doc
-from verl_core.trainer import compute_advantages
+from verl_core.training.advantage import compute_advantages
 from verl_core.reward.scoring import score_batch
 
 

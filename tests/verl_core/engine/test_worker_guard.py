@@ -13,7 +13,7 @@ from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, get_batch, put_batch
 from verl_core.guard.events import read_events
 from verl_core.guard.policy import GuardHaltError
-from verl_core.trainer import compute_advantages
+from verl_core.training.advantage import compute_advantages
 from verl_core.assets import prepare_assets
 from verl_core.reward.scoring import score_batch
 

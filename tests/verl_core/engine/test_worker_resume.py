@@ -12,7 +12,7 @@ from verl_core.checkpoint import CheckpointManager
 from verl_core.store import RunStore
 from verl_core.engine.assets import publish_assets
 from verl_core.engine.worker import RunWorker, StateUnavailableError, get_batch, put_batch
-from verl_core.trainer import compute_advantages
+from verl_core.training.advantage import compute_advantages
 from verl_core.assets import prepare_assets
 from verl_core.reward.scoring import score_batch
 

@@ -30,7 +30,7 @@ from verl_core.training import sharding
 from verl_core.training.device import DeviceError, make_deterministic, resolve_device
 from verl_core.training.forward import batched_logprobs
 from verl_core.training.optim import make_optimizer, make_scheduler
-from verl_core.training.ppo import ppo_update
+from verl_core.training.ppo import UpdateOptions, ppo_update
 from verl_core import verl_keys
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -133,8 +133,10 @@ def test_log_probs_and_update_gradients_on_the_gpu_match_the_cpu():
         out = []
         opt.register_step_pre_hook(lambda *_: out.append(
             {n: p.grad.detach().cpu().clone() for n, p in m.named_parameters()}))
-        metrics = ppo_update(m, opt, sched, batch, AlgorithmConfig(), temperature=1.0,
-                             mini_batch_rows=8, micro_batch_rows=4, epochs=1, grad_clip=1e9,
+        metrics = ppo_update(m, opt, sched, batch,
+                             UpdateOptions(algo=AlgorithmConfig(), temperature=1.0,
+                                           mini_batch_rows=8, micro_batch_rows=4, epochs=1,
+                                           grad_clip=1e9),
                              seed=0)
         return out, metrics
 
@@ -175,9 +177,10 @@ def test_two_deterministic_updates_from_the_same_state_are_bitwise_equal(arch, d
         cfg = OptimConfig(lr=1e-3, warmup_steps=0)
         opt = make_optimizer(m.parameters(), cfg, cfg.lr)
         for step in range(2):
-            ppo_update(m, opt, make_scheduler(opt, cfg, 10), batch, AlgorithmConfig(),
-                       temperature=1.0, mini_batch_rows=8, micro_batch_rows=4, epochs=1,
-                       grad_clip=1.0, seed=step)
+            ppo_update(m, opt, make_scheduler(opt, cfg, 10), batch,
+                       UpdateOptions(algo=AlgorithmConfig(), temperature=1.0, mini_batch_rows=8,
+                                     micro_batch_rows=4, epochs=1, grad_clip=1.0),
+                       seed=step)
         return {k: v.detach().cpu() for k, v in m.state_dict().items()}
 
     a, b = updated(), updated()

@@ -18,7 +18,7 @@ from verl_core.training import sharding
 from verl_core.training.dist import SINGLE, init_process_group
 from verl_core.training.packing import (balanced_order, karmarkar_karp, narrow, row_tokens,
                                         token_micro_batches)
-from verl_core.training.ppo import ppo_update
+from verl_core.training.ppo import UpdateOptions, ppo_update
 from verl_core.verl_keys import parse_cli, to_ours
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
@@ -118,12 +118,14 @@ def _grads(model, batch, algo, *, mini, micro, max_token_len=0, critic=None, sha
     kw = {}
     if critic is not None:
         c_opt, c_sched = sgd("critic", critic)
-        kw = dict(critic=critic, critic_optimizer=c_opt, critic_scheduler=c_sched,
-                  critic_max_token_len=max_token_len)
-    ppo_update(model, opt, sched, batch, algo, temperature=1.0, mini_batch_rows=mini,
-               micro_batch_rows=micro, epochs=1, grad_clip=1e9, seed=0, dp=dp,
-               max_token_len=max_token_len, log_prob_max_token_len=max_token_len,
-               balance_batch=True, **kw)
+        kw = dict(critic=critic, critic_optimizer=c_opt, critic_scheduler=c_sched)
+    ppo_update(model, opt, sched, batch,
+               UpdateOptions(algo=algo, temperature=1.0, mini_batch_rows=mini,
+                             micro_batch_rows=micro, epochs=1, grad_clip=1e9,
+                             max_token_len=max_token_len, log_prob_max_token_len=max_token_len,
+                             critic_max_token_len=max_token_len if critic is not None else 0,
+                             balance_batch=True),
+               seed=0, dp=dp, **kw)
     return out
 
 
@@ -235,10 +237,11 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         opt.register_step_pre_hook(lambda *_: grads.append(
             {n: p.grad.full_tensor().clone() for n, p in m.named_parameters()}))
         ppo_update(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), batch,
-                   AlgorithmConfig(), temperature=1.0, mini_batch_rows=batch.num_rows,
-                   micro_batch_rows=4, epochs=1, grad_clip=1e9, seed=0, dp=dp,
-                   max_token_len=budget, log_prob_max_token_len=budget,
-                   balance_batch=balance, remove_padding=rp)
+                   UpdateOptions(algo=AlgorithmConfig(), temperature=1.0,
+                                 mini_batch_rows=batch.num_rows, micro_batch_rows=4, epochs=1,
+                                 grad_clip=1e9, max_token_len=budget, log_prob_max_token_len=budget,
+                                 balance_batch=balance, remove_padding=rp),
+                   seed=0, dp=dp)
         res[balance, rp] = grads[0]
     if rank == 0:
         torch.save(res, out)

@@ -16,7 +16,7 @@ from verl_core.training import sharding
 from verl_core.training.dist import SINGLE, init_process_group
 from verl_core.training.forward import batched_logprobs
 from verl_core.training.optim import make_optimizer, make_scheduler
-from verl_core.training.ppo import ppo_update
+from verl_core.training.ppo import UpdateOptions, ppo_update
 from verl_core.verl_keys import to_ours
 
 LR = 1e-6  # verl's actor learning rate
@@ -122,9 +122,10 @@ def test_the_console_line_names_stored_and_training_dtypes(bf16_run):
 def _update(model, batch, dp=SINGLE):
     cfg = OptimConfig(lr=LR, warmup_steps=0)
     opt = make_optimizer(model.parameters(), cfg, cfg.lr)
-    m = ppo_update(model, opt, make_scheduler(opt, cfg, 10), batch, AlgorithmConfig(),
-                   temperature=1.0, mini_batch_rows=16, micro_batch_rows=4, epochs=1,
-                   grad_clip=1e9, seed=0, dp=dp)
+    m = ppo_update(model, opt, make_scheduler(opt, cfg, 10), batch,
+                   UpdateOptions(algo=AlgorithmConfig(), temperature=1.0, mini_batch_rows=16,
+                                 micro_batch_rows=4, epochs=1, grad_clip=1e9),
+                   seed=0, dp=dp)
     moments = {t.dtype for s in opt.state.values() for k, t in s.items() if k != "step"}
     return m, moments
 

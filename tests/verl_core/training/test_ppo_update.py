@@ -14,7 +14,7 @@ from verl_core.rollout import SamplingParams, make_engine
 from verl_core.training.forward import batched_logprobs
 from verl_core.training.optim import lr_factor, make_optimizer, make_scheduler
 from verl_core.training import ppo as ppo_module
-from verl_core.training.ppo import loss_options, ppo_update
+from verl_core.training.ppo import UpdateOptions, loss_options, ppo_update
 
 
 def _rollout(seed=0, n_prompts=4, G=4, max_new_tokens=4):
@@ -40,8 +40,10 @@ def _run(model, batch, micro, seed=0, epochs=1, algo=None, sched_out=None):
     cfg = OptimConfig(lr=1e-2, warmup_steps=0)
     opt = make_optimizer(model.parameters(), cfg, cfg.lr)
     sched = make_scheduler(opt, cfg, 10)
-    m = ppo_update(model, opt, sched, batch, algo or AlgorithmConfig(), temperature=1.0,
-                   mini_batch_rows=16, micro_batch_rows=micro, epochs=epochs, grad_clip=1e9,
+    m = ppo_update(model, opt, sched, batch,
+                   UpdateOptions(algo=algo or AlgorithmConfig(), temperature=1.0,
+                                 mini_batch_rows=16, micro_batch_rows=micro, epochs=epochs,
+                                 grad_clip=1e9),
                    seed=seed)
     if sched_out is not None:
         sched_out.append(sched)
@@ -58,9 +60,11 @@ def _grads_at_each_step(model, batch, *, mini, micro, mode="token-mean", algo=No
     grads = []
     opt.register_step_pre_hook(lambda *_: grads.append(
         {n: p.grad.detach().clone() for n, p in model.named_parameters()}))
-    m = ppo_update(model, opt, sched, batch, algo or AlgorithmConfig(loss_agg_mode=mode),
-                   temperature=1.0, mini_batch_rows=mini, micro_batch_rows=micro, epochs=1,
-                   grad_clip=1e9, seed=0)
+    m = ppo_update(model, opt, sched, batch,
+                   UpdateOptions(algo=algo or AlgorithmConfig(loss_agg_mode=mode), temperature=1.0,
+                                 mini_batch_rows=mini, micro_batch_rows=micro, epochs=1,
+                                 grad_clip=1e9),
+                   seed=0)
     if metrics_out is not None:
         metrics_out.append(m)
     return grads
@@ -313,9 +317,10 @@ def test_on_policy_update_skips_the_old_logp_forward_and_matches_the_recomputed_
         # weight by up to lr)
         opt = torch.optim.SGD(m.parameters(), lr=lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        ppo_update(m, opt, sched, batch, algo, temperature=1.0, mini_batch_rows=N,
-                   micro_batch_rows=N, epochs=1, grad_clip=1e9, seed=seed,
-                   on_policy_shortcut=shortcut)
+        ppo_update(m, opt, sched, batch,
+                   UpdateOptions(algo=algo, temperature=1.0, mini_batch_rows=N, micro_batch_rows=N,
+                                 epochs=1, grad_clip=1e9, on_policy_shortcut=shortcut),
+                   seed=seed)
         return m
 
     recomputed = update(copy.deepcopy(model), False)
@@ -379,9 +384,11 @@ def test_old_logp_forward_is_skipped_only_when_exactly_on_policy(monkeypatch, kw
                         lambda *a, **k: forwards.append(1) or batched_logprobs(*a, **k))
     cfg = OptimConfig(lr=1e-2, warmup_steps=0)
     opt = make_optimizer(model.parameters(), cfg, cfg.lr)
-    ppo_update(model, opt, make_scheduler(opt, cfg, 10), batch, kw.get("algo", AlgorithmConfig()),
-               temperature=1.0, mini_batch_rows=kw.get("mini_batch_rows", batch.num_rows),
-               micro_batch_rows=4, epochs=kw.get("epochs", 1), grad_clip=1e9, seed=0)
+    ppo_update(model, opt, make_scheduler(opt, cfg, 10), batch,
+               UpdateOptions(algo=kw.get("algo", AlgorithmConfig()), temperature=1.0,
+                             mini_batch_rows=kw.get("mini_batch_rows", batch.num_rows),
+                             micro_batch_rows=4, epochs=kw.get("epochs", 1), grad_clip=1e9),
+               seed=0)
     assert (forwards == []) == on_policy
 
 

@@ -15,7 +15,7 @@ from tests.verl_core.training.test_ppo_update import _ragged, _rollout
 from tests.verl_core.training.test_remove_padding import U, _batch_for, _chain, _head_magnitude, _qwen
 from verl_core.config import AlgorithmConfig, ConfigError, grpo_preset, with_overrides
 from verl_core.training.forward import response_logprobs
-from verl_core.training.ppo import ppo_update
+from verl_core.training.ppo import UpdateOptions
 
 
 def _widths(model):
@@ -70,7 +70,7 @@ def test_prefix_grouper_update_equals_the_whole_rows_update(mode, micro, monkeyp
     algo = AlgorithmConfig(loss_agg_mode=mode)
     [one] = _grads(copy.deepcopy(model), batch, algo, mini=N, micro=N)["actor"]
     rows = _grads(copy.deepcopy(model), batch, algo, mini=1, micro=1)["actor"]
-    monkeypatch.setattr(dyn, "ppo_update", functools.partial(ppo_update, prefix_grouper=True))
+    monkeypatch.setattr(dyn, "UpdateOptions", functools.partial(UpdateOptions, prefix_grouper=True))
     shared_model = copy.deepcopy(model)
     calls, hook = _widths(shared_model)
     [got] = _grads(shared_model, batch, algo, mini=N, micro=micro)["actor"]

@@ -16,7 +16,7 @@ from verl_core.config import AlgorithmConfig
 from verl_core.training import forward
 from verl_core.training.forward import critic_values, response_logprobs
 from verl_core.training.packing import micro_batches, row_tokens
-from verl_core.training.ppo import ppo_update
+from verl_core.training.ppo import UpdateOptions, ppo_update
 
 U = torch.finfo(torch.float32).eps / 2  # unit roundoff of float32
 
@@ -168,12 +168,12 @@ def test_packed_token_budget_counts_real_tokens_and_balances():
 
 
 def _rp_grads(monkeypatch, *args, **kw):
-    """test_dynamic_bsz's ``_grads`` with ``ppo_update(..., remove_padding=True)``."""
-    monkeypatch.setattr(dyn, "ppo_update", functools.partial(ppo_update, remove_padding=True))
+    """test_dynamic_bsz's ``_grads`` with ``UpdateOptions(..., remove_padding=True)``."""
+    monkeypatch.setattr(dyn, "UpdateOptions", functools.partial(UpdateOptions, remove_padding=True))
     try:
         return _grads(*args, **kw)
     finally:
-        monkeypatch.setattr(dyn, "ppo_update", ppo_update)
+        monkeypatch.setattr(dyn, "UpdateOptions", UpdateOptions)
 
 
 @pytest.mark.parametrize("budget", [False, True])
@@ -221,9 +221,10 @@ def test_metrics_report_micro_batches_tokens_and_padding():
         m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=0.0)
         out[rp] = ppo_update(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), batch,
-                             AlgorithmConfig(), temperature=1.0, mini_batch_rows=N,
-                             micro_batch_rows=4, epochs=1, grad_clip=1.0, seed=0,
-                             remove_padding=rp)
+                             UpdateOptions(algo=AlgorithmConfig(), temperature=1.0,
+                                           mini_batch_rows=N, micro_batch_rows=4, epochs=1,
+                                           grad_clip=1.0, remove_padding=rp),
+                             seed=0)
     assert out[True]["update/padding_fraction"] == 0.0 < out[False]["update/padding_fraction"]
     for rp in (False, True):
         assert out[rp]["update/micro_batches"] == N // 4

@@ -14,7 +14,7 @@ from verl_core.config import AlgorithmConfig, OptimConfig
 from verl_core.training.dist import SINGLE, init_process_group
 from verl_core.training.forward import batched_logprobs
 from verl_core.training.optim import make_optimizer, make_scheduler
-from verl_core.training.ppo import ppo_update
+from verl_core.training.ppo import UpdateOptions, ppo_update
 
 KEYS = ("max", "mean", "std")
 
@@ -72,9 +72,11 @@ PATHS = {  # name -> ppo_update arguments
 def _update(model, batch, *, epochs, mini_batch_rows, algo=None, dp=SINGLE, seed=0):
     cfg = OptimConfig(lr=1e-2, warmup_steps=0)
     opt = make_optimizer(model.parameters(), cfg, cfg.lr)
-    return ppo_update(model, opt, make_scheduler(opt, cfg, 10), batch, algo or AlgorithmConfig(),
-                      temperature=1.0, mini_batch_rows=mini_batch_rows, micro_batch_rows=4,
-                      epochs=epochs, grad_clip=1e9, seed=seed, dp=dp)
+    return ppo_update(model, opt, make_scheduler(opt, cfg, 10), batch,
+                      UpdateOptions(algo=algo or AlgorithmConfig(), temperature=1.0,
+                                    mini_batch_rows=mini_batch_rows, micro_batch_rows=4,
+                                    epochs=epochs, grad_clip=1e9),
+                      seed=seed, dp=dp)
 
 
 def _diff(m) -> dict[str, float]:
