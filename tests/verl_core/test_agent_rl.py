@@ -170,7 +170,7 @@ def test_the_evaluation_scores_multi_turn_transcripts_with_verls_extra_fields(ro
         metrics, samples = trainer.evaluate_with_samples(2, step=1)
     finally:
         trainer.scorer.score = score
-    assert len(seen) == len(trainer.val_rows)
+    assert len(seen) == len(trainer.prompts.val_rows)
     assert all(e["num_turns"] >= 1 and isinstance(e["tool_rewards"], list) for e in seen)
     assert 0.0 <= metrics["val/accuracy"] <= 1.0 and len(samples) == 2
 

@@ -106,7 +106,7 @@ def test_long_prompts_are_cut_as_data_truncation_says(tmp_path):
     trainer = RLTrainer(cfg, assets)
     try:
         tok = trainer.tokenizer
-        [row] = [r for r in trainer.train_rows if r.index == 15]
+        [row] = [r for r in trainer.prompts.train_rows if r.index == 15]
         want = tok(render_prompt(row, tok))["input_ids"][-32:]
         ids, mask = trainer.prompts.train_ids[15], trainer.prompts.train_mask[15]
         assert ids.shape[0] == 32 and ids[mask.bool()].tolist() == want
