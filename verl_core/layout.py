@@ -45,7 +45,7 @@ def short_hash(trajectory: str, chars: int = NAME_CHARS) -> str:
 
 # ---------------------------------------------------------------------- store-wide docs
 LEASE_DOC = "lease"
-"""The run's single-writer lease (compare-and-swap doc, ``guard/lease.py``)."""
+"""The run's single-writer lease (compare-and-swap doc, ``store/lease.py``)."""
 LATEST_DOC = "latest"
 """Pointer to the newest committed checkpoint: ``{"name", "step", "sha"}``."""
 BEST_DOC = "best"

@@ -28,7 +28,7 @@ A process killed anywhere in 1-4 leaves the previous checkpoint as ``latest``; l
 unreferenced objects that a later garbage collection removes.
 
 Fenced commits: with :attr:`CheckpointManager.fence` set (the run's workers get the launcher's
-:class:`~verl_core.guard.lease.Fence`), the save checks it before step 1, before the manifest
+:class:`~verl_core.store.lease.Fence`), the save checks it before step 1, before the manifest
 (3) and before ``latest`` (5), so a writer that outlived its launcher, or whose launch another
 launch took over, commits nothing (``FencedError``); an async save checks the fence it was
 started under, not a later one.
@@ -315,7 +315,7 @@ class CheckpointManager:
         """None, or the check every commit of this manager is made under: called with what is
         about to be committed before a save starts, before its manifest and before ``latest``,
         and raises to refuse (the run's workers set ``functools.partial(Fence.check,
-        run_store)`` of the launcher's :class:`~verl_core.guard.lease.Fence`)."""
+        run_store)`` of the launcher's :class:`~verl_core.store.lease.Fence`)."""
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store.uri!r}, keep_last={self.keep_last}, " \
