@@ -69,7 +69,7 @@ from verl_core.checkpoint.tensors import (
 __all__ = ["StoreWriter", "StoreReader", "save", "load", "snapshot_state", "sync_device", "SEP"]
 
 SEP = "/"
-"""DCP keys are ``<group>/<tensor name>``; group names cannot contain it (``manager._GROUP_RE``)."""
+"""DCP keys are ``<group>/<tensor name>``; group names cannot contain it (``manifest._GROUP_RE``)."""
 
 # ``no_dist=True`` is how a single process uses DCP here, on purpose, on every save and load.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "

@@ -25,8 +25,10 @@ from collections import deque
 from typing import Optional, Union
 
 from verl_core import layout
-from verl_core.checkpoint.manager import (CheckpointInfo, CheckpointManager, SaveHandle,
-                                          _manifest_algo, _object_algos, _parse_name)
+from verl_core.checkpoint.manager import CheckpointManager
+from verl_core.checkpoint.manifest import (CheckpointInfo, _manifest_algo, _object_algos,
+                                           _parse_name)
+from verl_core.checkpoint.save_job import SaveHandle
 from verl_core.errors import CheckpointNotFoundError, CorruptObjectError, UnsafeManifestError
 from verl_core.store import NotFoundError, RunStore
 

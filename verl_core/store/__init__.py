@@ -2,7 +2,7 @@
 
 What belongs here: bytes in, bytes out, hashing, atomic writes, name validation and the mapping of
 I/O failures to :class:`StoreUnavailableError`. What does not: tensors (``tensors.py``), manifests
-and retention (``manager.py``).
+and retention (``verl_core.checkpoint``).
 
 Layout under the store root (a local folder, NFS, ``s3://bucket/prefix`` or any fsspec URL)::
 
