@@ -1,6 +1,7 @@
 """Loading checkpoints: verified loads into this process, the ``auto`` fallback over older
 checkpoints, and collective loads in place into any sharding (DCP). Mixed into
-:class:`~verl_core.checkpoint.manager.CheckpointManager`, whose resolution and manifest reads it uses."""
+:class:`~verl_core.checkpoint.manager.CheckpointManager`, whose resolution and manifest reads it
+uses."""
 
 from __future__ import annotations
 

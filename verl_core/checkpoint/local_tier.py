@@ -2,8 +2,9 @@
 
 What belongs here: the local store of a run (:func:`open_local_store`) and the background
 :class:`Replicator` that copies committed local checkpoints to the run store. What a checkpoint is
-(manifest, objects, verification) stays ``manager.py``'s: the local tier is a second
-:class:`RunStore` with the same layout, so saving, verifying and loading are the same code.
+(manifest, objects, verification) stays ``manager.py``'s and ``manifest.py``'s: the local tier
+is a second :class:`RunStore` with the same layout, so saving, verifying and loading are the same
+code.
 
 Durability (docs/design.md#rule-2-immutable-objects-verified-manifests, extended to two tiers): a
 checkpoint is *committed locally* once its manifest is verified in the local store, and
