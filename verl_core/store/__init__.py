@@ -4,6 +4,10 @@ What belongs here: bytes in, bytes out, hashing, atomic writes, name validation 
 I/O failures to :class:`StoreUnavailableError`. What does not: tensors (``tensors.py``), manifests
 and retention (``verl_core.checkpoint``).
 
+Modules: ``hashing`` (object and doc names, hashes, canonical JSON), ``io`` (I/O errors mapped to
+the project's, storage options), ``run_store`` (:class:`RunStore`), ``lease`` (the single-writer
+run lease and the fencing of commits; not imported here, so the store alone stays light).
+
 Layout under the store root (a local folder, NFS, ``s3://bucket/prefix`` or any fsspec URL)::
 
     store.json                    {"format", "incarnation_id", "created"}: written once
