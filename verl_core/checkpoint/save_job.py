@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from verl_core.checkpoint.manifest import _check_group
+from verl_core.checkpoint.manifest import CheckpointInfo, _check_group
 from verl_core.checkpoint.state import flatten_state, to_json
 from verl_core.errors import CheckpointSaveError
-
-if TYPE_CHECKING:
-    from verl_core.checkpoint.manifest import CheckpointInfo
 
 
 @dataclass
