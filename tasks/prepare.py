@@ -10,7 +10,7 @@ from tasks.common import RETRIES, cache_for, store_call
 from verl_core import interrupt, verl_keys
 from verl_core.config import ConfigError, effective_line
 from verl_core.engine import workers
-from verl_core.guard import writer
+from verl_core import writer
 from verl_core.prepare import prepare_run, run_store_uri
 from verl_core.types import STORES, RunSpec
 from verl_core.checkpoint.config import schedule_line

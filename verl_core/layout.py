@@ -1,7 +1,7 @@
 """Where everything a run keeps lives in its run store: every doc, log and path name, in one place.
 
 What belongs here: name builders (pure string functions) and the names themselves; the short-hash
-rule; the gc roots. What does not: reading or writing (``store.py`` does the bytes, its own
+rule; the gc roots. What does not: reading or writing (``verl_core.store`` does the bytes, its own
 ``objects/``, ``quarantine/``, ``logs/`` and ``store.json``), doc formats (their owners).
 Importing nothing from ``verl_core``, any layer may use it. A stored run stays readable only if
 these names never change (``tests/verl_core/test_layout.py`` pins them).
@@ -45,12 +45,12 @@ def short_hash(trajectory: str, chars: int = NAME_CHARS) -> str:
 
 # ---------------------------------------------------------------------- store-wide docs
 LEASE_DOC = "lease"
-"""The run's single-writer lease (compare-and-swap doc, ``guard/lease.py``)."""
+"""The run's single-writer lease (compare-and-swap doc, ``store/lease.py``)."""
 LATEST_DOC = "latest"
 """Pointer to the newest committed checkpoint: ``{"name", "step", "sha"}``."""
 BEST_DOC = "best"
 """The best evaluated step by ``checkpoint.keep_best``: ``{"step", "metric", "value",
-"higher_is_better", "trajectory"}``; retention keeps its checkpoint (``checkpoint/manager.py``)."""
+"higher_is_better", "trajectory"}``; retention keeps its checkpoint (``checkpoint/retention.py``)."""
 COMPUTE_DOC = "compute"
 """``{"num_threads": n, ...}`` written at a run's first prepare (``threads.py``)."""
 TOKENIZER_DOC = "shared/tokenizer"

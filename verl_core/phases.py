@@ -34,7 +34,7 @@ from verl_core.engine.assets import materialize_assets
 from verl_core.engine.worker import get_batch, put_batch
 from verl_core.engine.workers import WORKERS, PhaseTimeoutError, RunWorkers, deadline
 from verl_core.guard import faults
-from verl_core.guard.writer import commit_fence, hold_lease, release_lease
+from verl_core.writer import commit_fence, hold_lease, release_lease
 from verl_core.layout import export_path, metrics_table_path, pending_doc
 from verl_core.models import load_tokenizer
 from verl_core.reward.manager import RewardScorer

@@ -19,7 +19,7 @@ from verl_core.engine.assets import (GIVEN_KINDS, SOURCE_MODEL, check_pinned, ha
                                      index_assets, publish_assets, record_assets,
                                      recorded_fields, source_files, unpublish_assets)
 from verl_core.errors import PermanentError, UnsafeManifestError
-from verl_core.guard.writer import LEASES
+from verl_core.writer import LEASES
 from verl_core.layout import asset_index_doc
 from verl_core.store import RunStore, check_doc_name
 from verl_core.threads import pin_num_threads

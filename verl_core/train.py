@@ -31,7 +31,7 @@ from functools import partial
 USER_ERROR_CLASSES = (
     ("verl_core.config_fields", "ConfigError"), ("verl_core.data.dataset", "DatasetError"),
     ("verl_core.data.batch", "PromptTooLongError"), ("verl_core.models.loading", "ModelLoadError"),
-    ("verl_core.guard.lease", "LeaseHeldError"), ("verl_core.validation", "DataValidationError"),
+    ("verl_core.store.lease", "LeaseHeldError"), ("verl_core.validation", "DataValidationError"),
     ("verl_core.validation", "RunInputError"), ("verl_core.guard.faults", "FaultSpecError"),
     ("verl_core.rollout.vllm", "VLLMUnavailableError"),
     ("verl_core.prepare", "TrajectoryChangedError"), ("verl_core.engine.assets", "AssetsChangedError"),
@@ -87,7 +87,7 @@ def train(cfg, workdir: str = "", log=_say, *, store: str = "", run_name: str = 
     from verl_core import runlog, tracking
     from verl_core.config import ConfigError, effective_line
     from verl_core.engine.workers import WORKERS
-    from verl_core.guard.writer import LEASES, release_lease
+    from verl_core.writer import LEASES, release_lease
     from verl_core.prepare import prepare_run, run_store_uri
     from verl_core.threads import intra_op_threads
     from verl_core.checkpoint.config import schedule_line

@@ -13,7 +13,7 @@ import pytest
 from tests.crash import kill_at_marker
 from tests.presets import TINY, tiny_run
 from verl_core.engine.worker import RunWorker, get_batch
-from verl_core.guard.writer import release_lease
+from verl_core.writer import release_lease
 from verl_core.prepare import prepare_run
 from verl_core.layout import lineage_doc
 from verl_core.store import RunStore

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.presets import tiny_run
-from verl_core.guard.lease import read_lease
+from verl_core.store.lease import read_lease
 from verl_core.guard.policy import GuardHaltError
 from verl_core.layout import lineage_doc
 from verl_core.store import RunStore

@@ -11,7 +11,7 @@ import pytest
 
 from tests.presets import tiny_run
 from verl_core.config import preset
-from verl_core.guard.lease import LeaseHeldError, read_lease
+from verl_core.store.lease import LeaseHeldError, read_lease
 from verl_core.runlog import read_phase_log
 from verl_core.store import RunStore
 from verl_core.validation import RunInputError
@@ -157,7 +157,7 @@ def test_one_loop_writes_a_workdir(tmp_path):
         train(too_big, str(work), log=quiet)
     assert read_lease(RunStore(str(work))).released
     hold = ("import sys, time; from verl_core.store import RunStore; "
-            "from verl_core.guard.lease import RunLease; "
+            "from verl_core.store.lease import RunLease; "
             f"RunLease(RunStore({str(work)!r}), 60).acquire(); print('held', flush=True); "
             "time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)

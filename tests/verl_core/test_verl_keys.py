@@ -1,4 +1,4 @@
-"""verl's command line and YAML configs (verl_core/verl_keys.py), and the rename of our update
+"""verl's command line and YAML configs (verl_core/verl_keys/), and the rename of our update
 sizes from ``trainer`` to ``actor``."""
 import json
 import os

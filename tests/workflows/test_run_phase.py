@@ -9,7 +9,7 @@ from tasks.common import run_phase
 from verl_core import phases
 from verl_core.config import RunConfig, with_overrides
 from verl_core import runlog
-from verl_core.guard import writer
+from verl_core import writer
 from verl_core.types import RunSpec
 from verl_core.guard.events import read_events
 from verl_core.store import RunStore

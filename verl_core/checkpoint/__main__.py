@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"exported {info.name} (step {info.step}) to {out}")
             return 0
         if a.cmd == "lease":
-            from verl_core.guard.lease import break_lease, read_lease
+            from verl_core.store.lease import break_lease, read_lease
 
             store = RunStore(a.store, create=False)
             store.incarnation_id  # raises NotFoundError when the path is not a run store

@@ -22,7 +22,9 @@ import time
 from typing import Any, Mapping, Optional
 
 from verl_core.checkpoint.dcp import snapshot_state, sync_device
-from verl_core.checkpoint.manager import CheckpointInfo, CheckpointManager, SaveHandle
+from verl_core.checkpoint.manager import CheckpointManager
+from verl_core.checkpoint.manifest import CheckpointInfo
+from verl_core.checkpoint.save_job import SaveHandle
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 What belongs here: the two classes DCP calls, the translation between DCP's plans/metadata and
 the run store's tensor index (``tensors.py``), and the CPU snapshot ("staging") a background save
 writes from (``snapshot_state``). What does not: manifests, the commit protocol,
-``latest``, fallback and retention (``manager.py``, which drives :func:`save` and :func:`load`
-here and hands the writer its commit step as ``finish``).
+``latest``, fallback and retention (``manager.py``, which drives :func:`save` here and hands the
+writer its commit step as ``finish``; ``loading.py``, which drives :func:`load`; ``retention.py``).
 
 Division of labour (as torchtitan and torchtune use DCP, with our storage underneath):
 
@@ -69,7 +69,8 @@ from verl_core.checkpoint.tensors import (
 __all__ = ["StoreWriter", "StoreReader", "save", "load", "snapshot_state", "sync_device", "SEP"]
 
 SEP = "/"
-"""DCP keys are ``<group>/<tensor name>``; group names cannot contain it (``manager._GROUP_RE``)."""
+"""DCP keys are ``<group>/<tensor name>``; group names cannot contain it
+(``manifest._GROUP_RE``)."""
 
 # ``no_dist=True`` is how a single process uses DCP here, on purpose, on every save and load.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "

@@ -45,7 +45,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from verl_core.errors import CorruptObjectError, UnsafeManifestError
-from verl_core.checkpoint.manager import CheckpointInfo, CheckpointManager
+from verl_core.checkpoint.manager import CheckpointManager
+from verl_core.checkpoint.manifest import CheckpointInfo
 from verl_core.layout import TOKENIZER_DOC
 from verl_core.store import RunStore, check_sha256, sha256_hex
 

@@ -2,8 +2,9 @@
 
 What belongs here: the local store of a run (:func:`open_local_store`) and the background
 :class:`Replicator` that copies committed local checkpoints to the run store. What a checkpoint is
-(manifest, objects, verification) stays ``manager.py``'s: the local tier is a second
-:class:`RunStore` with the same layout, so saving, verifying and loading are the same code.
+(manifest, objects, verification) stays ``manager.py``'s and ``manifest.py``'s: the local tier
+is a second :class:`RunStore` with the same layout, so saving, verifying and loading are the same
+code.
 
 Durability (docs/design.md#rule-2-immutable-objects-verified-manifests, extended to two tiers): a
 checkpoint is *committed locally* once its manifest is verified in the local store, and
@@ -25,8 +26,10 @@ from collections import deque
 from typing import Optional, Union
 
 from verl_core import layout
-from verl_core.checkpoint.manager import (CheckpointInfo, CheckpointManager, SaveHandle,
-                                          _manifest_algo, _object_algos, _parse_name)
+from verl_core.checkpoint.manager import CheckpointManager
+from verl_core.checkpoint.manifest import (CheckpointInfo, _manifest_algo, _object_algos,
+                                           _parse_name)
+from verl_core.checkpoint.save_job import SaveHandle
 from verl_core.errors import CheckpointNotFoundError, CorruptObjectError, UnsafeManifestError
 from verl_core.store import NotFoundError, RunStore
 

@@ -2,7 +2,7 @@
 
 What belongs here: turning a flat ``dict[str, Tensor]`` into store objects and an *index*, and back.
 Nested state (optimizer, RNG, counters) is flattened first by ``state.py``; manifests are
-``manager.py``'s business.
+``manifest.py``'s and ``manager.py``'s business.
 
 Every object is a valid safetensors file whose tensors are named by position (``"0"``, ``"1"``, …)
 with a canonical header, so identical content always gives identical bytes and the same hash:

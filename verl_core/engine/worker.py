@@ -41,7 +41,7 @@ from verl_core.errors import (RECOVER, CheckpointNotFoundError, CorruptObjectErr
                               UnsafeManifestError)
 from verl_core.guard import checks, faults
 from verl_core.guard.faults import maybe_inject
-from verl_core.guard.lease import FencedError
+from verl_core.store.lease import FencedError
 from verl_core.layout import (BEST_DOC, TOKENIZER_DOC, eval_samples_doc, lineage_doc,
                               pending_doc)
 from verl_core.trainer import RLTrainer
@@ -793,7 +793,7 @@ class RunWorker:
 
     def set_fence(self, fence) -> None:
         """Commit only under ``fence`` from now on: the launcher's hold on the run's lease (a
-        :class:`~verl_core.guard.lease.Fence`; None: no lease). Every checkpoint commit checks it
+        :class:`~verl_core.store.lease.Fence`; None: no lease). Every checkpoint commit checks it
         (``CheckpointManager.fence``), so a worker that outlived its launcher, or whose launch
         another launch took over, commits nothing. Handed over by ``engine.workers.RunWorkers``."""
         if self._pending_save is not None and fence != getattr(self, "_fence", None):

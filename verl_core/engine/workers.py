@@ -22,7 +22,7 @@ from verl_core.engine import cluster
 from verl_core.engine.group import WorkerGroup, WorkerLostError
 from verl_core.engine.worker import RunWorker
 from verl_core.errors import PermanentError, TransientError
-from verl_core.guard.writer import run_fence
+from verl_core.writer import run_fence
 from verl_core.threads import intra_op_threads
 from verl_core.types import RunSpec
 

@@ -5,6 +5,5 @@
   wall-clock watch of every phase);
 - ``policy``: warn / retry_phase / skip_batch / rollback / halt, with escalation;
 - ``events``: the event log in the run store;
-- ``lease``: the single-writer run lease;
 - ``faults``: fault injection for tests and chaos drills (``VERL_FAULTS``).
 """

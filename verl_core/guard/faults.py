@@ -304,7 +304,7 @@ def lease_released() -> None:
 def _second_writer(f: dict) -> None:
     """The ``second_writer`` fault: another writer tries to take the lease this process holds;
     it must be refused."""
-    from verl_core.guard.lease import LeaseHeldError, RunLease
+    from verl_core.store.lease import LeaseHeldError, RunLease
 
     if _LEASE is None:
         raise InjectedPermanentFault("second_writer fault: no run lease is held in this process "

@@ -19,7 +19,7 @@ import torch
 from verl_core.checkpoint import CheckpointManager, RunStore
 from verl_core.checkpoint.hf_export import (EXPORT_MARKER, export_hf, publish_export,
                                             verify_export)
-from verl_core.guard.lease import FencedError, RunLease, break_lease
+from verl_core.store.lease import FencedError, RunLease, break_lease
 
 
 def _state(seed: int) -> dict:
@@ -200,7 +200,7 @@ def test_a_worker_whose_launch_lost_the_run_writes_no_lineage_and_no_checkpoint(
     from tests.presets import tiny_run
     from verl_core.engine.workers import RunWorkers
     from verl_core.engine.workers import WORKERS
-    from verl_core.guard import writer
+    from verl_core import writer
     from verl_core.prepare import prepare_run
 
     monkeypatch.setenv("VERL_ASSET_CACHE", str(tmp_path / "assets"))

@@ -1,7 +1,8 @@
 """The run's single writer in this process: the lease a phase holds (:func:`hold_lease`), the
 fence its commits are made under (:func:`run_fence`, :func:`commit_fence`), its release at the
-end of the run or at exit. The lease itself (compare-and-swap
-doc, renewal thread, fencing tokens) is :mod:`verl_core.guard.lease`.
+end of the run or at exit. The lease itself (compare-and-swap doc, renewal thread, fencing
+tokens) is :mod:`verl_core.store.lease`; this module is above the store because it reads the
+run's config (:class:`RunSpec`) and its fault drills (:mod:`verl_core.guard.faults`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import threading
 from typing import Callable
 
 from verl_core.guard import faults
-from verl_core.guard.lease import Fence, RunLease
 from verl_core.store import RunStore
+from verl_core.store.lease import Fence, RunLease
 from verl_core.types import RunSpec
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ atexit.register(LEASES.release_mine)
 def hold_lease(spec: RunSpec) -> None:
     """At the start of every phase: renew this run's single-writer lease, or take it (a new pod
     of the same Flyte execution, the first phase after a relaunch). Raises
-    :class:`~verl_core.guard.lease.LeaseHeldError` (permanent) naming the holder when another
+    :class:`~verl_core.store.lease.LeaseHeldError` (permanent) naming the holder when another
     launch of the run holds it; a no-op with ``guard.lease_ttl_s=0``."""
     LEASES.hold(spec.open_store(), spec.config.guard.lease_ttl_s)
 
@@ -92,9 +93,9 @@ def release_lease(spec: RunSpec) -> None:
 
 
 def run_fence(spec: RunSpec) -> Fence | None:
-    """The :class:`~verl_core.guard.lease.Fence` of this process's hold on the run's lease: what
+    """The :class:`~verl_core.store.lease.Fence` of this process's hold on the run's lease: what
     the run's workers commit under (None without a lease: ``guard.lease_ttl_s=0``, or none taken
-    in this process). Raises :class:`~verl_core.guard.lease.LeaseLostError` if it was lost."""
+    in this process). Raises :class:`~verl_core.store.lease.LeaseLostError` if it was lost."""
     lease = LEASES.get(spec.store, spec.config.guard.lease_ttl_s)
     return lease.fence() if lease is not None else None
 

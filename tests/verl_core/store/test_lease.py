@@ -1,4 +1,4 @@
-"""The single-writer run lease (verl_core/guard/lease.py) on a local folder and on a real local
+"""The single-writer run lease (verl_core/store/lease.py) on a local folder and on a real local
 S3-compatible server (moto): a live holder refuses a second writer with a message naming it, a
 SIGKILLed holder on the same host is taken over at once, one on another host only after its
 expiry, a release lets the next writer in, and of racing contenders exactly one wins."""
@@ -21,7 +21,7 @@ import pytest
 
 from verl_core.store import RunStore
 from verl_core.errors import PermanentError
-from verl_core.guard.lease import (LEASE_DOC, Holder, LeaseHeldError, LeaseLostError, RunLease,
+from verl_core.store.lease import (LEASE_DOC, Holder, LeaseHeldError, LeaseLostError, RunLease,
                                    break_lease, read_lease)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -33,7 +33,7 @@ ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
 HOLDER = """
 import json, sys, time
 from verl_core.store import RunStore
-from verl_core.guard.lease import RunLease
+from verl_core.store.lease import RunLease
 for root, opts in json.loads(sys.argv[1]):
     RunLease(RunStore(root, opts), 30).acquire()
 time.sleep(600)
@@ -308,7 +308,7 @@ def _spec(store: RunStore, ttl_s: float):
 
 def test_prepare_run_refuses_a_second_launch_before_any_work(tmp_path):
     from verl_core.config import preset
-    from verl_core.guard import writer
+    from verl_core import writer
     from verl_core.prepare import prepare_run
 
     store = RunStore(str(tmp_path / "runs" / "r"))
@@ -321,7 +321,7 @@ def test_prepare_run_refuses_a_second_launch_before_any_work(tmp_path):
 
 
 def test_hold_lease_renews_refuses_others_releases_and_runs_the_second_writer_drill(tmp_path):
-    from verl_core.guard import writer
+    from verl_core import writer
     from verl_core.prepare import prepare_run
     from verl_core.guard import faults
 
@@ -386,7 +386,7 @@ def test_generation_is_kept_by_renewals_and_bumped_whenever_the_lease_changes_ha
 def test_a_stale_fence_is_refused_for_every_reason_a_launch_loses_the_run(tmp_path):
     """Taken over, released, broken, expired, launcher process gone, doc deleted: each refuses
     with FencedError naming the launch, its generation and why."""
-    from verl_core.guard.lease import FencedError
+    from verl_core.store.lease import FencedError
 
     store = RunStore(str(tmp_path / "run"))
     a = RunLease(store, 30, owner="a")

@@ -3,7 +3,7 @@
 What belongs here: the lease doc, who holds it, taking it over, renewing it in the background and
 the error that names the holder. What does not: the atomic compare-and-swap itself
 (:meth:`RunStore.put_if`: generation files created with link(2) locally and on NFS, conditional
-PUTs on S3) and when a run takes the lease (``verl_core.guard.writer.hold_lease``).
+PUTs on S3) and when a run takes the lease (``verl_core.writer.hold_lease``).
 
 The lease is the doc ``lease`` of the run store (``lease.json`` on S3, ``lease.cas/`` locally):
 

@@ -1,46 +1,10 @@
-"""The run store: immutable content-addressed objects plus small named JSON docs, over fsspec.
-
-What belongs here: bytes in, bytes out, hashing, atomic writes, name validation and the mapping of
-I/O failures to :class:`StoreUnavailableError`. What does not: tensors (``tensors.py``), manifests
-and retention (``manager.py``).
-
-Layout under the store root (a local folder, NFS, ``s3://bucket/prefix`` or any fsspec URL)::
-
-    store.json                    {"format", "incarnation_id", "created"}: written once
-    objects/<sha[:2]>/<sha>       immutable blobs named by the 64-hex hash of their bytes (sha256,
-                                  or BLAKE3 for checkpoint data: the manifest names the algorithm)
-    <doc>.json                    small named JSON docs (manifests, pointers, shared indexes)
-    logs/<name>.jsonl             local append-only JSON-lines log (one O_APPEND write per record)
-    logs/<name>/<ns>-<uuid>.json  the same log on object stores (S3 cannot append)
-    quarantine/<sha>-<ns>         damaged objects moved aside by loads, writes of the same content
-                                  and ``verify --repair``
-    quarantine/<doc>-<ns>.json    damaged docs moved aside by their readers ('/' written as '__')
-    <doc>.cas/<n>.json            compare-and-swap docs (the run lease), local: generation n
-    <doc>.json                    the same on S3, replaced by conditional PUTs (see ``put_if``)
-
-Hash algorithms (:data:`HASH_ALGOS`): an object's name is the hex digest of its bytes under one of
-them; the name does not say which, the doc that references it does (a checkpoint manifest's
-``"hash"``). Every read and every quarantine check is made with that algorithm, so a store can
-hold objects of both (the same bytes under two algorithms are two objects; nothing else changes).
-Objects outside checkpoints (assets, lineage batches, the tokenizer) are sha256, the default of
-every method here. Both digests are 64 hex characters, so gc's scan for live names sees both.
-
-Why content addressing: writing an object that already exists is skipped, which is what makes
-checkpoints incremental (frozen layers, the reference model and unchanged chunks cost nothing),
-and a re-hash on read detects any flipped byte, truncation or substitution
-(docs/design.md#rule-2-immutable-objects-verified-manifests and
-docs/design.md#rule-5-a-cache-hit-never-uses-missing-data).
-
-Atomicity: locally every file is written to a temporary name in the same folder, optionally fsynced,
-then ``os.replace``-d into place, so a reader (or a process restarted after SIGKILL) sees either the
-whole file or nothing. On S3 a single PUT is atomic by itself.
-"""
+"""The run store itself (:class:`RunStore`): objects and docs under one fsspec root, atomic
+writes, quarantine, compare-and-swap docs and logs. The package docstring has the layout."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -50,108 +14,22 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from verl_core.errors import (CorruptObjectError, PermanentError, StoreFullError,
-                              StoreUnavailableError, UnsafeManifestError, VerlError)
+from verl_core.errors import (CorruptObjectError, PermanentError, StoreUnavailableError,
+                              UnsafeManifestError)
+from verl_core.store.hashing import (_SEGMENT_RE, canonical_json, check_doc_name, check_sha256,
+                                     hash_hex, is_sha256, new_hasher)
+from verl_core.store.io import NotFoundError, _io, resolve_storage_options
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunStore", "StoreStats", "NotFoundError", "StorePermissionError", "is_sha256",
-           "check_sha256", "check_doc_name", "sha256_hex", "hash_hex", "new_hasher",
-           "check_hash_algo", "HASH_ALGOS", "canonical_json", "resolve_storage_options"]
-
 STORE_FORMAT = "verl-run-store/1"
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-# A doc name is one or more '/'-separated segments; each starts with an alphanumeric or '_' so
-# '.', '..', hidden files and absolute paths are impossible.
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}\Z")  # \Z: "$" admits a final "\n"
 _MISSING = object()
-
-
-class NotFoundError(PermanentError):
-    """A named doc (or object) does not exist in the store."""
-
-
-class StorePermissionError(PermanentError):
-    """The store refused access (credentials, bucket policy, file permissions)."""
-
-
-def is_sha256(s: object) -> bool:
-    return isinstance(s, str) and bool(_SHA_RE.match(s))
-
-
-def check_sha256(s: object, what: str = "object name") -> str:
-    """Return ``s`` if it is a lowercase 64-hex sha256, else raise :class:`UnsafeManifestError`.
-    Every object name read from a manifest passes through here before it becomes a path."""
-    if not is_sha256(s):
-        raise UnsafeManifestError(f"{what} {s!r} is not a 64-character lowercase hex sha256; "
-                                  "refusing to use it as a store path")
-    return s  # type: ignore[return-value]
-
-
-def check_doc_name(name: object) -> str:
-    """Validate a doc name like ``checkpoints/000000000005-<sha>``: relative, no ``..``."""
-    if not isinstance(name, str) or not name:
-        raise UnsafeManifestError(f"doc name {name!r} must be a non-empty string")
-    for seg in name.split("/"):
-        if not _SEGMENT_RE.match(seg) or ".." in seg:
-            raise UnsafeManifestError(
-                f"doc name {name!r} has an unsafe segment {seg!r} (allowed: letters, digits, "
-                "'_', '-', '.', no leading '.', no '..', no absolute paths)")
-    return name
-
-
-HASH_ALGOS = ("sha256", "blake3")
-"""Object-name hash algorithms a manifest may name. Both give 64 hex characters."""
-
-
-def check_hash_algo(algo: object, what: str = "hash algorithm") -> str:
-    """Return ``algo`` if it is one of :data:`HASH_ALGOS`, else raise :class:`UnsafeManifestError`
-    (a manifest naming an unknown algorithm cannot be verified, so nothing it names is read)."""
-    if algo not in HASH_ALGOS:
-        raise UnsafeManifestError(f"{what} {algo!r} is not one of {', '.join(HASH_ALGOS)}")
-    return algo  # type: ignore[return-value]
-
-
-def new_hasher(algo: str = "sha256"):
-    """A fresh hashlib-style object (``update``, ``hexdigest``) for ``algo``. BLAKE3 runs single
-    threaded per object: the store's I/O pool already hashes several objects at once, and both
-    implementations release the GIL on large inputs."""
-    if algo == "sha256":
-        return hashlib.sha256()
-    if algo == "blake3":
-        try:
-            from blake3 import blake3
-        except ImportError as e:  # a dependency since issue 10; an old environment may lack it
-            raise PermanentError("this checkpoint's objects are named by BLAKE3 hashes; install "
-                                 "the `blake3` package (pip install blake3) to read or write "
-                                 "them") from e
-        return blake3()
-    raise UnsafeManifestError(f"hash algorithm {algo!r} is not one of {', '.join(HASH_ALGOS)}")
-
-
-def hash_hex(parts: Iterable[Any], algo: str = "sha256") -> str:
-    """Hex digest of the concatenation of ``parts`` (bytes-like) under ``algo``."""
-    h = new_hasher(algo)
-    for p in parts:
-        h.update(p)
-    return h.hexdigest()
-
-
-def sha256_hex(parts: Iterable[Any]) -> str:
-    return hash_hex(parts, "sha256")
-
-
-def canonical_json(doc: Any, sort_keys: bool = False) -> bytes:
-    """Deterministic JSON bytes (no whitespace, NaN refused) so equal docs hash equal. Key order is
-    kept by default (a state dict's order is part of it); ``sort_keys`` for order-free docs."""
-    return json.dumps(doc, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
-                      ensure_ascii=False).encode("utf-8")
 
 
 @dataclass
@@ -165,118 +43,6 @@ class StoreStats:
     objects_read: int = 0
     bytes_read: int = 0
 
-
-def _transient_types() -> tuple[type, ...]:
-    types: list[type] = [ConnectionError, TimeoutError]
-    with contextlib.suppress(ImportError):
-        import botocore.exceptions as be
-
-        types.append(be.BotoCoreError)  # EndpointConnectionError, ReadTimeoutError, ...
-    with contextlib.suppress(ImportError):
-        import aiohttp
-
-        types.append(aiohttp.ClientError)
-    with contextlib.suppress(ImportError):
-        from fsspec.exceptions import FSTimeoutError
-
-        types.append(FSTimeoutError)
-    return tuple(types)
-
-
-_TRANSIENT = _transient_types()
-
-
-def _credential_types() -> tuple[type, ...]:
-    try:
-        import botocore.exceptions as be
-    except ImportError:
-        return ()
-    return (be.NoCredentialsError, be.PartialCredentialsError)
-
-
-# Missing S3 credentials are a configuration problem, not an outage: retrying cannot fix them.
-_CREDENTIALS = _credential_types()
-
-
-_BEFORE_IO: list[Callable[[str], None]] = []
-"""Checks every run-store call makes first, each called with what the call is about to do; one
-may raise (a store outage drill: :mod:`verl_core.guard.faults` adds it). The store does not know
-what they are, so it imports nothing above it."""
-
-
-def before_io(check: Callable[[str], None]) -> None:
-    """Add ``check`` to what every run-store call runs first (once, however often it is added)."""
-    if check not in _BEFORE_IO:
-        _BEFORE_IO.append(check)
-
-
-@contextlib.contextmanager
-def _io(what: str, *, missing_ok: bool = False):
-    """Map an I/O failure during ``what`` to the project's error families.
-
-    FileNotFoundError passes through (callers decide whether "missing" is corruption or normal);
-    permission problems are permanent; everything else network/OS-like is transient."""
-    for check in _BEFORE_IO:
-        check(what)
-    try:
-        yield
-    except VerlError:
-        raise
-    except FileNotFoundError:
-        raise
-    except PermissionError as e:
-        raise StorePermissionError(f"{what}: permission denied ({e})") from e
-    except _CREDENTIALS as e:
-        raise StorePermissionError(
-            f"{what}: no S3 credentials ({type(e).__name__}: {e}); set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an IAM role), or pass storage_options "
-            "key/secret") from e
-    except (IsADirectoryError, NotADirectoryError) as e:
-        raise PermanentError(f"{what}: {e}") from e
-    except _TRANSIENT as e:
-        raise StoreUnavailableError(f"{what}: store unavailable ({type(e).__name__}: {e})") from e
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoreFullError(
-                f"{what}: the store is full ({e}); free space, keep fewer checkpoints "
-                "(checkpoint.keep_last) or delete unreferenced objects with "
-                "`python -m verl_core.checkpoint gc <store>`; no committed checkpoint was "
-                "changed") from e
-        raise StoreUnavailableError(f"{what}: I/O error ({type(e).__name__}: {e})") from e
-
-
-def resolve_storage_options(url: str, storage_options: Optional[dict] = None) -> dict:
-    """The fsspec options every call of a run makes for ``url`` with: for S3 the endpoint from
-    ``$VERL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL`` and the client timeouts (:func:`_s3_options`),
-    for anything else ``storage_options`` as given. Idempotent, so options a :class:`RunStore`
-    already resolved (its ``storage_options``) can pass through again unchanged.
-
-    Why one function: botocore knows nothing of ``VERL_S3_ENDPOINT``, so an fsspec call built
-    from the caller's raw options reaches the default AWS endpoint instead of the configured
-    server (issue 21: finalize sent the final model there)."""
-    protocol = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else "file"
-    opts = dict(storage_options or {})
-    return _s3_options(opts) if protocol in ("s3", "s3a") else opts
-
-
-def _s3_options(storage_options: dict) -> dict:
-    """Default endpoint (from env) and short timeouts for s3fs, unless the caller chose them."""
-    opts = dict(storage_options)
-    endpoint = os.environ.get("VERL_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
-    client_kwargs = dict(opts.get("client_kwargs") or {})
-    if endpoint and "endpoint_url" not in opts and "endpoint_url" not in client_kwargs:
-        client_kwargs["endpoint_url"] = endpoint
-    if client_kwargs:
-        opts["client_kwargs"] = client_kwargs
-    config = dict(opts.get("config_kwargs") or {})
-    config.setdefault("connect_timeout", 10)
-    config.setdefault("read_timeout", 60)
-    config.setdefault("retries", {"max_attempts": 3, "mode": "standard"})
-    opts["config_kwargs"] = config
-    # Listings must see other processes' writes (checkpoint index, logs): no dircache.
-    opts.setdefault("use_listings_cache", False)
-    opts.setdefault("skip_instance_cache", True)
-    return opts
 
 
 class RunStore:
