@@ -124,8 +124,7 @@ class RLTrainer:
         it."""
         groups, meta = {}, {}
         for part in self.parts:
-            g, m = part.state_dict() if part is self.behaviour \
-                else part.state_dict(with_optimizer=with_optimizer)
+            g, m = part.state_dict(with_optimizer=with_optimizer)
             groups.update(g)
             meta.update(m)
         if self.dp.rank == 0:

@@ -181,9 +181,9 @@ class Behaviour:
             yield self._actor_engine
 
     # ------------------------------------------------------------------ checkpoint groups
-    def state_dict(self) -> tuple[dict, dict]:
+    def state_dict(self, *, with_optimizer: bool = True) -> tuple[dict, dict]:
         """Off-policy: the weights the next rollout samples with (``behaviour``) and their step
-        (``meta["behaviour_step"]``); on-policy nothing (they are the actor's)."""
+        (``meta["behaviour_step"]``); on-policy nothing (they are the actor's). No optimizer."""
         if not self.lag:
             return {}, {}
         return {"behaviour": model_state(self.model)}, {"behaviour_step": self.version}
