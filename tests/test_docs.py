@@ -129,3 +129,15 @@ def test_resume_table_names_tests_that_exist():
     assert not problems, "\n".join(problems)
     assert f"{kinds['filled']} cells filled, {kinds['missing']} missing, {kinds['n/a']} n/a" \
         in " ".join(text.split())
+
+
+def test_design_names_every_top_level_module_of_verl_core():
+    """docs/design.md's layer map names every module and package directly under verl_core/
+    (``name.py`` or ``name/``), so a new one cannot go in without a place on the map."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    lib = ROOT / "verl_core"
+    names = sorted(p.stem for p in lib.iterdir()
+                   if (p.suffix == ".py" and p.stem not in ("__init__", "_version"))
+                   or (p.is_dir() and not p.name.startswith(("_", "."))))
+    missing = [n for n in names if not re.search(rf"(?<![\w.]){re.escape(n)}(?:\.py\b|/)", text)]
+    assert not missing, f"docs/design.md's layer map leaves out: {missing}"

@@ -6,9 +6,10 @@ caching, retries, the phase log and Decks), and what tests and benchmarks call d
                                               the workers)
     advantage(spec, scored)     -> PhaseOut   token rewards, KL penalty, the advantage estimator
     update(spec, advantaged)    -> StepState  PPO epochs on the worker(s), under the guard
-    checkpoint(spec, state)     -> StepState  save where one is due (``CheckpointConfig.due``), then
-                                              end_step; on the other steps the update task
-                                              calls end_step (the step's metrics recorded)
+    checkpoint(spec, state)     -> StepState  save if one is due (the worker asks
+                                              ``CheckpointConfig.due``), then end_step; it runs
+                                              where ``checkpoint_follows``, and on the other steps
+                                              the update calls end_step (the step's metrics)
     evaluate(spec, state)       -> Metrics    greedy held-out accuracy of a state
     finalize(spec, state)       -> dict       final checkpoint committed, export, metrics table
 
@@ -156,24 +157,29 @@ def update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
     return StepState(step=advantaged.step + 1, metrics=merged(advantaged.metrics, metrics))
 
 
+def checkpoint_follows(spec: RunSpec, step: int) -> bool:
+    """Whether a checkpoint phase follows the update that ends at ``step``: the run's plan, asked
+    once per step by whoever lays the step out (the workflow's ``train_chunk``, the plain loop of
+    ``train.py``, the update task ending its step), before the clock can be read. It is
+    ``CheckpointConfig.due`` with the elapsed time not known yet: the schedule and the last step,
+    or every step when ``checkpoint_interval_s`` is set. The worker makes the decision itself, with
+    the clock (``RunWorker.checkpoint``): the one question, asked of the one method."""
+    return spec.config.checkpoint.due(step, spec.config.total_steps)
+
+
 def checkpoint(spec: RunSpec, state: StepState) -> StepState:
-    """Save the state on the checkpoint schedule (committed, or its write queued and awaited
-    later; ``RunWorker.checkpoint``), then end the step (:func:`end_step`). The workflow calls it
-    only where ``checkpoint.due`` (the schedule, or every step with a clock: the worker decides);
-    elsewhere the answer is the worker's own no-save answer, given without a call on the worker
-    (on a Flyte cluster every node is a pod)."""
-    due = spec.config.checkpoint.due(state.step, spec.config.total_steps)
-    saved = RunWorkers(spec).checkpoint(state.step) if due else {"checkpoint/saved": 0.0}
-    return end_step(spec, state, saved)
+    """Save the state if one is due (committed, or its write queued and awaited later;
+    ``RunWorker.checkpoint`` decides, with the clock), then end the step (:func:`end_step`).
+    Called only where :func:`checkpoint_follows`; on the other steps the update ends the step
+    (on a Flyte cluster every node is a pod, so there is no node that only answers "not now")."""
+    return end_step(spec, state, RunWorkers(spec).checkpoint(state.step))
 
 
 def end_step_unless_checkpoint(spec: RunSpec, state: StepState) -> StepState:
-    """After the update: the step ends here (:func:`end_step`) unless a checkpoint phase follows,
-    which ends it (``CheckpointConfig.due``). What the update passes :func:`run_phase` as
-    ``then``."""
-    if spec.config.checkpoint.due(state.step, spec.config.total_steps):
-        return state
-    return end_step(spec, state)
+    """After the update: the step ends here (:func:`end_step`) unless a checkpoint phase follows
+    (:func:`checkpoint_follows`), which ends it. What the update task passes :func:`run_phase`
+    as ``then``."""
+    return state if checkpoint_follows(spec, state.step) else end_step(spec, state)
 
 
 def end_step(spec: RunSpec, state: StepState, checkpoint_metrics: dict | None = None

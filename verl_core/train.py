@@ -179,8 +179,7 @@ def _run(spec, log) -> tuple[list[dict], dict[int, dict], dict]:
         evals[state.step] = ev = _evaluate(spec, state, log)
         log(f"step {state.step}: val/accuracy={ev['val/accuracy']:.3f}")
         stop.if_asked(state.step)
-    # the update ends a step unless a checkpoint phase follows (which ends it)
-    end_step = partial(phases.end_step_unless_checkpoint, spec)
+    end_step = partial(phases.end_step, spec)
     for k in range(spec.start_step, total):
         t0 = time.perf_counter()
         sampled = run_phase(spec, "rollout", k, phases.rollout, spec, state)
@@ -189,9 +188,13 @@ def _run(spec, log) -> tuple[list[dict], dict[int, dict], dict]:
         stop.if_asked(k)
         advantaged = run_phase(spec, "advantage", k, phases.advantage, spec, scored)
         stop.if_asked(k)
-        state = run_phase(spec, "update", k, phases.update, spec, advantaged, then=end_step)
+        # the plan of the step, asked once: the update ends the step unless a checkpoint phase
+        # follows (which ends it, and whose worker decides with the clock)
+        checkpoint = phases.checkpoint_follows(spec, k + 1)
+        state = run_phase(spec, "update", k, phases.update, spec, advantaged,
+                          then=None if checkpoint else end_step)
         metrics = dict(state.metrics)
-        if cfg.checkpoint.due(k + 1, total):
+        if checkpoint:
             t = time.perf_counter()
             state = run_phase(spec, "checkpoint", k + 1, phases.checkpoint, spec, state)
             metrics = {**state.metrics, "timing/checkpoint_s": time.perf_counter() - t}

@@ -4,7 +4,7 @@
     rl_run (dynamic)  ->  evaluate(start) -> train_chunk x ceil(steps / CHUNK) -> evaluate(end)
                           -> finalize        (no evaluate(start) with val_before_train=False)
     train_chunk (dynamic)  ->  per step: rollout -> reward -> advantage -> update
-                               (-> checkpoint where one is due: CheckpointConfig.due)
+                               (-> checkpoint where one may be due: phases.checkpoint_follows)
                                (-> evaluate after every ``eval_every``-th step)
 
 Iterations are unrolled in chunks of CHUNK steps (5 nodes each), so no dynamic workflow has more
@@ -21,6 +21,7 @@ from tasks.finalize import Summary
 from tasks.phases import heavy_phases
 from tasks.prepare import configure, prepare
 from tasks.reward import reward
+from verl_core.phases import checkpoint_follows
 from verl_core.types import RunSpec, StepState
 
 add_dashed_aliases()
@@ -39,9 +40,9 @@ def train_chunk(spec: RunSpec, state: StepState, stop: int) -> StepState:
         scored = reward(spec=spec, rollout=sampled)
         advantaged = advantage(spec=spec, scored=scored)
         state = heavy.update(spec=spec, advantaged=advantaged)
-        # a checkpoint node where one may be due; elsewhere the update ends the step (no node
-        # that only answers "not now")
-        if spec.config.checkpoint.due(k + 1, spec.config.total_steps):
+        # a checkpoint node where one may be due (the worker decides with the clock); elsewhere
+        # the update ends the step (no node that only answers "not now")
+        if checkpoint_follows(spec, k + 1):
             state = heavy.checkpoint(spec=spec, state=state)
         if every and (k + 1) % every == 0 and k + 1 < spec.total_steps:
             heavy.evaluate(spec=spec, state=state)

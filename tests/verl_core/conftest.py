@@ -57,8 +57,9 @@ def tracked_run(tmp_path_factory) -> TrackedRun:
             for _ in range(TRACKED_STEPS):
                 sampled = phases.rollout(spec, state)
                 state = phases.update(spec, phases.advantage(spec, phases.reward(spec, sampled)))
-                due = spec.config.checkpoint.due(state.step, spec.config.total_steps)
-                state = phases.checkpoint(spec, state) if due else phases.end_step(spec, state)
+                state = (phases.checkpoint(spec, state)
+                         if phases.checkpoint_follows(spec, state.step)
+                         else phases.end_step(spec, state))
             phases.evaluate(spec, state)
             phases.finalize(spec, state)
         finally:

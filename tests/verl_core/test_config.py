@@ -6,7 +6,7 @@ import typing
 import numpy as np
 import pytest
 
-from verl_core.config import (SECTIONS, TRAJECTORY, AlgorithmConfig, CheckpointConfig, ConfigError,
+from verl_core.config import (SECTIONS, TRAJECTORY, AlgorithmConfig, ConfigError,
                               DataConfig, OptimConfig, ActorConfig, RunConfig, preset,
                               typed_overrides, with_overrides)
 
@@ -279,18 +279,6 @@ def test_demo_temperature_only_for_the_builtin_tiny_model(tmp_path):
     assert build_config("grpo", "", "", "", 0, 0, 0, verl_model).rollout.temperature == 1.0
     verl_temp = json.dumps({"actor_rollout_ref.rollout.temperature": 1.0})
     assert build_config("grpo", "", "", "", 0, 0, 0, verl_temp).rollout.temperature == 1.0
-
-
-def test_checkpoint_due_on_the_step_schedule_the_last_step_and_the_clock():
-    steps = CheckpointConfig(checkpoint_interval=4)
-    # every 4th step and the last (10); the clock plays no part without checkpoint_interval_s
-    assert [s for s in range(1, 11) if steps.due(s, 10)] == [4, 8, 10]
-    assert not steps.due(5, 10, since_save_s=1e9)
-    clock = CheckpointConfig(checkpoint_interval=4, checkpoint_interval_s=60.0)
-    assert clock.due(5, 10)  # elapsed time unknown (planning): the worker decides
-    assert not clock.due(5, 10, since_save_s=59.9)
-    assert clock.due(5, 10, since_save_s=60.0)
-    assert clock.due(8, 10, since_save_s=0.0)  # the schedule saves whatever the clock says
 
 
 # trajectory_hash of these configs before each field declared its membership (at 79f3ce0): the

@@ -25,7 +25,7 @@ def test_a_slow_update_counts_in_the_metrics_of_the_step_it_ends(tmp_path):
                            total_steps=cfg.total_steps)
     for step in range(12):  # a steady history of fast updates, past the detector's warm-up
         runlog.watch_phase(spec, "update", step, 0.02, {})
-    assert not cfg.checkpoint.due(13, cfg.total_steps)
+    assert not phases.checkpoint_follows(spec, 13)  # the update ends the step
 
     def slow_update():
         time.sleep(1.0)

@@ -636,9 +636,11 @@ class RunWorker:
                             pending_doc(self.trajectory_hash, step, phase), e)
 
     def checkpoint(self, step: int, force: bool = False, sync: bool = False) -> dict:
-        """Save the state after ``step`` updates if the interval says so. Async saves return as
-        soon as the state is snapshotted; the write finishes in the background (``sync``: wait
+        """Save the state after ``step`` updates if one is due (or ``force``). Async saves return
+        as soon as the state is snapshotted; the write finishes in the background (``sync``: wait
         for the commit)."""
+        # the decision, made here once per checkpoint phase with the clock; the plan that runs
+        # this phase asked the same method without it (phases.checkpoint_follows)
         due = self.cfg.checkpoint.due(step, self.cfg.total_steps,
                                       since_save_s=time.time() - self.last_save_time)
         if not self._lead(force or due):

@@ -1,4 +1,4 @@
-"""The model side of a run as parts that own their state (docs/design.md#the-parts).
+"""The model side of a run as parts that own their state (docs/design.md#layers, the model side).
 
 - :class:`Actor`: the policy (LoRA adapters if any: the one holder of that fact), its optimizer
   and schedule, the reference policy, the KL controller; ``update()``.

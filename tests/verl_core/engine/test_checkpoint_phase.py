@@ -1,6 +1,7 @@
-"""The checkpoint phase (``phases.checkpoint``): the worker saves the steps of the
-schedule; the other steps get the worker's own no-save answer without a call on it (and the
-workflow leaves the phase out there: ``CheckpointConfig.due``)."""
+"""The checkpoint phase (``phases.checkpoint``): the plan (``phases.checkpoint_follows``) runs it
+on the steps of the schedule and the last step, and the worker decides there; on the other
+steps the update ends the step with ``checkpoint/saved=0``, the worker's own no-save answer
+(``CheckpointConfig.due`` is the one decision)."""
 
 from verl_core import phases
 from verl_core.checkpoint import CheckpointManager
@@ -10,9 +11,8 @@ from verl_core.engine.workers import WORKERS, RunWorkers
 def test_off_schedule_steps_are_answered_as_the_worker_would(tracked_run):
     # checkpoint.checkpoint_interval=2 over 3 steps: step 2 (the schedule) and 3 (the last)
     spec = tracked_run.spec
-    # the workflow runs the phase only where it is due; the update records checkpoint/saved=0
-    assert [spec.config.checkpoint.due(s, spec.config.total_steps) for s in (1, 2, 3)] == \
-        [False, True, True]
+    # the workflow runs the phase only where it may be due; the update records checkpoint/saved=0
+    assert [phases.checkpoint_follows(spec, s) for s in (1, 2, 3)] == [False, True, True]
     saved = tracked_run.table.set_index("step")["checkpoint/saved"]
     assert [saved.loc[s] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     store_steps = sorted(i.step for i in CheckpointManager(spec.open_store()).list_checkpoints()
