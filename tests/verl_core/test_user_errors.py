@@ -35,7 +35,7 @@ NOT_USER_ERRORS = {
     "verl_core.errors.StoreFullError": "the store ran out of space mid-run",
     "verl_core.errors.UnsafeManifestError": "a manifest names paths outside the store",
     "verl_core.store.io.NotFoundError": "a stored doc or object is missing",
-    "verl_core.engine.worker.StaleBatchError": "an off-policy batch outside the bound",
+    "verl_core.errors.StaleBatchError": "an off-policy batch outside the bound",
     "verl_core.engine.worker.StateUnavailableError": "a worker's state is not where it should be",
     "verl_core.parts.sampler_process.SamplerError": "the background sampler process failed",
     "verl_core.engine.dynamic_sampling.FilterGroupsExhaustedError":

@@ -267,8 +267,10 @@ def test_trainer_packs_every_forward(tmp_path):
                     tuple(kw["input_ids"].shape))
         return hook
 
-    for name in ("actor", "ref", "critic"):
-        getattr(trainer, name).register_forward_pre_hook(record(name), with_kwargs=True)
+    models = {"actor": trainer.actor.model, "ref": trainer.actor.ref,
+              "critic": trainer.critic.model}
+    for name, model in models.items():
+        model.register_forward_pre_hook(record(name), with_kwargs=True)
     try:
         batch, _ = trainer.rollout(step=0)
         batch, _ = trainer.reward(batch)
