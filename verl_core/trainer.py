@@ -14,7 +14,6 @@ policy, the critic; the trainer's :meth:`RLTrainer.state` is one loop over them,
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Sequence
 
@@ -194,10 +193,16 @@ class RLTrainer:
 
     def follow(self, step: int) -> bool:
         """Update ``step`` starts: the behaviour policy follows (``Behaviour.follow``: off-policy
-        it takes this state and samples step + 1 in the background). True when it did."""
-        last = step + 1 >= self.cfg.total_steps
-        return self.behaviour.follow(step, None if last else functools.partial(
-            self.prompt_indices, step + 1, keep_position=True))
+        it takes this state and samples the steps its weights serve in the background, up to
+        step + ``rollout.max_staleness``). True when off-policy."""
+        total = self.cfg.total_steps
+
+        def job_for(t: int):
+            if t >= total:
+                return None
+            return self.behaviour.rollout_job(t, self.prompt_indices(t, keep_position=True))
+
+        return self.behaviour.follow(step, job_for)
 
     def model_inputs(self, batch: Batch) -> Batch:
         """``batch`` with the per-token inputs the later phases need from a model: reference
@@ -230,10 +235,12 @@ class RLTrainer:
         if traits.needs_sum_pi_squared:
             # the behaviour model: the weights (and temperature) that sampled the responses,
             # whose log-probs are the estimator's old_logprobs (with W > 1 a full copy)
-            batch = batch.replace(sum_pi_squared=gathered(batched_sum_pi_squared(
-                self.behaviour.model, part, temperature, micro,
-                max_token_len=actor_cfg.token_budget("log_prob_max_token_len_per_gpu"),
-                dp=self.dp, remove_padding=actor_cfg.use_remove_padding)))
+            version = int(batch.meta.get("policy_version", 0))
+            with self.behaviour.holding(version) as behaviour:
+                batch = batch.replace(sum_pi_squared=gathered(batched_sum_pi_squared(
+                    behaviour, part, temperature, micro,
+                    max_token_len=actor_cfg.token_budget("log_prob_max_token_len_per_gpu"),
+                    dp=self.dp, remove_padding=actor_cfg.use_remove_padding)))
         return batch
 
     def reward(self, batch: Batch, details: dict | None = None) -> tuple[Batch, dict]:
@@ -328,12 +335,13 @@ class RLTrainer:
                         step, seed=derive_seed(self.cfg.seed, step, "val"))
 
 
-GROUP_ORDER = ("policy", "base", "rng", "optimizer", "reference", "behaviour", "critic",
-               "critic_optimizer")
+GROUP_ORDER = ("policy", "base", "rng", "optimizer", "reference", "behaviour", "behaviour_1",
+               "behaviour_2", "behaviour_3", "critic", "critic_optimizer")
 META_ORDER = ("kl_ctrl", "sampler", "hf_config", "guard", "metrics_history", "lora", "scheduler",
-              "critic_scheduler", "step", "behaviour_step")
+              "critic_scheduler", "step", "behaviour_step", "behaviour_versions")
 """The order a checkpoint stores its groups and meta in (a manifest's bytes, hence its hash,
-follow it): the order from before the parts, kept."""
+follow it): the order from before the parts, kept; the behaviour's versions past the first
+(``rollout.max_staleness`` > 1) after it."""
 
 
 def _ordered(d: dict, order: Sequence[str]) -> dict:
