@@ -508,11 +508,12 @@ class RunConfig:
                   "the update must correct for that behaviour policy: set "
                   "algorithm.rollout_is=token (truncated importance sampling, verl's "
                   "rollout_correction.rollout_is) or algorithm.policy_loss=bypass_mode")
-        if self.trainer.world_size > 1:
-            _fail("rollout", "max_staleness", s,
-                  f"is built for one worker so far (trainer.nnodes x n_gpus_per_node = "
-                  f"{self.trainer.world_size}): the background rollout would run collectives "
-                  "beside FSDP's; use rollout.max_staleness=0 with several workers")
+        if self.trainer.world_size > 1 and self.rollout.async_mode == "process":
+            _fail("rollout", "async_mode", self.rollout.async_mode,
+                  "runs the background rollout in a sampler process per worker, and those "
+                  "processes share no process group for gathering their blocks of rows "
+                  f"(trainer.nnodes x n_gpus_per_node = {self.trainer.world_size}): use "
+                  "rollout.async_mode=thread with several workers")
         if algo.filter_groups_enable:
             _fail("rollout", "max_staleness", s,
                   "with algorithm.filter_groups_enable (DAPO's dynamic sampling) is not offered: "

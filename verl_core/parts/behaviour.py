@@ -151,8 +151,11 @@ class Behaviour:
         return got if self.partial else got[:1]
 
     def _actor_weights(self) -> dict:
-        """The actor's weights as a plain model's state dict (a LoRA policy's merged)."""
-        return self.actor.merged_state()
+        """The actor's weights as a plain model's state dict (a LoRA policy's merged): with
+        W > 1 gathered from the FSDP shards on every worker (a collective on the default group:
+        called from the main thread, by every worker in the same order)."""
+        return self.actor.gathered_merged_state() if self.dp.distributed \
+            else self.actor.merged_state()
 
     def reset(self, version: int) -> None:
         """Off-policy: the queue becomes the actor's current weights alone, as ``version`` (the
@@ -282,15 +285,21 @@ class Behaviour:
             self.ready()
             yield self.engine
         elif self.engine.owns_weights:
-            self.engine.load_weights(self.actor.merged_state())
+            self.engine.load_weights(self._actor_weights())
             self._engine_stale = True
             yield self.engine
         else:
             if self._actor_engine is None:
+                # W > 1 the actor is sharded and decoding runs no collectives (each worker its
+                # own share of the rows): a full copy of it, as on-policy, filled below
+                model = load_causal_lm(self.assets.model_path, self.cfg.model.dtype).to(
+                    self.model.device) if self.dp.distributed else self.actor.model
                 tok = self.prompts.tokenizer
                 self._actor_engine = make_engine(
-                    "hf", model=self.actor.model, eos_token_ids=stop_token_ids(tok),
+                    "hf", model=model, eos_token_ids=stop_token_ids(tok),
                     pad_token_id=tok.pad_token_id, micro_batch_size=self.cfg.rollout.generation_batch)
+            if self.dp.distributed:
+                self._actor_engine.model.load_state_dict(self._actor_weights())
             yield self._actor_engine
 
     # ------------------------------------------------------------------ checkpoint groups
@@ -348,6 +357,13 @@ class Behaviour:
             self.queue = queue
 
     # ------------------------------------------------------------------ sampling
+    @property
+    def _sample_dp(self) -> DataParallel:
+        """Whose gathers the rollout's blocks go through: off-policy a gloo group of their own
+        (:meth:`DataParallel.sampling`), since the background rollout gathers in its thread
+        while the update's FSDP collectives run on the default group; on-policy the worker's."""
+        return self.dp.sampling() if self.lag else self.dp
+
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams):
         """Generate for all N rows; with W > 1 each worker samples its block (with the random
         draws the whole batch would use for those rows) and the blocks are gathered."""
@@ -358,7 +374,8 @@ class Behaviour:
         mine = self.dp.block(torch.arange(n))
         out = self.engine.generate(prompt_ids[mine], prompt_mask[mine], params,
                                    first_row=int(mine[0]), total_rows=n)
-        return concat_outputs(self.dp.gather_objects(out), self.prompts.tokenizer.pad_token_id)
+        return concat_outputs(self._sample_dp.gather_objects(out),
+                              self.prompts.tokenizer.pad_token_id)
 
     def generate_turns(self, prompt_ids, prompt_mask, params: SamplingParams, rows: list[int],
                        rows_data: list, phase: str, split: bool = True,
@@ -381,7 +398,8 @@ class Behaviour:
             tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
             **turn_limits(rc), instance_prefix=f"{phase}:{params.seed}")
         if split:
-            out = concat_turn_outputs(self.dp.gather_objects(out), p.tokenizer.pad_token_id)
+            out = concat_turn_outputs(self._sample_dp.gather_objects(out),
+                                      p.tokenizer.pad_token_id)
         return out
 
     def generate_greedy(self, prompt_ids, prompt_mask) -> GenerationOutput:

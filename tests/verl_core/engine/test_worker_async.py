@@ -33,7 +33,8 @@ def _cfg(**over):
     ({"rollout.max_staleness": 5}, r"rollout.max_staleness=5: at most 4 is offered"),
     ({"rollout.max_staleness": -1}, r"rollout.max_staleness=-1: must be >= 0"),
     ({"algorithm.rollout_is": ""}, r"rollout.max_staleness=1: .*set algorithm.rollout_is=token"),
-    ({"trainer.n_gpus_per_node": 2}, r"rollout.max_staleness=1: is built for one worker"),
+    ({"trainer.n_gpus_per_node": 2, "rollout.async_mode": "process"},
+     r"rollout.async_mode='process': .*share no process group.*use rollout.async_mode=thread"),
     ({"algorithm.filter_groups_enable": True},
      r"rollout.max_staleness=1: with algorithm.filter_groups_enable"),
 ])
@@ -50,6 +51,8 @@ def test_staleness_0_is_the_run_it_was():
     assert _cfg().trajectory_hash() != _cfg(**{"rollout.max_staleness": 0}).trajectory_hash()
     # bypass_mode is the other correction offered
     assert _cfg(**{"algorithm.rollout_is": "", "algorithm.policy_loss": "bypass_mode"})
+    # several workers: the background rollout in a thread of each (test_async_workers.py)
+    assert _cfg(**{"trainer.n_gpus_per_node": 2}).trainer.world_size == 2
 
 
 def _weights_sha(worker) -> str:
