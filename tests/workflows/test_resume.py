@@ -66,15 +66,16 @@ def test_sigkill_mid_lora_rollout_then_rerun_resumes_bit_identical(tmp_path):
 
 
 def test_off_policy_sigkill_mid_rollout_resumes_and_attached_mode_trains_alike(tmp_path):
-    """``rollout.max_staleness=1`` (issue 27): the worker (a Ray actor) samples step 3 in the
-    background while update 2 runs. Killed in the rollout phase of step 3, the background batch
-    dies with it; the re-run rebuilds the behaviour policy (the checkpoint of step 2 holds it,
-    the replay of update 2 snapshots the next) and samples step 3 again: the plain loop's
-    weights. Then ``cluster.mode=attached`` (a detached worker on a long-lived cluster) trains
-    the same weights."""
+    """``rollout.max_staleness=2`` (issues 27, 42): the worker (a Ray actor) samples steps 3
+    and 4 in the background from update 1 and 2 on. Killed in the rollout phase of step 3, the
+    background batches die with it; the re-run rebuilds the queue of behaviour versions (the
+    checkpoint of step 2 holds versions 0 and 1, the replay of update 2 pushes version 2) and
+    samples step 3 again: the plain loop's weights. Then ``cluster.mode=attached`` (a detached
+    worker on a long-lived cluster) trains the same weights. (Staleness 1 runs the same code
+    with a queue of one; the plain loop's tests kill it.)"""
     from tests.ray_nodes import RayNodes
 
-    ev = {"eval_every": 2, "rollout.max_staleness": 1, "algorithm.rollout_is": "token"}
+    ev = {"eval_every": 2, "rollout.max_staleness": 2, "algorithm.rollout_is": "token"}
     ref_sha = _plain_reference_sha(tmp_path, ev)
     _sigkill_and_rerun(tmp_path, ev, ref_sha, None, False)
     nodes = RayNodes(tmp_path / "ray", num_cpus=2)

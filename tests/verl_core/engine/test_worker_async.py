@@ -392,3 +392,25 @@ def test_partial_rollout_refuses_what_it_cannot_honour():
             ({"algorithm.adv_estimator": "remax"}, r"greedy baseline is one generation")):
         with pytest.raises(ConfigError, match=rf"rollout.partial_rollout=True: .*{match}"):
             _cfg(**{**PARTIAL, **over})
+
+
+@pytest.mark.vllm
+def test_on_vllm_a_partial_rollout_is_sampled_again_the_same(assets, tmp_path):
+    # vLLM takes each segment's weights (a reload per version) and samples each row on from
+    # its tokens so far with the row's own seed: a fresh worker that rebuilds the queue from
+    # the store samples the same tokens and log-probs, byte for byte
+    cfg = _cfg(**{**PARTIAL, "rollout.engine": "vllm", "total_steps": 3})
+    uri = str(tmp_path / "store")
+    index = publish_assets(RunStore(uri), assets)
+    w = _worker(uri, cfg, index)
+    try:
+        refs = [_step(w, s)[0] for s in range(3)]
+        batch = get_batch(w.store, refs[2])
+        assert batch.meta["partial_versions"] == [0, 1] and batch.response_mask[:, 2:].any()
+    finally:
+        w.close()
+    fresh = _worker(uri, cfg, index)
+    try:
+        assert fresh.rollout(2)[0] == refs[2]
+    finally:
+        fresh.close()
