@@ -511,10 +511,6 @@ class RunConfig:
                   f"is built for one worker so far (trainer.nnodes x n_gpus_per_node = "
                   f"{self.trainer.world_size}): the background rollout would run collectives "
                   "beside FSDP's; use rollout.max_staleness=0 with several workers")
-        if algo.filter_groups_enable:
-            _fail("rollout", "max_staleness", s,
-                  "with algorithm.filter_groups_enable (DAPO's dynamic sampling) is not offered: "
-                  "its rounds of sampling depend on each other's scores")
 
     def _check_dapo(self) -> None:
         """DAPO's dynamic sampling and overlong buffer against the other sections."""

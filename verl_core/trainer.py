@@ -192,12 +192,29 @@ class RLTrainer:
         (``Behaviour.sample``), seeded by (seed, step, ``phase``)."""
         return self.behaviour.sample(step, idx, self.actor.kl_ctrl.value, phase)
 
-    def follow(self, step: int) -> bool:
+    def follow(self, step: int, cursor: int | None = None) -> bool:
         """Update ``step`` starts: the behaviour policy follows (``Behaviour.follow``: off-policy
-        it takes this state and samples step + 1 in the background). True when it did."""
-        last = step + 1 >= self.cfg.total_steps
-        return self.behaviour.follow(step, None if last else functools.partial(
-            self.prompt_indices, step + 1, keep_position=True))
+        it takes this state and samples step + 1 in the background). ``cursor``: with
+        ``algorithm.filter_groups_enable`` the generation batch where the batch of this update
+        ended (its ``meta["gen_batches_end"]``), which is where DAPO's dynamic sampling of step +
+        1 starts (``engine/dynamic_sampling.py``; without it, or where that sampling needs the
+        live state, step + 1 samples in the foreground). True when it did."""
+        from verl_core.engine.dynamic_sampling import sample_and_filter, samples_in_background
+
+        def job_for(t: int):
+            """The background rollout of step ``t``: a callable of the behaviour version."""
+            if t != step + 1 or t >= self.cfg.total_steps:
+                return None
+            kl_coef = self.actor.kl_ctrl.value  # read now, not while the update changes it
+            if self.cfg.algorithm.filter_groups_enable:
+                if cursor is None or not samples_in_background(self.cfg):
+                    return None
+                return functools.partial(sample_and_filter, self, t, int(cursor),
+                                         kl_coef=kl_coef)
+            idx = self.prompt_indices(t, keep_position=True)
+            return lambda version: self.behaviour.sample(t, idx, kl_coef, version=version)
+
+        return self.behaviour.follow(step, job_for)
 
     def model_inputs(self, batch: Batch) -> Batch:
         """``batch`` with the per-token inputs the later phases need from a model: reference

@@ -24,6 +24,14 @@ lineage record of the step before). So a step's prompts are a function of the st
 sampled before, stored with the batches: a rebuild replays stored batches, a resume continues at
 the recorded position, and caching and lineage replay stay exact.
 
+Off-policy (``rollout.max_staleness`` >= 1, docs/async.md) steps 1-5 sample with the behaviour
+policy (:func:`sample_and_filter`, the batch records ``meta["policy_version"]``): they read the
+behaviour model, the prompts and the scorer only, and the data position of step t is known when
+update t - 1 starts (its batch's ``gen_batches_end``), so they run in the background thread while
+that update runs; the model inputs read the actor and the critic and stay in the rollout phase
+(:func:`with_model_inputs`). Where steps 1-5 need the live state (:func:`samples_in_background`)
+the rollout phase samples them in the foreground, with the same behaviour weights.
+
 What is not here: scoring (``reward/scoring.py``), the overlong penalty
 (``reward/overlong.py``), what the reward phase does with an already scored batch
 (``phases.reward``: passes it on, so nothing is scored twice).
@@ -47,7 +55,8 @@ if TYPE_CHECKING:
     from verl_core.trainer import RLTrainer
 
 __all__ = ["FilterGroupsExhaustedError", "GroupFilter", "kept_groups", "gen_batch_indices",
-           "metric_values", "concat_batches", "dynamic_rollout"]
+           "metric_values", "concat_batches", "early_inputs", "samples_in_background",
+           "sample_and_filter", "with_model_inputs", "dynamic_rollout"]
 
 _TOKEN_FIELDS = ("response_ids", "response_mask", "response_attention_mask", "response_logprobs",
                  "ref_logprobs", "values", "advantages", "returns", "sum_pi_squared")
@@ -202,21 +211,46 @@ def _merge_metrics(parts: list[tuple[int, dict]]) -> dict:
     return out
 
 
-def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, dict]:
-    """The rollout phase of ``step`` with ``algorithm.filter_groups_enable``: generation batches
-    ``start``, ``start + 1``, ... until B groups are kept (module docstring). The batch is
-    scored (``score``), carries ``meta["gen_batches_start"/"gen_batches_end"]``, and has the
-    model inputs of :meth:`RLTrainer.model_inputs`. With W > 1 every worker calls it (sampling
-    and scoring are collectives); rank 0's scores decide which groups every worker keeps."""
-    cfg, dp = trainer.cfg, trainer.dp
+def early_inputs(cfg) -> bool:
+    """True when the groups are filtered on a value that needs the model inputs first:
+    ``seq_final_reward`` under ``use_kl_in_reward`` reads the reference log-probs."""
+    algo = cfg.algorithm
+    return algo.filter_groups_metric == "seq_final_reward" and algo.use_kl_in_reward
+
+
+def samples_in_background(cfg) -> bool:
+    """Whether :func:`sample_and_filter` may run in the background thread of an off-policy run
+    (``rollout.max_staleness`` >= 1, docs/async.md) while an update changes the actor: not when
+    it reads the actor (:func:`early_inputs`: the reference log-probs before filtering) or a
+    reward model (``reward_model.enable``: its scoring is a forward pass beside the update's)."""
+    return not early_inputs(cfg) and not cfg.reward_model.enable
+
+
+def sample_and_filter(trainer: RLTrainer, step: int, start: int, version: int | None = None,
+                      kl_coef: float | None = None) -> tuple[Batch, dict]:
+    """Steps 1-5 of the module docstring for ``step``: generation batches ``start``,
+    ``start + 1``, ... sampled with the behaviour policy's weights of ``version`` (None: the
+    next rollout's, ``Behaviour.version``), scored and filtered until B groups are kept. The
+    batch is scored (``score``) and carries ``meta["gen_batches_start"/"gen_batches_end"]``
+    (off-policy also ``meta["policy_version"]``), without the model inputs
+    (:func:`with_model_inputs`) unless :func:`early_inputs`.
+
+    It reads the behaviour model, the prompts and the scorer only (unless :func:`early_inputs`
+    or a reward model), so an off-policy run samples it in the background thread while the
+    update before runs (``RLTrainer.follow``); ``kl_coef`` (None: the actor's now) is what
+    that thread passes, read when it started, and :func:`with_model_inputs` sets the live one.
+    With W > 1 every worker calls it (sampling and scoring are collectives); rank 0's scores
+    decide which groups every worker keeps."""
+    cfg, dp, behaviour = trainer.cfg, trainer.dp, trainer.behaviour
     algo, G, B = cfg.algorithm, cfg.rollout.n, cfg.data.train_batch_size
     try:
         sampler = ResumableSampler(len(trainer.prompts.train_rows), cfg.data.gen_batch_prompts,
                                    cfg.seed, shuffle=cfg.data.shuffle)
     except ValueError as e:
         raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size}: {e}") from e
-    # seq_final_reward under use_kl_in_reward reads the reference log-probs before filtering
-    early_inputs = algo.filter_groups_metric == "seq_final_reward" and algo.use_kl_in_reward
+    version = behaviour.version if version is None else version
+    kl_coef = trainer.actor.kl_ctrl.value if kl_coef is None else kl_coef
+    early = early_inputs(cfg)
     keep = GroupFilter(B, algo.max_num_gen_batches)
     parts: list[Batch] = []
     rollout_metrics: list[tuple[int, dict]] = []
@@ -226,9 +260,10 @@ def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, d
     while not done:
         k = keep.num_gen_batches
         idx = gen_batch_indices(sampler, start + k)
-        batch, m = trainer.sample(step, idx, phase=f"rollout-gen{start + k}")
+        batch, m = behaviour.sample(step, idx, kl_coef, phase=f"rollout-gen{start + k}",
+                                    version=version)
         rollout_metrics.append((batch.num_rows, m))
-        if early_inputs:
+        if early:
             batch = trainer.model_inputs(batch)
         details: dict = {}
         batch, rm = trainer.reward(batch, details)  # rank 0 scores (a collective with a RM)
@@ -243,9 +278,9 @@ def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, d
             for r in (sum(p.num_rows for p in parts[:k]) + g * G + j for j in range(G))]
     batch = _trim_columns(concat_batches(parts).select(torch.tensor(rows, dtype=torch.long)))
     meta = {**batch.meta, "gen_batches_start": start, "gen_batches_end": start + len(parts)}
+    if behaviour.lag:  # as Behaviour.rollout records it (an on-policy batch's is its step)
+        meta["policy_version"] = version
     batch = batch.replace(group=torch.arange(B).repeat_interleave(G), meta=meta)
-    if not early_inputs:
-        batch = trainer.model_inputs(batch)
     metrics = _merge_metrics(rollout_metrics)
     lengths = batch.response_lengths.float()  # (N,) of the trained rows, as verl's data metrics
     metrics.update({
@@ -261,3 +296,21 @@ def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, d
                         "reward/max": float(batch.score.max()),
                         "reward/min": float(batch.score.min())})
     return batch, metrics
+
+
+def with_model_inputs(trainer: RLTrainer, batch: Batch) -> Batch:
+    """The batch of :func:`sample_and_filter` with what the later phases need from the live
+    state (the foreground rollout phase, never the background thread: it reads the actor and
+    the critic): the model inputs of :meth:`RLTrainer.model_inputs` on the trained rows only
+    (unless :func:`early_inputs` computed them already) and the KL coefficient now."""
+    if not early_inputs(trainer.cfg):
+        batch = trainer.model_inputs(batch)
+    return batch.replace(meta={**batch.meta, "kl_coef": trainer.actor.kl_ctrl.value})
+
+
+def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, dict]:
+    """The rollout phase of ``step`` with ``algorithm.filter_groups_enable``, all in the
+    foreground: :func:`sample_and_filter` from generation batch ``start`` with the next
+    rollout's weights, then :func:`with_model_inputs`."""
+    batch, metrics = sample_and_filter(trainer, step, start)
+    return with_model_inputs(trainer, batch), metrics

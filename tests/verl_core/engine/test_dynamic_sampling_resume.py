@@ -12,7 +12,14 @@ import textwrap
 
 from tests.crash import kill_at_marker
 from tests.presets import TINY, tiny_run
+from verl_core.assets import prepare_assets
+from verl_core.data.dataset import load_prompt_rows
+from verl_core.data.sampler import ResumableSampler
+from verl_core.engine.dynamic_sampling import gen_batch_indices
+from verl_core.engine.worker import get_batch
+from verl_core.layout import lineage_doc
 from verl_core.runlog import read_phase_log
+from verl_core.store import RunStore
 from verl_core.train import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -94,3 +101,88 @@ def test_dynamic_sampling_resumes_bit_identical_after_sigkill(tmp_path):
     assert [h["train/num_gen_batches"] for h in resumed["history"]] == gen[steps_run[0] - 1:]
     assert [h["reward/mean"] for h in resumed["history"]] == \
         [h["reward/mean"] for h in ref["history"][steps_run[0] - 1:]]
+
+
+def _stored_batches(work, cfg) -> list:
+    """The batch every update of the run read (through its lineage record), in step order."""
+    store = RunStore(str(work))
+    return [get_batch(store, store.get_json(lineage_doc(cfg.trajectory_hash(), s))["batch"])
+            for s in range(cfg.total_steps)]
+
+
+def _consumed(batches, cfg, tmp_path) -> list[int]:
+    """Every generation batch the steps consumed, in order, after checking that each batch's
+    prompts (its uids: dataset rows) are B of those of its generation batches."""
+    assets = prepare_assets(cfg, str(tmp_path / "rows"), log=lambda *_: None, build_model=False)
+    sampler = ResumableSampler(len(load_prompt_rows(assets.train_files)),
+                               cfg.data.gen_batch_prompts, cfg.seed, shuffle=cfg.data.shuffle)
+    out = []
+    for b in batches:
+        ks = list(range(b.meta["gen_batches_start"], b.meta["gen_batches_end"]))
+        prompts = {i for k in ks for i in gen_batch_indices(sampler, k)}
+        assert {int(u) for u in b.uid} <= prompts, (ks, b.uid)
+        assert len(set(b.uid)) == cfg.data.train_batch_size  # B distinct prompts, G rows each
+        out += ks
+    return out
+
+
+def test_dynamic_sampling_one_step_off_policy_resumes_exactly_after_sigkills(tmp_path):
+    # DAPO with rollout.max_staleness=1: the dynamic sampling of step t + 1 (generation batches
+    # sampled with the weights of step t, scored, filtered) runs in the background while update
+    # t runs, from the position update t's batch ended at. SIGKILLs mid-update (that background
+    # sampling running) and mid-rollout, then the same command: the same batches, the same
+    # generation batches consumed (none dropped, none repeated), the same final weights.
+    scorer = tmp_path / "parity.py"
+    scorer.write_text(PARITY)
+    over = {**_over(scorer), "rollout.max_staleness": 1, "algorithm.rollout_is": "token",
+            "total_steps": 5}
+    cfg = tiny_run(**over)
+
+    # 1. undisturbed: every step t >= 1 sampled with the weights of step t - 1, in the
+    #    background, contiguous generation batches from 0
+    ref = train(cfg, str(tmp_path / "ref"), log=lambda *_: None)
+    hist = ref["history"]
+    assert [h["rollout/staleness"] for h in hist] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [h["rollout/prefetched"] for h in hist] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert max(h["train/num_gen_batches"] for h in hist) > 1  # some step sampled again
+    ref_batches = _stored_batches(tmp_path / "ref", cfg)
+    assert [b.meta["policy_version"] for b in ref_batches] == [0, 0, 1, 2, 3]
+    consumed = _consumed(ref_batches, cfg, tmp_path)
+    assert consumed == list(range(len(consumed)))  # contiguous: none dropped, none repeated
+    assert len(consumed) == sum(h["train/num_gen_batches"] for h in hist)
+
+    # 2. killed inside update 1 (the background sampling of step 2 running), then inside the
+    #    rollout of step 3 (the checkpoint of step 3 committed: the resume reads the data
+    #    position of step 3 from the store); then the same command to the end
+    work, faults = tmp_path / "work", tmp_path / "faults"
+    cmd = [sys.executable, "-m", "verl_core.train", "--workdir", str(work)]
+    for k, v in over.items():
+        cmd += ["--set", f"{k}={v}"]
+    env = {**os.environ, "PYTHONPATH": REPO, "VERL_FAULTS_DIR": str(faults),
+           "VERL_ASSET_CACHE": str(tmp_path / "assets")}
+    for phase, step, also in (("update-rank0", 1, None),
+                              ("rollout", 3, lambda: _latest_step(work) >= 3)):
+        hang = json.dumps([{"phase": phase, "step": step, "kind": "hang"}])
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**env, "VERL_FAULTS": hang},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        kill_at_marker(proc, faults / f"{phase}-{step}.entered", f"the {phase} of step {step}",
+                       poll_s=0.05, also=also)
+    res = subprocess.run(cmd + ["--summary-json", str(tmp_path / "s.json")], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    resumed = json.loads((tmp_path / "s.json").read_text())
+    assert "resuming from the checkpoint of step" in res.stdout
+    assert _sha256(resumed["final_model"]) == _sha256(ref["final_model"])
+    # every update read the undisturbed run's batch: the same prompts, sampled with the same
+    # behaviour weights, from the same generation batches
+    store, ref_store, h = RunStore(str(work)), RunStore(str(tmp_path / "ref")), cfg.trajectory_hash()
+    for s in range(cfg.total_steps):
+        assert store.get_json(lineage_doc(h, s))["batch"] == \
+            ref_store.get_json(lineage_doc(h, s))["batch"]
+    assert _consumed(_stored_batches(work, cfg), cfg, tmp_path) == consumed
+    # the resumed command sampled step 3 again in the foreground (the background result of
+    # the killed run was never stored), then step 4 in the background again (the history
+    # counts steps done: 4 and 5)
+    assert [(h["step"], h["rollout/prefetched"]) for h in resumed["history"]] == \
+        [(4, 0.0), (5, 1.0)]

@@ -34,8 +34,6 @@ def _cfg(**over):
     ({"rollout.max_staleness": -1}, r"rollout.max_staleness=-1: must be >= 0"),
     ({"algorithm.rollout_is": ""}, r"rollout.max_staleness=1: .*set algorithm.rollout_is=token"),
     ({"trainer.n_gpus_per_node": 2}, r"rollout.max_staleness=1: is built for one worker"),
-    ({"algorithm.filter_groups_enable": True},
-     r"rollout.max_staleness=1: with algorithm.filter_groups_enable"),
 ])
 def test_settings_the_off_policy_rollout_cannot_honour_are_refused(over, match):
     with pytest.raises(ConfigError, match=match):
@@ -50,6 +48,8 @@ def test_staleness_0_is_the_run_it_was():
     assert _cfg().trajectory_hash() != _cfg(**{"rollout.max_staleness": 0}).trajectory_hash()
     # bypass_mode is the other correction offered
     assert _cfg(**{"algorithm.rollout_is": "", "algorithm.policy_loss": "bypass_mode"})
+    # DAPO's dynamic sampling too (tests/verl_core/engine/test_dynamic_sampling_resume.py)
+    assert _cfg(**{"algorithm.filter_groups_enable": True, "rollout.n": 2})
 
 
 def _weights_sha(worker) -> str:
