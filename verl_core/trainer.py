@@ -194,25 +194,29 @@ class RLTrainer:
 
     def follow(self, step: int, cursor: int | None = None) -> bool:
         """Update ``step`` starts: the behaviour policy follows (``Behaviour.follow``: off-policy
-        it takes this state and samples step + 1 in the background). ``cursor``: with
-        ``algorithm.filter_groups_enable`` the generation batch where the batch of this update
-        ended (its ``meta["gen_batches_end"]``), which is where DAPO's dynamic sampling of step +
-        1 starts (``engine/dynamic_sampling.py``; without it, or where that sampling needs the
-        live state, step + 1 samples in the foreground). True when it did."""
+        it takes this state and samples the steps its weights serve in the background, up to
+        step + ``rollout.max_staleness``). ``cursor``: with ``algorithm.filter_groups_enable``
+        the generation batch where the batch of this update ended (its
+        ``meta["gen_batches_end"]``), where DAPO's dynamic sampling of step + 1 starts
+        (``engine/dynamic_sampling.py``): only that step samples in the background (a later
+        step's position is known when the update before it starts, whose follow starts it),
+        and none without ``cursor`` or whose sampling needs the live state
+        (``samples_in_background``): they sample in the foreground. True when off-policy."""
         from verl_core.engine.dynamic_sampling import sample_and_filter, samples_in_background
 
+        total, dapo = self.cfg.total_steps, self.cfg.algorithm.filter_groups_enable
+
         def job_for(t: int):
-            """The background rollout of step ``t``: a callable of the behaviour version."""
-            if t != step + 1 or t >= self.cfg.total_steps:
+            if t >= total:
                 return None
-            kl_coef = self.actor.kl_ctrl.value  # read now, not while the update changes it
-            if self.cfg.algorithm.filter_groups_enable:
-                if cursor is None or not samples_in_background(self.cfg):
-                    return None
-                return functools.partial(sample_and_filter, self, t, int(cursor),
-                                         kl_coef=kl_coef)
-            idx = self.prompt_indices(t, keep_position=True)
-            return lambda version: self.behaviour.sample(t, idx, kl_coef, version=version)
+            if not dapo:
+                return self.behaviour.rollout_job(t, self.prompt_indices(t, keep_position=True))
+            if t != step + 1 or cursor is None or not samples_in_background(self.cfg):
+                return None
+            # a callable of the version, as rollout_job's; the KL coefficient read now, not
+            # while the update changes it (the rollout phase stamps the live one)
+            return functools.partial(sample_and_filter, self, t, int(cursor),
+                                     kl_coef=self.actor.kl_ctrl.value)
 
         return self.behaviour.follow(step, job_for)
 
@@ -247,10 +251,12 @@ class RLTrainer:
         if traits.needs_sum_pi_squared:
             # the behaviour model: the weights (and temperature) that sampled the responses,
             # whose log-probs are the estimator's old_logprobs (with W > 1 a full copy)
-            batch = batch.replace(sum_pi_squared=gathered(batched_sum_pi_squared(
-                self.behaviour.model, part, temperature, micro,
-                max_token_len=actor_cfg.token_budget("log_prob_max_token_len_per_gpu"),
-                dp=self.dp, remove_padding=actor_cfg.use_remove_padding)))
+            version = int(batch.meta.get("policy_version", 0))
+            with self.behaviour.holding(version) as behaviour:
+                batch = batch.replace(sum_pi_squared=gathered(batched_sum_pi_squared(
+                    behaviour, part, temperature, micro,
+                    max_token_len=actor_cfg.token_budget("log_prob_max_token_len_per_gpu"),
+                    dp=self.dp, remove_padding=actor_cfg.use_remove_padding)))
         return batch
 
     def reward(self, batch: Batch, details: dict | None = None) -> tuple[Batch, dict]:
@@ -345,12 +351,13 @@ class RLTrainer:
                         step, seed=derive_seed(self.cfg.seed, step, "val"))
 
 
-GROUP_ORDER = ("policy", "base", "rng", "optimizer", "reference", "behaviour", "critic",
-               "critic_optimizer")
+GROUP_ORDER = ("policy", "base", "rng", "optimizer", "reference", "behaviour", "behaviour_1",
+               "behaviour_2", "behaviour_3", "critic", "critic_optimizer")
 META_ORDER = ("kl_ctrl", "sampler", "hf_config", "guard", "metrics_history", "lora", "scheduler",
-              "critic_scheduler", "step", "behaviour_step")
+              "critic_scheduler", "step", "behaviour_step", "behaviour_versions")
 """The order a checkpoint stores its groups and meta in (a manifest's bytes, hence its hash,
-follow it): the order from before the parts, kept."""
+follow it): the order from before the parts, kept; the behaviour's versions past the first
+(``rollout.max_staleness`` > 1) after it."""
 
 
 def _ordered(d: dict, order: Sequence[str]) -> dict:

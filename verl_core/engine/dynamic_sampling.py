@@ -238,7 +238,7 @@ def sample_and_filter(trainer: RLTrainer, step: int, start: int, version: int | 
     It reads the behaviour model, the prompts and the scorer only (unless :func:`early_inputs`
     or a reward model), so an off-policy run samples it in the background thread while the
     update before runs (``RLTrainer.follow``); ``kl_coef`` (None: the actor's now) is what
-    that thread passes, read when it started, and :func:`with_model_inputs` sets the live one.
+    that thread passes, read when it started (the rollout phase stamps the live one).
     With W > 1 every worker calls it (sampling and scoring are collectives); rank 0's scores
     decide which groups every worker keeps."""
     cfg, dp, behaviour = trainer.cfg, trainer.dp, trainer.behaviour
@@ -263,6 +263,8 @@ def sample_and_filter(trainer: RLTrainer, step: int, start: int, version: int | 
         batch, m = behaviour.sample(step, idx, kl_coef, phase=f"rollout-gen{start + k}",
                                     version=version)
         rollout_metrics.append((batch.num_rows, m))
+        if behaviour.lag:  # as Behaviour.stamp records it (the model inputs read it)
+            batch = batch.replace(meta={**batch.meta, "policy_version": version})
         if early:
             batch = trainer.model_inputs(batch)
         details: dict = {}
@@ -278,8 +280,6 @@ def sample_and_filter(trainer: RLTrainer, step: int, start: int, version: int | 
             for r in (sum(p.num_rows for p in parts[:k]) + g * G + j for j in range(G))]
     batch = _trim_columns(concat_batches(parts).select(torch.tensor(rows, dtype=torch.long)))
     meta = {**batch.meta, "gen_batches_start": start, "gen_batches_end": start + len(parts)}
-    if behaviour.lag:  # as Behaviour.rollout records it (an on-policy batch's is its step)
-        meta["policy_version"] = version
     batch = batch.replace(group=torch.arange(B).repeat_interleave(G), meta=meta)
     metrics = _merge_metrics(rollout_metrics)
     lengths = batch.response_lengths.float()  # (N,) of the trained rows, as verl's data metrics
@@ -299,13 +299,12 @@ def sample_and_filter(trainer: RLTrainer, step: int, start: int, version: int | 
 
 
 def with_model_inputs(trainer: RLTrainer, batch: Batch) -> Batch:
-    """The batch of :func:`sample_and_filter` with what the later phases need from the live
-    state (the foreground rollout phase, never the background thread: it reads the actor and
-    the critic): the model inputs of :meth:`RLTrainer.model_inputs` on the trained rows only
-    (unless :func:`early_inputs` computed them already) and the KL coefficient now."""
-    if not early_inputs(trainer.cfg):
-        batch = trainer.model_inputs(batch)
-    return batch.replace(meta={**batch.meta, "kl_coef": trainer.actor.kl_ctrl.value})
+    """The batch of :func:`sample_and_filter` with the model inputs of
+    :meth:`RLTrainer.model_inputs` on the trained rows only (unless :func:`early_inputs`
+    computed them already). They read the actor and the critic at the live state: the
+    foreground rollout phase, never the background thread (off-policy the caller stamps the
+    live KL coefficient first, ``Behaviour.stamp``)."""
+    return batch if early_inputs(trainer.cfg) else trainer.model_inputs(batch)
 
 
 def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, dict]:

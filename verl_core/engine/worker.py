@@ -344,14 +344,14 @@ class RunWorker:
             if self.step == s:  # replaying
                 batch = self.batch(s, "advantage", record["batch"])
                 with self._changing_state():
-                    self.trainer.behaviour.snapshot(s)  # the behaviour policy of the next rollout
+                    self.trainer.behaviour.push(s)  # the behaviour policy of the next rollouts
                     self.trainer.update(batch, s)
                     self.step = s + 1
         elif action == "skip":
             if not self._live_valid:  # the update may have run: rebuild the state before it
                 self.ensure_state(s)
             self.trainer.guard = dict(record["guard"])
-            self.trainer.behaviour.snapshot(s)
+            self.trainer.behaviour.push(s)
             self.step = s + 1
         elif action == "rollback":
             self._roll_back(s, int(record["to"]), record["guard"])
@@ -373,7 +373,7 @@ class RunWorker:
             self.step = s + 1
             # off-policy: the next rollout samples the rolled-back weights (lag 0); what was
             # sampling from the discarded ones was dropped when the state was rebuilt
-            self.trainer.behaviour.snapshot(s + 1)
+            self.trainer.behaviour.reset(s + 1)
 
     def _has_lineage(self, start: int, stop: int) -> bool:
         return all(self.store.has_json(self._lineage(s)) for s in range(start, stop))
@@ -413,13 +413,13 @@ class RunWorker:
             got = None
         if got is None:
             batch, metrics = sample_and_filter(self.trainer, step, cursor)
+            if behaviour.lag:
+                metrics["rollout/prefetched"] = 0.0
         else:
             batch, metrics = got
-        batch = with_model_inputs(self.trainer, batch)
-        if not behaviour.lag:
-            return batch, {**metrics, "rollout/staleness": 0.0}
-        return batch, {**metrics, "rollout/prefetched": float(got is not None),
-                       "rollout/staleness": float(step - batch.meta["policy_version"])}
+        # off-policy: the version and the live KL coefficient, as a plain rollout's
+        batch, metrics = behaviour.stamp(step, batch, metrics, self.trainer.actor.kl_ctrl.value)
+        return with_model_inputs(self.trainer, batch), metrics
 
     def _gen_cursor(self, step: int) -> int:
         """Generation batches (of DAPO's dynamic sampling) the steps before ``step`` consumed:

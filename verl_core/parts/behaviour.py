@@ -1,14 +1,20 @@
-"""The behaviour policy: the weights that sample, their version, the rollout engine and the
+"""The behaviour policy: the weights that sample, their versions, the rollout engine and the
 background rollout.
 
 On-policy (``rollout.max_staleness`` = 0) the behaviour policy is the actor itself (with W > 1 a
 full copy refreshed from the shards after every update, verl's colocated hybrid engine). With
-``rollout.max_staleness`` = 1 it is a copy that takes the actor's weights only when told
-(:meth:`Behaviour.snapshot`), so the rollout of step t + 1 can sample, in a background thread or
-process, with the weights of step t while update t changes the actor (docs/async.md). Its
-version is the step of the weights it holds; every off-policy batch records it
-(``meta["policy_version"]``) and the update refuses one outside the bound
-(:meth:`Behaviour.check_lag`)."""
+``rollout.max_staleness`` = k >= 1 it is a queue of the actor's last k weight versions, taken
+only when told (:meth:`Behaviour.push`, at the start of every update): the rollout of step t
+samples with the oldest of them, so it can run in a background thread or process while the
+updates before it change the actor (docs/async.md). A version is the step of the state whose
+weights it is; every off-policy batch records its own (``meta["policy_version"]``) and the update
+refuses one outside the bound (:meth:`Behaviour.check_lag`).
+
+The schedule is a function of the lineage alone: after update s starts the queue holds the
+distinct versions among the last k pushed (s - k + 1 .. s, fewer after a reset), so the rollout
+of step t samples the weights of step t - k (t - k' with k' < k in the first k steps and right
+after a guard rollback, which resets the queue to the rolled-back weights: lag 0). A resume, a
+replay and an uninterrupted run choose the same versions."""
 
 from __future__ import annotations
 
@@ -42,13 +48,16 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Prefetch:
-    """The rollout of ``step`` sampling in a background thread (from the behaviour policy, the
-    state after ``version`` updates) while the update runs."""
+    """The rollout of ``step`` sampling in a background thread from the behaviour weights of
+    ``version`` (the state after ``version`` updates) while the phases before it run."""
 
     step: int
     version: int
     thread: threading.Thread
     box: dict  # "out": (batch, metrics), or "error"; "span": (start, end) perf_counter times
+
+
+_job = threading.local()  # .running: this thread is a background rollout (it holds the model)
 
 
 class Behaviour:
@@ -62,11 +71,16 @@ class Behaviour:
         self.cfg, self.assets, self.actor, self.prompts, self.dp = cfg, assets, actor, prompts, dp
         self.lag = cfg.rollout.max_staleness
         """How many updates the sampling weights may be behind the actor's (0: on-policy)."""
-        self.version = 0
-        """The step of the weights that sample (off-policy; on-policy they are the live ones)."""
+        self.queue: list[tuple[int, dict | None]] = []
+        """Off-policy: the versions the next rollouts sample with, oldest first (at most
+        :attr:`lag`), each with its weights (a copy; with ``lag`` 1 None: :attr:`model` holds
+        the one version)."""
+        self._held = 0  # the version :attr:`model` holds now
+        self._keys = None  # the model's state keys (a version's copy holds these)
+        self._lock = threading.Lock()  # the queue, between the worker and a background rollout
         # with W > 1 workers the actor is sharded (FSDP2) and rollout runs on a full copy of it,
         # refreshed from the shards after every change; off-policy, the copy is the behaviour
-        # policy, which takes the actor's weights only when told (snapshot)
+        # policy, which takes the actor's weights only when told (push)
         if dp.distributed or self.lag or actor is None:
             self.model = load_causal_lm(assets.model_path, cfg.model.dtype).to(device)
         else:
@@ -74,7 +88,8 @@ class Behaviour:
         self._stale = False  # on-policy: the copy is behind the actor (an update ran)
         self._engine_stale = False  # off-policy: the engine's own copy (vllm) is not current
         self._actor_engine = None  # off-policy with hf: evaluation samples the actor itself
-        self._prefetch: Prefetch | None = None
+        self._prefetch: dict[int, Prefetch] = {}  # by step; run one after another
+        self._last: threading.Thread | None = None  # the newest background rollout
         self._sampler = None  # rollout.async_mode=process: the SamplerProcess (started lazily)
         tok, rc = prompts.tokenizer, cfg.rollout
         self.engine = make_engine(rc.engine, model=self.model, model_path=assets.model_path,
@@ -96,7 +111,7 @@ class Behaviour:
                                   max_model_len=rc.max_model_len or
                                   cfg.data.max_prompt_length + rc.max_new_tokens,
                                   dtype=cfg.model.dtype, seed=cfg.seed)
-        self.snapshot(0)  # off-policy: a LoRA policy's merged weights, else the same copy
+        self.reset(0)  # off-policy: a LoRA policy's merged weights, else the same copy
 
     def stop(self) -> None:
         """Wait for a background rollout (dropping it) and end the sampler process."""
@@ -110,20 +125,89 @@ class Behaviour:
         self.engine.close()  # a vllm engine's processes (rollout.engine_own_process)
 
     # ------------------------------------------------------------------ weights
-    def snapshot(self, version: int) -> None:
-        """Off-policy: take the actor's current weights (a LoRA policy's merged), the state
-        after ``version`` updates; a background rollout of the weights held before is dropped,
-        and an engine with its own copy takes the new ones before it samples next. On-policy
-        the sampling weights are the actor's: nothing to do."""
+    @property
+    def version(self) -> int:
+        """The version the next rollout samples with: the oldest in the queue (off-policy; 0
+        on-policy, where the weights are the live ones)."""
+        with self._lock:
+            return self.queue[0][0] if self.queue else 0
+
+    def versions(self) -> list[int]:
+        with self._lock:
+            return [v for v, _ in self.queue]
+
+    def _actor_weights(self) -> dict:
+        """The actor's weights as a plain model's state dict (a LoRA policy's merged)."""
+        return self.actor.merged_state()
+
+    def reset(self, version: int) -> None:
+        """Off-policy: the queue becomes the actor's current weights alone, as ``version`` (the
+        start, a rollback, a load without behaviour weights): the next rollout samples them,
+        lag 0. Background rollouts of the weights held before are dropped."""
         if not self.lag or self.actor is None:
             return
         self.drop_prefetch()
-        self.model.load_state_dict(self.actor.merged_state())
+        weights = self._actor_weights()
+        self.model.load_state_dict(weights)
         self.changed()
-        self.version = version
+        self._held = version
+        with self._lock:
+            self.queue = [(version, None if self.lag == 1 else self._copy(weights))]
+
+    def push(self, version: int) -> None:
+        """Off-policy, update ``version`` starts: the actor's current weights (the state after
+        ``version`` updates) join the queue as ``version``, and the oldest leaves it once it
+        holds more than :attr:`lag` (a version already newest is not pushed twice). With ``lag``
+        1 the copy takes them in place, after any background rollout of the old ones finished.
+        Background rollouts of the versions kept are kept."""
+        if not self.lag or self.actor is None:
+            return
+        if self.queue and self.queue[-1][0] == version:
+            return
+        if self.lag == 1:
+            self.drop_prefetch()
+            self.model.load_state_dict(self._actor_weights())
+            self.changed()
+            self._held = version
+            with self._lock:
+                self.queue = [(version, None)]
+            return
+        entry = (version, self._copy(self._actor_weights()))
+        with self._lock:
+            self.queue = (self.queue + [entry])[-self.lag:]
+
+    def _copy(self, weights: dict) -> dict:
+        """A version's own copy, keyed as the behaviour model's checkpoint group."""
+        if self._keys is None:
+            self._keys = list(model_state(self.model))
+        return {k: weights[k].detach().clone() for k in self._keys}
+
+    def _hold(self, version: int) -> None:
+        """Make :attr:`model` hold the weights of ``version`` (in the worker with no background
+        rollout running, or in the background rollout itself, which runs one at a time)."""
+        if self.actor is None or not self.lag or version == self._held:
+            return
+        with self._lock:
+            weights = dict(self.queue).get(version)
+        if weights is None:
+            raise RuntimeError(f"the behaviour weights of version {version} are not held (the "
+                               f"queue holds {self.versions()}, the model {self._held})")
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, weights)
+        self.changed()
+        self._held = version
+
+    @contextlib.contextmanager
+    def holding(self, version: int):
+        """The behaviour model with the weights of ``version`` (the rollout phase's per-token
+        inputs of a batch sampled with them), once the background rollouts finished."""
+        self._quiesce()
+        self._hold(version)
+        yield self.model
 
     def changed(self) -> None:
-        """The behaviour weights changed (a snapshot, a load, or another process's snapshot of
+        """The behaviour weights changed (a push, a load, or another process's push into
         the shared weights: ``parts/sampler_process.py``): an engine with its own copy (vllm)
         takes them before it samples next."""
         self._engine_stale = True
@@ -137,7 +221,7 @@ class Behaviour:
         """Bring the sampling weights up to date before a sample. W > 1 on-policy: copy the
         current weights from the FSDP shards (an all-gather, no round trip through the store; a
         collective: every worker calls it). An engine with its own copy (vllm) then gets them.
-        Off-policy the weights change only by :meth:`snapshot` (or a load): the engine follows."""
+        Off-policy the weights change only by :meth:`push`, :meth:`reset` (or a load): the engine follows."""
         if self.lag:
             if self._engine_stale and self.engine.owns_weights:
                 self.engine.load_weights(self._weights())
@@ -163,8 +247,7 @@ class Behaviour:
         engine on-policy; off-policy, where that one holds the behaviour policy, an ``hf``
         engine over the actor, or the rollout engine (vllm) given the actor's weights until the
         next rollout gives it the behaviour policy's back."""
-        if self._prefetch is not None:
-            self._prefetch.thread.join()
+        self._quiesce()
         if not self.lag:
             self.ready()
             yield self.engine
@@ -182,32 +265,57 @@ class Behaviour:
 
     # ------------------------------------------------------------------ checkpoint groups
     def state_dict(self, *, with_optimizer: bool = True) -> tuple[dict, dict]:
-        """Off-policy: the weights the next rollout samples with (``behaviour``) and their step
-        (``meta["behaviour_step"]``); on-policy nothing (they are the actor's). No optimizer."""
+        """Off-policy: the queue (every version a rollout still samples with): the oldest's
+        weights as ``behaviour`` with its step (``meta["behaviour_step"]``), and with ``lag`` > 1
+        the others as ``behaviour_1`` .. and every version (``meta["behaviour_versions"]``);
+        on-policy nothing (they are the actor's). No optimizer."""
         if not self.lag:
             return {}, {}
-        return {"behaviour": model_state(self.model)}, {"behaviour_step": self.version}
+        if self.lag == 1:
+            return {"behaviour": model_state(self.model)}, {"behaviour_step": self.version}
+        with self._lock:
+            queue = list(self.queue)
+        groups = {("behaviour" if i == 0 else f"behaviour_{i}"): w
+                  for i, (_, w) in enumerate(queue)}
+        return groups, {"behaviour_step": queue[0][0],
+                        "behaviour_versions": [v for v, _ in queue]}
 
     def load_targets(self) -> dict:
-        """Views of the behaviour weights a load fills in place; a background rollout reading
-        them is waited for and dropped first."""
+        """Where a load puts the behaviour weights: the model for the oldest version (in place),
+        new tensors for the others; a background rollout reading them is waited for and
+        dropped first."""
         self.drop_prefetch()
-        return {"behaviour": model_state(self.model)} if self.lag else {}
+        if not self.lag:
+            return {}
+        out = {"behaviour": model_state(self.model)}
+        for i in range(1, self.lag):
+            out[f"behaviour_{i}"] = {k: torch.empty_like(v) for k, v in out["behaviour"].items()}
+        return out
 
     def load_state_dict(self, groups: dict, meta: dict, step: int) -> None:
-        """After a load of the state of ``step``: off-policy, the behaviour weights of the
-        checkpoint, or (an on-policy run's checkpoint) the loaded actor's: the first rollout
+        """After a load of the state of ``step``: off-policy, the queue of the checkpoint, or
+        (an on-policy run's checkpoint) the loaded actor's weights alone: the first rollout
         samples its own state."""
-        if self.lag:
-            if "behaviour" in groups:
-                from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-                set_model_state_dict(self.model, groups["behaviour"])
-                self.changed()
-            else:
-                self.snapshot(step)
         self._stale = True
-        self.version = int(meta.get("behaviour_step", step))
+        if not self.lag:
+            return
+        if "behaviour" not in groups:
+            self.reset(step)
+            return
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, groups["behaviour"])
+        self.changed()
+        versions = [int(v) for v in meta.get("behaviour_versions",
+                                             [meta.get("behaviour_step", step)])]
+        self._held = versions[0]
+        if self.lag == 1:
+            queue = [(versions[0], None)]
+        else:
+            queue = [(v, self._copy(groups["behaviour"] if i == 0 else groups[f"behaviour_{i}"]))
+                     for i, v in enumerate(versions)]
+        with self._lock:
+            self.queue = queue
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams):
@@ -262,12 +370,18 @@ class Behaviour:
         return GenerationOutput(response_ids=out.response_ids[:B, :T], response_mask=mask[:, :T],
                                 logprobs=out.logprobs[:B, :T])
 
-    def sample(self, step: int, idx: list[int], kl_coef: float,
-               phase: str = "rollout") -> tuple[Batch, dict]:
-        """G responses for each prompt of dataset indices ``idx`` (B,) from these weights,
+    def sample(self, step: int, idx: list[int], kl_coef: float, phase: str = "rollout",
+               version: int | None = None) -> tuple[Batch, dict]:
+        """G responses for each prompt of dataset indices ``idx`` (B,) from the behaviour
+        weights of ``version`` (off-policy; default the next rollout's, :attr:`version`),
         seeded by (seed, step, ``phase``), with one greedy response per prompt when the
         estimator asks for it (``needs_greedy_baseline``, ReMax): the batch (groups 0..B-1 in
-        the order of ``idx``; ``meta["kl_coef"]``: ``kl_coef``) and the rollout metrics."""
+        the order of ``idx``; ``meta["kl_coef"]``: ``kl_coef``) and the rollout metrics. In the
+        worker the background rollouts finish first (they use the same model)."""
+        if self.lag and self.actor is not None:
+            if not getattr(_job, "running", False):
+                self._quiesce()
+            self._hold(self.version if version is None else version)
         rc, G, p = self.cfg.rollout, self.cfg.rollout.n, self.prompts
         rows_idx = torch.tensor(idx).repeat_interleave(G)  # (N,): prompt b's G samples adjacent
         params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
@@ -325,18 +439,25 @@ class Behaviour:
                        **metrics}
 
     def rollout(self, step: int, idx: list[int], kl_coef: float) -> tuple[Batch, dict]:
-        """The rollout of ``step`` (prompts ``idx``) from these weights: off-policy, taken from
-        the background rollout that the update of ``step - 1`` started when there is one
-        (:meth:`follow`), else sampled now; the same bytes either way (every draw is seeded by
-        (seed, step, row)). Off-policy batches record ``meta["policy_version"]``; the metrics
-        say how far behind the weights were (``rollout/staleness``)."""
-        got = self._take_prefetch(step)
+        """The rollout of ``step`` (prompts ``idx``) from the behaviour weights of
+        :attr:`version`: off-policy, taken from the background rollout an update before started
+        when there is one (:meth:`follow`), else sampled now; the same bytes either way (every
+        draw is seeded by (seed, step, row)). Off-policy batches record
+        ``meta["policy_version"]``; the metrics say how far behind the weights were
+        (``rollout/staleness``)."""
+        got = self.take(step)
         if got is None:
             batch, metrics = self.sample(step, idx, kl_coef)
             if self.lag:
                 metrics["rollout/prefetched"] = 0.0
         else:
             batch, metrics = got
+        return self.stamp(step, batch, metrics, kl_coef)
+
+    def stamp(self, step: int, batch: Batch, metrics: dict,
+              kl_coef: float) -> tuple[Batch, dict]:
+        """Off-policy: ``batch`` of ``step`` records the version it was sampled with
+        (``meta["policy_version"]``) and the live KL coefficient; ``rollout/staleness``."""
         if self.lag:
             batch = batch.replace(meta={**batch.meta, "kl_coef": kl_coef,
                                         "policy_version": self.version})
@@ -356,62 +477,91 @@ class Behaviour:
                 f"0..{self.lag}. The batch is not this run's rollout of step {step}: {RECOVER}")
 
     # ------------------------------------------------------------------ background rollout
-    def follow(self, step: int, next_idx) -> bool:
-        """Update ``step`` starts. Off-policy, the live state is the behaviour policy of the
-        next rollout: take it (:meth:`snapshot`) and, with ``next_idx`` (a callable giving the
-        prompts of step + 1; None at the last step), sample step + 1 in the background while
-        the update runs. True when it did: the caller then does not trust the live state until
-        the update is recorded (a retry or a failure rebuilds it, with its behaviour policy)."""
+    def follow(self, step: int, job_for=None) -> bool:
+        """Update ``step`` starts. Off-policy, the live state joins the queue (:meth:`push`) and
+        every rollout of steps step + 1 .. step + :attr:`lag` whose weights are now in the queue
+        and which is not sampling yet starts in the background, one after another, while the
+        update (and the phases after it) run: ``job_for(t)`` gives the job of step t (a callable
+        taking the version, returning ``(batch, metrics)``; :meth:`rollout_job`), or None (past
+        the last step; a step whose prompts are not known yet). True when off-policy: the caller
+        then does not trust the live state until the update is recorded (a retry or a failure
+        rebuilds it, with its behaviour policy)."""
         if not self.lag:
             return False
-        self.snapshot(step)
-        if next_idx is not None:
-            self._start_prefetch(step + 1, next_idx())
+        self.push(step)
+        if job_for is None:
+            return True
+        for t in range(step + 1, step + self.lag + 1):
+            if t in self._prefetch:
+                continue
+            job = job_for(t)
+            if job is not None:
+                self._start_prefetch(t, self.version_of(step, t), job)
         return True
 
-    def _start_prefetch(self, step: int, idx: list[int]) -> None:
-        """Start sampling the rollout of ``step`` in a background thread (the update of
-        ``step - 1`` runs meanwhile on the actor, another copy). It only reads the behaviour
-        model, the prompts and the tool host, and draws only from its own seeded generators; the
-        prompts were chosen by the caller, so the data sampler is not touched there."""
+    def version_of(self, step: int, t: int) -> int:
+        """The version the rollout of ``t`` samples with, unless the queue is reset before: the
+        oldest of the last :attr:`lag` versions once updates step + 1 .. t - 1 pushed theirs."""
+        seen = self.versions() + list(range(step + 1, t))
+        return seen[max(0, len(seen) - self.lag)]
+
+    def rollout_job(self, step: int, idx: list[int]):
+        """The job of a background rollout of ``step`` (prompts ``idx``, chosen by the caller:
+        the data sampler is not touched in the background): a thread of this worker
+        (``rollout.async_mode=thread``), or the sampler process (``process``), whose model is
+        this one's, in shared memory."""
+        kl_coef = self.actor.kl_ctrl.value
+        if self.cfg.rollout.async_mode != "process":
+            return lambda version: self.sample(step, idx, kl_coef, version=version)
+        if self._sampler is None:
+            from verl_core.parts.sampler_process import SamplerProcess
+
+            self._sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
+                                           self.model, type(self))
+        sampler = self._sampler
+        return lambda version: sampler.sample(step, idx, version)
+
+    def _start_prefetch(self, step: int, version: int, job) -> None:
+        """Start ``job`` (the rollout of ``step`` from the weights of ``version``) in a
+        background thread, after the background rollout started before it: they share the
+        behaviour model, which each makes hold its own version first. A job only reads the
+        behaviour weights, the prompts and the tool host, and draws only from its own seeded
+        generators."""
         box: dict = {}
-        version = self.version
-        sample = functools.partial(self.sample, kl_coef=self.actor.kl_ctrl.value)
-        if self.cfg.rollout.async_mode == "process":
-            if self._sampler is None:
-                from verl_core.parts.sampler_process import SamplerProcess
-
-                self._sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
-                                               self.model, type(self))
-            sampler = self._sampler
-
-            def sample(step, idx):
-                return sampler.sample(step, idx, version)
+        before = self._last
 
         def body():
+            if before is not None:
+                before.join()
+            _job.running = True
             t0 = time.perf_counter()
             try:
+                self._hold(version)
                 faults.maybe_inject("background_rollout", step)  # a VERL_FAULTS drill
-                batch, metrics = sample(step, idx)
+                batch, metrics = job(version)
                 box["out"] = (batch, {**metrics, "rollout/prefetched": 1.0})
             except BaseException as e:  # noqa: BLE001 - reported where the rollout is taken
                 box["error"] = e
             box["span"] = (t0, time.perf_counter())
 
         thread = threading.Thread(target=body, name=f"verl-rollout-step-{step}", daemon=True)
-        self._prefetch = Prefetch(step=step, version=version, thread=thread, box=box)
+        self._prefetch[step] = Prefetch(step=step, version=version, thread=thread, box=box)
+        self._last = thread
         thread.start()
 
-    def _take_prefetch(self, step: int) -> tuple[Batch, dict] | None:
-        """The background rollout of ``step`` from the weights held now, waited for; None when
-        there is none (or it failed: the phase samples again, and raises if that fails too)."""
-        p = self._prefetch
-        if p is None or p.step != step or p.version != self.version:
-            self.drop_prefetch()
+    def take(self, step: int) -> tuple[Batch, dict] | None:
+        """The background rollout of ``step`` from the version it samples with now, waited
+        for; None when there is none (or it failed, or it sampled other weights: the phase
+        samples again, and raises if that fails too). Those of earlier steps are dropped."""
+        for s in [s for s in self._prefetch if s < step]:
+            self._prefetch.pop(s).thread.join()
+        p = self._prefetch.pop(step, None)
+        if p is None:
             return None
-        self._prefetch = None
         t0 = time.perf_counter()
         p.thread.join()
+        if p.version != self.version:
+            return None
         if "error" in p.box:
             log.warning("the background rollout of step %d failed (%s); sampling it again",
                         step, p.box["error"])
@@ -427,10 +577,16 @@ class Behaviour:
         metrics["rollout/prefetch_ahead_s"] = max(0.0, min(end, t0) - start)
         return batch, metrics
 
+    def _quiesce(self) -> None:
+        """Wait for the background rollouts (their results kept): the model is the caller's."""
+        last = self._last
+        if last is not None:
+            last.join()
+
     def drop_prefetch(self) -> None:
-        """Wait for a background rollout and discard it (the state it belongs to is changing,
-        or it is for another step). A thread cannot be stopped half-way; it only ever reads the
-        behaviour model, which is why it is waited for before that changes."""
-        p, self._prefetch = self._prefetch, None
-        if p is not None:
-            p.thread.join()
+        """Wait for the background rollouts and discard them (the state they belong to is
+        changing). A thread cannot be stopped half-way; they only ever read the behaviour
+        weights, which is why they are waited for before those change."""
+        self._quiesce()
+        self._prefetch.clear()
+        self._last = None

@@ -8,7 +8,7 @@ run's prompts and behaviour policy from the same config and assets (tokenizer, p
 engine; no actor) and samples with :meth:`Behaviour.sample`, the code the worker's own rollout
 runs. Its behaviour model's
 weights *are* the worker's: the worker's behaviour model is moved to shared memory and the child
-aliases those tensors, so ``Behaviour.snapshot`` (an in-place copy) is all the transfer there
+aliases those tensors, so ``Behaviour.push`` (an in-place copy) is all the transfer there
 is. Draws are seeded by (seed, step, row) and the child computes with the run's
 thread count, so it samples the bytes the worker would.
 

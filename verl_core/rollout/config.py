@@ -25,8 +25,9 @@ def _staleness_on(run) -> bool:
 
 
 _TRUNCATE_SIDES = {"left", "right", "middle"}
-MAX_STALENESS = 1
-"""The largest ``rollout.max_staleness`` offered (docs/async.md)."""
+MAX_STALENESS = 4
+"""The largest ``rollout.max_staleness`` offered (docs/async.md): each version in flight is one
+more copy of the weights in memory and in every checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -130,12 +131,14 @@ class RolloutConfig:
     tool_response_truncate_side: str = in_trajectory("middle", when=_multi_turn_on)
     """Which part of a long tool response is dropped: ``left``, ``right`` or ``middle``."""
     max_staleness: int = in_trajectory(0, when=_staleness_on)
-    """Updates the rollout may lag behind the update that consumes its batch (docs/async.md):
-    0 samples step t with the weights after t updates (on-policy, the default); 1 samples step
-    t with the weights after t - 1 updates (one-step off-policy), so the worker samples step
-    t + 1 in the background while update t runs. Every batch records the version it was sampled
-    with (``meta["policy_version"]``); the update refuses one that lags by more. Needs the
-    behaviour-policy correction (``algorithm.rollout_is`` or ``policy_loss=bypass_mode``)."""
+    """k: updates the rollout may lag behind the update that consumes its batch (docs/async.md):
+    0 samples step t with the weights after t updates (on-policy, the default); k >= 1 samples
+    step t with the weights after t - k updates (fewer in the first k steps and after a guard
+    rollback), so the worker samples steps t + 1 .. t + k in the background while update t and
+    the phases after it run (1: one-step off-policy; at most :data:`MAX_STALENESS`). Every batch
+    records the version it was sampled with (``meta["policy_version"]``); the update refuses
+    one that lags by more. Needs the behaviour-policy correction (``algorithm.rollout_is`` or
+    ``policy_loss=bypass_mode``)."""
     async_mode: str = not_in_trajectory("thread")
     """Where the background rollout of ``max_staleness`` runs: ``thread`` (a thread of the
     worker, sampling from its behaviour copy) or ``process`` (a sampler process of its own,
@@ -171,8 +174,8 @@ class RolloutConfig:
         _one_of("rollout", "async_mode", self.async_mode, {"thread", "process"})
         if self.max_staleness > MAX_STALENESS:
             _fail("rollout", "max_staleness", self.max_staleness,
-                  f"at most {MAX_STALENESS} is offered (one-step off-policy: step t samples with "
-                  "the weights after t - 1 updates); a deeper pipeline is not built yet")
+                  f"at most {MAX_STALENESS} is offered: every update of lag is one more copy of "
+                  "the weights held in memory and in every checkpoint (docs/async.md)")
         if self.val_n > 1 and not (self.val_do_sample and self.val_temperature > 0):
             _fail("rollout", "val_n", self.val_n, "greedy evaluation gives one response per "
                   "prompt; set val_do_sample=True and val_temperature > 0 to draw several")

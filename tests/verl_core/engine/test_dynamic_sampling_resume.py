@@ -15,6 +15,7 @@ from tests.presets import TINY, tiny_run
 from verl_core.assets import prepare_assets
 from verl_core.data.dataset import load_prompt_rows
 from verl_core.data.sampler import ResumableSampler
+from verl_core.engine import dynamic_sampling
 from verl_core.engine.dynamic_sampling import gen_batch_indices
 from verl_core.engine.worker import get_batch
 from verl_core.layout import lineage_doc
@@ -186,3 +187,32 @@ def test_dynamic_sampling_one_step_off_policy_resumes_exactly_after_sigkills(tmp
     # counts steps done: 4 and 5)
     assert [(h["step"], h["rollout/prefetched"]) for h in resumed["history"]] == \
         [(4, 0.0), (5, 1.0)]
+
+
+def test_dynamic_sampling_with_staleness_2_matches_sampling_in_the_foreground(tmp_path,
+                                                                             monkeypatch):
+    # rollout.max_staleness=2: step t samples the weights of step t - 2; its dynamic sampling
+    # still runs one step ahead only (its position is known when update t - 1 starts). The
+    # same run with every step sampled in the foreground stores the same batches and ends
+    # with the same weights.
+    scorer = tmp_path / "parity.py"
+    scorer.write_text(PARITY)
+    cfg = tiny_run(**{**_over(scorer), "rollout.max_staleness": 2,
+                      "algorithm.rollout_is": "token", "total_steps": 5})
+    bg = train(cfg, str(tmp_path / "bg"), log=lambda *_: None)
+    assert [h["rollout/prefetched"] for h in bg["history"]] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [h["rollout/staleness"] for h in bg["history"]] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    batches = _stored_batches(tmp_path / "bg", cfg)
+    assert [b.meta["policy_version"] for b in batches] == [0, 0, 0, 1, 2]
+    consumed = _consumed(batches, cfg, tmp_path)
+    assert consumed == list(range(len(consumed)))
+
+    monkeypatch.setattr(dynamic_sampling, "samples_in_background", lambda cfg: False)
+    fg = train(cfg, str(tmp_path / "fg"), log=lambda *_: None)
+    assert [h["rollout/prefetched"] for h in fg["history"]] == [0.0] * 5
+    assert _sha256(fg["final_model"]) == _sha256(bg["final_model"])
+    fg_store, bg_store, h = RunStore(str(tmp_path / "fg")), RunStore(str(tmp_path / "bg")), \
+        cfg.trajectory_hash()
+    for s in range(cfg.total_steps):
+        assert fg_store.get_json(lineage_doc(h, s))["batch"] == \
+            bg_store.get_json(lineage_doc(h, s))["batch"]

@@ -30,7 +30,7 @@ def _cfg(**over):
 
 
 @pytest.mark.parametrize("over, match", [
-    ({"rollout.max_staleness": 2}, r"rollout.max_staleness=2: at most 1 is offered"),
+    ({"rollout.max_staleness": 5}, r"rollout.max_staleness=5: at most 4 is offered"),
     ({"rollout.max_staleness": -1}, r"rollout.max_staleness=-1: must be >= 0"),
     ({"algorithm.rollout_is": ""}, r"rollout.max_staleness=1: .*set algorithm.rollout_is=token"),
     ({"trainer.n_gpus_per_node": 2}, r"rollout.max_staleness=1: is built for one worker"),
@@ -125,12 +125,12 @@ def test_the_background_rollout_is_what_the_previous_state_samples(run, assets):
         for t in (1, 3):
             stored = get_batch(st, refs[t])
             w.ensure_state(t - 1)
-            w.trainer.behaviour.snapshot(w.step)
+            w.trainer.behaviour.reset(w.step)
             again, _ = w.trainer.sample(t, w.trainer.prompt_indices(t))
             assert torch.equal(again.response_ids, stored.response_ids)
             assert torch.equal(again.response_logprobs, stored.response_logprobs)
             w.ensure_state(t)
-            w.trainer.behaviour.snapshot(w.step)
+            w.trainer.behaviour.reset(w.step)
             on_policy, _ = w.trainer.sample(t, w.trainer.prompt_indices(t))
             assert not torch.equal(on_policy.response_logprobs, stored.response_logprobs)
     finally:
@@ -236,3 +236,70 @@ def test_on_vllm_the_background_rollout_and_the_evaluation_each_get_their_weight
         assert fresh.evaluate(2) == evals[1]  # the state of step 2, evaluated as the live one
     finally:
         fresh.close()
+
+
+# ---------------------------------------------------------------- staleness k = 2 (issue 42)
+K2_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def run_k2(tmp_path_factory, assets):
+    """Six steps of ``rollout.max_staleness=2`` by one worker (checkpoints at 2, 4, 6)."""
+    uri = str(tmp_path_factory.mktemp("store_k2"))
+    cfg = _cfg(**{"rollout.max_staleness": 2, "total_steps": K2_STEPS})
+    index = publish_assets(RunStore(uri), assets)
+    w = _worker(uri, cfg, index)
+    refs, metrics, advs, shas = [], [], [], [_weights_sha(w)]
+    try:
+        for s in range(K2_STEPS):
+            ref, m, adv = _step(w, s)
+            refs.append(ref), metrics.append(m), advs.append(adv), shas.append(_weights_sha(w))
+            assert w.trainer.behaviour.versions() == list(range(max(0, s - 1), s + 1))
+    finally:
+        w.close()
+    return uri, cfg, index, refs, metrics, advs, shas
+
+
+def test_staleness_2_samples_two_updates_behind_never_more(run_k2):
+    # step t samples the weights of step max(0, t - 2): steps 1 and 2 both sample the initial
+    # weights (both started in the background when update 0 began), every later one the state
+    # two updates old, started when the update two steps before it began
+    uri, _, _, refs, metrics, _, shas = run_k2
+    st = RunStore(uri)
+    assert len(set(shas)) == K2_STEPS + 1
+    for s, (ref, m) in enumerate(zip(refs, metrics)):
+        batch = get_batch(st, ref)
+        assert batch.meta["policy_version"] == max(0, s - 2), s
+        assert m["rollout/staleness"] == min(s, 2) <= 2
+        assert m["rollout/prefetched"] == (0.0 if s == 0 else 1.0), (s, m)
+    # the checkpoint of step 4 holds both versions the next two rollouts sample with
+    from verl_core.checkpoint import CheckpointManager
+
+    info = [i for i in CheckpointManager(st).list_checkpoints() if i.step == 4][0]
+    assert {"behaviour", "behaviour_1"} <= set(info.groups)
+
+
+@pytest.mark.parametrize("step", [4, 5])
+def test_staleness_2_a_fresh_worker_resamples_the_same_batches(run_k2, step):
+    # step 4: the checkpoint of step 4 holds versions 2 and 3; step 5: that checkpoint and the
+    # replay of update 4 (which pushes version 4). The rollouts, sampled in the foreground from
+    # the rebuilt queue, are the stored objects; the remaining updates give the run's weights
+    uri, cfg, index, refs, _, advs, shas = run_k2
+    w = _worker(uri, cfg, index)
+    try:
+        ref, m = w.rollout(step)
+        assert ref == refs[step] and m["rollout/prefetched"] == 0.0
+        assert w.replayed == step - 4
+        for s in range(step, K2_STEPS):
+            if s > step:
+                ref, m = w.rollout(s)
+                assert ref == refs[s] and m["rollout/prefetched"] == 1.0
+            # a batch three updates behind is refused, before it touches anything
+            good = get_batch(w.store, advs[s])
+            bad = put_batch(w.store, good.replace(meta={**good.meta, "policy_version": s - 3}))
+            with pytest.raises(StaleBatchError, match=r"3 updates behind.*allows 0..2"):
+                w.update(s, bad)
+            w.update(s, advs[s])
+            assert _weights_sha(w) == shas[s + 1]
+    finally:
+        w.close()
