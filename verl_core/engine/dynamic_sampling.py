@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FilterGroupsExhaustedError", "GroupFilter", "kept_groups", "gen_batch_indices",
            "metric_values", "concat_batches", "early_inputs", "samples_in_background",
-           "sample_and_filter", "with_model_inputs", "dynamic_rollout"]
+           "sample_and_filter", "with_model_inputs"]
 
 _TOKEN_FIELDS = ("response_ids", "response_mask", "response_attention_mask", "response_logprobs",
                  "ref_logprobs", "values", "advantages", "returns", "sum_pi_squared")
@@ -306,10 +306,3 @@ def with_model_inputs(trainer: RLTrainer, batch: Batch) -> Batch:
     live KL coefficient first, ``Behaviour.stamp``)."""
     return batch if early_inputs(trainer.cfg) else trainer.model_inputs(batch)
 
-
-def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, dict]:
-    """The rollout phase of ``step`` with ``algorithm.filter_groups_enable``, all in the
-    foreground: :func:`sample_and_filter` from generation batch ``start`` with the next
-    rollout's weights, then :func:`with_model_inputs`."""
-    batch, metrics = sample_and_filter(trainer, step, start)
-    return with_model_inputs(trainer, batch), metrics
