@@ -1,13 +1,19 @@
-"""Step time with ``rollout.max_staleness`` 0 (on-policy) and 1 (one-step off-policy: the worker
-samples step t + 1 in the background while update t runs; in a thread of the worker, or in a
-sampler process of its own: ``rollout.async_mode``), in one run (issue 27).
+"""Step time with ``rollout.max_staleness`` 0 (on-policy), 1 (one-step off-policy: the worker
+samples step t + 1 in the background while update t runs) and 2 (the background rollouts of
+steps t + 1 and t + 2 run one after another while update t and the phases after it run), in a
+thread of the worker or in a sampler process of its own (``rollout.async_mode``), in one run
+(issues 27 and 42).
 
 Tasks, each on the tiny model warm-started once (the same assets for both stalenesses):
 
 - ``arithmetic``: the default task (single-turn, no I/O);
 - ``calculator 100 ms``: the calculator tool task (multi-turn), the tool answering after a
   100 ms wait (an I/O-bound tool: a search, a sandbox): verl's ``BaseTool`` contract, a class
-  written to a temp folder that wraps the built-in calculator and sleeps first.
+  written to a temp folder that wraps the built-in calculator and sleeps first;
+- ``long responses``: the default task with a barely warm model and ``max_new_tokens`` 96,
+  which it fills (no EOS yet): single-turn generation-bound rollouts, where staleness 2 runs
+  with ``rollout.partial_rollout`` off and on (thread mode: the sampler process samples whole
+  rollouts).
 
 Each (task, staleness) runs ``--steps`` steps through the run worker's phases as the workflow
 calls them (``RunWorker.rollout``, the light reward and advantage phases, ``RunWorker.update``,
@@ -71,6 +77,9 @@ runs at the preset's sizes (64 prompts x 8, 8 tokens)."""
 def task_overrides(task: str, folder: str) -> dict:
     if task == "arithmetic":
         return {"model.warmup_sft_steps": 200, "model.warmup_target_accuracy": 1.0}
+    if task == "long":
+        return {"model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
+                "rollout.max_new_tokens": 96}
     tool = os.path.join(folder, "slow_calculator.py")
     with open(tool, "w") as f:
         f.write(TOOL_FILE)
@@ -85,8 +94,12 @@ def task_overrides(task: str, folder: str) -> dict:
 
 
 MODES = {"staleness 0": {"rollout.max_staleness": 0},
-         "staleness 1, thread": {"rollout.max_staleness": 1, "rollout.async_mode": "thread"},
-         "staleness 1, process": {"rollout.max_staleness": 1, "rollout.async_mode": "process"}}
+         **{f"staleness {k}, {mode}": {"rollout.max_staleness": k, "rollout.async_mode": mode}
+            for k in (1, 2) for mode in ("thread", "process")}}
+LONG_MODES = {"staleness 0": {"rollout.max_staleness": 0},
+              "staleness 2, thread": {"rollout.max_staleness": 2},
+              "staleness 2, thread, partial": {"rollout.max_staleness": 2,
+                                               "rollout.partial_rollout": True}}
 
 
 def run_one(cfg, assets, steps: int, uri: str) -> tuple[list[float], dict, list[str]]:
@@ -111,8 +124,9 @@ def run_one(cfg, assets, steps: int, uri: str) -> tuple[list[float], dict, list[
             a = time.perf_counter()
             w.update(s, adv)
             spans[("update", s)] = (a, time.perf_counter())
-            if s == 2 and w._prefetch is not None:  # the rollout of step 3, sampling meanwhile
-                background = w._prefetch
+            # the rollout of step 3, sampling in the background (from update 2 on, or from
+            # update 1 on with staleness 2)
+            background = w.trainer.behaviour._prefetch.get(3, background)
             a = time.perf_counter()
             w.checkpoint(s + 1)
             spans[("checkpoint", s + 1)] = (a, time.perf_counter())
@@ -126,7 +140,7 @@ def run_one(cfg, assets, steps: int, uri: str) -> tuple[list[float], dict, list[
     timeline["rollout 3 phase"] = spans[("rollout", 3)]
     timeline["reward + advantage 3"] = spans[("reward + advantage", 3)]
     timeline["update 3"] = spans[("update", 3)]
-    return walls, {k: (a - origin, b - origin) for k, (a, b) in timeline.items()}, refs
+    return walls, {k: (max(0.0, a - origin), b - origin) for k, (a, b) in timeline.items()}, refs
 
 
 def bars(timeline: dict, width: int = 60) -> list[str]:
@@ -143,7 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tasks", default="arithmetic,calculator 100 ms")
+    ap.add_argument("--tasks", default="arithmetic,calculator 100 ms,long responses")
     args = ap.parse_args()
     rows, timelines = [], {}
     with tempfile.TemporaryDirectory(prefix="verl-bench-async-") as root:
@@ -159,7 +173,8 @@ def main() -> None:
                                     log=lambda *_: None)
             print(f"[{task}] warm start {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             step_s, batches = {}, {}
-            for k, (mode, extra) in enumerate(MODES.items()):
+            modes = LONG_MODES if name == "long" else MODES
+            for k, (mode, extra) in enumerate(modes.items()):
                 cfg = preset("grpo", **{**over, **extra})
                 walls, timelines[(task, mode)], batches[mode] = run_one(
                     cfg, assets, args.steps, os.path.join(root, f"{name}-store-{k}"))
@@ -167,21 +182,23 @@ def main() -> None:
                 print(f"[{task}] {mode}: steps {[round(x, 2) for x in walls]}", file=sys.stderr)
             # the background rollouts sampled the same tokens with the same log-probs (a
             # multi-turn batch also stores each tool call's measured latency: not compared)
-            thread, proc = batches["staleness 1, thread"], batches["staleness 1, process"]
-            assert all(torch.equal(a.response_ids, b.response_ids)
-                       and torch.equal(a.response_logprobs, b.response_logprobs)
-                       for a, b in zip(thread, proc)), "the modes sampled different batches"
+            for k in (1, 2) if modes is MODES else ():
+                thread, proc = batches[f"staleness {k}, thread"], batches[f"staleness {k}, process"]
+                assert all(torch.equal(a.response_ids, b.response_ids)
+                           and torch.equal(a.response_logprobs, b.response_logprobs)
+                           for a, b in zip(thread, proc)), "the modes sampled different batches"
             rows.append((task, step_s))
     print(f"\n{args.threads} intra-op thread(s) per phase; median step time of steps "
           f"2..{args.steps - 1}\n")
-    print("| task | " + " | ".join(f"{m}: step s" for m in MODES) + " | thread / 0 | process / 0 |")
-    print("|---|" + "---:|" * (len(MODES) + 2))
+    print("| task | staleness | async_mode | step s | / staleness 0 |")
+    print("|---|---:|---|---:|---:|")
     for task, t in rows:
         base = t["staleness 0"]
-        print(f"| {task} | " + " | ".join(f"{t[m]:.2f}" for m in MODES)
-              + f" | {t['staleness 1, thread'] / base:.2f} | {t['staleness 1, process'] / base:.2f} |")
+        for m in t:
+            k, _, mode = m.removeprefix("staleness ").partition(", ")
+            print(f"| {task} | {k} | {mode or '-'} | {t[m]:.2f} | {t[m] / base:.2f} |")
     for (task, mode), timeline in timelines.items():
-        if task != rows[-1][0]:
+        if not task.startswith("calculator"):
             continue
         print(f"\nphase timeline, {task}, {mode} (from the start of update 2):")
         print("\n".join(bars(timeline)))

@@ -495,8 +495,10 @@ class RunConfig:
                   f"must contain reward.timeout_score={self.reward.timeout_score}")
 
     def _check_staleness(self) -> None:
-        """``rollout.max_staleness`` > 0 (one-step off-policy) against the other sections."""
+        """``rollout.max_staleness`` > 0 (off-policy) and ``rollout.partial_rollout`` against the
+        other sections."""
         s = self.rollout.max_staleness
+        self._check_partial_rollout()
         if not s:
             return
         algo = self.algorithm
@@ -506,11 +508,42 @@ class RunConfig:
                   "the update must correct for that behaviour policy: set "
                   "algorithm.rollout_is=token (truncated importance sampling, verl's "
                   "rollout_correction.rollout_is) or algorithm.policy_loss=bypass_mode")
-        if self.trainer.world_size > 1:
-            _fail("rollout", "max_staleness", s,
-                  f"is built for one worker so far (trainer.nnodes x n_gpus_per_node = "
-                  f"{self.trainer.world_size}): the background rollout would run collectives "
-                  "beside FSDP's; use rollout.max_staleness=0 with several workers")
+        if self.trainer.world_size > 1 and self.rollout.async_mode == "process":
+            _fail("rollout", "async_mode", self.rollout.async_mode,
+                  "runs the background rollout in a sampler process per worker, and those "
+                  "processes share no process group for gathering their blocks of rows "
+                  f"(trainer.nnodes x n_gpus_per_node = {self.trainer.world_size}): use "
+                  "rollout.async_mode=thread with several workers")
+
+    def _check_partial_rollout(self) -> None:
+        rc, p = self.rollout, self.rollout.partial_rollout
+        if not p:
+            return
+        if rc.max_staleness < 2:
+            _fail("rollout", "partial_rollout", p,
+                  f"needs rollout.max_staleness >= 2 (it is {rc.max_staleness}): the rollout of "
+                  "step t samples with the versions t - k .. t - 1, so with k <= 1 there is no "
+                  "newer version to go on with")
+        why = None
+        if rc.multi_turn:
+            why = ("with rollout.multi_turn: the segments are token positions of one "
+                   "generation; a multi-turn rollout goes on by turns (not built yet)")
+        elif rc.async_mode == "process":
+            why = ("with rollout.async_mode=process: the sampler process samples whole "
+                   "rollouts; use rollout.async_mode=thread")
+        elif self.trainer.world_size > 1:
+            why = "with several workers (not built yet): give one worker"
+        elif self.algorithm.filter_groups_enable:
+            why = "with DAPO's dynamic sampling (algorithm.filter_groups_enable): not built yet"
+        elif self.algorithm.estimator_traits.needs_sum_pi_squared:
+            why = (f"with algorithm.adv_estimator={self.algorithm.adv_estimator!r}: its "
+                   "per-token sum of squared probabilities is taken from one behaviour model, "
+                   "and a partial rollout's tokens come from several")
+        elif self.algorithm.estimator_traits.needs_greedy_baseline:
+            why = (f"with algorithm.adv_estimator={self.algorithm.adv_estimator!r}: its greedy "
+                   "baseline is one generation of one version")
+        if why:
+            _fail("rollout", "partial_rollout", p, why)
 
     def _check_dapo(self) -> None:
         """DAPO's dynamic sampling and overlong buffer against the other sections."""

@@ -213,10 +213,11 @@ class RLTrainer:
                 return self.behaviour.rollout_job(t, self.prompt_indices(t, keep_position=True))
             if t != step + 1 or cursor is None or not samples_in_background(self.cfg):
                 return None
-            # a callable of the version, as rollout_job's; the KL coefficient read now, not
-            # while the update changes it (the rollout phase stamps the live one)
-            return functools.partial(sample_and_filter, self, t, int(cursor),
-                                     kl_coef=self.actor.kl_ctrl.value)
+            # a callable of the plan, as rollout_job's (one version: a partial rollout is not
+            # offered with DAPO); the KL coefficient read now, not while the update changes it
+            # (the rollout phase stamps the live one)
+            kl_coef, start = self.actor.kl_ctrl.value, int(cursor)
+            return lambda plan: sample_and_filter(self, t, start, plan[0], kl_coef=kl_coef)
 
         return self.behaviour.follow(step, job_for)
 

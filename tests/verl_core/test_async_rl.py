@@ -1,7 +1,8 @@
-"""One-step off-policy rollout (``rollout.max_staleness=1``, issue 27) in the plain loop (the
-workflow's phases, one process): a guard rollback drops the rollout sampling from the discarded
-weights, and real SIGKILLs (mid-update while the next rollout samples in the background, then
-mid-rollout) resume to the uninterrupted run's batches and weights, bit for bit."""
+"""Off-policy rollout (``rollout.max_staleness`` 1, issue 27, and 2, issue 42) in the plain loop
+(the workflow's phases, one process): a guard rollback drops the rollouts sampling from the
+discarded weights, and real SIGKILLs (mid-update while the next rollouts sample in the
+background, inside a background rollout, mid-rollout) resume to the uninterrupted run's batches
+and weights, bit for bit."""
 import hashlib
 import json
 import os
@@ -33,20 +34,25 @@ def _batch(work, cfg, step: int):
     return get_batch(RunStore(str(work)), _lineage(work, cfg, step)["batch"])
 
 
-def test_a_rollback_drops_the_rollout_in_flight(tmp_path, monkeypatch):
+@pytest.mark.parametrize("k, versions, staleness", [
+    (1, [0, 0, 1, 4], [0.0, 1.0, 1.0, 1.0, 0.0]),
+    (2, [0, 0, 0, 4], [0.0, 1.0, 2.0, 2.0, 0.0]),  # issue 42: staleness k
+])
+def test_a_rollback_drops_the_rollout_in_flight(tmp_path, monkeypatch, k, versions, staleness):
     # NaN gradients in update 3 roll the run back to the checkpoint of step 2. The rollout of
-    # step 4 was sampling from the state of step 3 meanwhile: dropped. Step 4 samples the rolled-
-    # back weights (lag 0), and a fresh worker replaying the lineage samples the same batch.
+    # step 4 was sampling from an older state meanwhile: dropped. Step 4 samples the rolled-
+    # back weights (lag 0: the queue of versions is reset), and a fresh worker replaying the
+    # lineage samples the same batch.
     monkeypatch.setenv("VERL_FAULTS", json.dumps([{"kind": "nan_grad", "phase": "update",
                                                    "step": 3}]))
     monkeypatch.setenv("VERL_FAULTS_DIR", str(tmp_path / "faults"))
-    cfg = tiny_run(**{**ASYNC, "guard.nonfinite_policy": "rollback"})
+    cfg = tiny_run(**{**ASYNC, "guard.nonfinite_policy": "rollback", "rollout.max_staleness": k})
     work = tmp_path / "w"
     history = train(cfg, str(work), log=lambda *_: None)["history"]
     rec = _lineage(work, cfg, 3)
     assert rec["action"] == "rollback" and rec["to"] == 2
-    assert [_batch(work, cfg, s).meta["policy_version"] for s in (0, 1, 2, 4)] == [0, 0, 1, 4]
-    assert [h["rollout/staleness"] for h in history] == [0.0, 1.0, 1.0, 1.0, 0.0]
+    assert [_batch(work, cfg, s).meta["policy_version"] for s in (0, 1, 2, 4)] == versions
+    assert [h["rollout/staleness"] for h in history] == staleness
     assert [h["rollout/prefetched"] for h in history] == [0.0, 1.0, 1.0, 1.0, 0.0]
 
     monkeypatch.delenv("VERL_FAULTS")
@@ -75,17 +81,32 @@ def _sha256(folder: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def test_sigkills_mid_update_and_mid_rollout_resume_bit_identical(tmp_path):
-    cfg = tiny_run(**ASYNC)
+@pytest.mark.parametrize("k, kills", [
+    # 1. killed inside update 1, while the rollout of step 2 samples in the background;
+    # 2. killed inside the rollout of step 3 (the checkpoint of step 2 written, update 2 done)
+    (1, (("update-rank0", 1), ("rollout", 3))),
+    # staleness 2 (issue 42): killed inside the background rollout of step 3 (started when
+    # update 1 began, from the weights of step 1), inside update 2 (the rollouts of
+    # steps 3 and 4 in flight or done, never stored), inside the rollout of step 4
+    (2, (("background_rollout", 3), ("update-rank0", 2), ("rollout", 4))),
+    # partial rollout (issue 42): killed inside update 2, while the rollout of step 3 goes on
+    # with the weights of step 2 (its first segment sampled with those of step 1), then inside
+    # the background rollout of step 4
+    ("2-partial", (("update-rank0", 2), ("background_rollout", 4))),
+])
+def test_sigkills_mid_update_and_mid_rollout_resume_bit_identical(tmp_path, k, kills):
+    over = {**ASYNC, "rollout.max_staleness": k}
+    if k == "2-partial":
+        over.update({"rollout.max_staleness": 2, "rollout.partial_rollout": True,
+                     "rollout.max_new_tokens": 4})
+    cfg = tiny_run(**over)
     reference = train(cfg, str(tmp_path / "ref"), log=lambda *_: None)
     work, faults = tmp_path / "work", tmp_path / "faults"
     cmd = [sys.executable, "-m", "verl_core.train", "--workdir", str(work)]
-    for k, v in ASYNC.items():
-        cmd += ["--set", f"{k}={v}"]
+    for key, v in over.items():
+        cmd += ["--set", f"{key}={v}"]
     env = {**os.environ, "PYTHONPATH": REPO, "VERL_FAULTS_DIR": str(faults)}
-    # 1. killed inside update 1, while the rollout of step 2 samples in the background;
-    # 2. killed inside the rollout of step 3 (the checkpoint of step 2 written, update 2 done)
-    for phase, step in (("update-rank0", 1), ("rollout", 3)):
+    for phase, step in kills:
         hang = json.dumps([{"phase": phase, "step": step, "kind": "hang"}])
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True,

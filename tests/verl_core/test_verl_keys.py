@@ -170,6 +170,8 @@ def test_mapped_values_build_a_valid_config():
                                       r"with the actor's update sizes"),
     ("actor_rollout_ref.rollout.expert_parallel_size=2", r"cannot apply here: a multi-GPU layout"),
     ("actor_rollout_ref.model.mtp.enable=True", r"multi-token-prediction heads are not built"),
+    ("+async_training.staleness_threshold=0.5",
+     r"staleness_threshold=0.5 cannot apply here: .*a fraction of samples.*rollout.max_staleness=k"),
     ("trainer.resume_from_path=/x", r"resume_from_path.*only with trainer.resume_mode"),
     ("custom_reward_function.name=score", r"custom_reward_function.name='score': does nothing"),
     (f"{A}ppo_micro_batch_size=64", r"deprecated in verl.*ppo_micro_batch_size_per_gpu"),

@@ -249,6 +249,7 @@ def sample_and_filter(trainer: RLTrainer, step: int, start: int, version: int | 
     except ValueError as e:
         raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size}: {e}") from e
     version = behaviour.version if version is None else version
+    sample_dp = dp.sampling() if behaviour.lag else dp
     kl_coef = trainer.actor.kl_ctrl.value if kl_coef is None else kl_coef
     early = early_inputs(cfg)
     keep = GroupFilter(B, algo.max_num_gen_batches)
@@ -272,7 +273,9 @@ def sample_and_filter(trainer: RLTrainer, step: int, start: int, version: int | 
         reward_metrics.append((batch.num_rows, rm))
         values = metric_values(batch, details, algo.filter_groups_metric, algo).tolist() \
             if dp.rank == 0 else None
-        values = dp.gather_objects(values)[0] if dp.distributed else values
+        # off-policy the rollout's own group (it may run in the background thread while the
+        # update's collectives run on the worker's: DataParallel.sampling)
+        values = sample_dp.gather_objects(values)[0] if dp.distributed else values
         parts.append(batch)
         done = keep.add(values, batch.group.tolist())
     # rows of the first B kept groups, in order (a group's G rows are adjacent)

@@ -52,12 +52,13 @@ class Prefetch:
     ``version`` (the state after ``version`` updates) while the phases before it run."""
 
     step: int
-    version: int
+    plan: list[int]  # the versions it samples with, oldest first (one without partial rollout)
     thread: threading.Thread
     box: dict  # "out": (batch, metrics), or "error"; "span": (start, end) perf_counter times
 
 
-_job = threading.local()  # .running: this thread is a background rollout (it holds the model)
+class Cancelled(Exception):
+    """A background rollout given up: the state it belongs to changed."""
 
 
 class Behaviour:
@@ -78,6 +79,12 @@ class Behaviour:
         self._held = 0  # the version :attr:`model` holds now
         self._keys = None  # the model's state keys (a version's copy holds these)
         self._lock = threading.Lock()  # the queue, between the worker and a background rollout
+        self._pushed = threading.Condition(self._lock)  # a version joined the queue
+        self._cancel = False  # the background rollouts are being dropped
+        # the behaviour model and engine: one user at a time (a background rollout while it
+        # samples, the worker's own sampling, loads and evaluation otherwise)
+        self._model_lock = threading.RLock()
+        self.partial = bool(cfg.rollout.partial_rollout)
         # with W > 1 workers the actor is sharded (FSDP2) and rollout runs on a full copy of it,
         # refreshed from the shards after every change; off-policy, the copy is the behaviour
         # policy, which takes the actor's weights only when told (push)
@@ -133,12 +140,22 @@ class Behaviour:
             return self.queue[0][0] if self.queue else 0
 
     def versions(self) -> list[int]:
+        """The versions the next rollout may sample with, oldest first (off-policy)."""
         with self._lock:
             return [v for v, _ in self.queue]
 
+    def plan(self) -> list[int]:
+        """The versions the next rollout samples with: the oldest alone, or with
+        ``rollout.partial_rollout`` all of them (segment j with the j-th); [0] on-policy."""
+        got = self.versions() or [0]
+        return got if self.partial else got[:1]
+
     def _actor_weights(self) -> dict:
-        """The actor's weights as a plain model's state dict (a LoRA policy's merged)."""
-        return self.actor.merged_state()
+        """The actor's weights as a plain model's state dict (a LoRA policy's merged): with
+        W > 1 gathered from the FSDP shards on every worker (a collective on the default group:
+        called from the main thread, by every worker in the same order)."""
+        return self.actor.gathered_merged_state() if self.dp.distributed \
+            else self.actor.merged_state()
 
     def reset(self, version: int) -> None:
         """Off-policy: the queue becomes the actor's current weights alone, as ``version`` (the
@@ -148,11 +165,13 @@ class Behaviour:
             return
         self.drop_prefetch()
         weights = self._actor_weights()
-        self.model.load_state_dict(weights)
-        self.changed()
-        self._held = version
+        with self._model_lock:
+            self.model.load_state_dict(weights)
+            self.changed()
+            self._held = version
         with self._lock:
             self.queue = [(version, None if self.lag == 1 else self._copy(weights))]
+            self._pushed.notify_all()
 
     def push(self, version: int) -> None:
         """Off-policy, update ``version`` starts: the actor's current weights (the state after
@@ -166,15 +185,17 @@ class Behaviour:
             return
         if self.lag == 1:
             self.drop_prefetch()
-            self.model.load_state_dict(self._actor_weights())
-            self.changed()
-            self._held = version
+            with self._model_lock:
+                self.model.load_state_dict(self._actor_weights())
+                self.changed()
+                self._held = version
             with self._lock:
                 self.queue = [(version, None)]
             return
         entry = (version, self._copy(self._actor_weights()))
         with self._lock:
             self.queue = (self.queue + [entry])[-self.lag:]
+            self._pushed.notify_all()  # a partial rollout waiting for it goes on
 
     def _copy(self, weights: dict) -> dict:
         """A version's own copy, keyed as the behaviour model's checkpoint group."""
@@ -183,8 +204,8 @@ class Behaviour:
         return {k: weights[k].detach().clone() for k in self._keys}
 
     def _hold(self, version: int) -> None:
-        """Make :attr:`model` hold the weights of ``version`` (in the worker with no background
-        rollout running, or in the background rollout itself, which runs one at a time)."""
+        """Make :attr:`model` hold the weights of ``version`` (its user holds the model lock:
+        :meth:`_using`)."""
         if self.actor is None or not self.lag or version == self._held:
             return
         with self._lock:
@@ -201,10 +222,19 @@ class Behaviour:
     @contextlib.contextmanager
     def holding(self, version: int):
         """The behaviour model with the weights of ``version`` (the rollout phase's per-token
-        inputs of a batch sampled with them), once the background rollouts finished."""
-        self._quiesce()
-        self._hold(version)
-        yield self.model
+        inputs of a batch sampled with them), no background rollout sampling meanwhile."""
+        with self._model_lock:
+            self._hold(version)
+            yield self.model
+
+    def _wait_for(self, version: int) -> None:
+        """A partial rollout's next segment samples with ``version``: wait until it joined the
+        queue (its update began), or raise :class:`Cancelled` when the rollouts are dropped."""
+        with self._pushed:
+            while not self._cancel and version not in [v for v, _ in self.queue]:
+                self._pushed.wait()
+            if self._cancel:
+                raise Cancelled(f"version {version}")
 
     def changed(self) -> None:
         """The behaviour weights changed (a push, a load, or another process's push into
@@ -242,25 +272,34 @@ class Behaviour:
 
     @contextlib.contextmanager
     def policy_engine(self):
-        """The engine that samples the current policy (the evaluation's), once a background
-        rollout that shares the tool host or the engine finished (it is kept): the rollout
+        """The engine that samples the current policy (the evaluation's), while no background
+        rollout samples (they share the tool host, and the engine): the rollout
         engine on-policy; off-policy, where that one holds the behaviour policy, an ``hf``
         engine over the actor, or the rollout engine (vllm) given the actor's weights until the
         next rollout gives it the behaviour policy's back."""
-        self._quiesce()
+        with self._model_lock:
+            yield from self._policy_engine()
+
+    def _policy_engine(self):
         if not self.lag:
             self.ready()
             yield self.engine
         elif self.engine.owns_weights:
-            self.engine.load_weights(self.actor.merged_state())
+            self.engine.load_weights(self._actor_weights())
             self._engine_stale = True
             yield self.engine
         else:
             if self._actor_engine is None:
+                # W > 1 the actor is sharded and decoding runs no collectives (each worker its
+                # own share of the rows): a full copy of it, as on-policy, filled below
+                model = load_causal_lm(self.assets.model_path, self.cfg.model.dtype).to(
+                    self.model.device) if self.dp.distributed else self.actor.model
                 tok = self.prompts.tokenizer
                 self._actor_engine = make_engine(
-                    "hf", model=self.actor.model, eos_token_ids=stop_token_ids(tok),
+                    "hf", model=model, eos_token_ids=stop_token_ids(tok),
                     pad_token_id=tok.pad_token_id, micro_batch_size=self.cfg.rollout.generation_batch)
+            if self.dp.distributed:
+                self._actor_engine.model.load_state_dict(self._actor_weights())
             yield self._actor_engine
 
     # ------------------------------------------------------------------ checkpoint groups
@@ -318,6 +357,13 @@ class Behaviour:
             self.queue = queue
 
     # ------------------------------------------------------------------ sampling
+    @property
+    def _sample_dp(self) -> DataParallel:
+        """Whose gathers the rollout's blocks go through: off-policy a gloo group of their own
+        (:meth:`DataParallel.sampling`), since the background rollout gathers in its thread
+        while the update's FSDP collectives run on the default group; on-policy the worker's."""
+        return self.dp.sampling() if self.lag else self.dp
+
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams):
         """Generate for all N rows; with W > 1 each worker samples its block (with the random
         draws the whole batch would use for those rows) and the blocks are gathered."""
@@ -328,7 +374,8 @@ class Behaviour:
         mine = self.dp.block(torch.arange(n))
         out = self.engine.generate(prompt_ids[mine], prompt_mask[mine], params,
                                    first_row=int(mine[0]), total_rows=n)
-        return concat_outputs(self.dp.gather_objects(out), self.prompts.tokenizer.pad_token_id)
+        return concat_outputs(self._sample_dp.gather_objects(out),
+                              self.prompts.tokenizer.pad_token_id)
 
     def generate_turns(self, prompt_ids, prompt_mask, params: SamplingParams, rows: list[int],
                        rows_data: list, phase: str, split: bool = True,
@@ -351,7 +398,8 @@ class Behaviour:
             tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
             **turn_limits(rc), instance_prefix=f"{phase}:{params.seed}")
         if split:
-            out = concat_turn_outputs(self.dp.gather_objects(out), p.tokenizer.pad_token_id)
+            out = concat_turn_outputs(self._sample_dp.gather_objects(out),
+                                      p.tokenizer.pad_token_id)
         return out
 
     def generate_greedy(self, prompt_ids, prompt_mask) -> GenerationOutput:
@@ -371,17 +419,16 @@ class Behaviour:
                                 logprobs=out.logprobs[:B, :T])
 
     def sample(self, step: int, idx: list[int], kl_coef: float, phase: str = "rollout",
-               version: int | None = None) -> tuple[Batch, dict]:
+               version: int | None = None,
+               plan: list[int] | None = None) -> tuple[Batch, dict]:
         """G responses for each prompt of dataset indices ``idx`` (B,) from the behaviour
-        weights of ``version`` (off-policy; default the next rollout's, :attr:`version`),
-        seeded by (seed, step, ``phase``), with one greedy response per prompt when the
-        estimator asks for it (``needs_greedy_baseline``, ReMax): the batch (groups 0..B-1 in
-        the order of ``idx``; ``meta["kl_coef"]``: ``kl_coef``) and the rollout metrics. In the
-        worker the background rollouts finish first (they use the same model)."""
-        if self.lag and self.actor is not None:
-            if not getattr(_job, "running", False):
-                self._quiesce()
-            self._hold(self.version if version is None else version)
+        weights of ``version`` (off-policy; default the next rollout's), or with
+        ``rollout.partial_rollout`` the versions of ``plan`` (oldest first, default
+        :meth:`plan`) segment by segment, seeded by (seed, step, ``phase``), with one greedy
+        response per prompt when the estimator asks for it (``needs_greedy_baseline``, ReMax):
+        the batch (groups 0..B-1 in the order of ``idx``; ``meta["kl_coef"]``: ``kl_coef``) and
+        the rollout metrics."""
+        plan = [version] if version is not None else list(plan or self.plan())
         rc, G, p = self.cfg.rollout, self.cfg.rollout.n, self.prompts
         rows_idx = torch.tensor(idx).repeat_interleave(G)  # (N,): prompt b's G samples adjacent
         params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
@@ -396,20 +443,29 @@ class Behaviour:
             # VERL_FAULTS' tool_call point: in this step's calls, once sent (a no-op without it)
             p.tool_host.on_calls_sent = functools.partial(faults.maybe_inject, "tool_call", step)
             try:
-                out = self.generate_turns(p.train_ids[rows_idx], p.train_mask[rows_idx], params,
-                                          list(range(len(rows))), rows, phase)
+                with self._using(plan[0]):
+                    out = self.generate_turns(p.train_ids[rows_idx], p.train_mask[rows_idx],
+                                              params, list(range(len(rows))), rows, phase)
             finally:
                 p.tool_host.on_calls_sent = None
             extra = {"response_attention_mask": out.attention_mask,
                      "turns": out.stored_turns()}
             metrics.update(turn_metrics(out))
             infos = turn_extra_info(infos, extra["turns"])
+        elif self.partial:
+            out, used = self._generate_partial(p.train_ids[rows_idx], p.train_mask[rows_idx],
+                                               params, plan)
+            extra["meta"] = {"partial_versions": used,
+                             "partial_segment_tokens": self.segment_tokens}
+            metrics["rollout/partial_segments"] = float(len(used))
         else:
-            out = self.generate(p.train_ids[rows_idx], p.train_mask[rows_idx], params)
+            with self._using(plan[0]):
+                out = self.generate(p.train_ids[rows_idx], p.train_mask[rows_idx], params)
         dt = time.perf_counter() - t0
         if self.cfg.algorithm.estimator_traits.needs_greedy_baseline:
             t1 = time.perf_counter()
-            greedy = self.generate_greedy(p.train_ids[idx], p.train_mask[idx])
+            with self._using(plan[0]):
+                greedy = self.generate_greedy(p.train_ids[idx], p.train_mask[idx])
             prompt_of_row = torch.arange(len(idx)).repeat_interleave(G)  # (N,) row -> prompt b
             extra.update({"baseline_response_ids": greedy.response_ids[prompt_of_row],  # (N, T_b)
                           "baseline_response_mask": greedy.response_mask[prompt_of_row]})
@@ -423,7 +479,7 @@ class Behaviour:
             uid=[str(r.index) for r in rows], ground_truth=[r.ground_truth for r in rows],
             data_source=[r.data_source for r in rows], extra_info=infos,
             pad_id=p.tokenizer.pad_token_id,
-            meta={"step": step, "kl_coef": kl_coef}, **extra)
+            meta={"step": step, "kl_coef": kl_coef, **extra.pop("meta", {})}, **extra)
         tokens = float(out.response_mask.sum())  # sampled
         lengths = batch.response_lengths  # (N,) every real token (multi-turn: tools' too)
         return batch, {"rollout/time_s": dt, "rollout/tokens_per_s": tokens / max(dt, 1e-9),
@@ -437,6 +493,74 @@ class Behaviour:
                        "rollout/engine_restarts": float(self.engine.restarts - restarts),
                        "rollout/engine_timeouts": float(self.engine.timeouts - timeouts),
                        **metrics}
+
+    @contextlib.contextmanager
+    def _using(self, version: int):
+        """The behaviour model and engine, holding the weights of ``version``, for one user."""
+        with self._model_lock:
+            self._hold(version)
+            yield
+
+    @property
+    def segment_tokens(self) -> int:
+        """``rollout.partial_rollout``: the tokens of one segment, ceil(max_new_tokens / k)."""
+        return -(-self.cfg.rollout.max_new_tokens // self.lag)
+
+    def _generate_partial(self, prompt_ids, prompt_mask, params: SamplingParams,
+                          plan: list[int]) -> tuple[GenerationOutput, list[int]]:
+        """``rollout.partial_rollout``: the N responses in k segments of
+        :attr:`segment_tokens` tokens, segment j from the weights of ``plan[j]`` (the last of
+        ``plan`` once they run out: a queue shortened by a reset), each waited for (its update
+        begins) and held while the segment samples. A segment re-reads each unfinished row's
+        prompt and tokens so far with its weights (a prefill: no KV cache of older weights is
+        reused) and samples on with its own seed per (row, segment), so a row's tokens depend
+        on the plan and the seeds only: a replay samples them again. Returns the output (each
+        token's log-prob from the weights that sampled it) and the versions the segments
+        used."""
+        eos = set(stop_token_ids(self.prompts.tokenizer))
+        pad = self.prompts.tokenizer.pad_token_id
+        n, T, L = prompt_ids.shape[0], params.max_new_tokens, self.segment_tokens
+        prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        done, used = [False] * n, []
+        for j in range(self.lag):
+            active = [i for i in range(n) if not done[i] and len(ids[i]) < T]
+            if not active:
+                break
+            version = plan[min(j, len(plan) - 1)]
+            self._wait_for(version)
+            seqs = [prompts[i] + ids[i] for i in active]
+            width = max(map(len, seqs))
+            seg_ids = torch.full((len(active), width), pad, dtype=torch.long)
+            seg_mask = torch.zeros((len(active), width), dtype=torch.long)
+            for a, seq in enumerate(seqs):  # left-padded, as the engines take prompts
+                seg_ids[a, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+                seg_mask[a, width - len(seq):] = 1
+            limits = [min(L, T - len(ids[i])) for i in active]
+            with self._using(version):
+                self.ready()
+                out = self.engine.generate(
+                    seg_ids, seg_mask, dataclasses.replace(params, max_new_tokens=max(limits)),
+                    row_seeds=[derive_seed(params.seed, i, f"segment-{j}") for i in active],
+                    row_limits=limits)
+            used.append(version)
+            for a, i in enumerate(active):
+                m = out.response_mask[a].bool()
+                got = out.response_ids[a][m].tolist()
+                ids[i] += got
+                lps[i] += out.logprobs[a][m].tolist()
+                done[i] = len(got) < limits[a] or bool(got) and got[-1] in eos
+        width = max(1, max(map(len, ids)))
+        out_ids = torch.full((n, width), pad, dtype=torch.long)
+        out_mask = torch.zeros((n, width), dtype=torch.float32)
+        out_lp = torch.zeros((n, width), dtype=torch.float32)
+        for i in range(n):
+            out_ids[i, :len(ids[i])] = torch.tensor(ids[i], dtype=torch.long)
+            out_mask[i, :len(ids[i])] = 1.0
+            out_lp[i, :len(ids[i])] = torch.tensor(lps[i], dtype=torch.float32)
+        return GenerationOutput(response_ids=out_ids, response_mask=out_mask,
+                                logprobs=out_lp), used
 
     def rollout(self, step: int, idx: list[int], kl_coef: float) -> tuple[Batch, dict]:
         """The rollout of ``step`` (prompts ``idx``) from the behaviour weights of
@@ -479,13 +603,14 @@ class Behaviour:
     # ------------------------------------------------------------------ background rollout
     def follow(self, step: int, job_for=None) -> bool:
         """Update ``step`` starts. Off-policy, the live state joins the queue (:meth:`push`) and
-        every rollout of steps step + 1 .. step + :attr:`lag` whose weights are now in the queue
-        and which is not sampling yet starts in the background, one after another, while the
-        update (and the phases after it) run: ``job_for(t)`` gives the job of step t (a callable
-        taking the version, returning ``(batch, metrics)``; :meth:`rollout_job`), or None (past
-        the last step; a step whose prompts are not known yet). True when off-policy: the caller
-        then does not trust the live state until the update is recorded (a retry or a failure
-        rebuilds it, with its behaviour policy)."""
+        every rollout of steps step + 1 .. step + :attr:`lag` whose first version is now in the
+        queue and which is not sampling yet starts in the background, one after another, while
+        the update (and the phases after it) run: ``job_for(t)`` gives the job of step t (a
+        callable taking the plan, the versions it samples with, returning ``(batch,
+        metrics)``; :meth:`rollout_job`), or None (past the last step; a step whose prompts are
+        not known yet). True when off-policy: the caller then does not trust the live state
+        until the update is recorded (a retry or a failure rebuilds it, with its behaviour
+        policy)."""
         if not self.lag:
             return False
         self.push(step)
@@ -496,63 +621,67 @@ class Behaviour:
                 continue
             job = job_for(t)
             if job is not None:
-                self._start_prefetch(t, self.version_of(step, t), job)
+                self._start_prefetch(t, self.plan_of(step, t), job)
         return True
 
-    def version_of(self, step: int, t: int) -> int:
-        """The version the rollout of ``t`` samples with, unless the queue is reset before: the
-        oldest of the last :attr:`lag` versions once updates step + 1 .. t - 1 pushed theirs."""
+    def plan_of(self, step: int, t: int) -> list[int]:
+        """The plan of the rollout of ``t`` (:meth:`plan`), unless the queue is reset before:
+        the last :attr:`lag` versions once updates step + 1 .. t - 1 pushed theirs."""
         seen = self.versions() + list(range(step + 1, t))
-        return seen[max(0, len(seen) - self.lag)]
+        got = seen[max(0, len(seen) - self.lag):]
+        return got if self.partial else got[:1]
 
     def rollout_job(self, step: int, idx: list[int]):
         """The job of a background rollout of ``step`` (prompts ``idx``, chosen by the caller:
         the data sampler is not touched in the background): a thread of this worker
         (``rollout.async_mode=thread``), or the sampler process (``process``), whose model is
-        this one's, in shared memory."""
+        this one's, in shared memory (held for it meanwhile)."""
         kl_coef = self.actor.kl_ctrl.value
         if self.cfg.rollout.async_mode != "process":
-            return lambda version: self.sample(step, idx, kl_coef, version=version)
+            return lambda plan: self.sample(step, idx, kl_coef, plan=plan)
         if self._sampler is None:
             from verl_core.parts.sampler_process import SamplerProcess
 
             self._sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
                                            self.model, type(self))
         sampler = self._sampler
-        return lambda version: sampler.sample(step, idx, version)
 
-    def _start_prefetch(self, step: int, version: int, job) -> None:
-        """Start ``job`` (the rollout of ``step`` from the weights of ``version``) in a
-        background thread, after the background rollout started before it: they share the
-        behaviour model, which each makes hold its own version first. A job only reads the
-        behaviour weights, the prompts and the tool host, and draws only from its own seeded
-        generators."""
+        def job(plan):
+            with self._using(plan[0]):
+                return sampler.sample(step, idx, plan[0])
+        return job
+
+    def _start_prefetch(self, step: int, plan: list[int], job) -> None:
+        """Start ``job`` (the rollout of ``step`` from the weights of ``plan``) in a background
+        thread, after the background rollout started before it. A job only reads the behaviour
+        weights (the model, while it holds the model lock), the prompts and the tool host, and
+        draws only from its own seeded generators."""
         box: dict = {}
         before = self._last
 
         def body():
             if before is not None:
                 before.join()
-            _job.running = True
             t0 = time.perf_counter()
             try:
-                self._hold(version)
+                if self._cancel:
+                    raise Cancelled(f"step {step}")
                 faults.maybe_inject("background_rollout", step)  # a VERL_FAULTS drill
-                batch, metrics = job(version)
+                batch, metrics = job(plan)
                 box["out"] = (batch, {**metrics, "rollout/prefetched": 1.0})
             except BaseException as e:  # noqa: BLE001 - reported where the rollout is taken
                 box["error"] = e
             box["span"] = (t0, time.perf_counter())
 
         thread = threading.Thread(target=body, name=f"verl-rollout-step-{step}", daemon=True)
-        self._prefetch[step] = Prefetch(step=step, version=version, thread=thread, box=box)
+        self._prefetch[step] = Prefetch(step=step, plan=list(plan), thread=thread, box=box)
         self._last = thread
         thread.start()
 
     def take(self, step: int) -> tuple[Batch, dict] | None:
-        """The background rollout of ``step`` from the version it samples with now, waited
-        for; None when there is none (or it failed, or it sampled other weights: the phase
-        samples again, and raises if that fails too). Those of earlier steps are dropped."""
+        """The background rollout of ``step`` from the plan it samples with now, waited for;
+        None when there is none (or it failed, or it sampled other weights: the phase samples
+        again, and raises if that fails too). Those of earlier steps are dropped."""
         for s in [s for s in self._prefetch if s < step]:
             self._prefetch.pop(s).thread.join()
         p = self._prefetch.pop(step, None)
@@ -560,7 +689,7 @@ class Behaviour:
             return None
         t0 = time.perf_counter()
         p.thread.join()
-        if p.version != self.version:
+        if p.plan != self.plan():
             return None
         if "error" in p.box:
             log.warning("the background rollout of step %d failed (%s); sampling it again",
@@ -577,16 +706,18 @@ class Behaviour:
         metrics["rollout/prefetch_ahead_s"] = max(0.0, min(end, t0) - start)
         return batch, metrics
 
-    def _quiesce(self) -> None:
-        """Wait for the background rollouts (their results kept): the model is the caller's."""
+    def drop_prefetch(self) -> None:
+        """Give up the background rollouts (the state they belong to is changing): a partial
+        rollout waiting for a version stops waiting, the others are waited for (a thread cannot
+        be stopped half-way; they only ever read the behaviour weights, which is why they are
+        waited for before those change), and their results are discarded."""
         last = self._last
         if last is not None:
+            with self._pushed:
+                self._cancel = True
+                self._pushed.notify_all()
             last.join()
-
-    def drop_prefetch(self) -> None:
-        """Wait for the background rollouts and discard them (the state they belong to is
-        changing). A thread cannot be stopped half-way; they only ever read the behaviour
-        weights, which is why they are waited for before those change."""
-        self._quiesce()
+            with self._lock:
+                self._cancel = False
         self._prefetch.clear()
         self._last = None

@@ -24,6 +24,11 @@ def _staleness_on(run) -> bool:
     return run.rollout.max_staleness > 0
 
 
+def _partial_on(run) -> bool:
+    """``rollout.partial_rollout`` off: the run hashes as before the field existed."""
+    return run.rollout.partial_rollout
+
+
 _TRUNCATE_SIDES = {"left", "right", "middle"}
 MAX_STALENESS = 4
 """The largest ``rollout.max_staleness`` offered (docs/async.md): each version in flight is one
@@ -139,6 +144,15 @@ class RolloutConfig:
     records the version it was sampled with (``meta["policy_version"]``); the update refuses
     one that lags by more. Needs the behaviour-policy correction (``algorithm.rollout_is`` or
     ``policy_loss=bypass_mode``)."""
+    partial_rollout: bool = in_trajectory(False, when=_partial_on)
+    """With ``max_staleness`` = k >= 2: a response is sampled in k segments of
+    ceil(``max_new_tokens`` / k) tokens, segment j with the j-th oldest version the rollout may
+    use (t - k + j for step t, up to t - 1), so a background rollout that started on old weights
+    goes on, at a fixed token boundary, with each newer version as its update begins (verl's
+    ``async_training.partial_rollout``, AReaL's interruptible generation): each segment re-reads
+    the tokens so far with the new weights, and every token's log-prob is the one of the
+    weights that sampled it. The boundaries are fixed, so a replay samples the same tokens
+    (docs/async.md)."""
     async_mode: str = not_in_trajectory("thread")
     """Where the background rollout of ``max_staleness`` runs: ``thread`` (a thread of the
     worker, sampling from its behaviour copy) or ``process`` (a sampler process of its own,

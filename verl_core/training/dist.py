@@ -14,6 +14,7 @@ number of forward/backward passes, since each one is a collective.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -33,6 +34,11 @@ class DataParallel:
     """torch.distributed process group for tensor collectives (None: the default group)."""
     cpu_group: Any = None
     """gloo group for host-side collectives (object gathers); the default group on CPU."""
+    sample_group: Any = None
+    """gloo group of the off-policy rollout's gathers (:meth:`sampling`): its own, because the
+    background rollout gathers in a thread of its own while the main thread runs the update's
+    FSDP collectives on the default group (gloo serves two groups from two threads, not one
+    group from two). None: ``cpu_group``."""
 
     @property
     def distributed(self) -> bool:
@@ -73,6 +79,13 @@ class DataParallel:
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
+    def sampling(self) -> "DataParallel":
+        """This worker's place with :attr:`sample_group` as its ``cpu_group``: the view whose
+        :meth:`gather_objects` the off-policy rollout uses (from any thread)."""
+        if self.sample_group is None:
+            return self
+        return dataclasses.replace(self, cpu_group=self.sample_group)
+
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Mean of each scalar over the workers (every worker must pass the same keys)."""
         if not self.distributed or not metrics:
@@ -94,9 +107,11 @@ SINGLE = DataParallel()
 
 def init_process_group(backend: str, init_method: str, rank: int, world_size: int,
                        timeout_s: float) -> DataParallel:
-    """Join the default process group (``backend``: gloo on CPU, nccl on CUDA) and, for NCCL, a
-    gloo group for host-side collectives. ``timeout_s`` bounds every collective: a worker that
-    died makes the others fail after it instead of waiting forever."""
+    """Join the default process group (``backend``: gloo on CPU, nccl on CUDA), for NCCL a gloo
+    group for host-side collectives, and the gloo group of the off-policy rollout's gathers
+    (:attr:`DataParallel.sample_group`; every worker creates the groups here, in this order, as
+    ``new_group`` requires). ``timeout_s`` bounds every collective: a worker that died makes
+    the others fail after it instead of waiting forever."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -105,4 +120,6 @@ def init_process_group(backend: str, init_method: str, rank: int, world_size: in
     cpu_group: Optional[Any] = None
     if backend != "gloo":
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    return DataParallel(rank=rank, size=world_size, group=None, cpu_group=cpu_group)
+    sample_group = dist.new_group(backend="gloo", timeout=timeout)
+    return DataParallel(rank=rank, size=world_size, group=None, cpu_group=cpu_group,
+                        sample_group=sample_group)

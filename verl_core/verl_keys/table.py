@@ -736,6 +736,12 @@ REFUSED_PATTERNS: list[tuple[re.Pattern, str]] = [
          "and the critic's together)"),
         (r"^transfer_queue\.", "verl's transfer queue is not built: phases hand data over "
                                "through the run store"),
+        (r"^async_training\.",
+         "verl's fully-async recipe bounds the share of a batch sampled by older weights "
+         "(staleness_threshold, a fraction of samples) and syncs weights every "
+         "trigger_parameter_sync_step updates; here the bound is on the lag itself, the same "
+         "for every row: rollout.max_staleness=k (step t samples the weights of step t - k, "
+         "docs/async.md)"),
         (r"\.(trust_remote_code|external_lib)$", "a model folder's own Python code and external "
                                                  "model libraries are never run here"),
         (r"(tokenizer_path|hf_config_path|input_tokenizer|^data\.tokenizer)$",

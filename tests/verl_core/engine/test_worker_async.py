@@ -33,7 +33,8 @@ def _cfg(**over):
     ({"rollout.max_staleness": 5}, r"rollout.max_staleness=5: at most 4 is offered"),
     ({"rollout.max_staleness": -1}, r"rollout.max_staleness=-1: must be >= 0"),
     ({"algorithm.rollout_is": ""}, r"rollout.max_staleness=1: .*set algorithm.rollout_is=token"),
-    ({"trainer.n_gpus_per_node": 2}, r"rollout.max_staleness=1: is built for one worker"),
+    ({"trainer.n_gpus_per_node": 2, "rollout.async_mode": "process"},
+     r"rollout.async_mode='process': .*share no process group.*use rollout.async_mode=thread"),
 ])
 def test_settings_the_off_policy_rollout_cannot_honour_are_refused(over, match):
     with pytest.raises(ConfigError, match=match):
@@ -50,6 +51,8 @@ def test_staleness_0_is_the_run_it_was():
     assert _cfg(**{"algorithm.rollout_is": "", "algorithm.policy_loss": "bypass_mode"})
     # DAPO's dynamic sampling too (tests/verl_core/engine/test_dynamic_sampling_resume.py)
     assert _cfg(**{"algorithm.filter_groups_enable": True, "rollout.n": 2})
+    # several workers: the background rollout in a thread of each (test_async_workers.py)
+    assert _cfg(**{"trainer.n_gpus_per_node": 2}).trainer.world_size == 2
 
 
 def _weights_sha(worker) -> str:
@@ -303,3 +306,89 @@ def test_staleness_2_a_fresh_worker_resamples_the_same_batches(run_k2, step):
             assert _weights_sha(w) == shas[s + 1]
     finally:
         w.close()
+
+
+# ---------------------------------------------------------------- partial rollout (issue 42)
+PARTIAL = {"rollout.max_staleness": 2, "rollout.partial_rollout": True,
+           "rollout.max_new_tokens": 4, "total_steps": 4, "optim.lr": 2e-2}
+"""Segments of 2 tokens: the tiny model's answers (two digits and EOS) cross a boundary; a large
+learning rate, so one update moves the log-probs far more than rounding does."""
+
+
+@pytest.fixture(scope="module")
+def run_partial(tmp_path_factory, assets):
+    uri = str(tmp_path_factory.mktemp("store_partial"))
+    cfg = _cfg(**PARTIAL)
+    index = publish_assets(RunStore(uri), assets)
+    w = _worker(uri, cfg, index)
+    refs, metrics, advs, shas = [], [], [], [_weights_sha(w)]
+    try:
+        for s in range(cfg.total_steps):
+            ref, m, adv = _step(w, s)
+            refs.append(ref), metrics.append(m), advs.append(adv), shas.append(_weights_sha(w))
+    finally:
+        w.close()
+    return uri, cfg, index, refs, metrics, advs, shas
+
+
+def test_a_partial_rollout_goes_on_with_each_newer_version_token_by_token(run_partial):
+    # step t >= 2 samples its first 2 tokens with the weights of step t - 2 and the rest with
+    # those of step t - 1 (the background rollout waited for update t - 1 to begin); every
+    # token's log-prob is the one of the weights that sampled it (recomputed here by a full
+    # forward of each version: equal up to the engine's incremental-decoding rounding)
+    from verl_core.models import load_causal_lm
+    from verl_core.training.forward import batched_logprobs
+
+    uri, cfg, index, refs, metrics, _, _ = run_partial
+    st = RunStore(uri)
+    w = _worker(uri, cfg, index)
+    try:
+        for t in (2, 3):
+            batch = get_batch(st, refs[t])
+            assert batch.meta["partial_versions"] == [t - 2, t - 1]
+            assert batch.meta["policy_version"] == t - 2 and batch.meta["partial_segment_tokens"] == 2
+            assert metrics[t]["rollout/prefetched"] == 1.0
+            second = batch.response_mask[:, 2:].sum()
+            assert second > 0  # tokens of the newer version exist
+            by_version = {}
+            for v in (t - 2, t - 1):
+                w.ensure_state(v)
+                model = load_causal_lm(w.assets.model_path, cfg.model.dtype)
+                model.load_state_dict(w.trainer.actor.merged_state())
+                by_version[v] = batched_logprobs(model, batch, cfg.rollout.temperature, 64)
+            mask = batch.response_mask.bool()
+            seg = torch.zeros_like(mask)
+            seg[:, 2:] = True  # the second segment's positions
+            for v, where in ((t - 2, mask & ~seg), (t - 1, mask & seg)):
+                err = (by_version[v] - batch.response_logprobs).abs()[where]
+                # float32 log-softmax rounding is ~1e-6 here (measured <= 1e-6): 100x margin
+                assert err.max() < 1e-4, (t, v, err.max())
+            # and the other version's log-probs are not these (the versions really differ)
+            other = (by_version[t - 2] - batch.response_logprobs).abs()[mask & seg]
+            assert other.max() > 1e-3  # (measured 1.5e-2 and 9.6)
+    finally:
+        w.close()
+
+
+def test_a_partial_rollout_replayed_is_the_same_tokens_and_log_probs(run_partial):
+    # a fresh worker rebuilds the queue of step t (checkpoint + lineage replay) and samples it
+    # in the foreground, waiting for nothing: the stored object, byte for byte; the remaining
+    # updates give the run's weights
+    uri, cfg, index, refs, _, advs, shas = run_partial
+    w = _worker(uri, cfg, index)
+    try:
+        ref, m = w.rollout(3)
+        assert ref == refs[3] and m["rollout/prefetched"] == 0.0
+        w.update(3, advs[3])
+        assert _weights_sha(w) == shas[4]
+    finally:
+        w.close()
+
+
+def test_partial_rollout_refuses_what_it_cannot_honour():
+    for over, match in (
+            ({"rollout.max_staleness": 1}, r"needs rollout.max_staleness >= 2 \(it is 1\)"),
+            ({"rollout.async_mode": "process"}, r"sampler process samples whole rollouts"),
+            ({"algorithm.adv_estimator": "remax"}, r"greedy baseline is one generation")):
+        with pytest.raises(ConfigError, match=rf"rollout.partial_rollout=True: .*{match}"):
+            _cfg(**{**PARTIAL, **over})
