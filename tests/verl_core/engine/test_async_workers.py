@@ -1,7 +1,7 @@
-"""One-step off-policy rollout (``rollout.max_staleness=1``) with W = 2 workers (FSDP2 over gloo,
-two processes): the background rollout gathers its blocks of rows on a gloo group of its own
-while the update's collectives run on the default group, and the behaviour copy is gathered from
-the actor's shards at every snapshot. The run samples W = 1's tokens and ends at W = 1's weights
+"""Off-policy rollout (``rollout.max_staleness`` 1 and 2) with W = 2 workers (FSDP2 over gloo,
+two processes): the background rollouts gather their blocks of rows on a gloo group of their own
+while the update's collectives run on the default group, and the behaviour weights are gathered
+from the actor's shards at every push. The run samples W = 1's tokens and ends at W = 1's weights
 up to the rounding of the gradient sums (test_group.py's bound)."""
 import json
 
@@ -38,8 +38,9 @@ DAPO = {"algorithm.filter_groups_enable": True, "algorithm.filter_groups_metric"
 background, rank 0's scores deciding for both workers (gathered on the rollout's group)."""
 
 
-def _cfg(W: int, extra: dict | None = None):
-    return tiny_run(**OVER, **{"trainer.n_gpus_per_node": W, **(extra or {})})
+def _cfg(W: int, k: int = 1, extra: dict | None = None):
+    return tiny_run(**{**OVER, "trainer.n_gpus_per_node": W, "rollout.max_staleness": k,
+                       **(extra or {})})
 
 
 def _run(worker: RunWorker) -> dict:
@@ -74,16 +75,16 @@ def _run(worker: RunWorker) -> dict:
 
 
 def _worker(rank: int, world: int, init: str, uri: str, index_json: str, out: str,
-            extra_json: str = "{}") -> None:
+            k: str, extra_json: str = "{}") -> None:
     torch.set_num_threads(1)
     dp = init_process_group("gloo", init, rank, world, 120.0)
-    cfg_json = json.dumps(_cfg(world, json.loads(extra_json)).to_dict())
-    worker = RunWorker(uri, cfg_json, json.loads(index_json), dp=dp)
+    cfg = _cfg(world, int(k), json.loads(extra_json))
+    worker = RunWorker(uri, json.dumps(cfg.to_dict()), json.loads(index_json), dp=dp)
     got = _run(worker)
     worker.close()
     # a fresh group resamples step 2 from the checkpoint of step 2 (its behaviour copy saved by
     # both workers, loaded by both), in the foreground
-    fresh = RunWorker(uri, cfg_json, json.loads(index_json), dp=dp)
+    fresh = RunWorker(uri, json.dumps(cfg.to_dict()), json.loads(index_json), dp=dp)
     ref, m = fresh.rollout(2)
     got["resampled"] = (dp.gather_objects(ref)[0], m["rollout/prefetched"], fresh.replayed)
     fresh.close()
@@ -97,10 +98,10 @@ def assets(tmp_path_factory):
     return prepare_assets(_cfg(1), str(tmp_path_factory.mktemp("assets")), log=lambda *_: None)
 
 
-@pytest.mark.parametrize("extra", [{}, DAPO], ids=["plain", "dapo"])
-def test_two_workers_sample_off_policy_as_one_and_train_like_one(assets, tmp_path, extra):
+@pytest.mark.parametrize("k, extra", [(1, {}), (2, {}), (1, DAPO)], ids=["k1", "k2", "k1-dapo"])
+def test_two_workers_sample_off_policy_as_one_and_train_like_one(assets, tmp_path, k, extra):
     uri1 = str(tmp_path / "w1")
-    one = RunWorker(uri1, json.dumps(_cfg(1, extra).to_dict()),
+    one = RunWorker(uri1, json.dumps(_cfg(1, k, extra).to_dict()),
                     publish_assets(RunStore(uri1), assets), dp=SINGLE)
     try:
         w1 = _run(one)
@@ -109,11 +110,12 @@ def test_two_workers_sample_off_policy_as_one_and_train_like_one(assets, tmp_pat
     uri2, out = str(tmp_path / "w2"), tmp_path / "w2.pt"
     index = publish_assets(RunStore(uri2), assets)
     run_gloo_workers("tests.verl_core.engine.test_async_workers", "_worker", tmp_path, uri2,
-                     json.dumps(index), out, json.dumps(extra))
+                     json.dumps(index), out, k, json.dumps(extra))
     w2 = torch.load(out, weights_only=False)
-    # every step after the first was sampled one update behind, in the background, by both runs
+    # every step after the first was sampled k updates behind (fewer at the start), in the
+    # background, by both runs
     for got in (w1, w2):
-        assert got["versions"] == [max(0, s - 1) for s in range(STEPS)]
+        assert got["versions"] == [max(0, s - k) for s in range(STEPS)]
         assert [m["rollout/prefetched"] for m in got["metrics"]] == \
             [0.0] + [1.0] * (STEPS - 1), got["metrics"]
     # each worker samples its block of rows with the draws the whole batch gives them, from a
