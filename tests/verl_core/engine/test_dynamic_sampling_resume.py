@@ -216,3 +216,27 @@ def test_dynamic_sampling_with_staleness_2_matches_sampling_in_the_foreground(tm
     for s in range(cfg.total_steps):
         assert fg_store.get_json(lineage_doc(h, s))["batch"] == \
             bg_store.get_json(lineage_doc(h, s))["batch"]
+
+
+def test_a_rollback_drops_the_dynamic_sampling_in_flight(tmp_path, monkeypatch):
+    # NaN gradients in update 3 roll the run back. The dynamic sampling of step 4 was running
+    # from the state of step 3 meanwhile: dropped; step 4 samples the rolled-back weights (lag
+    # 0) in the foreground, from where update 3's batch ended (its data stays consumed).
+    monkeypatch.setenv("VERL_FAULTS", json.dumps([{"kind": "nan_grad", "phase": "update",
+                                                   "step": 3}]))
+    monkeypatch.setenv("VERL_FAULTS_DIR", str(tmp_path / "faults"))
+    scorer = tmp_path / "parity.py"
+    scorer.write_text(PARITY)
+    cfg = tiny_run(**{**_over(scorer), "rollout.max_staleness": 1,
+                      "algorithm.rollout_is": "token", "total_steps": 5,
+                      "guard.nonfinite_policy": "rollback"})
+    work = tmp_path / "w"
+    hist = train(cfg, str(work), log=lambda *_: None)["history"]
+    store, h = RunStore(str(work)), cfg.trajectory_hash()
+    assert store.get_json(lineage_doc(h, 3))["action"] == "rollback"
+    batches = _stored_batches(work, cfg)
+    assert [b.meta["policy_version"] for b in batches] == [0, 0, 1, 2, 4]
+    assert [x["rollout/staleness"] for x in hist] == [0.0, 1.0, 1.0, 1.0, 0.0]
+    assert [x["rollout/prefetched"] for x in hist] == [0.0, 1.0, 1.0, 1.0, 0.0]
+    consumed = _consumed(batches, cfg, tmp_path)
+    assert consumed == list(range(len(consumed)))
