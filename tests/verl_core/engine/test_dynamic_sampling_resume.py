@@ -2,7 +2,9 @@
 that needed more than one generation batch, a SIGKILL in the middle of the run, and the same
 command again ending bit-identical to an undisturbed run (the data position each step consumed
 is stored with its batch, so the resumed run samples exactly the prompts the undisturbed one
-did)."""
+did); and the same off-policy (``rollout.max_staleness`` 1 and 2: each step's dynamic sampling
+in the background while the update before runs), with SIGKILLs mid-update and mid-rollout, a
+guard rollback, and the foreground sampling it stands for compared bit for bit."""
 import hashlib
 import json
 import os
