@@ -514,10 +514,6 @@ class RunConfig:
                   "processes share no process group for gathering their blocks of rows "
                   f"(trainer.nnodes x n_gpus_per_node = {self.trainer.world_size}): use "
                   "rollout.async_mode=thread with several workers")
-        if algo.filter_groups_enable:
-            _fail("rollout", "max_staleness", s,
-                  "with algorithm.filter_groups_enable (DAPO's dynamic sampling) is not offered: "
-                  "its rounds of sampling depend on each other's scores")
 
     def _check_partial_rollout(self) -> None:
         rc, p = self.rollout, self.rollout.partial_rollout

@@ -14,6 +14,7 @@ policy, the critic; the trainer's :meth:`RLTrainer.state` is one loop over them,
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Sequence
 
@@ -191,16 +192,32 @@ class RLTrainer:
         (``Behaviour.sample``), seeded by (seed, step, ``phase``)."""
         return self.behaviour.sample(step, idx, self.actor.kl_ctrl.value, phase)
 
-    def follow(self, step: int) -> bool:
+    def follow(self, step: int, cursor: int | None = None) -> bool:
         """Update ``step`` starts: the behaviour policy follows (``Behaviour.follow``: off-policy
         it takes this state and samples the steps its weights serve in the background, up to
-        step + ``rollout.max_staleness``). True when off-policy."""
-        total = self.cfg.total_steps
+        step + ``rollout.max_staleness``). ``cursor``: with ``algorithm.filter_groups_enable``
+        the generation batch where the batch of this update ended (its
+        ``meta["gen_batches_end"]``), where DAPO's dynamic sampling of step + 1 starts
+        (``engine/dynamic_sampling.py``): only that step samples in the background (a later
+        step's position is known when the update before it starts, whose follow starts it),
+        and none without ``cursor`` or whose sampling needs the live state
+        (``samples_in_background``): they sample in the foreground. True when off-policy."""
+        from verl_core.engine.dynamic_sampling import sample_and_filter, samples_in_background
+
+        total, dapo = self.cfg.total_steps, self.cfg.algorithm.filter_groups_enable
 
         def job_for(t: int):
             if t >= total:
                 return None
-            return self.behaviour.rollout_job(t, self.prompt_indices(t, keep_position=True))
+            if not dapo:
+                return self.behaviour.rollout_job(t, self.prompt_indices(t, keep_position=True))
+            if t != step + 1 or cursor is None or not samples_in_background(self.cfg):
+                return None
+            # a callable of the plan, as rollout_job's (one version: a partial rollout is not
+            # offered with DAPO); the KL coefficient read now, not while the update changes it
+            # (the rollout phase stamps the live one)
+            kl_coef, start = self.actor.kl_ctrl.value, int(cursor)
+            return lambda plan: sample_and_filter(self, t, start, plan[0], kl_coef=kl_coef)
 
         return self.behaviour.follow(step, job_for)
 

@@ -24,6 +24,14 @@ lineage record of the step before). So a step's prompts are a function of the st
 sampled before, stored with the batches: a rebuild replays stored batches, a resume continues at
 the recorded position, and caching and lineage replay stay exact.
 
+Off-policy (``rollout.max_staleness`` >= 1, docs/async.md) steps 1-5 sample with the behaviour
+policy (:func:`sample_and_filter`, the batch records ``meta["policy_version"]``): they read the
+behaviour model, the prompts and the scorer only, and the data position of step t is known when
+update t - 1 starts (its batch's ``gen_batches_end``), so they run in the background thread while
+that update runs; the model inputs read the actor and the critic and stay in the rollout phase
+(:func:`with_model_inputs`). Where steps 1-5 need the live state (:func:`samples_in_background`)
+the rollout phase samples them in the foreground, with the same behaviour weights.
+
 What is not here: scoring (``reward/scoring.py``), the overlong penalty
 (``reward/overlong.py``), what the reward phase does with an already scored batch
 (``phases.reward``: passes it on, so nothing is scored twice).
@@ -47,7 +55,8 @@ if TYPE_CHECKING:
     from verl_core.trainer import RLTrainer
 
 __all__ = ["FilterGroupsExhaustedError", "GroupFilter", "kept_groups", "gen_batch_indices",
-           "metric_values", "concat_batches", "dynamic_rollout"]
+           "metric_values", "concat_batches", "early_inputs", "samples_in_background",
+           "sample_and_filter", "with_model_inputs"]
 
 _TOKEN_FIELDS = ("response_ids", "response_mask", "response_attention_mask", "response_logprobs",
                  "ref_logprobs", "values", "advantages", "returns", "sum_pi_squared")
@@ -202,21 +211,47 @@ def _merge_metrics(parts: list[tuple[int, dict]]) -> dict:
     return out
 
 
-def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, dict]:
-    """The rollout phase of ``step`` with ``algorithm.filter_groups_enable``: generation batches
-    ``start``, ``start + 1``, ... until B groups are kept (module docstring). The batch is
-    scored (``score``), carries ``meta["gen_batches_start"/"gen_batches_end"]``, and has the
-    model inputs of :meth:`RLTrainer.model_inputs`. With W > 1 every worker calls it (sampling
-    and scoring are collectives); rank 0's scores decide which groups every worker keeps."""
-    cfg, dp = trainer.cfg, trainer.dp
+def early_inputs(cfg) -> bool:
+    """True when the groups are filtered on a value that needs the model inputs first:
+    ``seq_final_reward`` under ``use_kl_in_reward`` reads the reference log-probs."""
+    algo = cfg.algorithm
+    return algo.filter_groups_metric == "seq_final_reward" and algo.use_kl_in_reward
+
+
+def samples_in_background(cfg) -> bool:
+    """Whether :func:`sample_and_filter` may run in the background thread of an off-policy run
+    (``rollout.max_staleness`` >= 1, docs/async.md) while an update changes the actor: not when
+    it reads the actor (:func:`early_inputs`: the reference log-probs before filtering) or a
+    reward model (``reward_model.enable``: its scoring is a forward pass beside the update's)."""
+    return not early_inputs(cfg) and not cfg.reward_model.enable
+
+
+def sample_and_filter(trainer: RLTrainer, step: int, start: int, version: int | None = None,
+                      kl_coef: float | None = None) -> tuple[Batch, dict]:
+    """Steps 1-5 of the module docstring for ``step``: generation batches ``start``,
+    ``start + 1``, ... sampled with the behaviour policy's weights of ``version`` (None: the
+    next rollout's, ``Behaviour.version``), scored and filtered until B groups are kept. The
+    batch is scored (``score``) and carries ``meta["gen_batches_start"/"gen_batches_end"]``
+    (off-policy also ``meta["policy_version"]``), without the model inputs
+    (:func:`with_model_inputs`) unless :func:`early_inputs`.
+
+    It reads the behaviour model, the prompts and the scorer only (unless :func:`early_inputs`
+    or a reward model), so an off-policy run samples it in the background thread while the
+    update before runs (``RLTrainer.follow``); ``kl_coef`` (None: the actor's now) is what
+    that thread passes, read when it started (the rollout phase stamps the live one).
+    With W > 1 every worker calls it (sampling and scoring are collectives); rank 0's scores
+    decide which groups every worker keeps."""
+    cfg, dp, behaviour = trainer.cfg, trainer.dp, trainer.behaviour
     algo, G, B = cfg.algorithm, cfg.rollout.n, cfg.data.train_batch_size
     try:
         sampler = ResumableSampler(len(trainer.prompts.train_rows), cfg.data.gen_batch_prompts,
                                    cfg.seed, shuffle=cfg.data.shuffle)
     except ValueError as e:
         raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size}: {e}") from e
-    # seq_final_reward under use_kl_in_reward reads the reference log-probs before filtering
-    early_inputs = algo.filter_groups_metric == "seq_final_reward" and algo.use_kl_in_reward
+    version = behaviour.version if version is None else version
+    sample_dp = dp.sampling() if behaviour.lag else dp
+    kl_coef = trainer.actor.kl_ctrl.value if kl_coef is None else kl_coef
+    early = early_inputs(cfg)
     keep = GroupFilter(B, algo.max_num_gen_batches)
     parts: list[Batch] = []
     rollout_metrics: list[tuple[int, dict]] = []
@@ -226,16 +261,21 @@ def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, d
     while not done:
         k = keep.num_gen_batches
         idx = gen_batch_indices(sampler, start + k)
-        batch, m = trainer.sample(step, idx, phase=f"rollout-gen{start + k}")
+        batch, m = behaviour.sample(step, idx, kl_coef, phase=f"rollout-gen{start + k}",
+                                    version=version)
         rollout_metrics.append((batch.num_rows, m))
-        if early_inputs:
+        if behaviour.lag:  # as Behaviour.stamp records it (the model inputs read it)
+            batch = batch.replace(meta={**batch.meta, "policy_version": version})
+        if early:
             batch = trainer.model_inputs(batch)
         details: dict = {}
         batch, rm = trainer.reward(batch, details)  # rank 0 scores (a collective with a RM)
         reward_metrics.append((batch.num_rows, rm))
         values = metric_values(batch, details, algo.filter_groups_metric, algo).tolist() \
             if dp.rank == 0 else None
-        values = dp.gather_objects(values)[0] if dp.distributed else values
+        # off-policy the rollout's own group (it may run in the background thread while the
+        # update's collectives run on the worker's: DataParallel.sampling)
+        values = sample_dp.gather_objects(values)[0] if dp.distributed else values
         parts.append(batch)
         done = keep.add(values, batch.group.tolist())
     # rows of the first B kept groups, in order (a group's G rows are adjacent)
@@ -244,8 +284,6 @@ def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, d
     batch = _trim_columns(concat_batches(parts).select(torch.tensor(rows, dtype=torch.long)))
     meta = {**batch.meta, "gen_batches_start": start, "gen_batches_end": start + len(parts)}
     batch = batch.replace(group=torch.arange(B).repeat_interleave(G), meta=meta)
-    if not early_inputs:
-        batch = trainer.model_inputs(batch)
     metrics = _merge_metrics(rollout_metrics)
     lengths = batch.response_lengths.float()  # (N,) of the trained rows, as verl's data metrics
     metrics.update({
@@ -261,3 +299,13 @@ def dynamic_rollout(trainer: RLTrainer, step: int, start: int) -> tuple[Batch, d
                         "reward/max": float(batch.score.max()),
                         "reward/min": float(batch.score.min())})
     return batch, metrics
+
+
+def with_model_inputs(trainer: RLTrainer, batch: Batch) -> Batch:
+    """The batch of :func:`sample_and_filter` with the model inputs of
+    :meth:`RLTrainer.model_inputs` on the trained rows only (unless :func:`early_inputs`
+    computed them already). They read the actor and the critic at the live state: the
+    foreground rollout phase, never the background thread (off-policy the caller stamps the
+    live KL coefficient first, ``Behaviour.stamp``)."""
+    return batch if early_inputs(trainer.cfg) else trainer.model_inputs(batch)
+

@@ -397,13 +397,29 @@ class RunWorker:
         rollout (from the behaviour policy: off-policy, maybe sampled in the background while
         the update before ran), or with ``algorithm.filter_groups_enable`` DAPO's dynamic
         sampling (scored already), which starts at the generation batch where the previous
-        step's ended (:meth:`_gen_cursor`)."""
+        step's ended (:meth:`_gen_cursor`): off-policy taken from the background thread when
+        the update before sampled it from that position (``RLTrainer.follow``), else sampled
+        now, then the model inputs at the live state."""
         if not self.cfg.algorithm.filter_groups_enable:
             return self.trainer.rollout(step)
-        from verl_core.engine.dynamic_sampling import dynamic_rollout
+        from verl_core.engine.dynamic_sampling import sample_and_filter, with_model_inputs
 
-        batch, metrics = dynamic_rollout(self.trainer, step, self._gen_cursor(step))
-        return batch, {**metrics, "rollout/staleness": 0.0}  # on-policy
+        behaviour, cursor = self.trainer.behaviour, self._gen_cursor(step)
+        got = behaviour.take(step) if behaviour.lag else None
+        if got is not None and got[0].meta.get("gen_batches_start") != cursor:
+            log.warning("the background rollout of step %d started at generation batch %s, "
+                        "not %d where the batch of update %d ended; sampling it again", step,
+                        got[0].meta.get("gen_batches_start"), cursor, step - 1)
+            got = None
+        if got is None:
+            batch, metrics = sample_and_filter(self.trainer, step, cursor)
+            if behaviour.lag:
+                metrics["rollout/prefetched"] = 0.0
+        else:
+            batch, metrics = got
+        # off-policy: the version and the live KL coefficient, as a plain rollout's
+        batch, metrics = behaviour.stamp(step, batch, metrics, self.trainer.actor.kl_ctrl.value)
+        return with_model_inputs(self.trainer, batch), metrics
 
     def _gen_cursor(self, step: int) -> int:
         """Generation batches (of DAPO's dynamic sampling) the steps before ``step`` consumed:
@@ -536,7 +552,7 @@ class RunWorker:
         # rollout in the background while the update runs). Until the update is recorded the
         # live state is then not trusted (a retry or a failure rebuilds it, with its behaviour)
         valid, self._live_valid = self._live_valid, False
-        if not self.trainer.follow(step):
+        if not self.trainer.follow(step, batch.meta.get("gen_batches_end")):
             self._live_valid = valid
         # VERL_FAULTS drills: a worker hanging (or killed) mid-update (one worker: rank 0)
         maybe_inject(f"update-rank{self.dp.rank}", step)

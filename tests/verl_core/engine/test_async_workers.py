@@ -33,8 +33,14 @@ OVER = {"model.warmup_sft_steps": 150, "model.warmup_target_accuracy": 0.3,
         "data.synthetic_val_size": 9, "data.val_batch_size": 4}
 
 
-def _cfg(W: int, k: int = 1):
-    return tiny_run(**{**OVER, "trainer.n_gpus_per_node": W, "rollout.max_staleness": k})
+DAPO = {"algorithm.filter_groups_enable": True, "algorithm.filter_groups_metric": "acc"}
+"""DAPO's dynamic sampling: each step's generation batches sampled, scored and filtered in the
+background, rank 0's scores deciding for both workers (gathered on the rollout's group)."""
+
+
+def _cfg(W: int, k: int = 1, extra: dict | None = None):
+    return tiny_run(**{**OVER, "trainer.n_gpus_per_node": W, "rollout.max_staleness": k,
+                       **(extra or {})})
 
 
 def _run(worker: RunWorker) -> dict:
@@ -44,6 +50,7 @@ def _run(worker: RunWorker) -> dict:
     update 1 (the actor's weights, while the background rollout of step 2 holds the behaviour
     copy's), and the final weights (gathered from the shards with W > 1: a collective)."""
     dp, refs, tokens, versions, metrics, evals = worker.dp, [], [], [], [], None
+    gen = []
     for s in range(STEPS):
         ref, m = worker.rollout(s)
         ref = dp.gather_objects(ref)[0]
@@ -51,6 +58,7 @@ def _run(worker: RunWorker) -> dict:
         refs.append(ref)
         tokens.append(batch.response_ids)
         versions.append(batch.meta["policy_version"])
+        gen.append((batch.meta.get("gen_batches_start"), batch.meta.get("gen_batches_end")))
         metrics.append(m)
         batch, _ = score_batch(batch, worker.trainer.scorer, worker.trainer.tokenizer)
         batch, _ = compute_advantages(batch, worker.cfg.algorithm)
@@ -62,14 +70,15 @@ def _run(worker: RunWorker) -> dict:
     actor = worker.trainer.actor
     weights = actor.gathered_merged_state() if dp.distributed else actor.merged_state()
     return {"refs": refs, "tokens": tokens, "versions": versions, "metrics": metrics,
+            "gen_batches": gen,
             "evals": evals, "weights": {k: v.detach().clone() for k, v in weights.items()}}
 
 
 def _worker(rank: int, world: int, init: str, uri: str, index_json: str, out: str,
-            k: str) -> None:
+            k: str, extra_json: str = "{}") -> None:
     torch.set_num_threads(1)
     dp = init_process_group("gloo", init, rank, world, 120.0)
-    cfg = _cfg(world, int(k))
+    cfg = _cfg(world, int(k), json.loads(extra_json))
     worker = RunWorker(uri, json.dumps(cfg.to_dict()), json.loads(index_json), dp=dp)
     got = _run(worker)
     worker.close()
@@ -89,11 +98,11 @@ def assets(tmp_path_factory):
     return prepare_assets(_cfg(1), str(tmp_path_factory.mktemp("assets")), log=lambda *_: None)
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_two_workers_sample_off_policy_as_one_and_train_like_one(assets, tmp_path, k):
+@pytest.mark.parametrize("k, extra", [(1, {}), (2, {}), (1, DAPO)], ids=["k1", "k2", "k1-dapo"])
+def test_two_workers_sample_off_policy_as_one_and_train_like_one(assets, tmp_path, k, extra):
     uri1 = str(tmp_path / "w1")
-    one = RunWorker(uri1, json.dumps(_cfg(1, k).to_dict()), publish_assets(RunStore(uri1), assets),
-                    dp=SINGLE)
+    one = RunWorker(uri1, json.dumps(_cfg(1, k, extra).to_dict()),
+                    publish_assets(RunStore(uri1), assets), dp=SINGLE)
     try:
         w1 = _run(one)
     finally:
@@ -101,7 +110,7 @@ def test_two_workers_sample_off_policy_as_one_and_train_like_one(assets, tmp_pat
     uri2, out = str(tmp_path / "w2"), tmp_path / "w2.pt"
     index = publish_assets(RunStore(uri2), assets)
     run_gloo_workers("tests.verl_core.engine.test_async_workers", "_worker", tmp_path, uri2,
-                     json.dumps(index), out, k)
+                     json.dumps(index), out, k, json.dumps(extra))
     w2 = torch.load(out, weights_only=False)
     # every step after the first was sampled k updates behind (fewer at the start), in the
     # background, by both runs
@@ -113,6 +122,10 @@ def test_two_workers_sample_off_policy_as_one_and_train_like_one(assets, tmp_pat
     # full behaviour copy gathered from the shards: W = 1's tokens exactly
     for s, (a, b) in enumerate(zip(w2["tokens"], w1["tokens"])):
         assert torch.equal(a, b), s
+    if extra:  # the same generation batches consumed, contiguous from 0
+        assert w2["gen_batches"] == w1["gen_batches"]
+        assert [g[0] for g in w1["gen_batches"]] == [0] + [g[1] for g in w1["gen_batches"][:-1]]
+        assert max(g[1] - g[0] for g in w1["gen_batches"]) > 1, w1["gen_batches"]
     # the same object, byte for byte, from the checkpoint (no update replayed)
     assert w2["resampled"] == (w2["refs"][2], 0.0, 0), (w2["resampled"], w2["refs"])
     # the evaluation samples the actor (W = 2: a full copy gathered from its shards), not the

@@ -35,8 +35,6 @@ def _cfg(**over):
     ({"algorithm.rollout_is": ""}, r"rollout.max_staleness=1: .*set algorithm.rollout_is=token"),
     ({"trainer.n_gpus_per_node": 2, "rollout.async_mode": "process"},
      r"rollout.async_mode='process': .*share no process group.*use rollout.async_mode=thread"),
-    ({"algorithm.filter_groups_enable": True},
-     r"rollout.max_staleness=1: with algorithm.filter_groups_enable"),
 ])
 def test_settings_the_off_policy_rollout_cannot_honour_are_refused(over, match):
     with pytest.raises(ConfigError, match=match):
@@ -51,6 +49,8 @@ def test_staleness_0_is_the_run_it_was():
     assert _cfg().trajectory_hash() != _cfg(**{"rollout.max_staleness": 0}).trajectory_hash()
     # bypass_mode is the other correction offered
     assert _cfg(**{"algorithm.rollout_is": "", "algorithm.policy_loss": "bypass_mode"})
+    # DAPO's dynamic sampling too (tests/verl_core/engine/test_dynamic_sampling_resume.py)
+    assert _cfg(**{"algorithm.filter_groups_enable": True, "rollout.n": 2})
     # several workers: the background rollout in a thread of each (test_async_workers.py)
     assert _cfg(**{"trainer.n_gpus_per_node": 2}).trainer.world_size == 2
 
