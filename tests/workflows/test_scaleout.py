@@ -5,13 +5,16 @@ same weights as the default `per_task` mode, on the defaults: neither run pins `
 compute with the count their first prepare recorded (issue 21 item 8: the attached actor used to
 get Ray's one thread, the per_task actor the host's CPU count, and the weights differed). And
 docs/resume.md's W = 2 column: the same W = 2 run stopped at several fault points in turn and
-re-run until done ends with the undisturbed W = 2 run's exact weights, and so does a W = 2
-multi-turn run whose worker is SIGKILLed in a tool call."""
+re-run until done ends with the undisturbed W = 2 run's exact weights, and so do a W = 2
+multi-turn run whose worker is SIGKILLed in a tool call and a W = 2 off-policy run SIGKILLed in
+a background rollout."""
 import json
 import os
 import pathlib
 import re
 import signal
+import subprocess
+import time
 
 import pytest
 import torch
@@ -192,3 +195,96 @@ def test_two_workers_killed_in_a_tool_call_end_as_uninterrupted(tmp_path, shared
         outs[0][-3000:]
     want, got = _final_weights(ref.stdout), _final_weights(outs[-1])
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+# docs/resume.md's background-rollout cell of the W = 2 column (footnote 16): off-policy at
+# staleness 2 (rollout.async_mode=thread, the default: each worker samples its block of rows in
+# a thread of its own and the blocks are gathered on the rollout's gloo group). The background
+# rollout of step 3 starts, in both workers, as update 1 begins (from the weights of step 1);
+# there is no checkpoint before step 2, so the re-run rebuilds state 1 from the warm start and
+# update 0's replay, with the queue of behaviour versions the rollouts of steps 2 and 3 sample
+OFF_POLICY = {**W2, "rollout.max_staleness": 2, "algorithm.rollout_is": "token"}
+BACKGROUND = ("background_rollout", 3)
+
+
+def _batches(store_run) -> dict:
+    """Each update's lineage record's batch ref (the stored batch it read), by step."""
+    from verl_core.store import RunStore
+
+    st = RunStore(str(store_run))
+    [folder] = st.list_folders("lineage")
+    records = [st.get_json(d) for d in sorted(st.list_json(folder))]
+    return {r["step"]: r["batch"] for r in records}
+
+
+def test_two_workers_off_policy_killed_in_a_background_rollout_end_as_uninterrupted(tmp_path):
+    """A W = 2 off-policy run SIGKILLed while the background rollout of step 3 samples (beside
+    update 1), and the same command run again, ends with the undisturbed W = 2 run's exact
+    weights, every update having read the undisturbed run's batch.
+
+    The ``background_rollout`` fault fires in each worker's background thread (both workers run
+    one): a ``hang`` writes the marker and holds the thread, and the test SIGKILLs the launch's
+    whole process group (pyflyte, its local Ray instance and the group's two actors), so the
+    rollouts in flight die with the workers. The re-run's group rebuilds state 1 (the warm start,
+    update 0 replayed) and its behaviour queue, and samples again what the killed one had not
+    stored (in the run this test was written with: the batches of steps 2 and 3, the kill landing
+    in update 1). At TINY's 30-step warm start only update 2 has a learning signal (the batch of
+    step 2, sampled from the weights of step 0); the batch refs check the others."""
+    ref = run(ppo_cmd(tmp_path / "ref", steps=4, overrides=OFF_POLICY),
+              flyte_env(tmp_path / "ref-env"), timeout=900)
+    _assert_learned(ref.stdout)
+    # the reference's warm start (its asset cache): the warm start is not what this test is about
+    env = flyte_env(tmp_path / "env", VERL_ASSET_CACHE=str(tmp_path / "ref-env" / "assets"))
+    store = tmp_path / "store"
+    cmd = ppo_cmd(store, steps=4, overrides=OFF_POLICY)
+    phase, step = BACKGROUND
+    hang = json.dumps([{"kind": "hang", "phase": phase, "step": step}])
+    marker = tmp_path / "env" / "faults" / f"{phase}-{step}.entered"
+    with open(tmp_path / "killed.out", "w") as out:  # a file: a pipe could fill and hang it
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**env, "VERL_FAULTS": hang}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 900
+        while not marker.exists():
+            assert proc.poll() is None, (tmp_path / "killed.out").read_text()[-4000:]
+            assert time.time() < deadline, f"the run never reached the {phase} of step {step}"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    # the marker's writer was a worker of the group (an actor, not the pyflyte process), and
+    # it died with the group
+    worker = int(marker.read_text())
+    assert worker != proc.pid
+    _gone(worker)
+    # update 3, which needs the batch the hang holds, was not recorded
+    assert 3 not in _batches(store / "t")
+    done = run(cmd, env, timeout=900)
+    want, got = _final_weights(ref.stdout), _final_weights(done.stdout)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert _weights_sha(ref.stdout) == _weights_sha(done.stdout)
+    # every update read the undisturbed run's batch: no prompt dropped or repeated, each sampled
+    # with the same behaviour weights (a version off would change the tokens)
+    assert _batches(store / "t") == _batches(tmp_path / "ref" / "t") != {}
+    # the run was a W = 2 one throughout: the checkpoint of step 2 written by two workers
+    ckpts = sorted((store / "t" / "checkpoints").glob("*.json"))
+    assert ckpts and [json.loads(c.read_text())["world_size"] for c in ckpts] == \
+        [2] * len(ckpts)
+
+
+def _weights_sha(stdout: str) -> str:
+    """docs/resume.md's comparison (a): the sha-256 of the run's exported weights."""
+    from tests.crash import weights_sha
+
+    line = [ln for ln in stdout.splitlines() if ln.startswith("Summary(")][-1]
+    return weights_sha(line.split("final_model='", 1)[1].split("'", 1)[0])
+
+
+def _gone(pid: int, timeout_s: float = 60.0) -> None:
+    """Wait until process ``pid`` no longer exists (fails after ``timeout_s``)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"worker process {pid} outlived its killed launch")
