@@ -3,7 +3,20 @@ with everything it started (its process group: workers, tool hosts, scorer pools
 import os
 import signal
 import subprocess
+import sys
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_command(work, overrides: dict, **env) -> tuple[list[str], dict]:
+    """The plain loop's command (``python -m verl_core.train``) on ``work`` with ``overrides``
+    (dotted keys, ``--set``), and its environment: this one, the repository on the path,
+    ``env`` added (``VERL_FAULTS_DIR``, ``VERL_ASSET_CACHE``)."""
+    cmd = [sys.executable, "-m", "verl_core.train", "--workdir", str(work)]
+    for k, v in overrides.items():
+        cmd += ["--set", f"{k}={v}"]
+    return cmd, {**os.environ, "PYTHONPATH": REPO, **{k: str(v) for k, v in env.items()}}
 
 
 def kill_at_marker(proc: subprocess.Popen, marker, what: str, timeout_s: float = 600.0,

@@ -14,7 +14,6 @@ policy, the critic; the trainer's :meth:`RLTrainer.state` is one loop over them,
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Sequence
 

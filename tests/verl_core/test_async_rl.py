@@ -7,11 +7,10 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-from tests.crash import kill_at_marker
+from tests.crash import kill_at_marker, train_command
 from tests.presets import TINY, tiny_run
 from verl_core.engine.worker import RunWorker, get_batch
 from verl_core.writer import release_lease
@@ -102,10 +101,7 @@ def test_sigkills_mid_update_and_mid_rollout_resume_bit_identical(tmp_path, k, k
     cfg = tiny_run(**over)
     reference = train(cfg, str(tmp_path / "ref"), log=lambda *_: None)
     work, faults = tmp_path / "work", tmp_path / "faults"
-    cmd = [sys.executable, "-m", "verl_core.train", "--workdir", str(work)]
-    for key, v in over.items():
-        cmd += ["--set", f"{key}={v}"]
-    env = {**os.environ, "PYTHONPATH": REPO, "VERL_FAULTS_DIR": str(faults)}
+    cmd, env = train_command(work, over, VERL_FAULTS_DIR=faults)
     for phase, step in kills:
         hang = json.dumps([{"phase": phase, "step": step, "kind": "hang"}])
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -9,10 +9,9 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
-from tests.crash import kill_at_marker
+from tests.crash import kill_at_marker, train_command
 from tests.presets import TINY, tiny_run
 from verl_core.assets import prepare_assets
 from verl_core.data.dataset import load_prompt_rows
@@ -74,11 +73,8 @@ def test_dynamic_sampling_resumes_bit_identical_after_sigkill(tmp_path):
     # 2. the same run in another workdir; SIGKILL while the rollout of step 2 runs (after the
     #    checkpoints of steps 1 and 2: the resume reads step 2's data position from the store)
     work, faults = tmp_path / "work", tmp_path / "faults"
-    cmd = [sys.executable, "-m", "verl_core.train", "--workdir", str(work)]
-    for k, v in over.items():
-        cmd += ["--set", f"{k}={v}"]
-    env = {**os.environ, "PYTHONPATH": REPO, "VERL_FAULTS_DIR": str(faults),
-           "VERL_ASSET_CACHE": str(tmp_path / "assets")}
+    cmd, env = train_command(work, over, VERL_FAULTS_DIR=faults,
+                             VERL_ASSET_CACHE=tmp_path / "assets")
     hang = {"VERL_FAULTS": json.dumps([{"phase": "rollout", "step": 2, "kind": "hang"}])}
     proc = subprocess.Popen(cmd, cwd=REPO, env={**env, **hang}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -158,11 +154,8 @@ def test_dynamic_sampling_one_step_off_policy_resumes_exactly_after_sigkills(tmp
     #    rollout of step 3 (the checkpoint of step 3 committed: the resume reads the data
     #    position of step 3 from the store); then the same command to the end
     work, faults = tmp_path / "work", tmp_path / "faults"
-    cmd = [sys.executable, "-m", "verl_core.train", "--workdir", str(work)]
-    for k, v in over.items():
-        cmd += ["--set", f"{k}={v}"]
-    env = {**os.environ, "PYTHONPATH": REPO, "VERL_FAULTS_DIR": str(faults),
-           "VERL_ASSET_CACHE": str(tmp_path / "assets")}
+    cmd, env = train_command(work, over, VERL_FAULTS_DIR=faults,
+                             VERL_ASSET_CACHE=tmp_path / "assets")
     for phase, step, also in (("update-rank0", 1, None),
                               ("rollout", 3, lambda: _latest_step(work) >= 3)):
         hang = json.dumps([{"phase": phase, "step": step, "kind": "hang"}])

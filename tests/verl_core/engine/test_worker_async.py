@@ -89,15 +89,24 @@ def assets(tmp_path_factory):
 def run(tmp_path_factory, assets):
     """Five steps of staleness 1 by one worker: the rollout refs, their metrics, the
     advantaged batches and the weights after each step."""
-    uri = str(tmp_path_factory.mktemp("store"))
-    cfg = _cfg()
+    return _run_steps(str(tmp_path_factory.mktemp("store")), _cfg(), assets)
+
+
+def _run_steps(uri, cfg, assets, after_step=None):
+    """``cfg.total_steps`` steps by one worker on a fresh store: (uri, cfg, assets index, the
+    rollout refs, their metrics, the advantaged batches, the weights' sha before and after each
+    step). ``after_step(worker, step)``: a check after each."""
     index = publish_assets(RunStore(uri), assets)
     w = _worker(uri, cfg, index)
     refs, metrics, advs, shas = [], [], [], [_weights_sha(w)]
-    for s in range(STEPS):
-        ref, m, adv = _step(w, s)
-        refs.append(ref), metrics.append(m), advs.append(adv), shas.append(_weights_sha(w))
-    w.close()
+    try:
+        for s in range(cfg.total_steps):
+            ref, m, adv = _step(w, s)
+            refs.append(ref), metrics.append(m), advs.append(adv), shas.append(_weights_sha(w))
+            if after_step is not None:
+                after_step(w, s)
+    finally:
+        w.close()
     return uri, cfg, index, refs, metrics, advs, shas
 
 
@@ -140,21 +149,36 @@ def test_the_background_rollout_is_what_the_previous_state_samples(run, assets):
         w.close()
 
 
-@pytest.mark.parametrize("step", [2, 3])
-def test_a_fresh_worker_rebuilds_the_behaviour_policy_and_resamples_the_same_batch(run, step):
-    # step 2: the checkpoint of step 2 holds the behaviour policy (the state of step 1);
-    # step 3: that checkpoint + the replay of update 2, which snapshots the state of step 2.
-    # Either way the rollout (sampled in the foreground now) is the stored object, and the
-    # weights after the remaining updates are the run's
-    uri, cfg, index, refs, _, advs, shas = run
+@pytest.mark.parametrize("fixture, step, checkpoint", [
+    # staleness 1 (issue 27) - step 2: the checkpoint of step 2 holds the behaviour policy (the
+    # state of step 1); step 3: that checkpoint + the replay of update 2, which pushes the
+    # state of step 2
+    ("run", 2, 2), ("run", 3, 2),
+    # staleness 2 (issue 42) - step 4: the checkpoint of step 4 holds versions 2 and 3; step 5:
+    # that checkpoint and the replay of update 4 (which pushes version 4)
+    ("run_k2", 4, 4), ("run_k2", 5, 4)])
+def test_a_fresh_worker_rebuilds_the_behaviour_policy_and_resamples_the_same_batch(
+        request, fixture, step, checkpoint):
+    # Either way the rollout (sampled in the foreground now, from the rebuilt queue) is the
+    # stored object; the later ones are the background's; a batch one update further behind
+    # than the bound is refused before it touches anything; the weights after the remaining
+    # updates are the run's
+    uri, cfg, index, refs, _, advs, shas = request.getfixturevalue(fixture)
+    k = cfg.rollout.max_staleness
     w = _worker(uri, cfg, index)
     try:
         ref, m = w.rollout(step)
         assert ref == refs[step] and m["rollout/prefetched"] == 0.0
-        assert w.replayed == step - 2  # from the checkpoint of step 2
-        for s in range(step, STEPS):
+        assert w.replayed == step - checkpoint
+        for s in range(step, cfg.total_steps):
             if s > step:
-                assert w.rollout(s)[0] == refs[s]
+                ref, m = w.rollout(s)
+                assert ref == refs[s] and m["rollout/prefetched"] == 1.0
+            good = get_batch(w.store, advs[s])
+            bad = put_batch(w.store, good.replace(meta={**good.meta,
+                                                        "policy_version": s - k - 1}))
+            with pytest.raises(StaleBatchError, match=rf"{k + 1} updates behind.*allows 0..{k}"):
+                w.update(s, bad)
             w.update(s, advs[s])
             assert _weights_sha(w) == shas[s + 1]
     finally:
@@ -248,19 +272,12 @@ K2_STEPS = 6
 @pytest.fixture(scope="module")
 def run_k2(tmp_path_factory, assets):
     """Six steps of ``rollout.max_staleness=2`` by one worker (checkpoints at 2, 4, 6)."""
-    uri = str(tmp_path_factory.mktemp("store_k2"))
-    cfg = _cfg(**{"rollout.max_staleness": 2, "total_steps": K2_STEPS})
-    index = publish_assets(RunStore(uri), assets)
-    w = _worker(uri, cfg, index)
-    refs, metrics, advs, shas = [], [], [], [_weights_sha(w)]
-    try:
-        for s in range(K2_STEPS):
-            ref, m, adv = _step(w, s)
-            refs.append(ref), metrics.append(m), advs.append(adv), shas.append(_weights_sha(w))
-            assert w.trainer.behaviour.versions() == list(range(max(0, s - 1), s + 1))
-    finally:
-        w.close()
-    return uri, cfg, index, refs, metrics, advs, shas
+    def queue_holds_the_last_two(w, s):
+        assert w.trainer.behaviour.versions() == list(range(max(0, s - 1), s + 1))
+
+    return _run_steps(str(tmp_path_factory.mktemp("store_k2")),
+                      _cfg(**{"rollout.max_staleness": 2, "total_steps": K2_STEPS}), assets,
+                      queue_holds_the_last_two)
 
 
 def test_staleness_2_samples_two_updates_behind_never_more(run_k2):
@@ -282,32 +299,6 @@ def test_staleness_2_samples_two_updates_behind_never_more(run_k2):
     assert {"behaviour", "behaviour_1"} <= set(info.groups)
 
 
-@pytest.mark.parametrize("step", [4, 5])
-def test_staleness_2_a_fresh_worker_resamples_the_same_batches(run_k2, step):
-    # step 4: the checkpoint of step 4 holds versions 2 and 3; step 5: that checkpoint and the
-    # replay of update 4 (which pushes version 4). The rollouts, sampled in the foreground from
-    # the rebuilt queue, are the stored objects; the remaining updates give the run's weights
-    uri, cfg, index, refs, _, advs, shas = run_k2
-    w = _worker(uri, cfg, index)
-    try:
-        ref, m = w.rollout(step)
-        assert ref == refs[step] and m["rollout/prefetched"] == 0.0
-        assert w.replayed == step - 4
-        for s in range(step, K2_STEPS):
-            if s > step:
-                ref, m = w.rollout(s)
-                assert ref == refs[s] and m["rollout/prefetched"] == 1.0
-            # a batch three updates behind is refused, before it touches anything
-            good = get_batch(w.store, advs[s])
-            bad = put_batch(w.store, good.replace(meta={**good.meta, "policy_version": s - 3}))
-            with pytest.raises(StaleBatchError, match=r"3 updates behind.*allows 0..2"):
-                w.update(s, bad)
-            w.update(s, advs[s])
-            assert _weights_sha(w) == shas[s + 1]
-    finally:
-        w.close()
-
-
 # ---------------------------------------------------------------- partial rollout (issue 42)
 PARTIAL = {"rollout.max_staleness": 2, "rollout.partial_rollout": True,
            "rollout.max_new_tokens": 4, "total_steps": 4, "optim.lr": 2e-2}
@@ -317,18 +308,7 @@ learning rate, so one update moves the log-probs far more than rounding does."""
 
 @pytest.fixture(scope="module")
 def run_partial(tmp_path_factory, assets):
-    uri = str(tmp_path_factory.mktemp("store_partial"))
-    cfg = _cfg(**PARTIAL)
-    index = publish_assets(RunStore(uri), assets)
-    w = _worker(uri, cfg, index)
-    refs, metrics, advs, shas = [], [], [], [_weights_sha(w)]
-    try:
-        for s in range(cfg.total_steps):
-            ref, m, adv = _step(w, s)
-            refs.append(ref), metrics.append(m), advs.append(adv), shas.append(_weights_sha(w))
-    finally:
-        w.close()
-    return uri, cfg, index, refs, metrics, advs, shas
+    return _run_steps(str(tmp_path_factory.mktemp("store_partial")), _cfg(**PARTIAL), assets)
 
 
 def test_a_partial_rollout_goes_on_with_each_newer_version_token_by_token(run_partial):
