@@ -525,10 +525,7 @@ class RunConfig:
                   "step t samples with the versions t - k .. t - 1, so with k <= 1 there is no "
                   "newer version to go on with")
         why = None
-        if rc.multi_turn:
-            why = ("with rollout.multi_turn: the segments are token positions of one "
-                   "generation; a multi-turn rollout goes on by turns (not built yet)")
-        elif rc.async_mode == "process":
+        if rc.async_mode == "process":
             why = ("with rollout.async_mode=process: the sampler process samples whole "
                    "rollouts; use rollout.async_mode=thread")
         elif self.trainer.world_size > 1:

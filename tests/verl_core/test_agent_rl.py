@@ -257,3 +257,38 @@ def test_on_vllm_two_workers_roll_out_the_batch_of_one(calc, rolled_vllm, tmp_pa
     cfg, trainer, batch, metrics = rolled_vllm
     _assert_two_workers_roll_out_the_batch_of_one(cfg, calc[1], trainer, batch, metrics,
                                                   tmp_path)
+
+
+def test_a_multi_turn_partial_rollout_goes_on_by_turns_and_is_sampled_again_the_same(calc,
+                                                                                    tmp_path):
+    # rollout.partial_rollout on the calculator task (issue 42): turn 0 of step 2 samples with
+    # the weights of step 0, the turns after with those of step 1 (the background rollout waits
+    # between turns for update 1 to begin); a fresh worker that rebuilds the queue samples the
+    # same transcripts and log-probs, byte for byte
+    from tests.verl_core.engine.test_worker_async import _step, _worker
+    from verl_core.engine.assets import publish_assets
+    from verl_core.store import RunStore
+
+    cfg = tiny_run(**{**CALC, "rollout.max_staleness": 2, "rollout.partial_rollout": True,
+                      "algorithm.rollout_is": "token", "total_steps": 3,
+                      "checkpoint.checkpoint_interval": 2, "checkpoint.async_save": False})
+    uri = str(tmp_path / "store")
+    index = publish_assets(RunStore(uri), calc[1])
+    w = _worker(uri, cfg, index)
+    try:
+        got = [_step(w, s) for s in range(3)]
+    finally:
+        w.close()
+    from verl_core.engine.worker import get_batch
+
+    batch = get_batch(RunStore(uri), got[2][0])
+    assert batch.meta["partial_unit"] == "turn" and batch.meta["policy_version"] == 0
+    turns = max(len(row["turns"]) for row in batch.turns)
+    assert turns >= 2  # some row called the tool and went on
+    assert batch.meta["partial_versions"] == [0] + [1] * (turns - 1)
+    assert got[2][1]["rollout/prefetched"] == 1.0
+    fresh = _worker(uri, cfg, index)
+    try:
+        assert fresh.rollout(2)[0] == got[2][0]
+    finally:
+        fresh.close()

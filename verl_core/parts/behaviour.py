@@ -379,7 +379,7 @@ class Behaviour:
 
     def generate_turns(self, prompt_ids, prompt_mask, params: SamplingParams, rows: list[int],
                        rows_data: list, phase: str, split: bool = True,
-                       engine=None) -> MultiTurnOutput:
+                       engine=None, turn_context=None) -> MultiTurnOutput:
         """Multi-turn rollouts (``rollout.multi_turn``, :func:`generate_turns`) of the N
         prompts; ``rows`` (N,): each one's row index in the phase's whole batch (its random
         draws), ``rows_data`` (N,) the dataset rows (verl's ``extra_info.tools_kwargs``). With
@@ -396,7 +396,8 @@ class Behaviour:
             [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in mine], params,
             host=p.tool_host, tools=p.tool_schemas, rows=[rows[i] for i in mine],
             tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
-            **turn_limits(rc), instance_prefix=f"{phase}:{params.seed}")
+            **turn_limits(rc), instance_prefix=f"{phase}:{params.seed}",
+            turn_context=turn_context)
         if split:
             out = concat_turn_outputs(self._sample_dp.gather_objects(out),
                                       p.tokenizer.pad_token_id)
@@ -442,14 +443,21 @@ class Behaviour:
         if rc.multi_turn:
             # VERL_FAULTS' tool_call point: in this step's calls, once sent (a no-op without it)
             p.tool_host.on_calls_sent = functools.partial(faults.maybe_inject, "tool_call", step)
+            used: list[int] = []
             try:
                 with self._using(plan[0]):
-                    out = self.generate_turns(p.train_ids[rows_idx], p.train_mask[rows_idx],
-                                              params, list(range(len(rows))), rows, phase)
+                    out = self.generate_turns(
+                        p.train_ids[rows_idx], p.train_mask[rows_idx], params,
+                        list(range(len(rows))), rows, phase,
+                        turn_context=functools.partial(self._turn, plan, used)
+                        if self.partial else None)
             finally:
                 p.tool_host.on_calls_sent = None
             extra = {"response_attention_mask": out.attention_mask,
                      "turns": out.stored_turns()}
+            if self.partial:
+                extra["meta"] = {"partial_versions": used, "partial_unit": "turn"}
+                metrics["rollout/partial_segments"] = float(len(used))
             metrics.update(turn_metrics(out))
             infos = turn_extra_info(infos, extra["turns"])
         elif self.partial:
@@ -500,6 +508,24 @@ class Behaviour:
         with self._model_lock:
             self._hold(version)
             yield
+
+    @contextlib.contextmanager
+    def _turn(self, plan: list[int], used: list[int], k: int):
+        """A multi-turn partial rollout's turn ``k``: sampled with the weights of ``plan[k]``
+        (the last of ``plan`` once they run out), waited for with the model lock let go (the
+        rollout holds it once, :meth:`sample`; the tool calls between turns are done), then
+        held while the turn samples; ``used`` gets each turn's version."""
+        version = plan[min(k, len(plan) - 1)]
+        if version not in self.versions():
+            self._model_lock.release()
+            try:
+                self._wait_for(version)
+            finally:
+                self._model_lock.acquire()
+        self._hold(version)
+        self.ready()
+        used.append(version)
+        yield
 
     @property
     def segment_tokens(self) -> int:

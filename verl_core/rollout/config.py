@@ -151,8 +151,8 @@ class RolloutConfig:
     goes on, at a fixed token boundary, with each newer version as its update begins (verl's
     ``async_training.partial_rollout``, AReaL's interruptible generation): each segment re-reads
     the tokens so far with the new weights, and every token's log-prob is the one of the
-    weights that sampled it. The boundaries are fixed, so a replay samples the same tokens
-    (docs/async.md)."""
+    weights that sampled it. A multi-turn rollout goes on by turns instead: turn j with the j-th
+    version. The boundaries are fixed, so a replay samples the same tokens (docs/async.md)."""
     async_mode: str = not_in_trajectory("thread")
     """Where the background rollout of ``max_staleness`` runs: ``thread`` (a thread of the
     worker, sampling from its behaviour copy) or ``process`` (a sampler process of its own,

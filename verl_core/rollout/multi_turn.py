@@ -18,6 +18,7 @@ split across workers (``rows``: each row's index in the whole batch).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -137,7 +138,7 @@ def generate_turns(engine: RolloutEngine, tokenizer, prompts: list[list[int]],
                    max_user_turns: int = 0, max_parallel_calls: int = 0,
                    max_tool_response_length: int = 256, truncate_side: str = "left",
                    tools_kwargs: list[dict] | None = None, budget_s: float | None = None,
-                   instance_prefix: str = "") -> MultiTurnOutput:
+                   instance_prefix: str = "", turn_context=None) -> MultiTurnOutput:
     """Multi-turn rollouts of the ``prompts`` (each a list of token ids, chat template applied,
     generation prompt included) sampled by ``engine`` (``hf`` or ``vllm``; its EOS set ends a
     turn, its pad id pads the output). ``tools``: the schemas the template shows (the prompts
@@ -146,7 +147,8 @@ def generate_turns(engine: RolloutEngine, tokenizer, prompts: list[list[int]],
     row, verl's ``extra_info["tools_kwargs"]`` (``{tool: {"create_kwargs": {...},
     "execute_kwargs": {...}}}``). ``budget_s``: the tool calls' wall-time budget
     (:class:`_Deadline`). ``instance_prefix`` makes the tool instances of this rollout unique
-    (the step's seed and phase)."""
+    (the step's seed and phase). ``turn_context(k)``: a context manager the engine call of turn
+    k runs in (a partial rollout's weights of that turn: ``parts/behaviour.py``)."""
     with engine.held():
         return _generate_turns(engine, tokenizer, prompts, params, host=host, tools=tools,
                                rows=rows, max_assistant_turns=max_assistant_turns,
@@ -154,13 +156,14 @@ def generate_turns(engine: RolloutEngine, tokenizer, prompts: list[list[int]],
                                max_parallel_calls=max_parallel_calls,
                                max_tool_response_length=max_tool_response_length,
                                truncate_side=truncate_side, tools_kwargs=tools_kwargs,
-                               budget_s=budget_s, instance_prefix=instance_prefix)
+                               budget_s=budget_s, instance_prefix=instance_prefix,
+                               turn_context=turn_context)
 
 
 def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
                     max_assistant_turns, max_user_turns, max_parallel_calls,
                     max_tool_response_length, truncate_side, tools_kwargs, budget_s,
-                    instance_prefix) -> MultiTurnOutput:
+                    instance_prefix, turn_context=None) -> MultiTurnOutput:
     n, budget = len(prompts), params.max_new_tokens
     rows = list(range(n)) if rows is None else list(rows)
     kwargs_of = [dict(k or {}) for k in tools_kwargs] if tools_kwargs is not None else [{}] * n
@@ -181,9 +184,10 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
             break
         ids, m = _left_pad([prompts[i] + resp[i] for i in active], pad_id)
         # each row samples what is left of its budget, from its own (row, turn) seed
-        out = engine.generate(ids, m, params,
-                              row_seeds=[turn_seed(params.seed, rows[i], k) for i in active],
-                              row_limits=[budget - len(resp[i]) for i in active])
+        with turn_context(k) if turn_context is not None else contextlib.nullcontext():
+            out = engine.generate(ids, m, params,
+                                  row_seeds=[turn_seed(params.seed, rows[i], k) for i in active],
+                                  row_limits=[budget - len(resp[i]) for i in active])
         calls_of: dict[int, list] = {}
         for j, i in enumerate(active):
             take = int(out.response_mask[j].sum())
