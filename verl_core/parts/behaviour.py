@@ -229,11 +229,14 @@ class Behaviour:
 
     def _wait_for(self, version: int) -> None:
         """A partial rollout's next segment samples with ``version``: wait until it joined the
-        queue (its update began), or raise :class:`Cancelled` when the rollouts are dropped."""
+        queue (its update began), or raise :class:`Cancelled` when the rollouts are dropped or
+        the version left the queue (a newer one is there: it will not come again; the rollout
+        was never taken, its rollout phase a cache hit)."""
         with self._pushed:
-            while not self._cancel and version not in [v for v, _ in self.queue]:
+            while not self._cancel and version not in [v for v, _ in self.queue] \
+                    and not (self.queue and version < self.queue[-1][0]):
                 self._pushed.wait()
-            if self._cancel:
+            if self._cancel or version not in [v for v, _ in self.queue]:
                 raise Cancelled(f"version {version}")
 
     def changed(self) -> None:

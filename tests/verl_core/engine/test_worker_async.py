@@ -354,11 +354,18 @@ def test_a_partial_rollout_replayed_is_the_same_tokens_and_log_probs(run_partial
     # a fresh worker rebuilds the queue of step t (checkpoint + lineage replay) and samples it
     # in the foreground, waiting for nothing: the stored object, byte for byte; the remaining
     # updates give the run's weights
+    from verl_core.parts.behaviour import Cancelled
+
     uri, cfg, index, refs, _, advs, shas = run_partial
     w = _worker(uri, cfg, index)
     try:
         ref, m = w.rollout(3)
         assert ref == refs[3] and m["rollout/prefetched"] == 0.0
+        # a version that left the queue never comes again: a rollout waiting for it gives up
+        # (one whose rollout phase was a cache hit, never taken) instead of hanging
+        assert w.trainer.behaviour.versions() == [1, 2]
+        with pytest.raises(Cancelled, match="version 0"):
+            w.trainer.behaviour._wait_for(0)
         w.update(3, advs[3])
         assert _weights_sha(w) == shas[4]
     finally:
