@@ -10,10 +10,10 @@ Tasks, each on the tiny model warm-started once (the same assets for both stalen
 - ``calculator 100 ms``: the calculator tool task (multi-turn), the tool answering after a
   100 ms wait (an I/O-bound tool: a search, a sandbox): verl's ``BaseTool`` contract, a class
   written to a temp folder that wraps the built-in calculator and sleeps first;
-- ``long responses``: the default task with a barely warm model and ``max_new_tokens`` 96,
-  which it fills (no EOS yet): single-turn generation-bound rollouts, where staleness 2 runs
-  with ``rollout.partial_rollout`` off and on (thread mode: the sampler process samples whole
-  rollouts).
+- ``long responses``: the default task on the tiny model before any warm start, whose
+  responses run to ~70 of ``max_new_tokens`` 96 (EOS is one character of its alphabet):
+  single-turn generation-bound rollouts, where staleness 2 runs with ``rollout.partial_rollout``
+  off and on (thread mode: the sampler process samples whole rollouts).
 
 Each (task, staleness) runs ``--steps`` steps through the run worker's phases as the workflow
 calls them (``RunWorker.rollout``, the light reward and advantage phases, ``RunWorker.update``,
@@ -78,8 +78,7 @@ def task_overrides(task: str, folder: str) -> dict:
     if task == "arithmetic":
         return {"model.warmup_sft_steps": 200, "model.warmup_target_accuracy": 1.0}
     if task == "long":
-        return {"model.warmup_sft_steps": 5, "model.warmup_target_accuracy": 1.0,
-                "rollout.max_new_tokens": 96}
+        return {"model.warmup_sft_steps": 0, "rollout.max_new_tokens": 96}
     tool = os.path.join(folder, "slow_calculator.py")
     with open(tool, "w") as f:
         f.write(TOOL_FILE)
@@ -179,7 +178,10 @@ def main() -> None:
                 walls, timelines[(task, mode)], batches[mode] = run_one(
                     cfg, assets, args.steps, os.path.join(root, f"{name}-store-{k}"))
                 step_s[mode] = statistics.median(walls[2:])
-                print(f"[{task}] {mode}: steps {[round(x, 2) for x in walls]}", file=sys.stderr)
+                tokens = statistics.mean(float(b.response_mask.sum()) / b.num_rows
+                                         for b in batches[mode])
+                print(f"[{task}] {mode}: steps {[round(x, 2) for x in walls]}, "
+                      f"{tokens:.1f} sampled tokens a response", file=sys.stderr)
             # the background rollouts sampled the same tokens with the same log-probs (a
             # multi-turn batch also stores each tool call's measured latency: not compared)
             for k in (1, 2) if modes is MODES else ():

@@ -183,6 +183,19 @@ def test_refused_by_name_with_the_reason(cli, match):
         to_ours(parse_cli(shlex.split(cli)))
 
 
+def test_the_fully_async_partial_rollout_switch_maps_and_needs_a_lag_of_two():
+    # verl's fully-async recipe: its partial-rollout switch is ours; alone (no lag of 2 or
+    # more) the run is refused, naming why
+    from tests.presets import tiny_run
+
+    got = to_ours(parse_cli(shlex.split("+async_training.partial_rollout=True")))
+    assert got == {"rollout.partial_rollout": True}
+    with pytest.raises(ConfigError, match=r"rollout.partial_rollout=True: needs "
+                                          r"rollout.max_staleness >= 2 \(it is 0\)"):
+        tiny_run(**got)
+    assert tiny_run(**got, **{"rollout.max_staleness": 2, "algorithm.rollout_is": "token"})
+
+
 def test_verl_default_value_is_accepted_on_the_command_line():
     assert to_ours({"actor_rollout_ref.rollout.multi_turn.interaction_config_path": None}) == {}
 

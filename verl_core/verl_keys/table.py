@@ -446,6 +446,12 @@ for _prefix in (A + "fsdp_config.", "actor_rollout_ref.ref.fsdp_config.",
 # verl's CISPO example passes the model's dtype as model.torch_dtype: the compute dtype
 VERL_TO_OURS["actor_rollout_ref.model.torch_dtype"] = _compute_dtype(
     "actor_rollout_ref.model.torch_dtype")
+# verl's fully-async recipe (recipe/fully_async_policy): its partial-rollout switch means what
+# ours does (generations in flight go on with the new weights); its other keys are refused by
+# pattern, with the reason (REFUSED_PATTERNS)
+VERL_TO_OURS["async_training.partial_rollout"] = _to("rollout.partial_rollout")
+FULLY_ASYNC_KEYS = {"async_training.partial_rollout"}
+"""The fully-async recipe's keys that map (its own config, not in verl's generated default)."""
 DAPO_KEYS = {k for k in VERL_TO_OURS if k.startswith(("algorithm.filter_groups.",
                                                        "reward_model.overlong_buffer.",
                                                        "reward_model.reward_kwargs."))} | {
@@ -453,7 +459,8 @@ DAPO_KEYS = {k for k in VERL_TO_OURS if k.startswith(("algorithm.filter_groups."
 """The keys of verl's DAPO recipe config (``recipe/dapo/config/dapo_trainer.yaml``) and of
 today's DAPO scripts (``+reward_model.reward_kwargs.*``, added with Hydra's ``+``), which
 verl's generated default lacks."""
-READ_WITH_GET = {k for k in VERL_TO_OURS if ".mixed_precision" in k} | DAPO_KEYS | {
+READ_WITH_GET = {k for k in VERL_TO_OURS if ".mixed_precision" in k} | DAPO_KEYS | \
+    FULLY_ASYNC_KEYS | {
     "actor_rollout_ref.model.torch_dtype"}
 """verl keys missing from its generated defaults: verl's FSDP workers read
 ``fsdp_config.mixed_precision`` with ``.get`` (param bf16, reduce fp32, buffers fp32 when absent),
@@ -736,7 +743,7 @@ REFUSED_PATTERNS: list[tuple[re.Pattern, str]] = [
          "and the critic's together)"),
         (r"^transfer_queue\.", "verl's transfer queue is not built: phases hand data over "
                                "through the run store"),
-        (r"^async_training\.",
+        (r"^async_training\.(?!partial_rollout$)",
          "verl's fully-async recipe bounds the share of a batch sampled by older weights "
          "(staleness_threshold, a fraction of samples) and syncs weights every "
          "trigger_parameter_sync_step updates; here the bound is on the lag itself, the same "
