@@ -17,6 +17,8 @@ NOT_USER_ERRORS = {
     "verl_core.reward.manager._Deadline": "a scorer worker's internal alarm",
     "verl_core.agent.tools._Refused": "a tool host's internal signal: the call becomes an error observation",
     "verl_core.rollout.vllm._Failed": "an engine call's internal signal: rebuild and retry",
+    "verl_core.parts.behaviour.Cancelled": "a background rollout's internal signal: its state "
+                                           "changed, it is dropped (the phase samples again)",
     "verl_core.errors.RolloutEngineError": "a fault (the engine died or hung past its rebuilds): "
                                            "transient, retried",
     "verl_core.guard.faults.InjectedPermanentFault": "a fault the user asked the drill to inject",
