@@ -183,14 +183,8 @@ class Behaviour:
             return
         if self.queue and self.queue[-1][0] == version:
             return
-        if self.lag == 1:
-            self.drop_prefetch()
-            with self._model_lock:
-                self.model.load_state_dict(self._actor_weights())
-                self.changed()
-                self._held = version
-            with self._lock:
-                self.queue = [(version, None)]
+        if self.lag == 1:  # the queue of one is the actor's weights alone: a reset
+            self.reset(version)
             return
         entry = (version, self._copy(self._actor_weights()))
         with self._lock:
