@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from verl_core.agent.tools import ToolConfigError, ToolHost, tool_entries
 from verl_core.config import RunConfig
 from verl_core.data.prompts import load_checked_rows
+from verl_core.data.code_task import write_code_dataset
 from verl_core.data.synthetic import write_arithmetic_dataset, write_calculator_dataset
 from verl_core.data.word_problems import write_word_problem_dataset
 from verl_core.format_warmup import format_answers, format_warm_start
@@ -60,6 +61,11 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
         train_files, val_files = cfg.data.train_file_list, cfg.data.val_file_list
     elif cfg.data.synthetic_task == "word_problems":
         train, val = write_word_problem_dataset(
+            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
+            val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
+        train_files, val_files = [train], [val]
+    elif cfg.data.synthetic_task == "code":
+        train, val = write_code_dataset(
             os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
             val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
         train_files, val_files = [train], [val]
