@@ -97,14 +97,6 @@ class RewardConfig:
                   "it); e.g. a quarter of rollout.max_new_tokens, as DAPO's 4096 of 20480")
 
 
-    @property
-    def sandbox_limits(self):
-        """The :class:`~verl_core.reward.sandbox.SandboxLimits` of this section."""
-        from verl_core.reward.sandbox import SandboxLimits
-
-        return SandboxLimits(timeout_s=self.sandbox_timeout_s, memory_mb=self.sandbox_memory_mb)
-
-
 REWARD_MODEL_COMBINE = ("replace", "add")
 """How a reward model's score meets the ``reward.scorer`` score (``RewardModelConfig.combine``)."""
 

@@ -267,7 +267,8 @@ class RewardScorer:
         return cls(cfg.scorer, timeout_s=cfg.timeout_s, timeout_score=cfg.timeout_score,
                    num_workers=cfg.num_workers, import_timeout_s=cfg.import_timeout_s,
                    max_timeout_fraction=cfg.max_timeout_fraction, on_timeouts=cfg.on_timeouts,
-                   sandbox_limits=cfg.sandbox_limits,
+                   sandbox_limits=SandboxLimits(timeout_s=cfg.sandbox_timeout_s,
+                                                memory_mb=cfg.sandbox_memory_mb),
                    sandbox_max_concurrent=cfg.sandbox_max_concurrent,
                    sandbox_isolation=cfg.sandbox_isolation)
 

@@ -94,3 +94,15 @@ def test_the_manager_runs_code_rows_concurrently_in_order():
 def test_run_tests_reports_why(sandbox):
     r = run_tests("def add3(x):\n    while True:\n        pass\n", ASSERTS, sandbox)
     assert (r.passed, r.total, r.limit) == (0, 3, "cpu")
+
+
+def test_verls_sandbox_fusion_keys_map_and_its_url_is_refused():
+    from verl_core.config import ConfigError
+    from verl_core.verl_keys import to_ours
+
+    assert to_ours({"reward_model.sandbox_fusion.max_concurrent": 8,
+                    "reward_model.sandbox_fusion.memory_limit_mb": 512}) == {
+        "reward.sandbox_max_concurrent": 8, "reward.sandbox_memory_mb": 512}
+    assert to_ours({"reward_model.sandbox_fusion.url": None}) == {}
+    with pytest.raises(ConfigError, match="local sandbox .* leave the url null"):
+        to_ours({"reward_model.sandbox_fusion.url": "http://sandbox:8080/run_code"})
