@@ -16,7 +16,7 @@ from verl_core.reward import (arithmetic, calculator, code, gsm8k, math_answer, 
                               prime_math, qa_em)
 
 __all__ = ["RULE_SCORERS", "DATA_SOURCE_SCORERS", "DATA_SOURCE_PREFIXES", "RULE_SCORE_RANGES",
-           "RUNS_CODE",
+           "RUNS_CODE", "GROUND_TRUTH_CHECKS",
            "register_rule_scorer", "scorer_for", "known_data_sources", "default_compute_score",
            "UnknownDataSourceError", "NOT_SCORED_HERE", "why_not_scored"]
 
@@ -34,6 +34,9 @@ RULE_SCORE_RANGES: dict[str, tuple[float, float]] = {}
 RUNS_CODE: set[str] = set()
 """Scorers whose calls run the response in a sandbox process (``sandbox=`` keyword, called
 concurrently by the reward manager)."""
+GROUND_TRUTH_CHECKS: dict[str, Callable[[str], object]] = {}
+"""Scorer name -> a check that raises ValueError (naming the fix) on a ground truth the scorer
+cannot use; run on every row when the run is prepared, before any work."""
 
 
 class UnknownDataSourceError(ValueError):
@@ -43,10 +46,12 @@ class UnknownDataSourceError(ValueError):
 def register_rule_scorer(name: str, fn: RuleScorer, data_sources: tuple[str, ...] = (),
                          score_range: tuple[float, float] | None = None,
                          data_source_prefixes: tuple[str, ...] = (),
-                         runs_code: bool = False) -> None:
+                         runs_code: bool = False,
+                         check_ground_truth: Callable[[str], object] | None = None) -> None:
     """Register ``fn`` under ``name`` and route ``data_sources`` (and every source starting with
     one of ``data_source_prefixes``) to it. Names are unique, and every rule scorer declares the
-    ``score_range`` (lo, hi) its scores lie in. ``runs_code``: see the module docstring."""
+    ``score_range`` (lo, hi) its scores lie in. ``runs_code``: see the module docstring; ``check_ground_truth``:
+    :data:`GROUND_TRUTH_CHECKS`."""
     if name in RULE_SCORERS or name == "auto":
         raise ValueError(f"rule scorer {name!r} is already registered")
     taken = [ds for ds in data_sources if ds in DATA_SOURCE_SCORERS] + \
@@ -61,6 +66,8 @@ def register_rule_scorer(name: str, fn: RuleScorer, data_sources: tuple[str, ...
     RULE_SCORERS[name] = fn
     if runs_code:
         RUNS_CODE.add(name)
+    if check_ground_truth is not None:
+        GROUND_TRUTH_CHECKS[name] = check_ground_truth
     for ds in data_sources:
         DATA_SOURCE_SCORERS[ds] = name
     for p in data_source_prefixes:
@@ -116,7 +123,8 @@ register_rule_scorer("qa_em", qa_em.compute_score,
                      score_range=(0.0, 1.0))  # 1 exact match (0.25 with answer-tag spam), else 0
 # verl's code sources (prime_code / sandbox_fusion, continuous=True) and the project's code task
 register_rule_scorer("code", code.compute_score, (code.DATA_SOURCE, *code.VERL_DATA_SOURCES),
-                     score_range=(0.0, 1.0), runs_code=True)  # the fraction of tests passed
+                     score_range=(0.0, 1.0), runs_code=True,  # the fraction of tests passed
+                     check_ground_truth=code.parse_tests)
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,

@@ -106,3 +106,23 @@ def test_verls_sandbox_fusion_keys_map_and_its_url_is_refused():
     assert to_ours({"reward_model.sandbox_fusion.url": None}) == {}
     with pytest.raises(ConfigError, match="local sandbox .* leave the url null"):
         to_ours({"reward_model.sandbox_fusion.url": "http://sandbox:8080/run_code"})
+
+
+def test_a_code_row_without_tests_is_refused_before_any_work(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_core.assets import prepare_assets
+    from verl_core.config import preset
+    from verl_core.data.dataset import DatasetError
+
+    rows = [{"data_source": "synthetic/code", "prompt": [{"role": "user", "content": "add3"}],
+             "reward_model": {"style": "rule", "ground_truth": gt}}
+            for gt in (ASSERTS, "add3(1) == 4")]
+    path = str(tmp_path / "code.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = preset("grpo", **{"data.train_files": path, "data.val_files": path})
+    with pytest.raises(DatasetError, match=r"code.parquet: row 1 .*ground_truth.*not assert "
+                                           r"statements.*one Python 'assert"):
+        prepare_assets(cfg, str(tmp_path / "work"), log=lambda *_: None)
+    assert not (tmp_path / "work" / "model").exists()  # before the warm start
