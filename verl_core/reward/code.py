@@ -113,13 +113,15 @@ def default_sandbox() -> Sandbox:
         return _default
 
 
-def compute_score(solution_str: str, ground_truth: str, sandbox: Sandbox | None = None) -> float:
+def compute_score(solution_str: str, ground_truth: str, sandbox=None) -> float:
     """The fraction of the row's tests the response's code passes, run in ``sandbox`` (the
-    run's, passed by the reward manager; else :func:`default_sandbox`)."""
+    run's :class:`~verl_core.reward.sandbox.Sandbox` or
+    :class:`~verl_core.reward.sandbox_fusion.SandboxFusion`, passed by the reward manager; else
+    :func:`default_sandbox`)."""
     return run_tests(solution_str, ground_truth, sandbox).score
 
 
-def run_tests(solution_str: str, ground_truth: str, sandbox: Sandbox | None = None):
+def run_tests(solution_str: str, ground_truth: str, sandbox=None):
     """The :class:`~verl_core.reward.sandbox.SandboxResult` of the response against the tests."""
     tests = parse_tests(ground_truth)
     return (sandbox or default_sandbox()).run(extract_code(solution_str), tests.tests,

@@ -18,6 +18,10 @@ def _sandbox_tuned(run) -> bool:
     return (r.sandbox_timeout_s, r.sandbox_memory_mb) != (5.0, 1024)
 
 
+def _sandbox_url_set(run) -> bool:
+    return bool(run.reward.sandbox_url)
+
+
 def _overlong_on(run) -> bool:
     """``reward.overlong_buffer_enable`` off: the buffer's fields do nothing, and the run hashes
     as before they existed."""
@@ -57,6 +61,10 @@ class RewardConfig:
     sandbox_memory_mb: int = in_trajectory(1024, when=_sandbox_tuned)
     """Address-space limit of one sandboxed code run (verl's
     ``reward_model.sandbox_fusion.memory_limit_mb``); an allocation beyond it fails."""
+    sandbox_url: str = in_trajectory("", when=_sandbox_url_set)
+    """Empty: code runs in the local sandbox. An http(s) URL of a SandboxFusion service's
+    ``/run_code`` (verl's ``reward_model.sandbox_fusion.url``): each test one request there
+    (``reward/sandbox_fusion.py``); an unreachable or failing service fails the reward phase."""
     sandbox_max_concurrent: int = not_in_trajectory(4)
     """Sandboxed code runs at once in the reward phase (verl's
     ``reward_model.sandbox_fusion.max_concurrent``); speed only."""
@@ -90,6 +98,10 @@ class RewardConfig:
                   "sandbox_max_concurrent")
         _one_of("reward", "sandbox_isolation", self.sandbox_isolation,
                 {"auto", "namespaces", "rlimits"})
+        if self.sandbox_url and not self.sandbox_url.startswith(("http://", "https://")):
+            _fail("reward", "sandbox_url", self.sandbox_url,
+                  "must be empty (the local sandbox) or the http(s) URL of a SandboxFusion "
+                  "service's /run_code, e.g. http://sandbox:8080/run_code")
         _non_negative("reward", self, "overlong_buffer_len", "overlong_penalty_factor")
         if self.overlong_buffer_enable and self.overlong_buffer_len < 1:
             _fail("reward", "overlong_buffer_len", self.overlong_buffer_len,

@@ -62,6 +62,7 @@ from verl_core.reward.custom import ScorerLoadError, load_scorer, parse_spec
 from verl_core.reward.registry import (RULE_SCORERS, RUNS_CODE, UnknownDataSourceError,
                                        default_compute_score, scorer_for)
 from verl_core.reward.sandbox import Sandbox, SandboxLimits
+from verl_core.reward.sandbox_fusion import SandboxFusion, SandboxUnavailableError
 
 if TYPE_CHECKING:
     from verl_core.reward.config import RewardConfig
@@ -231,7 +232,8 @@ class RewardScorer:
                  timeout_score: float = 0.0, num_workers: int = 2,
                  import_timeout_s: float = 60.0, max_timeout_fraction: float = 0.5,
                  on_timeouts: str = "fail", sandbox_limits: SandboxLimits | None = None,
-                 sandbox_max_concurrent: int = 4, sandbox_isolation: str = "auto"):
+                 sandbox_max_concurrent: int = 4, sandbox_isolation: str = "auto",
+                 sandbox_url: str = ""):
         for name, v in (("timeout_s", timeout_s), ("import_timeout_s", import_timeout_s)):
             if not (isinstance(v, numbers.Real) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name}={v!r}: must be a finite number > 0")
@@ -256,7 +258,8 @@ class RewardScorer:
                              "int >= 1")
         self.sandbox_max_concurrent = sandbox_max_concurrent
         self.sandbox_isolation = sandbox_isolation
-        self._sandbox: Sandbox | None = None
+        self.sandbox_url = sandbox_url
+        self._sandbox: Sandbox | SandboxFusion | None = None
         self._pool = None
         if self.is_custom:
             parse_spec(scorer)  # a malformed spec fails here, before any process starts
@@ -270,7 +273,7 @@ class RewardScorer:
                    sandbox_limits=SandboxLimits(timeout_s=cfg.sandbox_timeout_s,
                                                 memory_mb=cfg.sandbox_memory_mb),
                    sandbox_max_concurrent=cfg.sandbox_max_concurrent,
-                   sandbox_isolation=cfg.sandbox_isolation)
+                   sandbox_isolation=cfg.sandbox_isolation, sandbox_url=cfg.sandbox_url)
 
     @property
     def is_custom(self) -> bool:
@@ -329,8 +332,12 @@ class RewardScorer:
                 "reward.on_timeouts='warn' to train on them anyway")
         log.warning(msg)
 
-    def sandbox(self) -> Sandbox:
-        """The sandbox (limits, pool) the code-running rule scorers get, made on first use."""
+    def sandbox(self) -> Sandbox | SandboxFusion:
+        """The sandbox (limits, pool) the code-running rule scorers get, made on first use: the
+        local one, or the SandboxFusion service at ``sandbox_url``."""
+        if self._sandbox is None and self.sandbox_url:
+            self._sandbox = SandboxFusion(self.sandbox_url, self.sandbox_limits,
+                                          max_concurrent=self.sandbox_max_concurrent)
         if self._sandbox is None:
             self._sandbox = Sandbox(self.sandbox_limits,
                                     max_concurrent=self.sandbox_max_concurrent,
@@ -366,8 +373,8 @@ class RewardScorer:
                                                          ground_truths[i], extra_infos[i]))
                     else:
                         out.append(RULE_SCORERS[self.scorer](solution_strs[i], ground_truths[i]))
-                except UnknownDataSourceError:  # a config problem, with its own fix in the message
-                    raise
+                except (UnknownDataSourceError, SandboxUnavailableError):
+                    raise  # a config problem or an outage, with its own fix in the message
                 except Exception as e:
                     raise ScorerError(f"scorer {names[i] or self.scorer!r} failed on "
                                       f"{_row(i, data_sources[i], ground_truths[i])}: "

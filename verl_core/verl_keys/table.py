@@ -353,6 +353,8 @@ VERL_TO_OURS: dict[str, Transform] = {
     # verl's code sandbox settings mean the same for the sandbox here (reward/sandbox.py)
     "reward_model.sandbox_fusion.max_concurrent": _to("reward.sandbox_max_concurrent"),
     "reward_model.sandbox_fusion.memory_limit_mb": _to("reward.sandbox_memory_mb"),
+    "reward_model.sandbox_fusion.url": _to("reward.sandbox_url", lambda v: v or "",
+                                           skip_none=False),
     # the run loop (verl's trainer section)
     "trainer.total_training_steps": _to("total_steps"),
     "trainer.total_epochs": _total_epochs,
@@ -651,10 +653,6 @@ RM_SERVING: dict[str, tuple[Callable[[object], bool], str]] = {
 NO_EFFECT.update(RM_SERVING)
 
 REFUSED: dict[str, str] = {
-    "reward_model.sandbox_fusion.url": (
-        "code runs in the project's local sandbox (reward/sandbox.py: namespaces, rlimits, one "
-        "process per call), not a SandboxFusion service; leave the url null "
-        "(reward_model.sandbox_fusion.max_concurrent / memory_limit_mb map)"),
     "critic.model.lora_rank": "LoRA on the critic is not offered: the critic trains fully "
                               "(actor_rollout_ref.model.lora_rank adapts the policy)",
     R + "multi_turn.interaction_config_path": "simulated-user interactions are not offered: "

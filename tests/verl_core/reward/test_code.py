@@ -96,16 +96,18 @@ def test_run_tests_reports_why(sandbox):
     assert (r.passed, r.total, r.limit) == (0, 3, "cpu")
 
 
-def test_verls_sandbox_fusion_keys_map_and_its_url_is_refused():
-    from verl_core.config import ConfigError
+def test_verls_sandbox_fusion_keys_map():
+    from verl_core.config import ConfigError, preset
     from verl_core.verl_keys import to_ours
 
     assert to_ours({"reward_model.sandbox_fusion.max_concurrent": 8,
-                    "reward_model.sandbox_fusion.memory_limit_mb": 512}) == {
-        "reward.sandbox_max_concurrent": 8, "reward.sandbox_memory_mb": 512}
-    assert to_ours({"reward_model.sandbox_fusion.url": None}) == {}
-    with pytest.raises(ConfigError, match="local sandbox .* leave the url null"):
-        to_ours({"reward_model.sandbox_fusion.url": "http://sandbox:8080/run_code"})
+                    "reward_model.sandbox_fusion.memory_limit_mb": 512,
+                    "reward_model.sandbox_fusion.url": "http://sandbox:8080/run_code"}) == {
+        "reward.sandbox_max_concurrent": 8, "reward.sandbox_memory_mb": 512,
+        "reward.sandbox_url": "http://sandbox:8080/run_code"}
+    assert to_ours({"reward_model.sandbox_fusion.url": None}) == {"reward.sandbox_url": ""}
+    with pytest.raises(ConfigError, match="sandbox_url='sandbox:8080': must be empty"):
+        preset("grpo", **{"reward.sandbox_url": "sandbox:8080"})
 
 
 def test_a_code_row_without_tests_is_refused_before_any_work(tmp_path):
