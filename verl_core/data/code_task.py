@@ -28,12 +28,10 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-import fsspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from verl_core.data.synthetic import row_schema, write_row_splits
 from verl_core.reward.code import DATA_SOURCE
-from verl_core.store import resolve_storage_options
 
 __all__ = ["DATA_SOURCE", "CodeProblem", "code_problems", "code_rows", "write_code_dataset",
            "NUM_TESTS"]
@@ -120,14 +118,7 @@ def code_problems(count: int, seed: int) -> list[CodeProblem]:
     return out
 
 
-_SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("ability", pa.string()),
-    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()),
-                              ("fn_name", pa.string()), ("answer", pa.string())])),
-])
+_SCHEMA = row_schema([("fn_name", pa.string()), ("answer", pa.string())])
 
 
 def code_rows(problems: list[CodeProblem], split: str) -> list[dict]:
@@ -150,12 +141,5 @@ def write_code_dataset(out_dir: str, *, train_size: int, val_size: int, seed: in
         raise ValueError(f"train_size={train_size}, val_size={val_size}: need train_size > 0 "
                          "and val_size >= 0")
     problems = code_problems(train_size + val_size, seed)
-    fs, root = fsspec.core.url_to_fs(out_dir, **resolve_storage_options(out_dir, storage_options))
-    fs.makedirs(root, exist_ok=True)
-    paths = []
-    for split, probs in (("train", problems[val_size:]), ("val", problems[:val_size])):
-        path = f"{root.rstrip('/')}/{split}.parquet"
-        with fs.open(path, "wb") as f:
-            pq.write_table(pa.Table.from_pylist(code_rows(probs, split), schema=_SCHEMA), f)
-        paths.append(f"{out_dir.rstrip('/')}/{split}.parquet" if "://" in out_dir else path)
-    return paths[0], paths[1]
+    return write_row_splits(out_dir, code_rows(problems[val_size:], "train"),
+                            code_rows(problems[:val_size], "val"), _SCHEMA, storage_options)
