@@ -17,7 +17,7 @@ ASSERTS = "assert add3(1) == 4\nassert add3(-3) == 0\nassert add3(10) == 13"
 
 @pytest.fixture(scope="module")
 def sandbox():
-    return Sandbox(SandboxLimits(timeout_s=5.0, cpu_s=1), max_concurrent=2)
+    return Sandbox(SandboxLimits(timeout_s=8.0, cpu_s=1), max_concurrent=2)
 
 
 @pytest.mark.parametrize("response,code", [

@@ -21,7 +21,7 @@ needs_namespaces = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def sandbox():
-    return Sandbox(SandboxLimits(timeout_s=5.0, cpu_s=1), isolation="namespaces") \
+    return Sandbox(SandboxLimits(timeout_s=8.0, cpu_s=1), isolation="namespaces") \
         if isolation_available() is None else None
 
 
@@ -52,7 +52,7 @@ def test_fork_bomb_is_stopped_by_the_process_limit(sandbox):
 def test_infinite_loop_is_stopped_by_the_cpu_limit(sandbox):
     r = sandbox.run("while True:\n    pass\n" + GOOD, TESTS)
     assert (r.score, r.limit) == (0.0, "cpu"), r
-    assert r.seconds < 4.5  # RLIMIT_CPU (1 s here), before the 5 s wall clock
+    assert r.seconds < 7.5  # RLIMIT_CPU (1 s here), before the 8 s wall clock
 
 
 @needs_namespaces
@@ -165,7 +165,7 @@ def test_results_cannot_be_forged(sandbox):
 
 def test_limits_without_namespaces():
     """The fallback (``rlimits``): the same limits, no namespaces."""
-    sb = Sandbox(SandboxLimits(timeout_s=5.0, cpu_s=1), isolation="rlimits")
+    sb = Sandbox(SandboxLimits(timeout_s=8.0, cpu_s=1), isolation="rlimits")
     assert sb.mode == "rlimits"
     assert sb.run(GOOD, TESTS).score == 1.0
     assert sb.run("while True:\n    pass\n", TESTS).limit == "cpu"
