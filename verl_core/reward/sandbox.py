@@ -420,13 +420,15 @@ class Sandbox:
         except OSError as e:
             shutil.rmtree(scratch, ignore_errors=True)
             raise SandboxError(f"code sandbox: could not start {cmd[0]}: {e}") from e
+        cpu = 0.0
         try:
             data, why = _exchange(proc, payload, t0 + lim.timeout_s, lim.max_output_bytes)
         finally:
-            _kill_group(proc)
+            cpu = _kill_group(proc)
             shutil.rmtree(scratch, ignore_errors=True)
         seconds = time.perf_counter() - t0
-        return _parse(data, nonce, len(tests), why, proc.returncode, seconds)
+        return _parse(data, nonce, len(tests), why, proc.returncode, seconds,
+                      cpu_spent=cpu >= lim.cpu_limit_s - 0.05)
 
 
 def _own_processes() -> int:
@@ -472,17 +474,29 @@ def _exchange(proc: subprocess.Popen, payload: bytes, deadline: float,
                 return bytes(buf[:max_bytes]), "output"
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen) -> float:
+    """Kill the call's process group and reap it -> the CPU seconds it and the children it
+    waited for used (``unshare`` reports a killed child as exit status 1, so the CPU time is
+    what tells that the hard CPU limit ended it)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    proc.wait()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        cpu = usage.ru_utime + usage.ru_stime
+    except ChildProcessError:  # already reaped
+        proc.wait()
+        cpu = 0.0
     proc.stdout.close()
+    return cpu
 
 
 def _parse(data: bytes, nonce: str, total: int, why: str | None, returncode: int,
-           seconds: float) -> SandboxResult:
+           seconds: float, cpu_spent: bool = False) -> SandboxResult:
+    """The result from the harness's nonce-prefixed lines; ``why``: what the parent stopped it
+    for (``timeout``, ``output``); ``cpu_spent``: it used its whole CPU time."""
     prefix = nonce + " "
     ready = done = False
     passed, limit, detail = set(), why, ""
@@ -516,10 +530,10 @@ def _parse(data: bytes, nonce: str, total: int, why: str | None, returncode: int
                            f"{text or 'no output'}; isolation 'namespaces' needs root and "
                            "unshare; reward.sandbox_isolation=rlimits runs without them")
     if not done and limit is None:
-        # killed from outside its own reports: RLIMIT_CPU's SIGKILL, or the OOM killer
-        sig = -returncode if returncode and returncode < 0 else returncode - 128 \
-            if returncode and returncode > 128 else None
-        limit = "cpu" if sig in (signal.SIGXCPU, signal.SIGKILL) else None
+        # killed without a report of its own: RLIMIT_CPU's SIGKILL (the code ignored SIGXCPU;
+        # unshare reports a killed child as exit status 1), or the OOM killer
+        sig = -returncode if returncode and returncode < 0 else None
+        limit = "cpu" if cpu_spent or sig == signal.SIGXCPU else None
         detail = detail or f"ended before its tests finished (exit status {returncode})"
     return SandboxResult(passed=len(passed), total=total, limit=limit, detail=detail,
                          seconds=seconds)

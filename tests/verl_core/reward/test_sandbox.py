@@ -53,6 +53,10 @@ def test_infinite_loop_is_stopped_by_the_cpu_limit(sandbox):
     r = sandbox.run("while True:\n    pass\n" + GOOD, TESTS)
     assert (r.score, r.limit) == (0.0, "cpu"), r
     assert r.seconds < 7.5  # RLIMIT_CPU (1 s here), before the 8 s wall clock
+    # a loop that ignores SIGXCPU: the hard limit's SIGKILL a second later
+    r = sandbox.run("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+                    "while True:\n    pass\n" + GOOD, TESTS)
+    assert (r.score, r.limit) == (0.0, "cpu"), r
 
 
 @needs_namespaces
