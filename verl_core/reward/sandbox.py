@@ -137,9 +137,12 @@ class SandboxResult:
 
 
 # ------------------------------------------------------------------ the harness (in the sandbox)
-# Runs as ``python -S -s -P -c _HARNESS SETUP_JSON`` with the payload on stdin. Only stdlib, and
-# nothing it does after the response's code starts may be trusted by the parent beyond the
-# nonce-prefixed lines written before the code could read the nonce... see ``report``.
+# Runs as ``python -S -s -P -c _HARNESS SETUP_JSON`` with the payload on stdin (the standard
+# library only). It builds the sandbox (namespaces mode: mounts, chroot, uid), sets the limits,
+# then runs the code and the tests in one interpreter, reporting each result as a line prefixed
+# with the call's nonce on a private copy of the pipe (``report``). The response's code runs in
+# the same process, so it could find the nonce in memory: the nonce stops printed text and an
+# early exit from counting as passed tests, not code written to forge results.
 _HARNESS = r'''
 import builtins, ctypes, errno, io, json, os, resource, signal, sys
 setup = json.loads(sys.argv[1])
