@@ -6,7 +6,8 @@ One row, in verl's layout::
     data_source   "synthetic/code"              (reward.scorer=auto: the ``code`` scorer)
     prompt        [{"role": "user", "content": "Python: def add7(x) returning x plus 7."}]
     ability       "code"
-    reward_model  {"style": "rule", "ground_truth": "assert add7(3) == 10\\nassert add7(-4) == 3\\n..."}
+    reward_model  {"style": "rule",
+                   "ground_truth": "assert add7(3) == 10\\nassert add7(-4) == 3\\n..."}
     extra_info    {"split", "index", "fn_name": "add7",
                    "answer": "```python\\ndef add7(x):\\n    return x + 7\\n```"}
 

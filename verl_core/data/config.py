@@ -78,7 +78,8 @@ class DataConfig:
     problems of 1-3 steps in verl's GSM8K layout, scored by verl's ``gsm8k`` scorer: for a real
     pretrained model, ``data/word_problems.py``) or ``code`` (small Python functions with hidden
     ``assert`` tests, scored by running the response in a sandbox: ``data/code_task.py``,
-    ``reward/code.py``; the tiny model then starts untrained, :data:`~verl_core.config.CODE_DEFAULTS`)."""
+    ``reward/code.py``; the tiny model then starts untrained:
+    :data:`~verl_core.config.CODE_DEFAULTS`)."""
     synthetic_train_size: int = in_trajectory(3000)
     """Rows in the generated training split."""
     synthetic_val_size: int = in_trajectory(500)

@@ -3,9 +3,9 @@
 Every entry takes ``(solution_str, ground_truth)`` and returns a float. A scorer registered with
 ``runs_code=True`` (``code``) runs the response in a sandbox process: it also takes
 ``sandbox=`` (the run's :class:`~verl_core.reward.sandbox.Sandbox`, its limits and pool), and the
-reward manager runs its calls concurrently, at most ``reward.sandbox_max_concurrent`` at once. ``reward.scorer=auto``
-dispatches on each row's ``data_source``; ``reward.scorer=arithmetic`` / ``gsm8k`` applies one
-scorer to every row. Anything else is a custom scorer (``custom.py``, run by ``manager.py``).
+reward manager runs its calls concurrently, at most ``reward.sandbox_max_concurrent`` at once.
+``reward.scorer=auto`` dispatches on each row's ``data_source``; ``reward.scorer=arithmetic`` /
+``gsm8k`` applies one scorer to every row. Anything else is a custom scorer (``custom.py``, run by ``manager.py``).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def register_rule_scorer(name: str, fn: RuleScorer, data_sources: tuple[str, ...
                          check_ground_truth: Callable[[str], object] | None = None) -> None:
     """Register ``fn`` under ``name`` and route ``data_sources`` (and every source starting with
     one of ``data_source_prefixes``) to it. Names are unique, and every rule scorer declares the
-    ``score_range`` (lo, hi) its scores lie in. ``runs_code``: see the module docstring; ``check_ground_truth``:
-    :data:`GROUND_TRUTH_CHECKS`."""
+    ``score_range`` (lo, hi) its scores lie in. ``runs_code``: see the module docstring;
+    ``check_ground_truth``: :data:`GROUND_TRUTH_CHECKS`."""
     if name in RULE_SCORERS or name == "auto":
         raise ValueError(f"rule scorer {name!r} is already registered")
     taken = [ds for ds in data_sources if ds in DATA_SOURCE_SCORERS] + \

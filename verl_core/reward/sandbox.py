@@ -89,7 +89,8 @@ class SandboxLimits:
     cpu_s: float = 0.0
     """CPU-time limit (RLIMIT_CPU, whole seconds); 0: half of ``timeout_s``."""
     memory_mb: int = 1024
-    """Address-space limit (RLIMIT_AS) of the process (verl's ``sandbox_fusion.memory_limit_mb``)."""
+    """Address-space limit (RLIMIT_AS) of the process (verl's
+    ``sandbox_fusion.memory_limit_mb``)."""
     file_size_mb: int = 16
     """Largest file the code may write (RLIMIT_FSIZE); the scratch tmpfs holds twice this."""
     max_processes: int = 16
@@ -167,7 +168,8 @@ if setup["mode"] == "namespaces":
     RDONLY, NOSUID, NODEV, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
     mount(None, "/", None, REC | PRIVATE)
     root = setup["root"]
-    mount("tmpfs", root, "tmpfs", NOSUID | NODEV, f"size={setup['tmpfs_mb']}m,nr_inodes=4096,mode=755")
+    mount("tmpfs", root, "tmpfs", NOSUID | NODEV,
+          f"size={setup['tmpfs_mb']}m,nr_inodes=4096,mode=755")
     for path in setup["binds"]:
         dst = root + path
         if os.path.islink(path):
@@ -250,7 +252,8 @@ for i, t in enumerate(tests):
         elif kind == "stdio":
             ok = same_output(run_program(code, t[0]), t[1])
         else:
-            args = t[0] if isinstance(t[0], list) else [json.loads(x) for x in str(t[0]).splitlines()]
+            args = t[0] if isinstance(t[0], list) else \
+                [json.loads(x) for x in str(t[0]).splitlines()]
             got = fn(*args)
             got = list(got) if isinstance(got, tuple) else got
             want = t[1]
