@@ -5,7 +5,8 @@ Every entry takes ``(solution_str, ground_truth)`` and returns a float. A scorer
 ``sandbox=`` (the run's :class:`~verl_core.reward.sandbox.Sandbox`, its limits and pool), and the
 reward manager runs its calls concurrently, at most ``reward.sandbox_max_concurrent`` at once.
 ``reward.scorer=auto`` dispatches on each row's ``data_source``; ``reward.scorer=arithmetic`` /
-``gsm8k`` applies one scorer to every row. Anything else is a custom scorer (``custom.py``, run by ``manager.py``).
+``gsm8k`` applies one scorer to every row. Anything else is a custom scorer (``custom.py``, run
+by ``manager.py``).
 """
 
 from __future__ import annotations
