@@ -69,9 +69,11 @@ class RewardConfig:
     """Sandboxed code runs at once in the reward phase (verl's
     ``reward_model.sandbox_fusion.max_concurrent``); speed only."""
     sandbox_isolation: str = not_in_trajectory("auto")
-    """``auto`` (namespaces where this machine allows them, else resource limits only, with a
-    warning), ``namespaces`` (fail where they are not allowed) or ``rlimits`` (limits only:
-    no network or filesystem isolation); docs/rewards.md, "Code execution rewards"."""
+    """``auto`` (``namespaces`` as root, else ``userns`` where user namespaces are allowed,
+    else ``rlimits``, with a warning), ``namespaces`` (root: namespaces and a uid of its own;
+    fails where not allowed), ``userns`` (the same namespaces in a user namespace, without root)
+    or ``rlimits`` (limits only: no network or filesystem isolation); docs/rewards.md, "Code
+    execution rewards"."""
     # a run that completes scores the same whatever the next four are
     num_workers: int = not_in_trajectory(2)
     """Worker processes for custom scorers."""
@@ -97,7 +99,7 @@ class RewardConfig:
         _positive("reward", self, "sandbox_timeout_s", "sandbox_memory_mb",
                   "sandbox_max_concurrent")
         _one_of("reward", "sandbox_isolation", self.sandbox_isolation,
-                {"auto", "namespaces", "rlimits"})
+                {"auto", "namespaces", "userns", "rlimits"})
         if self.sandbox_url and not self.sandbox_url.startswith(("http://", "https://")):
             _fail("reward", "sandbox_url", self.sandbox_url,
                   "must be empty (the local sandbox) or the http(s) URL of a SandboxFusion "

@@ -31,11 +31,17 @@ One call = one process tree, started by :meth:`Sandbox.run`:
 - **Environment**: the parent's is never inherited: ``PATH``, ``LANG``, ``HOME``/``TMPDIR``
   (the scratch directory) and ``PYTHONHASHSEED=0`` only (no S3 keys, no store paths). The
   interpreter runs with ``-S -s -P``: the standard library only, no site-packages.
+- **Without root** (``isolation="userns"``, what ``auto`` picks where this process is not root
+  and unprivileged user namespaces are allowed): the same namespaces, mounts and chroot inside a
+  user namespace (``unshare --map-root-user``); instead of the uid switch, a nested user
+  namespace entered before the chroot leaves the code no capability over its mounts (the binds
+  stay read-only), and RLIMIT_NPROC counts the trainer's uid's processes too (the limit is set
+  that many above them).
 - **Fallback** (``isolation="rlimits"``, what ``auto`` picks where ``unshare`` is refused, e.g.
-  an unprivileged container): the same limits and environment in a plain child process with a
-  scratch directory as cwd, removed after; with no network or filesystem isolation and a process
-  limit shared with the trainer's own uid. ``auto`` logs a warning naming what does not hold
-  (docs/rewards.md, "Code execution rewards").
+  a container whose seccomp profile forbids it): the same limits and environment in a plain
+  child process with a scratch directory as cwd, removed after; with no network or filesystem
+  isolation and a process limit shared with the trainer's own uid. ``auto`` logs a warning
+  naming what does not hold (docs/rewards.md, "Code execution rewards").
 
 Why the standard library (``subprocess``, ``resource``, ``ctypes`` for ``mount``/``chroot``)
 and no sandbox package: what is needed is a few system calls; the Python sandboxes on PyPI
@@ -158,7 +164,7 @@ def report(*parts):
             pass
         out.write("\n" + nonce + " " + json.dumps(parts) + "\n")
         out.flush()
-if setup["mode"] == "namespaces":
+if setup["mode"] != "rlimits":
     libc = ctypes.CDLL(None, use_errno=True)
     def mount(src, dst, fstype, flags, data=None):
         enc = lambda s: None if s is None else s.encode()
@@ -183,15 +189,23 @@ if setup["mode"] == "namespaces":
             open(dst, "w").close()
         mount(path, dst, None, BIND)
         dev = path.startswith("/dev/")
-        mount(None, dst, None, REMOUNT | BIND | NOSUID | (0 if dev else RDONLY | NODEV))
+        # keep the source's own flags (a user namespace may not clear them), add ours
+        f = os.statvfs(path).f_flag
+        kept = (f & (RDONLY | NOSUID | NODEV | 8 | 1024 | 2048)) | ((1 << 21) if f & 4096 else 0)
+        mount(None, dst, None, REMOUNT | BIND | NOSUID | kept | (0 if dev else RDONLY | NODEV))
     os.makedirs(root + "/work")
     os.chmod(root + "/work", 0o1777)
+    uid = setup["uid"]
+    # userns mode: a nested user namespace (before the chroot, which forbids it) leaves no
+    # capability over this mount namespace: the binds stay read-only for good
+    if uid is None and libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
     os.chroot(root)
     os.chdir("/work")
-    uid = setup["uid"]
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
 else:
     os.chdir(setup["root"])
@@ -267,15 +281,16 @@ os._exit(0)
 
 
 # ------------------------------------------------------------------ isolation modes
-ISOLATIONS = ("auto", "namespaces", "rlimits")
+ISOLATIONS = ("auto", "namespaces", "userns", "rlimits")
 _probe_lock = threading.Lock()
 _probed: dict[str, str | None] = {}
 _warned = False
 
 
-def _unshare_cmd() -> list[str]:
+def _unshare_cmd(userns: bool = False) -> list[str]:
     exe = shutil.which("unshare") or "/usr/bin/unshare"
-    return [exe, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
+    return [exe, *(["--map-root-user"] if userns else []), "--mount", "--net", "--pid", "--ipc",
+            "--uts", "--fork", "--kill-child"]
 
 
 def isolation_available() -> str | None:
@@ -287,17 +302,26 @@ def isolation_available() -> str | None:
         return _probed["namespaces"]
 
 
-def _probe() -> str | None:
+def userns_available() -> str | None:
+    """Why ``userns`` (the same namespaces without root, in a user namespace) cannot run here
+    (None when it can)."""
+    with _probe_lock:
+        if "userns" not in _probed:
+            _probed["userns"] = _probe(userns=True)
+        return _probed["userns"]
+
+
+def _probe(userns: bool = False) -> str | None:
     if not sys.platform.startswith("linux"):
         return f"namespaces are Linux's (this is {sys.platform})"
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 and not userns:
         return ("it needs root: the sandboxed code runs as its own uid, and Linux applies "
                 "RLIMIT_NPROC only to a non-root uid; this process runs as uid "
                 f"{os.geteuid()}")
     if not shutil.which("unshare"):
         return "the unshare command (util-linux) is not installed"
     try:
-        r = subprocess.run([*_unshare_cmd(), "true"], capture_output=True, timeout=10,
+        r = subprocess.run([*_unshare_cmd(userns), "true"], capture_output=True, timeout=10,
                            env={"PATH": "/usr/bin:/bin"})
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unshare failed to run: {e}"
@@ -311,17 +335,31 @@ def _resolve(isolation: str) -> str:
     global _warned
     if isolation not in ISOLATIONS:
         raise ValueError(f"isolation={isolation!r}: known: {', '.join(ISOLATIONS)}")
-    why = isolation_available() if isolation != "rlimits" else None
+    if isolation == "rlimits":
+        return "rlimits"
+    why = isolation_available() if isolation != "userns" else "not asked for"
     if isolation == "namespaces" and why:
         raise SandboxError(f"sandbox isolation 'namespaces' is not available: {why}")
-    if isolation == "auto" and why:
-        if not _warned:
+    if not why:
+        return "namespaces"
+    why_userns = userns_available()
+    if isolation == "userns" and why_userns:
+        raise SandboxError(f"sandbox isolation 'userns' is not available: {why_userns}")
+    if not why_userns:
+        if isolation == "auto" and not _warned:
             _warned = True
-            log.warning("code sandbox: namespaces unavailable (%s); falling back to resource "
-                        "limits only: the code can reach the network and read what this "
-                        "process's uid can read (docs/rewards.md, 'Code execution rewards')", why)
-        return "rlimits"
-    return "rlimits" if isolation == "rlimits" else "namespaces"
+            log.warning("code sandbox: namespaces as root unavailable (%s); using a user "
+                        "namespace: the same network and filesystem isolation, but the "
+                        "process limit counts this uid's own processes too (docs/rewards.md, "
+                        "'Code execution rewards')", why)
+        return "userns"
+    if not _warned:
+        _warned = True
+        log.warning("code sandbox: namespaces unavailable (%s; %s); falling back to resource "
+                    "limits only: the code can reach the network and read what this "
+                    "process's uid can read (docs/rewards.md, 'Code execution rewards')",
+                    why, why_userns)
+    return "rlimits"
 
 
 def _binds() -> list[str]:
@@ -403,9 +441,11 @@ class Sandbox:
         nonce = secrets.token_hex(16)
         scratch = tempfile.mkdtemp(prefix="verl-sandbox-")
         os.chmod(scratch, 0o755)
-        uid = SANDBOX_UID_BASE + slot
-        namespaced = self.mode == "namespaces"
-        nproc = lim.max_processes if namespaced else _own_processes() + lim.max_processes
+        namespaced = self.mode != "rlimits"
+        # as root, its own uid per slot, so RLIMIT_NPROC counts its processes alone; else the
+        # limit counts this uid's processes too: allow that many more
+        uid = SANDBOX_UID_BASE + slot if self.mode == "namespaces" else None
+        nproc = lim.max_processes if uid is not None else _own_processes() + lim.max_processes
         setup = {"mode": self.mode, "root": scratch, "binds": _binds() if namespaced else [],
                  "uid": uid, "cpu_s": lim.cpu_limit_s, "memory_mb": int(lim.memory_mb),
                  "file_size_mb": int(lim.file_size_mb), "tmpfs_mb": 2 * int(lim.file_size_mb) + 1,
@@ -415,7 +455,7 @@ class Sandbox:
                "PYTHONHASHSEED": "0"}
         cmd = [_python(), "-S", "-s", "-P", "-c", _HARNESS, json.dumps(setup)]
         if namespaced:
-            cmd = _unshare_cmd() + cmd
+            cmd = _unshare_cmd(userns=self.mode == "userns") + cmd
         payload = json.dumps({"nonce": nonce, "code": code, "tests": tests, "kind": kind,
                               "fn_name": fn_name}).encode()
         t0 = time.perf_counter()

@@ -184,3 +184,67 @@ def test_bad_arguments_are_refused():
     if isolation_available() is not None:
         with pytest.raises(SandboxError, match="not available"):
             Sandbox(isolation="namespaces")
+
+
+_AS_NOBODY = r'''
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+S = importlib.util.module_from_spec(spec)
+sys.modules["sandbox"] = S
+spec.loader.exec_module(S)
+sb = S.Sandbox(S.SandboxLimits(timeout_s=8.0, cpu_s=1))
+tests, secret = ["assert f(1) == 2", "assert f(5) == 6"], sys.argv[2]
+good = "def f(x):\n    return x + 1\n"
+out = {"mode": sb.mode, "uid": os.getuid()}
+for kind, code in {"good": good, "fork": "import os\nwhile True:\n    os.fork()\n" + good,
+                   "socket": "import socket\nsocket.create_connection(('1.1.1.1', 80))\n" + good,
+                   "secret": f"open({secret!r}).read()\n" + good,
+                   "remount": "import ctypes\nl = ctypes.CDLL(None, use_errno=True)\n"
+                              "assert l.mount(None, b'/usr', None, 32 | 4096, None) == 0\n",
+                   }.items():
+    r = sb.run(code, tests)
+    out[kind] = [r.score, r.limit]
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3")
+                    or not os.path.exists("/usr/bin/setpriv"),
+                    reason="needs root (to become another user), /usr/bin/python3 and setpriv")
+def test_without_root_a_user_namespace_isolates_the_same(tmp_path):
+    """As an unprivileged user (``nobody``), ``auto`` picks ``userns``: the same network and
+    filesystem isolation; the process limit holds (counted with that user's own)."""
+    import json
+    import shutil
+    import tempfile
+
+    from verl_core.reward import sandbox as module
+
+    if userns := subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                 "unshare", "--map-root-user", "--net", "true"],
+                                capture_output=True).returncode:
+        pytest.skip(f"unprivileged user namespaces are not allowed here ({userns})")
+    shared = tempfile.mkdtemp(prefix="verl-sandbox-test-", dir="/tmp")  # readable by nobody
+    try:
+        os.chmod(shared, 0o755)
+        shutil.copy(module.__file__, os.path.join(shared, "sandbox.py"))
+        secret = tmp_path / "secret"  # the store of the run: nobody cannot even look there
+        secret.write_text("s3cr3t")
+        readable = os.path.join(shared, "secret")  # ... and one it could read outside
+        shutil.copy(secret, readable)
+        os.chmod(readable, 0o644)
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            "--inh-caps=-all", "--bounding-set=-all", "/usr/bin/python3", "-c",
+                            _AS_NOBODY, os.path.join(shared, "sandbox.py"), readable],
+                           capture_output=True, text=True, timeout=120, cwd=shared,
+                           env={"PATH": "/usr/bin:/bin", "TMPDIR": shared})
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["mode"], out["uid"]) == ("userns", 65534)
+    assert out["good"] == [1.0, None]
+    assert out["fork"] == [0.0, "nproc"]
+    assert out["socket"] == [0.0, "network"]
+    assert out["secret"] == [0.0, "filesystem"]
+    assert out["remount"][0] == 0.0  # the binds stay read-only: no capability over them
