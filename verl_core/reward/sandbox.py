@@ -573,8 +573,8 @@ def _parse(data: bytes, nonce: str, total: int, why: str | None, returncode: int
     if not ready and why is None:
         text = data.decode("utf-8", errors="replace").strip()[-400:]
         raise SandboxError(f"code sandbox: the harness did not start (exit status {returncode}): "
-                           f"{text or 'no output'}; isolation 'namespaces' needs root and "
-                           "unshare; reward.sandbox_isolation=rlimits runs without them")
+                           f"{text or 'no output'}; if the namespaces could not be set up, "
+                           "reward.sandbox_isolation=rlimits runs without them")
     if not done and limit is None:
         # killed without a report of its own: RLIMIT_CPU's SIGKILL (the code ignored SIGXCPU;
         # unshare reports a killed child as exit status 1), or the OOM killer
