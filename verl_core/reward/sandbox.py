@@ -99,7 +99,7 @@ class SandboxLimits:
     ``sandbox_fusion.memory_limit_mb``)."""
     file_size_mb: int = 16
     """Largest file the code may write (RLIMIT_FSIZE); the scratch tmpfs holds twice this."""
-    max_processes: int = 16
+    max_processes: int = 8
     """Processes (and threads) the code may have at once (RLIMIT_NPROC, per sandbox uid)."""
     max_output_bytes: int = 1 << 16
     """Most bytes read back from a call; beyond it the call is killed and scores 0."""
