@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from verl_core.agent.tools import ToolConfigError, ToolHost, tool_entries
 from verl_core.config import RunConfig
+from verl_core.data.code_task import write_code_dataset
+from verl_core.data.dataset import DatasetError, load_prompt_rows
 from verl_core.data.prompts import load_checked_rows
 from verl_core.data.synthetic import write_arithmetic_dataset, write_calculator_dataset
 from verl_core.data.word_problems import write_word_problem_dataset
@@ -63,6 +65,11 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
             os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
             val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
         train_files, val_files = [train], [val]
+    elif cfg.data.synthetic_task == "code":
+        train, val = write_code_dataset(
+            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
+            val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
+        train_files, val_files = [train], [val]
     elif calculator:
         train, val = write_calculator_dataset(
             os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
@@ -83,6 +90,7 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
     rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length, cfg.data.truncation,
                              schemas)
     load_checked_rows(tok, val_files, cfg.data.max_prompt_length, cfg.data.truncation, schemas)
+    check_ground_truths(cfg.reward.scorer, [*train_files, *val_files])
     # the GX suite, every row; without the tokenizer: the prompt lengths were checked just above
     validate_dataset_files([*train_files, *val_files], cfg)
     if cfg.model.path and cfg.model.format_warmup_steps:
@@ -132,6 +140,28 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
     log(precision_line(model_path, cfg.model.dtype))
     return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
                   reward_model_path=rm.path if rm.enable else "")
+
+
+def check_ground_truths(scorer: str, files: list[str]) -> None:
+    """Every row whose scorer checks its ground truths (``registry.GROUND_TRUTH_CHECKS``: a code
+    row without tests) is usable, or a DatasetError naming the file, the row and the fix, before
+    any model work."""
+    from verl_core.reward.registry import GROUND_TRUTH_CHECKS, scorer_for
+
+    if not GROUND_TRUTH_CHECKS or (scorer != "auto" and scorer not in GROUND_TRUTH_CHECKS):
+        return
+    for path in files:
+        for r in load_prompt_rows([path]):
+            check = GROUND_TRUTH_CHECKS.get(scorer if scorer != "auto" else
+                                            scorer_for(r.data_source))
+            if check is None:
+                continue
+            try:
+                check(r.ground_truth)
+            except ValueError as e:
+                raise DatasetError(f"{path}: row {r.index} (0-based), column "
+                                   f"'reward_model.ground_truth' (data_source "
+                                   f"{r.data_source!r}): {e}") from None
 
 
 def check_tools(cfg: RunConfig, tokenizer) -> list[dict] | None:

@@ -57,7 +57,8 @@ __all__ = [
     # the run, overrides, presets
     "RunConfig", "SECTIONS", "MOVED_KEYS", "effective_line", "typed_overrides", "with_overrides",
     "dotted_keys", "did_you_mean",
-    "CALCULATOR_DEFAULTS", "DEMO_TEMPERATURE", "USER_MODEL_DEFAULTS", "USER_MODEL_EVAL",
+    "CALCULATOR_DEFAULTS", "CODE_DEFAULTS", "DEMO_TEMPERATURE", "USER_MODEL_DEFAULTS",
+    "USER_MODEL_EVAL",
     "grpo_preset",
     "ppo_preset", "preset",
 ]
@@ -814,6 +815,17 @@ tiny model's 128 positions); the two-part warm start of ``model.warmup_mixed_ste
 early stop (the warm-started model answers without the tool when greedy, by design)."""
 
 
+CODE_DEFAULTS: dict[str, object] = {
+    "rollout.max_new_tokens": 64,
+    "model.warmup_sft_steps": 0,
+}
+"""The code task's settings with the tiny model (``data.synthetic_task=code``, no
+``model.path``), for fields the overrides leave unset: a prompt (at most 63 characters and
+``<bos>``) and 64 response tokens fill its 128 positions; no warm start (its targets are the
+rows' ground truths, here tests, not answers): the untrained model's code fails the tests, so
+rewards are about 0. A model you bring gets verl's sizes (:data:`USER_MODEL_DEFAULTS`)."""
+
+
 USER_MODEL_EVAL: dict[str, object] = {"data.val_max_samples": 64}
 """Where a model you bring departs from verl's defaults: verl evaluates every held-out row
 (``val_max_samples: -1``); a full GSM8K test split (1,319 prompts) at verl's 512-token responses
@@ -828,6 +840,8 @@ def _model_aware(base: RunConfig, overrides: dict) -> dict:
     mini-batch (:func:`_fitted_micro_batch`)."""
     if overrides.get("data.synthetic_task") == "calculator":
         overrides = {**CALCULATOR_DEFAULTS, **overrides}
+    if overrides.get("data.synthetic_task") == "code" and not overrides.get("model.path"):
+        overrides = {**CODE_DEFAULTS, **overrides}
     if overrides.get("model.path"):
         out = {**USER_MODEL_DEFAULTS, **USER_MODEL_EVAL, **overrides}
     elif "rollout.temperature" in overrides:

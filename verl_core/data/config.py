@@ -76,7 +76,10 @@ class DataConfig:
     built-in calculator tool in multi-turn rollouts; the presets then set
     :data:`~verl_core.config.CALCULATOR_DEFAULTS`) or ``word_problems`` (GSM8K-style word
     problems of 1-3 steps in verl's GSM8K layout, scored by verl's ``gsm8k`` scorer: for a real
-    pretrained model, ``data/word_problems.py``)."""
+    pretrained model, ``data/word_problems.py``) or ``code`` (small Python functions with hidden
+    ``assert`` tests, scored by running the response in a sandbox: ``data/code_task.py``,
+    ``reward/code.py``; the tiny model then starts untrained:
+    :data:`~verl_core.config.CODE_DEFAULTS`)."""
     synthetic_train_size: int = in_trajectory(3000)
     """Rows in the generated training split."""
     synthetic_val_size: int = in_trajectory(500)
@@ -98,7 +101,7 @@ class DataConfig:
         _positive("data", self, "train_batch_size", "val_batch_size", "max_prompt_length",
                   "synthetic_train_size", "synthetic_val_size", "synthetic_max_operand")
         _one_of("data", "synthetic_task", self.synthetic_task,
-                {"arithmetic", "calculator", "word_problems"})
+                {"arithmetic", "calculator", "word_problems", "code"})
         _one_of("data", "truncation", self.truncation, set(TRUNCATIONS))
         m = self.synthetic_max_operand
         unique = (m + 1) ** 2 + (m + 1) * (m + 2) // 2  # a+b, and a-b with a >= b

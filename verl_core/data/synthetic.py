@@ -51,14 +51,19 @@ OPS: dict[str, Callable[[int, int], int]] = {
 
 Problem = tuple[int, str, int, int]  # (a, op, b, answer)
 
-_SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("ability", pa.string()),
-    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("a", pa.int64()),
-                              ("b", pa.int64()), ("op", pa.string())])),
-])
+def row_schema(extra_info: list[tuple[str, pa.DataType]]) -> pa.Schema:
+    """verl's row layout with ``extra_info`` holding ``split``, ``index`` and these fields."""
+    return pa.schema([
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()),
+                                  *extra_info])),
+    ])
+
+
+_SCHEMA = row_schema([("a", pa.int64()), ("b", pa.int64()), ("op", pa.string())])
 
 
 def arithmetic_problems(max_operand: int, ops: str = "+-") -> list[Problem]:
@@ -155,15 +160,22 @@ def write_calculator_dataset(out_dir: str, *, train_size: int, val_size: int, se
 
 def _write_splits(out_dir: str, train: list[Problem], val: list[Problem], data_source: str,
                   storage_options: dict | None) -> tuple[str, str]:
+    return write_row_splits(out_dir, arithmetic_rows(train, "train", data_source),
+                            arithmetic_rows(val, "val", data_source), _SCHEMA, storage_options)
+
+
+def write_row_splits(out_dir: str, train: list[dict], val: list[dict], schema: pa.Schema,
+                     storage_options: dict | None) -> tuple[str, str]:
+    """Write the rows as ``train.parquet`` and ``val.parquet`` under ``out_dir`` (a path or
+    fsspec URI) -> ``(train_path, val_path)``."""
     fs, root = fsspec.core.url_to_fs(out_dir,
                                      **resolve_storage_options(out_dir, storage_options))
     fs.makedirs(root, exist_ok=True)
     paths = []
-    for split, probs in (("train", train), ("val", val)):
+    for split, rows in (("train", train), ("val", val)):
         path = f"{root.rstrip('/')}/{split}.parquet"
-        table = pa.Table.from_pylist(arithmetic_rows(probs, split, data_source), schema=_SCHEMA)
         with fs.open(path, "wb") as f:
-            pq.write_table(table, f)
+            pq.write_table(pa.Table.from_pylist(rows, schema=schema), f)
         # return the caller's spelling (a URI stays a URI; a local path stays a path)
         paths.append(f"{out_dir.rstrip('/')}/{split}.parquet" if "://" in out_dir else path)
     return paths[0], paths[1]

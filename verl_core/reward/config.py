@@ -12,6 +12,16 @@ from verl_core.config_fields import (_check_types, _fail, _non_negative, _one_of
                                      in_trajectory, not_in_trajectory)
 
 
+def _sandbox_tuned(run) -> bool:
+    """The code sandbox's limits at their defaults: the run hashes as before they existed."""
+    r = run.reward
+    return (r.sandbox_timeout_s, r.sandbox_memory_mb) != (5.0, 1024)
+
+
+def _sandbox_url_set(run) -> bool:
+    return bool(run.reward.sandbox_url)
+
+
 def _overlong_on(run) -> bool:
     """``reward.overlong_buffer_enable`` off: the buffer's fields do nothing, and the run hashes
     as before they existed."""
@@ -45,6 +55,25 @@ class RewardConfig:
     overlong_buffer_log: bool = not_in_trajectory(False)
     """Log ``reward/overlong_reward_mean`` and ``reward/overlong_fraction`` each step (verl's
     ``overlong_buffer.log``, which records the per-response ``overlong_reward``/``overlong``)."""
+    sandbox_timeout_s: float = in_trajectory(5.0, when=_sandbox_tuned)
+    """Wall-clock limit of one sandboxed code run (the ``code`` scorer, ``reward/sandbox.py``);
+    its CPU limit is half of it. Code still running then scores 0."""
+    sandbox_memory_mb: int = in_trajectory(1024, when=_sandbox_tuned)
+    """Address-space limit of one sandboxed code run (verl's
+    ``reward_model.sandbox_fusion.memory_limit_mb``); an allocation beyond it fails."""
+    sandbox_url: str = in_trajectory("", when=_sandbox_url_set)
+    """Empty: code runs in the local sandbox. An http(s) URL of a SandboxFusion service's
+    ``/run_code`` (verl's ``reward_model.sandbox_fusion.url``): each test one request there
+    (``reward/sandbox_fusion.py``); an unreachable or failing service fails the reward phase."""
+    sandbox_max_concurrent: int = not_in_trajectory(4)
+    """Sandboxed code runs at once in the reward phase (verl's
+    ``reward_model.sandbox_fusion.max_concurrent``); speed only."""
+    sandbox_isolation: str = not_in_trajectory("auto")
+    """``auto`` (``namespaces`` as root, else ``userns`` where user namespaces are allowed,
+    else ``rlimits``, with a warning), ``namespaces`` (root: namespaces and a uid of its own;
+    fails where not allowed), ``userns`` (the same namespaces in a user namespace, without root)
+    or ``rlimits`` (limits only: no network or filesystem isolation); docs/rewards.md, "Code
+    execution rewards"."""
     # a run that completes scores the same whatever the next four are
     num_workers: int = not_in_trajectory(2)
     """Worker processes for custom scorers."""
@@ -67,6 +96,14 @@ class RewardConfig:
             _fail("reward", "max_timeout_fraction", self.max_timeout_fraction,
                   "must be in [0, 1] (1 never fails on timeouts)")
         _one_of("reward", "on_timeouts", self.on_timeouts, {"fail", "warn"})
+        _positive("reward", self, "sandbox_timeout_s", "sandbox_memory_mb",
+                  "sandbox_max_concurrent")
+        _one_of("reward", "sandbox_isolation", self.sandbox_isolation,
+                {"auto", "namespaces", "userns", "rlimits"})
+        if self.sandbox_url and not self.sandbox_url.startswith(("http://", "https://")):
+            _fail("reward", "sandbox_url", self.sandbox_url,
+                  "must be empty (the local sandbox) or the http(s) URL of a SandboxFusion "
+                  "service's /run_code, e.g. http://sandbox:8080/run_code")
         _non_negative("reward", self, "overlong_buffer_len", "overlong_penalty_factor")
         if self.overlong_buffer_enable and self.overlong_buffer_len < 1:
             _fail("reward", "overlong_buffer_len", self.overlong_buffer_len,

@@ -6,7 +6,10 @@
 - ``arithmetic`` / ``gsm8k``: that rule scorer for every row;
 - anything else: a custom ``file.py:function`` / ``module:function`` spec (see ``custom.py``).
 
-Rule scorers are ours, fast and trusted, so they run in-process with no timeout. A custom
+Rule scorers are ours, fast and trusted, so they run in-process with no timeout; those that run
+the response's code (``code``, ``registry.RUNS_CODE``) start one sandboxed process per call
+(``reward/sandbox.py``: its own limits and wall clock), at most ``sandbox_max_concurrent`` at
+once, from a thread pool (the waiting is on processes). A custom
 scorer is user code that may hang or crash, so the parent never imports it: it is loaded and
 called only in ``pebble.ProcessPool`` workers, each under a deadline.
 
@@ -56,7 +59,10 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from verl_core.alarm import alarm
 from verl_core.errors import PermanentError
 from verl_core.reward.custom import ScorerLoadError, load_scorer, parse_spec
-from verl_core.reward.registry import RULE_SCORERS, UnknownDataSourceError, default_compute_score
+from verl_core.reward.registry import (RULE_SCORERS, RUNS_CODE, UnknownDataSourceError,
+                                       default_compute_score, scorer_for)
+from verl_core.reward.sandbox import Sandbox, SandboxLimits
+from verl_core.reward.sandbox_fusion import SandboxFusion, SandboxUnavailableError
 
 if TYPE_CHECKING:
     from verl_core.reward.config import RewardConfig
@@ -225,7 +231,9 @@ class RewardScorer:
     def __init__(self, scorer: str = "auto", *, timeout_s: float = 10.0,
                  timeout_score: float = 0.0, num_workers: int = 2,
                  import_timeout_s: float = 60.0, max_timeout_fraction: float = 0.5,
-                 on_timeouts: str = "fail"):
+                 on_timeouts: str = "fail", sandbox_limits: SandboxLimits | None = None,
+                 sandbox_max_concurrent: int = 4, sandbox_isolation: str = "auto",
+                 sandbox_url: str = ""):
         for name, v in (("timeout_s", timeout_s), ("import_timeout_s", import_timeout_s)):
             if not (isinstance(v, numbers.Real) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name}={v!r}: must be a finite number > 0")
@@ -244,6 +252,14 @@ class RewardScorer:
         self.import_timeout_s = float(import_timeout_s)
         self.max_timeout_fraction = float(max_timeout_fraction)
         self.on_timeouts = on_timeouts
+        self.sandbox_limits = sandbox_limits or SandboxLimits()
+        if not isinstance(sandbox_max_concurrent, int) or sandbox_max_concurrent < 1:
+            raise ValueError(f"sandbox_max_concurrent={sandbox_max_concurrent!r}: must be an "
+                             "int >= 1")
+        self.sandbox_max_concurrent = sandbox_max_concurrent
+        self.sandbox_isolation = sandbox_isolation
+        self.sandbox_url = sandbox_url
+        self._sandbox: Sandbox | SandboxFusion | None = None
         self._pool = None
         if self.is_custom:
             parse_spec(scorer)  # a malformed spec fails here, before any process starts
@@ -253,7 +269,11 @@ class RewardScorer:
         """The scorer a run's ``reward`` config section describes."""
         return cls(cfg.scorer, timeout_s=cfg.timeout_s, timeout_score=cfg.timeout_score,
                    num_workers=cfg.num_workers, import_timeout_s=cfg.import_timeout_s,
-                   max_timeout_fraction=cfg.max_timeout_fraction, on_timeouts=cfg.on_timeouts)
+                   max_timeout_fraction=cfg.max_timeout_fraction, on_timeouts=cfg.on_timeouts,
+                   sandbox_limits=SandboxLimits(timeout_s=cfg.sandbox_timeout_s,
+                                                memory_mb=cfg.sandbox_memory_mb),
+                   sandbox_max_concurrent=cfg.sandbox_max_concurrent,
+                   sandbox_isolation=cfg.sandbox_isolation, sandbox_url=cfg.sandbox_url)
 
     @property
     def is_custom(self) -> bool:
@@ -312,25 +332,56 @@ class RewardScorer:
                 "reward.on_timeouts='warn' to train on them anyway")
         log.warning(msg)
 
+    def sandbox(self) -> Sandbox | SandboxFusion:
+        """The sandbox (limits, pool) the code-running rule scorers get, made on first use: the
+        local one, or the SandboxFusion service at ``sandbox_url``."""
+        if self._sandbox is None and self.sandbox_url:
+            self._sandbox = SandboxFusion(self.sandbox_url, self.sandbox_limits,
+                                          max_concurrent=self.sandbox_max_concurrent)
+        if self._sandbox is None:
+            self._sandbox = Sandbox(self.sandbox_limits,
+                                    max_concurrent=self.sandbox_max_concurrent,
+                                    isolation=self.sandbox_isolation)
+        return self._sandbox
+
     def _score_rule(self, data_sources, solution_strs, ground_truths, extra_infos,
                     special) -> list:
+        n = len(solution_strs)
+        names = [self.scorer if self.scorer != "auto" else scorer_for(data_sources[i])
+                 for i in range(n)]
+        # rows whose scorer runs their code: one sandboxed process each, in a bounded pool
+        sandboxed = [i for i in range(n) if not special[i] and names[i] in RUNS_CODE]
+        futures = {}
+        if sandboxed:
+            from concurrent.futures import ThreadPoolExecutor
+
+            sb = self.sandbox()
+            pool = ThreadPoolExecutor(sb.max_concurrent, thread_name_prefix="sandbox")
+            futures = {i: pool.submit(RULE_SCORERS[names[i]], solution_strs[i],
+                                      ground_truths[i], sandbox=sb) for i in sandboxed}
         out = []
-        for i in range(len(solution_strs)):
-            if special[i]:  # a special token inside the answer: wrong, whatever the text says
-                out.append(0.0)
-                continue
-            try:
-                if self.scorer == "auto":
-                    out.append(default_compute_score(data_sources[i], solution_strs[i],
-                                                     ground_truths[i], extra_infos[i]))
-                else:
-                    out.append(RULE_SCORERS[self.scorer](solution_strs[i], ground_truths[i]))
-            except UnknownDataSourceError:  # a config problem, with its own fix in the message
-                raise
-            except Exception as e:
-                raise ScorerError(f"scorer {self.scorer!r} failed on "
-                                  f"{_row(i, data_sources[i], ground_truths[i])}: "
-                                  f"{type(e).__name__}: {e}") from e
+        try:
+            for i in range(n):  # in index order: the first failure is deterministic
+                if special[i]:  # a special token inside the answer: wrong, whatever it says
+                    out.append(0.0)
+                    continue
+                try:
+                    if i in futures:
+                        out.append(futures[i].result())
+                    elif self.scorer == "auto":
+                        out.append(default_compute_score(data_sources[i], solution_strs[i],
+                                                         ground_truths[i], extra_infos[i]))
+                    else:
+                        out.append(RULE_SCORERS[self.scorer](solution_strs[i], ground_truths[i]))
+                except (UnknownDataSourceError, SandboxUnavailableError):
+                    raise  # a config problem or an outage, with its own fix in the message
+                except Exception as e:
+                    raise ScorerError(f"scorer {names[i] or self.scorer!r} failed on "
+                                      f"{_row(i, data_sources[i], ground_truths[i])}: "
+                                      f"{type(e).__name__}: {e}") from e
+        finally:
+            if futures:
+                pool.shutdown(wait=True, cancel_futures=True)
         return out
 
     def start(self) -> None:

@@ -1,17 +1,23 @@
 """Rule scorers by name and by data_source, with verl's ``default_compute_score`` signature.
 
-Every entry takes ``(solution_str, ground_truth)`` and returns a float. ``reward.scorer=auto``
-dispatches on each row's ``data_source``; ``reward.scorer=arithmetic`` / ``gsm8k`` applies one
-scorer to every row. Anything else is a custom scorer (``custom.py``, run by ``manager.py``).
+Every entry takes ``(solution_str, ground_truth)`` and returns a float. A scorer registered with
+``runs_code=True`` (``code``) runs the response in a sandbox process: it also takes
+``sandbox=`` (the run's :class:`~verl_core.reward.sandbox.Sandbox`, its limits and pool), and the
+reward manager runs its calls concurrently, at most ``reward.sandbox_max_concurrent`` at once.
+``reward.scorer=auto`` dispatches on each row's ``data_source``; ``reward.scorer=arithmetic`` /
+``gsm8k`` applies one scorer to every row. Anything else is a custom scorer (``custom.py``, run
+by ``manager.py``).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from verl_core.reward import arithmetic, calculator, gsm8k, math_answer, math_dapo, prime_math, qa_em
+from verl_core.reward import (arithmetic, calculator, code, gsm8k, math_answer, math_dapo,
+                              prime_math, qa_em)
 
 __all__ = ["RULE_SCORERS", "DATA_SOURCE_SCORERS", "DATA_SOURCE_PREFIXES", "RULE_SCORE_RANGES",
+           "RUNS_CODE", "GROUND_TRUTH_CHECKS",
            "register_rule_scorer", "scorer_for", "known_data_sources", "default_compute_score",
            "UnknownDataSourceError", "NOT_SCORED_HERE", "why_not_scored"]
 
@@ -26,6 +32,12 @@ DATA_SOURCE_PREFIXES: dict[str, str] = {}
 ``aime*`` source to math_dapo)."""
 RULE_SCORE_RANGES: dict[str, tuple[float, float]] = {}
 """Scorer name -> the closed range ``(lo, hi)`` its scores lie in (checked by data validation)."""
+RUNS_CODE: set[str] = set()
+"""Scorers whose calls run the response in a sandbox process (``sandbox=`` keyword, called
+concurrently by the reward manager)."""
+GROUND_TRUTH_CHECKS: dict[str, Callable[[str], object]] = {}
+"""Scorer name -> a check that raises ValueError (naming the fix) on a ground truth the scorer
+cannot use; run on every row when the run is prepared, before any work."""
 
 
 class UnknownDataSourceError(ValueError):
@@ -34,10 +46,13 @@ class UnknownDataSourceError(ValueError):
 
 def register_rule_scorer(name: str, fn: RuleScorer, data_sources: tuple[str, ...] = (),
                          score_range: tuple[float, float] | None = None,
-                         data_source_prefixes: tuple[str, ...] = ()) -> None:
+                         data_source_prefixes: tuple[str, ...] = (),
+                         runs_code: bool = False,
+                         check_ground_truth: Callable[[str], object] | None = None) -> None:
     """Register ``fn`` under ``name`` and route ``data_sources`` (and every source starting with
     one of ``data_source_prefixes``) to it. Names are unique, and every rule scorer declares the
-    ``score_range`` (lo, hi) its scores lie in."""
+    ``score_range`` (lo, hi) its scores lie in. ``runs_code``: see the module docstring;
+    ``check_ground_truth``: :data:`GROUND_TRUTH_CHECKS`."""
     if name in RULE_SCORERS or name == "auto":
         raise ValueError(f"rule scorer {name!r} is already registered")
     taken = [ds for ds in data_sources if ds in DATA_SOURCE_SCORERS] + \
@@ -50,6 +65,10 @@ def register_rule_scorer(name: str, fn: RuleScorer, data_sources: tuple[str, ...
                          f"range its scores lie in (got {score_range!r})")
     RULE_SCORE_RANGES[name] = (float(score_range[0]), float(score_range[1]))
     RULE_SCORERS[name] = fn
+    if runs_code:
+        RUNS_CODE.add(name)
+    if check_ground_truth is not None:
+        GROUND_TRUTH_CHECKS[name] = check_ground_truth
     for ds in data_sources:
         DATA_SOURCE_SCORERS[ds] = name
     for p in data_source_prefixes:
@@ -66,9 +85,6 @@ def scorer_for(data_source: str) -> str | None:
 
 
 NOT_SCORED_HERE: dict[str, str] = {
-    **{ds: "verl scores it by running the response's code against the row's tests in a sandbox "
-           "(SandboxFusion or prime_code), which is not built here yet (issue 44; "
-           "docs/rewards.md)" for ds in ("codecontests", "apps", "codeforces", "taco")},
     "hiyouga/geometry3k": "a vision-language task (its prompts carry images); this project "
                           "trains text-only models",
 }
@@ -106,6 +122,10 @@ register_rule_scorer("qa_em", qa_em.compute_score,
                      tuple(f"searchR1_{s}" for s in ("nq", "triviaqa", "popqa", "hotpotqa",
                                                       "2wikimultihopqa", "musique", "bamboogle")),
                      score_range=(0.0, 1.0))  # 1 exact match (0.25 with answer-tag spam), else 0
+# verl's code sources (prime_code / sandbox_fusion, continuous=True) and the project's code task
+register_rule_scorer("code", code.compute_score, (code.DATA_SOURCE, *code.VERL_DATA_SOURCES),
+                     score_range=(0.0, 1.0), runs_code=True,  # the fraction of tests passed
+                     check_ground_truth=code.parse_tests)
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,

@@ -350,6 +350,11 @@ VERL_TO_OURS: dict[str, Transform] = {
     "reward_model.model.path": _to("reward_model.path"),
     "reward_model.micro_batch_size_per_gpu": _to("reward_model.micro_batch_size"),
     "reward_model.max_length": _to("reward_model.max_length", lambda v: v or 0, skip_none=False),
+    # verl's code sandbox settings mean the same for the sandbox here (reward/sandbox.py)
+    "reward_model.sandbox_fusion.max_concurrent": _to("reward.sandbox_max_concurrent"),
+    "reward_model.sandbox_fusion.memory_limit_mb": _to("reward.sandbox_memory_mb"),
+    "reward_model.sandbox_fusion.url": _to("reward.sandbox_url", lambda v: v or "",
+                                           skip_none=False),
     # the run loop (verl's trainer section)
     "trainer.total_training_steps": _to("total_steps"),
     "trainer.total_epochs": _total_epochs,
@@ -730,8 +735,8 @@ REFUSED_PATTERNS: list[tuple[re.Pattern, str]] = [
         (r"^critic\.model\.(lora_alpha|target_modules)$",
          "LoRA on the critic is not offered: the critic trains fully"),
         (r"^(reward_manager|reward_model\.(reward_loop_|sandbox_fusion|launch_reward_fn_async))",
-         "verl's pluggable reward managers and code sandbox are not built yet: the reward is "
-         "reward.scorer (a rule scorer by data_source, or your Python function)"),
+         "verl's pluggable reward managers are not built yet: the reward is reward.scorer (a "
+         "rule scorer by data_source, or your Python function)"),
         (r"^data\.(custom_cls|datagen|sampler)\.", "verl's custom dataset, generator and "
                                                     "sampler classes are not loaded: datasets "
                                                     "are parquet in verl's layout"),

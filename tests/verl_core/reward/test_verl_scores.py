@@ -46,14 +46,15 @@ def test_scores_as_verl_scores(case):
 
 def test_data_sources_route_as_verls_default_compute_score():
     module_to_scorer = {"gsm8k": "gsm8k", "math_reward": "math", "math_dapo": "math_dapo",
-                        "search_r1_like_qa_em": "qa_em", "prime_math": "prime_math"}
+                        "search_r1_like_qa_em": "qa_em", "prime_math": "prime_math",
+                        "sandbox_fusion": "code"}  # code: run in this project's sandbox
     routed = 0
     for source, target in TABLE["routing"].items():
         if source == "<any other>":  # verl raises; here: refused at setup, naming the source
             assert scorer_for("my/task") is None
             continue
         module = target.split("verl.utils.reward_score.")[1].split(".")[0]
-        if module not in module_to_scorer:  # code sandboxes, geo3k: refused with verl's reason
+        if module not in module_to_scorer:  # geo3k: refused with verl's reason
             assert scorer_for(source.rstrip("*")) is None, source
             with pytest.raises(UnknownDataSourceError, match=re.escape(NOT_SCORED_HERE[source][:40])):
                 default_compute_score(source, "x", "y")
@@ -61,7 +62,7 @@ def test_data_sources_route_as_verls_default_compute_score():
         routed += 1
         probe = source.rstrip("*") + ("2024" if source.endswith("*") else "")
         assert scorer_for(probe) == module_to_scorer[module], source
-    assert routed == 21
+    assert routed == 25
     assert default_compute_score("aime2025", "Answer: 7", "7") == 1.0
     assert default_compute_score("DigitalLearningGmbH/MATH-lighteval",
                                  "so \\boxed{\\dfrac{1}{2}}", "\\frac12") == 1.0
