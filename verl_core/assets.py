@@ -24,6 +24,7 @@ from verl_core.models import build_tiny_model, load_tokenizer
 from verl_core.models.lora import check_lora, meta_model
 from verl_core.models.loading import precision_line, write_overridden_folder
 from verl_core.models.tokenizer import CHAR_CHAT_TEMPLATE, build_char_tokenizer
+from verl_core.reward.judge import check_judge
 from verl_core.reward.model import check_reward_model
 from verl_core.seeds import derive_seed
 from verl_core.tiny_warmup import tiny_warm_start
@@ -40,6 +41,9 @@ class Assets:
     val_files: list[str]
     reward_model_path: str = ""
     """The reward model's folder ("" without ``reward_model.enable``)."""
+    judge_template_path: str = ""
+    """A generative judge's prompt template file (``reward_model.prompt_template``; "" for the
+    built-in one)."""
     model_source_path: str = ""
     """The folder you brought when ``model_path`` is a copy made from it (its format warm start,
     ``model.format_warmup_steps``, or its config.json with ``model.override_config``); ""
@@ -55,8 +59,13 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
     (the run store): the warm start saves its progress there and resumes from it, and a
     finished one with the same inputs is reused (``verl_core/warmstart.py``)."""
     rm = cfg.reward_model
-    if rm.enable:  # not a one-label sequence classifier: fail before the data and the warm start
+    judge = rm.enable and rm.style == "generative"
+    if judge:  # not a causal LM, or a template that cannot be filled: before any work
+        check_judge(rm.path, rm.prompt_template)
+    elif rm.enable:  # not a one-label sequence classifier: fail before the data and the warm start
         check_reward_model(rm.path, rm.max_length)
+    given = {"reward_model_path": rm.path if rm.enable else "",
+             "judge_template_path": rm.prompt_template if judge else ""}
     calculator = not cfg.data.train_files and cfg.data.synthetic_task == "calculator"
     if cfg.data.train_files:
         train_files, val_files = cfg.data.train_file_list, cfg.data.val_file_list
@@ -107,7 +116,7 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
                 model_path += "-config"
             log(precision_line(model_path, cfg.model.dtype))
         return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
-                      reward_model_path=rm.path if rm.enable else "",
+                      **given,
                       model_source_path=cfg.model.path)
     if cfg.model.path:
         check_lora(cfg.model, meta_model(cfg.model.path))  # model.lora_*: before any work
@@ -117,11 +126,11 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
                                                  cfg.model.config_overrides)
             log(precision_line(model_path, cfg.model.dtype))
             return Assets(model_path=model_path, train_files=train_files,
-                          val_files=val_files, reward_model_path=rm.path if rm.enable else "",
+                          val_files=val_files, **given,
                           model_source_path=cfg.model.path)
     elif not build_model:
         return Assets(model_path="", train_files=train_files, val_files=val_files,
-                      reward_model_path=rm.path if rm.enable else "")
+                      **given)
     else:
         model_path = os.path.join(workdir, "model")
         model, tok = build_tiny_model(hidden_size=cfg.model.tiny_hidden_size,
@@ -139,7 +148,7 @@ def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool
             ws.finish(model_path, ws.steps_done, ws.accuracy)
     log(precision_line(model_path, cfg.model.dtype))
     return Assets(model_path=model_path, train_files=train_files, val_files=val_files,
-                  reward_model_path=rm.path if rm.enable else "")
+                  **given)
 
 
 def check_ground_truths(scorer: str, files: list[str]) -> None:

@@ -33,6 +33,7 @@ from verl_core.parts import Actor, Behaviour, Critic
 from verl_core.report import EvalSample
 from verl_core.reward.decode import decode_responses
 from verl_core.reward.manager import RewardScorer
+from verl_core.reward.judge import Judge
 from verl_core.reward.model import RewardModel
 from verl_core.reward.overlong import OverlongBuffer
 from verl_core.reward.scoring import decoded, group_first_rows, score_batch
@@ -99,9 +100,15 @@ class RLTrainer:
             if not assets.reward_model_path:
                 raise ValueError("reward_model.enable=True but the run's assets hold no reward "
                                  "model; prepare the run again with this config")
-            self.reward_model = RewardModel.load(
-                assets.reward_model_path, dtype=cfg.reward_model.dtype,
-                max_length=cfg.reward_model.max_length, device=self.device)
+            if cfg.reward_model.style == "generative":  # a judge, served by a rollout engine
+                self.reward_model = Judge.load(
+                    assets.reward_model_path, cfg.reward_model,
+                    template_path=assets.judge_template_path, device=self.device,
+                    rollout_cfg=cfg.rollout)
+            else:
+                self.reward_model = RewardModel.load(
+                    assets.reward_model_path, dtype=cfg.reward_model.dtype,
+                    max_length=cfg.reward_model.max_length, device=self.device)
 
     @property
     def parts(self) -> list:
@@ -110,6 +117,8 @@ class RLTrainer:
 
     def close(self):
         self.behaviour.close()
+        if isinstance(self.reward_model, Judge):
+            self.reward_model.close()
         self.scorer.close()
         self.prompts.close()
 
@@ -272,14 +281,17 @@ class RLTrainer:
                                details=details)
         t0 = time.perf_counter()
         uids, texts = batch.uid, decoded(self.tokenizer, batch).texts
-        scores = self.model_scores(uids, texts)  # (N,)
+        judged: dict = {}  # a generative judge's answers and counts, by kind of row
+        step = int(batch.meta.get("step", 0))
+        scores = self.model_scores(uids, texts, step=step, kind="row", judged=judged)  # (N,)
         baseline = None
         if batch.baseline_response_ids is not None:
             rows = group_first_rows(batch.group)  # (B,)
             idx = torch.tensor(rows, dtype=torch.long)
             greedy = decode_responses(self.tokenizer, batch.baseline_response_ids[idx],
                                       batch.baseline_response_mask[idx]).texts
-            baseline = self.model_scores([uids[i] for i in rows], greedy)  # (B,)
+            baseline = self.model_scores([uids[i] for i in rows], greedy, step=step,
+                                         kind="baseline", judged=judged)  # (B,)
         dt = time.perf_counter() - t0
         if self.dp.rank != 0:
             return batch, {}
@@ -288,14 +300,33 @@ class RLTrainer:
                                    combine=self.cfg.reward_model.combine, overlong=overlong,
                                    details=details)
         metrics["reward/model_time_s"] = dt
+        if judged:  # stored with the batch: what the judge said, beside the score it gave
+            out = out.replace(meta={**out.meta, **{f"judge_{k}_outputs": r.outputs
+                                                   for k, r in judged.items()}})
+            asked = sum(len(r.outputs) for r in judged.values())
+            metrics["reward/judge_failed"] = float(sum(r.failed for r in judged.values()))
+            metrics["reward/judge_unparsed"] = float(sum(r.unparsed for r in judged.values()))
+            metrics["reward/judge_rows_per_s"] = asked / max(dt, 1e-9)
         return out, metrics
 
-    def model_scores(self, uids: Sequence[str], responses: Sequence[str]) -> list[float]:
+    def model_scores(self, uids: Sequence[str], responses: Sequence[str], *, step: int = 0,
+                     kind: str = "row", judged: dict | None = None) -> list[float]:
         """(n,) the reward model's score of each (training prompt ``uids[i]``, response text
         ``responses[i]``), the prompt found by its uid (the training row's index); with W > 1
-        each worker scores its share (``RewardModel.score_rows``, a collective)."""
+        each worker scores its share (``RewardModel.score_rows``, ``Judge.judge_rows``: a
+        collective). A generative judge (``reward_model.style=generative``) samples row i of
+        ``step`` from ``derive_seed(seed, step, f"judge-{kind}-{i}")`` and puts its
+        :class:`~verl_core.reward.judge.JudgeResult` in ``judged[kind]``."""
+        rows = [self.prompts.train_rows[int(u)] for u in uids]
+        if isinstance(self.reward_model, Judge):
+            seeds = [derive_seed(self.cfg.seed, step, f"judge-{kind}-{i}")
+                     for i in range(len(rows))]
+            result = self.reward_model.judge_rows(rows, responses, seeds=seeds, dp=self.dp)
+            if judged is not None:
+                judged[kind] = result
+            return result.scores
         return self.reward_model.score_rows(
-            [self.prompts.train_rows[int(u)] for u in uids], responses, self.tokenizer, self.dp,
+            rows, responses, self.tokenizer, self.dp,
             micro_batch_size=self.cfg.reward_model.micro_batch_size)
 
     def advantage(self, batch: Batch) -> tuple[Batch, dict]:

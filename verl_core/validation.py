@@ -729,6 +729,10 @@ def check_run_inputs(cfg: "RunConfig", storage_options: dict | None = None) -> N
         check_vllm_head_size(cfg)
     if cfg.reward_model.enable:
         check_model_folder(cfg.reward_model.path, "reward_model.path")
+        if cfg.reward_model.style == "generative":  # a causal LM, a template that fills
+            from verl_core.reward.judge import check_judge
+
+            check_judge(cfg.reward_model.path, cfg.reward_model.prompt_template)
     train, val = _train_val_sources(cfg, storage_options)
     batches_per_epoch(cfg, train)
     if cfg.reward.scorer == "auto":

@@ -46,7 +46,7 @@ def index_assets(assets: Assets, storage_options: dict | None = None
     """Hash the model folder and the dataset files without writing anything. Returns the asset
     index (see :func:`publish_assets`), the files' bytes by sha, and the files by their source
     names: ``{"model": {"<folder>/<relpath>": sha}, "train": {uri: sha}, "val": {uri: sha}}``
-    (+ ``"reward_model"``), what :func:`check_pinned` compares and names."""
+    (+ ``"reward_model"``, ``"judge_template"``), what :func:`check_pinned` compares and names."""
     blobs: dict[str, bytes] = {}
 
     def add(data: bytes) -> str:
@@ -76,6 +76,10 @@ def index_assets(assets: Assets, storage_options: dict | None = None
         index["reward_model"] = folder(assets.reward_model_path)
         sources["reward_model"] = {os.path.join(assets.reward_model_path, r): h
                                    for r, h in index["reward_model"].items()}
+    if assets.judge_template_path:  # a generative judge's prompt: pinned as its folder is
+        with open(assets.judge_template_path, "rb") as f:
+            index["judge_template"] = add(f.read())
+        sources["judge_template"] = {assets.judge_template_path: index["judge_template"]}
     index["id"] = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
     return index, blobs, sources
 
@@ -118,7 +122,9 @@ class AssetsChangedError(PermanentError):
     resuming would mix other data (or another reference model) into the same trajectory."""
 
 
-GIVEN_KINDS = ("model", "train", "val", "reward_model")
+GIVEN_KINDS = ("model", "train", "val", "reward_model", "judge_template")
+JUDGE_TEMPLATE = "judge/template.txt"
+"""Where a generative judge's prompt template lies in a materialised asset entry."""
 SOURCE_MODEL = "source_model"
 """The kind under which a trajectory records the folder its model was made from when the run's
 model is a format-warm-started copy of the one you gave (``model.format_warmup_steps``): that
@@ -201,6 +207,8 @@ def _entries(index: dict) -> dict[str, str]:
     """``{path inside the cache entry: sha}`` for every file of the index."""
     out = {f"model/{rel}": sha for rel, sha in index["model"].items()}
     out.update({f"reward_model/{rel}": sha for rel, sha in index.get("reward_model", {}).items()})
+    if "judge_template" in index:
+        out[JUDGE_TEMPLATE] = index["judge_template"]
     for split in ("train", "val"):
         for i, sha in enumerate(index[split]):
             out[f"data/{split}-{i}.parquet"] = sha
@@ -284,7 +292,9 @@ def materialize_assets(store: RunStore, index: dict) -> Assets:
                   val_files=[os.path.join(data, f"val-{i}.parquet")
                              for i in range(len(index["val"]))],
                   reward_model_path=os.path.join(root, "reward_model")
-                  if "reward_model" in index else "")
+                  if "reward_model" in index else "",
+                  judge_template_path=os.path.join(root, JUDGE_TEMPLATE)
+                  if "judge_template" in index else "")
 
 
 def _discard(cache: str, root: str) -> None:

@@ -26,12 +26,13 @@ class ModelLoadError(PermanentError, ValueError):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _check_folder(path: str) -> None:
+def _check_folder(path: str, what: str = "model.path") -> None:
     if not path or not os.path.isdir(path):
+        hint = (" or leave model.path empty to build the tiny model" if what == "model.path"
+                else "")
         raise ModelLoadError(
-            f"model folder {path!r} does not exist; pass a local Hugging Face folder "
-            "(config.json + *.safetensors + tokenizer files) or leave model.path empty to build "
-            "the tiny model")
+            f"{what}: model folder {path!r} does not exist; pass a local Hugging Face folder "
+            f"(config.json + *.safetensors + tokenizer files){hint}")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ModelLoadError(f"model folder {path!r} has no config.json; is it a Hugging Face "
                              "model folder (save_pretrained output)?")
@@ -53,7 +54,7 @@ def check_model_folder(path: str, what: str = "model.path") -> None:
     per file), so prepare runs it before anything is copied or warm-started. Raises
     :class:`ModelLoadError` naming ``what``, the file and the fix."""
     where = f"{what}={path!r}"
-    _check_folder(path)
+    _check_folder(path, what)
     try:
         with open(os.path.join(path, "config.json"), "rb") as f:
             config = json.loads(f.read())

@@ -113,6 +113,16 @@ class RewardConfig:
 
 REWARD_MODEL_COMBINE = ("replace", "add")
 """How a reward model's score meets the ``reward.scorer`` score (``RewardModelConfig.combine``)."""
+REWARD_MODEL_STYLES = ("discriminative", "generative")
+"""``RewardModelConfig.style``: a sequence classifier's score, or a judge's text parsed."""
+JUDGE_PARSERS = ("score_tag", "yes_no", "last_number")
+"""``RewardModelConfig.parser`` (``reward/judge.py``'s ``PARSERS``)."""
+
+
+def _generative(run) -> bool:
+    """A generative judge's fields decide the trajectory only when it is on: every other run
+    hashes as before they existed."""
+    return run.reward_model.enable and run.reward_model.style == "generative"
 
 
 @dataclass(frozen=True)
@@ -139,14 +149,47 @@ class RewardModelConfig:
     truncates it instead). 0: the model's ``max_position_embeddings``."""
     dtype: str = in_trajectory("float32")
     """Parameter dtype of the reward model: float32 or bfloat16."""
+    style: str = in_trajectory("discriminative", when=_generative)
+    """``discriminative``: ``path`` is a sequence classifier, its logit the score;
+    ``generative``: ``path`` is a causal LM used as a judge (``reward/judge.py``): it answers a
+    prompt built from ``prompt_template`` and ``parser`` reads the score in its text."""
+    engine: str = in_trajectory("hf", when=_generative)
+    """The rollout engine serving a generative judge: ``hf`` or ``vllm`` (verl's
+    ``reward_model.rollout.name``); the same seeds, the same tokens up to float rounding."""
+    prompt_template: str = in_trajectory("", when=_generative)
+    """A text file with the judge prompt, verl's GenRM convention: ``{problem}`` (the prompt's
+    last user message), ``{solution}`` (the response), ``{ground_truth}``; "" for the built-in
+    template (``reward/judge.py``'s ``DEFAULT_TEMPLATE``, read by ``score_tag``). The file is
+    pinned with the run's assets: a changed file is a changed run."""
+    parser: str = in_trajectory("score_tag", when=_generative)
+    """How the judge's answer becomes a score: ``score_tag`` (the number in the last
+    ``<score>...</score>``), ``yes_no`` (first word yes -> 1, no -> 0), ``last_number``."""
+    temperature: float = in_trajectory(0.0, when=_generative)
+    """The judge's sampling temperature; 0 is greedy (each row has its own seed otherwise)."""
+    top_p: float = in_trajectory(1.0, when=_generative)
+    """The judge's nucleus sampling."""
+    max_new_tokens: int = in_trajectory(64, when=_generative)
+    """The longest judge answer (verl's ``reward_model.rollout.response_length``)."""
+    failure_score: float = in_trajectory(0.0, when=_generative)
+    """The score of a row the judge could not be asked, whose call failed, or whose answer the
+    parser cannot read (each counted: ``reward/judge_failed``, ``reward/judge_unparsed``)."""
 
     def __post_init__(self):
         _check_types("reward_model", self)
+        _one_of("reward_model", "style", self.style, REWARD_MODEL_STYLES)
         if self.enable and not self.path:
             _fail("reward_model", "path", self.path,
                   "reward_model.enable=True needs a local Hugging Face folder of a "
-                  "sequence-classification model with num_labels=1; set reward_model.path")
+                  + ("causal LM (the judge)" if self.style == "generative" else
+                     "sequence-classification model with num_labels=1")
+                  + "; set reward_model.path")
         _one_of("reward_model", "combine", self.combine, REWARD_MODEL_COMBINE)
+        _one_of("reward_model", "engine", self.engine, {"hf", "vllm"})
+        _one_of("reward_model", "parser", self.parser, JUDGE_PARSERS)
+        _non_negative("reward_model", self, "temperature")
+        _positive("reward_model", self, "max_new_tokens")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("reward_model", "top_p", self.top_p, "must be in (0, 1]")
         _positive("reward_model", self, "micro_batch_size")
         _non_negative("reward_model", self, "max_length")
         _one_of("reward_model", "dtype", self.dtype, {"float32", "bfloat16"})

@@ -133,3 +133,35 @@ def test_a_sigkill_after_the_first_checkpoint_resumes_bit_identical(reference, s
     got = json.loads((root / "killed.json").read_text())
     assert _sha(Path(got["final_model"]) / "model.safetensors") == \
         _sha(Path(summary["final_model"]) / "model.safetensors")
+
+
+def test_the_real_model_as_a_judge_answers_in_the_parsers_format_the_same_twice(smollm2, tmp_path):
+    """SmolLM2-135M-Instruct as a generative judge (``reward_model.style=generative``) of
+    arithmetic answers, greedy, with a yes/no template: its answers are read by the ``yes_no``
+    parser (a judge this small is a poor grader: what is checked is that a real chat model's
+    answers reach the parser through its chat template and EOS, not its accuracy), and asking
+    again gives the same answers. BENCHMARKS.md has its throughput."""
+    from verl_core.reward.config import RewardModelConfig
+    from verl_core.reward.judge import Judge, parse_score
+
+    template = tmp_path / "yes_no.txt"
+    template.write_text("Question: {problem}\nProposed answer: {solution}\nIs the proposed "
+                        "answer correct? Answer only \"yes\" or \"no\".")
+    cfg = RewardModelConfig(enable=True, path=smollm2.path, style="generative", parser="yes_no",
+                            max_new_tokens=12, micro_batch_size=8)
+    judge = Judge.load(smollm2.path, cfg, template_path=str(template))
+
+    class Row:
+        def __init__(self, a, b):
+            self.chat, self.ground_truth, self.index = (
+                [{"role": "user", "content": f"What is {a}+{b}?"}], str(a + b), 0)
+
+    pairs = [(3, 4), (12, 9), (25, 4), (40, 9)]
+    rows = [Row(a, b) for a, b in pairs for _ in (0, 1)]
+    responses = [str(a + b + k) for a, b in pairs for k in (0, 3)]
+    got = judge.judge_rows(rows, responses, seeds=list(range(len(rows))))
+    assert got.failed == 0 and all(got.outputs)
+    read = [parse_score("yes_no", o) for o in got.outputs]
+    assert sum(r is not None for r in read) >= len(rows) // 2, got.outputs
+    assert got.unparsed == sum(r is None for r in read)
+    assert judge.judge_rows(rows, responses, seeds=list(range(len(rows)))).outputs == got.outputs
