@@ -15,6 +15,11 @@ NOT_USER_ERRORS = {
     "verl_core.errors.PermanentError": "a base: permanent, not necessarily the user's",
     "verl_core.errors.TransientError": "a base: retried",
     "verl_core.reward.manager._Deadline": "a scorer worker's internal alarm",
+    "verl_core.reward.sandbox.SandboxError": "the machine cannot run the code sandbox (no "
+                                             "namespaces, the harness did not start): the host's "
+                                             "fault, its message names what to change",
+    "verl_core.reward.sandbox_fusion.SandboxUnavailableError": "a SandboxFusion service "
+                                                               "unreachable or failing: transient",
     "verl_core.agent.tools._Refused": "a tool host's internal signal: the call becomes an error observation",
     "verl_core.rollout.vllm._Failed": "an engine call's internal signal: rebuild and retry",
     "verl_core.parts.behaviour.Cancelled": "a background rollout's internal signal: its state "
