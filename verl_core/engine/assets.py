@@ -76,6 +76,10 @@ def index_assets(assets: Assets, storage_options: dict | None = None
         index["reward_model"] = folder(assets.reward_model_path)
         sources["reward_model"] = {os.path.join(assets.reward_model_path, r): h
                                    for r, h in index["reward_model"].items()}
+    if assets.teacher_path:  # on-policy distillation's teacher, pinned as the model is
+        index["teacher"] = folder(assets.teacher_path)
+        sources["teacher"] = {os.path.join(assets.teacher_path, r): h
+                              for r, h in index["teacher"].items()}
     index["id"] = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
     return index, blobs, sources
 
@@ -118,7 +122,7 @@ class AssetsChangedError(PermanentError):
     resuming would mix other data (or another reference model) into the same trajectory."""
 
 
-GIVEN_KINDS = ("model", "train", "val", "reward_model")
+GIVEN_KINDS = ("model", "train", "val", "reward_model", "teacher")
 SOURCE_MODEL = "source_model"
 """The kind under which a trajectory records the folder its model was made from when the run's
 model is a format-warm-started copy of the one you gave (``model.format_warmup_steps``): that
@@ -201,6 +205,7 @@ def _entries(index: dict) -> dict[str, str]:
     """``{path inside the cache entry: sha}`` for every file of the index."""
     out = {f"model/{rel}": sha for rel, sha in index["model"].items()}
     out.update({f"reward_model/{rel}": sha for rel, sha in index.get("reward_model", {}).items()})
+    out.update({f"teacher/{rel}": sha for rel, sha in index.get("teacher", {}).items()})
     for split in ("train", "val"):
         for i, sha in enumerate(index[split]):
             out[f"data/{split}-{i}.parquet"] = sha
@@ -284,7 +289,8 @@ def materialize_assets(store: RunStore, index: dict) -> Assets:
                   val_files=[os.path.join(data, f"val-{i}.parquet")
                              for i in range(len(index["val"]))],
                   reward_model_path=os.path.join(root, "reward_model")
-                  if "reward_model" in index else "")
+                  if "reward_model" in index else "",
+                  teacher_path=os.path.join(root, "teacher") if "teacher" in index else "")
 
 
 def _discard(cache: str, root: str) -> None:
