@@ -8,12 +8,11 @@ import hashlib
 import json
 import math
 import os
-import subprocess
 
 import pytest
 import torch
 
-from tests.crash import REPO, kill_at_marker, train_command, weights_sha
+from tests.crash import kill_then_resume, train_command, weights_sha
 from tests.presets import TINY, tiny_run
 from verl_core.assets import prepare_assets
 from verl_core.config import ConfigError, RunConfig, with_overrides
@@ -116,15 +115,8 @@ def test_a_distillation_run_logs_the_reverse_kl_each_step(run):
 def test_a_sigkill_after_the_first_checkpoint_resumes_bit_identical(run, teacher, tmp_path):
     summary, _ = run
     work = tmp_path / "work"
-    cmd, env = train_command(work, _distill(teacher))
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env=env)
-    kill_at_marker(proc, work / "latest.json", "the first checkpoint", poll_s=0.05)
-    done = subprocess.run(cmd + ["--summary-json", str(tmp_path / "s.json")], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "resuming from the checkpoint of step" in done.stdout
-    got = json.loads((tmp_path / "s.json").read_text())
+    got = kill_then_resume(*train_command(work, _distill(teacher)), work / "latest.json",
+                           tmp_path / "s.json")
     assert weights_sha(got["final_model"]) == weights_sha(summary["final_model"])
 
 
