@@ -200,4 +200,11 @@ def test_verls_distillation_keys_map_or_are_refused_with_the_reason():
             to_ours({**on, key: value})
     with pytest.raises(ConfigError, match="distillation.enabled"):
         to_ours({"distillation.teacher_models.teacher_model.model_path": "/models/teacher"})
+    # verl's defaults when on: GKD OPD (refused, not run as PG OPD); with PG OPD, its k3
+    first = {k: on[k] for k in ("distillation.enabled",
+                                "distillation.teacher_models.teacher_model.model_path")}
+    with pytest.raises(ConfigError, match="use_policy_gradient=False .verl's default."):
+        to_ours(first)
+    assert to_ours({**first, "distillation.distillation_loss.use_policy_gradient": True}) == {
+        "algorithm.distill_teacher_path": "/models/teacher", "algorithm.distill_loss_mode": "k3"}
     assert to_ours({"distillation.enabled": False}) == {}

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from verl_core.errors import PermanentError
 from verl_core.models import load_causal_lm
+from verl_core.models.loading import ModelLoadError
 from verl_core.training.forward import batched_logprobs
 
 TEACHER_TEMPERATURE = 1.0
@@ -24,8 +24,9 @@ always forced to 1.0" for the teacher's ``prompt_logprobs``); the student's log-
 rollout's, at ``rollout.temperature``, as verl's actor computes them."""
 
 
-class TeacherTokenizerError(PermanentError, ValueError):
-    """The teacher's tokenizer is not the student's: its log-probs would score other tokens."""
+class TeacherTokenizerError(ModelLoadError):
+    """The teacher's tokenizer is not the student's: its log-probs would score other tokens (a
+    user error, as a model folder that cannot load: the CLI prints it and exits 2)."""
 
 
 class Teacher:

@@ -479,12 +479,21 @@ def _same_value(a, b) -> bool:
 
 
 def _distill_enabled(value, ctx) -> Pairs:
-    if value is True and ctx.get(DT + "model_path") is None:
-        raise ConfigError(f"distillation.enabled=True needs the teacher: {DT}model_path=<a local "
-                          "folder of a model with the student's tokenizer>")
+    """verl's switch. On, it needs the teacher and PG OPD (verl's default, GKD OPD, is not
+    built: refused rather than run as another algorithm), and the estimator is verl's default
+    k3 unless a key names one."""
     if value not in (True, False):
         raise ConfigError(f"distillation.enabled={value!r}: must be true or false")
-    return []
+    if value is False:
+        return []
+    if ctx.get(DT + "model_path") is None:
+        raise ConfigError(f"distillation.enabled=True needs the teacher: {DT}model_path=<a local "
+                          "folder of a model with the student's tokenizer>")
+    if DL + "use_policy_gradient" not in ctx:
+        _distill_pg(False, ctx)  # verl's default: refused, naming the key to set
+    if DL + "loss_mode" in ctx or "algorithm.distill_loss_mode" in ctx:
+        return []
+    return [("algorithm.distill_loss_mode", DISTILL_DEFAULTS[DL + "loss_mode"])]
 
 
 def _distill_loss_mode(value, ctx) -> Pairs:
@@ -499,10 +508,11 @@ def _distill_loss_mode(value, ctx) -> Pairs:
 
 def _distill_pg(value, ctx) -> Pairs:
     if value is not True:
-        raise ConfigError(f"verl key {DL}use_policy_gradient={value!r} cannot apply here: GKD OPD "
-                          "(the estimator backpropagated as a supervised loss) is not built; "
-                          "the signal here is PG OPD's, the negative reverse-KL estimate as a "
-                          "per-token advantage: set use_policy_gradient=true")
+        raise ConfigError(f"verl key {DL}use_policy_gradient={value!r} (verl's default) cannot "
+                          "apply here: GKD OPD (the estimator backpropagated as a supervised "
+                          "loss) is not built; the signal here is PG OPD's, the negative "
+                          f"reverse-KL estimate as a per-token advantage: set {DL}"
+                          "use_policy_gradient=true")
     return []
 
 
