@@ -184,7 +184,7 @@ class AlgorithmConfig(PolicyLossOptions):
     distill_coef: float = in_trajectory(1.0, when=_distill_on)
     """Weight of the per-token distillation signal added to the outcome advantage (verl's
     ``distillation_loss_coef``; like verl's, it applies only with ``distill_use_task_rewards``:
-    the signal alone has weight 1)."""
+    the signal alone has weight 1, and another value is refused)."""
     distill_use_task_rewards: bool = in_trajectory(True, when=_distill_on)
     """Keep the verifiable reward's advantage and add the signal to it (verl's
     ``use_task_rewards``); False: the advantage is the distillation signal alone."""
@@ -235,6 +235,11 @@ class AlgorithmConfig(PolicyLossOptions):
             _fail("algorithm", "distill_coef", self.distill_coef,
                   "must be > 0 (0 distils nothing: leave algorithm.distill_teacher_path empty "
                   "to turn distillation off)")
+        if not self.distill_use_task_rewards and self.distill_coef != 1.0:
+            _fail("algorithm", "distill_coef", self.distill_coef,
+                  "does nothing with algorithm.distill_use_task_rewards=False (the signal alone is "
+                  "the advantage, as verl's distillation_loss_coef applies only with task "
+                  "rewards): leave it at 1 and scale the step with optim.lr")
         if not self.distill_use_task_rewards and self.uses_critic:
             _fail("algorithm", "distill_use_task_rewards", False,
                   f"with algorithm.adv_estimator={self.adv_estimator!r} would train a critic on "

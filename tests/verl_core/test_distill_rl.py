@@ -164,6 +164,8 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
     ({"algorithm.distill_loss_max_clamp": -1.0}, r"distill_loss_max_clamp=-1.0: must be >= 0"),
     ({"algorithm.distill_teacher_path": "", "algorithm.distill_coef": 2.0},
      r"algorithm.distill_coef=2.0: does nothing without algorithm.distill_teacher_path"),
+    ({"algorithm.distill_use_task_rewards": False, "algorithm.distill_coef": 2.0},
+     r"distill_coef=2.0: does nothing with algorithm.distill_use_task_rewards=False"),
     ({"algorithm.distill_use_task_rewards": False, "algorithm.adv_estimator": "gae"},
      r"distill_use_task_rewards=False: with algorithm.adv_estimator='gae' would train a critic"),
 ])
@@ -182,13 +184,13 @@ def test_verls_distillation_keys_map_or_are_refused_with_the_reason():
           "distillation.teacher_models.teacher_model.model_path": "/models/teacher",
           "distillation.distillation_loss.loss_mode": "k1",
           "distillation.distillation_loss.use_policy_gradient": True,
-          "distillation.distillation_loss.use_task_rewards": False,
+          "distillation.distillation_loss.use_task_rewards": True,
           "distillation.distillation_loss.distillation_loss_coef": 2.0,
           "distillation.distillation_loss.loss_max_clamp": 10.0,
           "distillation.n_gpus_per_node": 8, "distillation.nnodes": 1}
     assert to_ours(on) == {"algorithm.distill_teacher_path": "/models/teacher",
                            "algorithm.distill_loss_mode": "k1",
-                           "algorithm.distill_use_task_rewards": False,
+                           "algorithm.distill_use_task_rewards": True,
                            "algorithm.distill_coef": 2.0,
                            "algorithm.distill_loss_max_clamp": 10.0}
     for key, value, why in (
