@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         how = (f"GRPO {teacher_keys}: held-out accuracy {t['start_accuracy']:.3f} -> "
                f"{teacher_acc:.3f}")
     else:
-        # the teacher: a larger tiny model warm-started longer by the same code as the student
+        # the teacher: a tiny model of --teacher-hidden/-layers/-heads warm-started by the same
+        # code as the student, to a higher training accuracy
         teacher_keys = {"seed": a.seed, "num_threads": a.threads,
                         "model.tiny_hidden_size": a.teacher_hidden,
                         "model.tiny_layers": a.teacher_layers, "model.tiny_heads": a.teacher_heads,
@@ -114,15 +115,15 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - t0
         p0, p1 = s["start_accuracy"], s["end_accuracy"]
         se = math.sqrt(_se(p0, n) ** 2 + _se(p1, n) ** 2)
-        last = s["history"][-1]
+        rollout_s = sorted(h.get("timing/rollout_s", 0.0) for h in s["history"])
         kl = [h.get("distillation/loss") for h in s["history"]]
         kl_line = f", reverse KL (k1) {kl[0]:.3f} -> {kl[-1]:.3f}" if kl[0] is not None else ""
         shown = {k: v for k, v in keys.items() if k != "algorithm.distill_teacher_path"}
         print(f"{mode}: {shown}: held-out accuracy {p0:.3f} -> {p1:.3f} "
               f"({p1 - p0:+.3f}, {(p1 - p0) / se:.1f} SE, SE {se:.3f}); reward "
               f"{s['first_reward']:.3f} -> {s['last_reward']:.3f}{kl_line}; "
-              f"{wall:.0f} s ({wall / a.steps:.2f} s/step)"
-              + (f"; last step {last.get('timing/rollout_s', 0):.2f} s rollout" if last else ""))
+              f"{wall:.0f} s ({wall / a.steps:.2f} s/step, the rollout phase's median "
+              f"{rollout_s[len(rollout_s) // 2]:.2f} s)")
     return 0
 
 
