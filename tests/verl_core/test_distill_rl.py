@@ -112,6 +112,25 @@ def test_a_distillation_run_logs_the_reverse_kl_each_step(run):
         assert math.isfinite(h["distillation/loss"]) and h["distillation/abs_loss"] > 0
 
 
+def test_the_stored_batch_holds_the_teachers_log_probs_and_its_advantages(run, teacher):
+    """Update 0's batch, as the run store holds it (hash-named, what a resume replays): its
+    teacher log-probs are the teacher's forward of its tokens, and its advantages are GRPO's
+    plus r_t, recomputed here from the stored columns."""
+    from verl_core.engine.worker import get_batch
+    from verl_core.store import RunStore
+
+    _, work = run
+    st = RunStore(str(work / "store"))
+    [folder] = st.list_folders("lineage")
+    batch = get_batch(st, st.get_json(sorted(st.list_json(folder))[0])["batch"])
+    mask = batch.response_mask
+    again = Teacher(teacher, "float32", torch.device("cpu")).logprobs(batch, 8)
+    assert torch.equal(batch.teacher_logprobs * batch.response_attn, again * batch.response_attn)
+    grpo = compute_advantages(batch, tiny_run().algorithm)[0].advantages
+    r = (batch.teacher_logprobs - batch.response_logprobs) * mask
+    assert torch.equal(batch.advantages, grpo + 1.0 * r)
+
+
 def test_a_sigkill_after_the_first_checkpoint_resumes_bit_identical(run, teacher, tmp_path):
     summary, _ = run
     work = tmp_path / "work"
