@@ -34,6 +34,23 @@ def kill_at_marker(proc: subprocess.Popen, marker, what: str, timeout_s: float =
     proc.wait(timeout=60)
 
 
+def kill_then_resume(cmd: list[str], env: dict, marker, summary_json) -> dict:
+    """Start ``cmd`` (a plain-loop command), SIGKILL it once ``marker`` exists (the first
+    checkpoint's ``latest.json``), run the same command again to the end, and return its summary
+    (written to ``summary_json``) after checking it exited 0 and said it resumed."""
+    import json
+
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=env)
+    kill_at_marker(proc, marker, "the first checkpoint", poll_s=0.05)
+    done = subprocess.run(cmd + ["--summary-json", str(summary_json)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "resuming from the checkpoint of step" in done.stdout
+    with open(summary_json) as f:
+        return json.load(f)
+
+
 def weights_sha(final: str) -> str:
     """sha-256 over the ``.safetensors`` files of a model folder, local or in an ``s3://`` run
     store (a run's export, its summary's ``final_model``): docs/resume.md's comparison (a)."""

@@ -9,6 +9,7 @@ worker (``engine/assets.py``), what the run records as its assets (``prepare.py`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -48,10 +49,41 @@ class Assets:
     """The folder you brought when ``model_path`` is a copy made from it (its format warm start,
     ``model.format_warmup_steps``, or its config.json with ``model.override_config``); ""
     otherwise."""
+    teacher_path: str = ""
+    """On-policy distillation's teacher folder ("" without ``algorithm.distill_teacher_path``)."""
 
 
 def prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool = True,
                    store=None) -> Assets:
+    """:func:`_prepare_assets`, with the teacher of ``algorithm.distill_teacher_path`` checked
+    first (its folder, and its tokenizer against the student's: before the data and the warm
+    start) and named in the assets."""
+    teacher = cfg.algorithm.distill_teacher_path
+    if teacher:
+        check_teacher(cfg, teacher)
+    assets = _prepare_assets(cfg, workdir, log, build_model=build_model, store=store)
+    return dataclasses.replace(assets, teacher_path=teacher) if teacher else assets
+
+
+def check_teacher(cfg: RunConfig, teacher: str) -> None:
+    """The teacher folder loads as a model folder and its tokenizer is the student's (the
+    ``model.path`` folder's, or the tiny model's character tokenizer), else an error naming
+    both."""
+    from verl_core.models import check_model_folder
+    from verl_core.parts.teacher import check_same_tokenizer
+
+    check_model_folder(teacher, "algorithm.distill_teacher_path")
+    if cfg.model.path:
+        student, name = load_tokenizer(cfg.model.path), f"model.path={cfg.model.path!r}"
+    else:
+        calculator = cfg.data.synthetic_task == "calculator" and not cfg.data.train_files
+        student = build_char_tokenizer(CHAR_CHAT_TEMPLATE if calculator else None)
+        name = "the tiny model's character tokenizer"
+    check_same_tokenizer(student, load_tokenizer(teacher), name, teacher)
+
+
+def _prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: bool = True,
+                    store=None) -> Assets:
     """Materialise the embedded defaults: the synthetic dataset when no files are given, the tiny
     warm-started model when no model path is given. Deterministic in ``cfg.seed``.
     ``build_model=False``: no warm start (``model_path`` stays empty when none is given): a

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from verl_core.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorTraits
+from verl_core.algorithms.distill import DISTILL_LOSS_MODES
 from verl_core.algorithms.policy_losses import POLICY_LOSSES as POLICY_LOSS_REGISTRY
 from verl_core.algorithms.policy_losses import PolicyLossOptions
 from verl_core.checkpoint.config import CheckpointConfig
@@ -84,6 +85,12 @@ def _reward_model_on(run: RunConfig) -> bool:
     """``reward_model`` off: its other fields do nothing, and the run hashes as before the section
     existed."""
     return run.reward_model.enable
+
+
+def _distill_on(run: RunConfig) -> bool:
+    """``algorithm.distill_teacher_path`` empty: on-policy distillation is off, its other fields
+    do nothing, and the run hashes as before they existed."""
+    return run.algorithm.distills
 
 
 POLICY_LOSSES = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "sapo", "geo_mean", "gpg",
@@ -169,6 +176,25 @@ class AlgorithmConfig(PolicyLossOptions):
     max_num_gen_batches: int = in_trajectory(0, when=_filter_groups_on)
     """Most generation batches one step may sample (verl's ``filter_groups.max_num_gen_batches``);
     a step still short of ``data.train_batch_size`` groups then fails, as verl's. 0: no limit."""
+    distill_teacher_path: str = in_trajectory("", when=_distill_on)
+    """On-policy distillation (docs/rewards.md#on-policy-distillation; verl's
+    ``distillation.teacher_models.teacher_model.model_path``): a local Hugging Face folder of a
+    teacher whose tokenizer is the student's; the rollout phase stores its log-probs of the
+    sampled tokens with the batch, and each token's advantage gains ``distill_coef`` x (log
+    teacher - log student). Pinned with the run's assets. Empty: off."""
+    distill_coef: float = in_trajectory(1.0, when=_distill_on)
+    """Weight of the per-token distillation signal added to the outcome advantage (verl's
+    ``distillation_loss_coef``; like verl's, it applies only with ``distill_use_task_rewards``:
+    the signal alone has weight 1, and another value is refused)."""
+    distill_use_task_rewards: bool = in_trajectory(True, when=_distill_on)
+    """Keep the verifiable reward's advantage and add the signal to it (verl's
+    ``use_task_rewards``); False: the advantage is the distillation signal alone."""
+    distill_loss_mode: str = in_trajectory("k1", when=_distill_on)
+    """The reverse-KL estimator of the signal (verl's ``distillation_loss.loss_mode``): k1 (= kl,
+    log student - log teacher: PG OPD's), abs, k2 (= mse), k3 (= low_var_kl)."""
+    distill_loss_max_clamp: float = in_trajectory(0.0, when=_distill_on)
+    """Clamp each token's estimate to [-c, c] before it becomes the signal (verl's
+    ``loss_max_clamp``); 0: no clamp."""
 
     def __post_init__(self):
         _check_types("algorithm", self)
@@ -192,6 +218,34 @@ class AlgorithmConfig(PolicyLossOptions):
                 set(FILTER_GROUPS_METRICS))
         _non_negative("algorithm", self, "max_num_gen_batches")
         self._check_policy_loss_options()
+        self._check_distill()
+
+    def _check_distill(self) -> None:
+        _one_of("algorithm", "distill_loss_mode", self.distill_loss_mode,
+                set(DISTILL_LOSS_MODES))
+        _non_negative("algorithm", self, "distill_loss_max_clamp")
+        if not self.distills:
+            for name, default in (("distill_coef", 1.0), ("distill_use_task_rewards", True),
+                                  ("distill_loss_mode", "k1"), ("distill_loss_max_clamp", 0.0)):
+                if getattr(self, name) != default:
+                    _fail("algorithm", name, getattr(self, name),
+                          "does nothing without algorithm.distill_teacher_path (the teacher's "
+                          "folder): set it, or leave this key out")
+            return
+        if self.distill_coef <= 0:
+            _fail("algorithm", "distill_coef", self.distill_coef,
+                  "must be > 0 (0 distils nothing: leave algorithm.distill_teacher_path empty "
+                  "to turn distillation off)")
+        if not self.distill_use_task_rewards and self.distill_coef != 1.0:
+            _fail("algorithm", "distill_coef", self.distill_coef,
+                  "does nothing with algorithm.distill_use_task_rewards=False (the signal alone is "
+                  "the advantage, as verl's distillation_loss_coef applies only with task "
+                  "rewards): leave it at 1 and scale the step with optim.lr")
+        if not self.distill_use_task_rewards and self.uses_critic:
+            _fail("algorithm", "distill_use_task_rewards", False,
+                  f"with algorithm.adv_estimator={self.adv_estimator!r} would train a critic on "
+                  "returns no advantage uses; keep the task rewards or use a group estimator "
+                  "(grpo, rloo, ...)")
 
     def _check_policy_loss_options(self) -> None:
         _non_negative("algorithm", self, "loss_scale_factor", "ppo_kl_coef", "dro_beta",
@@ -228,6 +282,11 @@ class AlgorithmConfig(PolicyLossOptions):
     @property
     def uses_reference(self) -> bool:
         return self.use_kl_loss or self.use_kl_in_reward
+
+    @property
+    def distills(self) -> bool:
+        """On-policy distillation is on (``distill_teacher_path`` names a teacher)."""
+        return bool(self.distill_teacher_path)
 
     @property
     def old_logp_from_rollout(self) -> bool:

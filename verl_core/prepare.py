@@ -81,7 +81,8 @@ def prepare_run(cfg: RunConfig, store: str, run_name: str, log_fn=_say) -> RunSp
         index, _, sources = indexed
         given = tuple(k for k, on in zip(GIVEN_KINDS, (
             cfg.model.path and not assets.model_source_path, cfg.data.train_files,
-            cfg.data.train_files, cfg.reward_model.enable, assets.judge_template_path))
+            cfg.data.train_files, cfg.reward_model.enable, assets.judge_template_path,
+            cfg.algorithm.distills))
             if on)
         if assets.model_source_path:
             # the model was made from your folder (the format warm start): that folder is what

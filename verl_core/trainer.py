@@ -29,7 +29,7 @@ from verl_core.data.sampler import ResumableSampler
 from verl_core.evaluation import evaluate
 from verl_core.guard import checks, faults
 from verl_core.guard.policy import GUARD_DEFAULTS
-from verl_core.parts import Actor, Behaviour, Critic
+from verl_core.parts import Actor, Behaviour, Critic, Teacher
 from verl_core.report import EvalSample
 from verl_core.reward.decode import decode_responses
 from verl_core.reward.manager import RewardScorer
@@ -109,6 +109,13 @@ class RLTrainer:
                 self.reward_model = RewardModel.load(
                     assets.reward_model_path, dtype=cfg.reward_model.dtype,
                     max_length=cfg.reward_model.max_length, device=self.device)
+        # algorithm.distill_teacher_path: the frozen teacher, a full copy on every worker
+        self.teacher = None
+        if cfg.algorithm.distills:
+            if not assets.teacher_path:
+                raise ValueError("algorithm.distill_teacher_path is set but the run's assets "
+                                 "hold no teacher; prepare the run again with this config")
+            self.teacher = Teacher(assets.teacher_path, cfg.model.dtype, self.device)
 
     @property
     def parts(self) -> list:
@@ -231,7 +238,8 @@ class RLTrainer:
 
     def model_inputs(self, batch: Batch) -> Batch:
         """``batch`` with the per-token inputs the later phases need from a model: reference
-        log-probs (KL), critic values (GAE) and Σ_v π_v² per token (``needs_sum_pi_squared``)."""
+        log-probs (KL), critic values (GAE), Σ_v π_v² per token (``needs_sum_pi_squared``) and
+        the teacher's log-probs (on-policy distillation)."""
         traits = self.cfg.algorithm.estimator_traits
         micro, actor_cfg = self.cfg.actor.ppo_micro_batch_size, self.cfg.actor
         temperature = self.cfg.rollout.temperature or 1.0
@@ -252,6 +260,11 @@ class RLTrainer:
                     remove_padding=actor_cfg.use_remove_padding,
                     prefix_grouper=actor_cfg.use_prefix_grouper)
             batch = batch.replace(ref_logprobs=gathered(ref_lp))
+        if self.teacher is not None:  # stored with the batch: a resume never asks it again
+            batch = batch.replace(teacher_logprobs=gathered(self.teacher.logprobs(
+                part, micro,
+                max_token_len=actor_cfg.token_budget("ref_log_prob_max_token_len_per_gpu"),
+                remove_padding=actor_cfg.use_remove_padding)))
         if self.critic is not None:
             batch = batch.replace(values=gathered(batched_values(
                 self.critic.model, part, micro, dp=self.dp,

@@ -516,7 +516,7 @@ def validate_dataset_files(files: Sequence[str], cfg: "RunConfig", tokenizer=Non
 
 # ---------------------------------------------------------------------- batches
 _TOKEN_FIELDS = ("response_logprobs", "ref_logprobs", "values", "sum_pi_squared", "advantages",
-                 "returns")
+                 "returns", "teacher_logprobs")
 _SCALAR_FIELDS = ("score", "baseline_score")
 
 
@@ -534,6 +534,8 @@ def _stage_columns(cfg: "RunConfig", stage: str) -> tuple[str, ...]:
         need.append("baseline_response_ids")
     if traits.needs_sum_pi_squared:
         need.append("sum_pi_squared")
+    if algo.distills:
+        need.append("teacher_logprobs")
     if stage in ("reward", "advantage"):
         need.append("score")
         if traits.needs_greedy_baseline:
@@ -601,7 +603,8 @@ def _batch_checks(cfg: "RunConfig", stage: str, frame_columns: set[str],
     if "baseline_response_length" in frame_columns:
         checks.append(_Check("baseline_response_ids", "baseline_response_length",
                              f"greedy baseline tokens <= rollout.max_new_tokens={T}", max_value=T))
-    stage_fields = {"rollout": ("response_logprobs", "ref_logprobs", "values", "sum_pi_squared"),
+    stage_fields = {"rollout": ("response_logprobs", "ref_logprobs", "values", "sum_pi_squared",
+                                "teacher_logprobs"),
                     "reward": ("score", "baseline_score"), "advantage": ("advantages", "returns")}
     lo_hi = declared_score_range(cfg, data_sources)
     for s in STAGES[:STAGES.index(stage) + 1]:

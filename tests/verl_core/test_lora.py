@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.crash import kill_at_marker
+from tests.crash import kill_then_resume, train_command
 from tests.presets import TINY, tiny_run
 from verl_core.models.lora import LoRAConfigError
 from verl_core.train import train
@@ -216,18 +216,7 @@ def _sha256(folder: str) -> str:
 def test_a_sigkill_after_the_first_checkpoint_resumes_bit_identical(run, tmp_path):
     summary, _ = run
     work = tmp_path / "work"
-    cmd = [sys.executable, "-m", "verl_core.train", "--workdir", str(work)]
-    for k, v in LORA.items():
-        cmd += ["--set", f"{k}={v}"]
-    env = {**os.environ, "PYTHONPATH": REPO}
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env=env)
-    kill_at_marker(proc, work / "latest.json", "the first checkpoint", poll_s=0.05)
-    done = subprocess.run(cmd + ["--summary-json", str(tmp_path / "s.json")], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "resuming from the checkpoint of step" in done.stdout
-    got = json.loads((tmp_path / "s.json").read_text())
+    got = kill_then_resume(*train_command(work, LORA), work / "latest.json", tmp_path / "s.json")
     assert _sha256(got["final_model"]) == _sha256(summary["final_model"])
     a = load_file(os.path.join(got["final_model"], "adapter", "adapter_model.safetensors"))
     b = load_file(os.path.join(summary["final_model"], "adapter", "adapter_model.safetensors"))

@@ -9,7 +9,7 @@ Columns: ``uid, group, prompt_ids, response_ids, response_logprobs, ground_truth
 extra_info`` (rollout); + ``score``, ``ref_logprobs`` (reward); + ``values`` (critic);
 + ``advantages``, ``returns`` (advantage). Only for estimators whose traits ask for them:
 ``baseline_response_ids`` (rollout, a greedy response per prompt) + ``baseline_score`` (reward);
-``sum_pi_squared`` (rollout).
+``sum_pi_squared`` (rollout); with on-policy distillation ``teacher_logprobs`` (rollout).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import torch
 
 _TOKEN_COLS = ("response_logprobs", "ref_logprobs", "values", "advantages", "returns",
-               "sum_pi_squared")
+               "sum_pi_squared", "teacher_logprobs")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class Batch:
     baseline_response_mask: Optional[torch.Tensor] = None  # (N, T_b) float32, 1 on generated tokens
     baseline_score: Optional[torch.Tensor] = None  # (N,) float32, the greedy response's score
     sum_pi_squared: Optional[torch.Tensor] = None  # (N, T) float32, Σ_v π_v² of the rollout policy
+    # algorithm.distill_teacher_path: the teacher's log-probs of the sampled tokens, 0 on padding
+    teacher_logprobs: Optional[torch.Tensor] = None  # (N, T) float32
     # multi-turn rollouts (issue 25): 1 on every real response token, the sampled ones and the
     # tool responses and template tokens appended between turns (``response_mask``'s holes);
     # None when every real token was sampled (then it equals ``response_mask``)

@@ -80,6 +80,10 @@ def index_assets(assets: Assets, storage_options: dict | None = None
         with open(assets.judge_template_path, "rb") as f:
             index["judge_template"] = add(f.read())
         sources["judge_template"] = {assets.judge_template_path: index["judge_template"]}
+    if assets.teacher_path:  # on-policy distillation's teacher, pinned as the model is
+        index["teacher"] = folder(assets.teacher_path)
+        sources["teacher"] = {os.path.join(assets.teacher_path, r): h
+                              for r, h in index["teacher"].items()}
     index["id"] = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
     return index, blobs, sources
 
@@ -122,7 +126,7 @@ class AssetsChangedError(PermanentError):
     resuming would mix other data (or another reference model) into the same trajectory."""
 
 
-GIVEN_KINDS = ("model", "train", "val", "reward_model", "judge_template")
+GIVEN_KINDS = ("model", "train", "val", "reward_model", "judge_template", "teacher")
 JUDGE_TEMPLATE = "judge/template.txt"
 """Where a generative judge's prompt template lies in a materialised asset entry."""
 SOURCE_MODEL = "source_model"
@@ -209,6 +213,7 @@ def _entries(index: dict) -> dict[str, str]:
     out.update({f"reward_model/{rel}": sha for rel, sha in index.get("reward_model", {}).items()})
     if "judge_template" in index:
         out[JUDGE_TEMPLATE] = index["judge_template"]
+    out.update({f"teacher/{rel}": sha for rel, sha in index.get("teacher", {}).items()})
     for split in ("train", "val"):
         for i, sha in enumerate(index[split]):
             out[f"data/{split}-{i}.parquet"] = sha
@@ -294,7 +299,8 @@ def materialize_assets(store: RunStore, index: dict) -> Assets:
                   reward_model_path=os.path.join(root, "reward_model")
                   if "reward_model" in index else "",
                   judge_template_path=os.path.join(root, JUDGE_TEMPLATE)
-                  if "judge_template" in index else "")
+                  if "judge_template" in index else "",
+                  teacher_path=os.path.join(root, "teacher") if "teacher" in index else "")
 
 
 def _discard(cache: str, root: str) -> None:

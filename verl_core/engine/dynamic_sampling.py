@@ -59,7 +59,8 @@ __all__ = ["FilterGroupsExhaustedError", "GroupFilter", "kept_groups", "gen_batc
            "sample_and_filter", "with_model_inputs"]
 
 _TOKEN_FIELDS = ("response_ids", "response_mask", "response_attention_mask", "response_logprobs",
-                 "ref_logprobs", "values", "advantages", "returns", "sum_pi_squared")
+                 "ref_logprobs", "values", "advantages", "returns", "sum_pi_squared",
+                 "teacher_logprobs")
 _BASELINE_FIELDS = ("baseline_response_ids", "baseline_response_mask")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from verl_core.algorithms import (EstimatorInputs, apply_kl_penalty, get_advantage_estimator,
                                   outcome_to_token_rewards)
+from verl_core.algorithms.distill import distill_signal
 from verl_core.algorithms.utils import masked_mean
 from verl_core.data.batch import Batch
 
@@ -40,8 +41,29 @@ def compute_advantages(batch: Batch, algo) -> tuple[Batch, dict]:
         values=batch.values, baseline_score=batch.baseline_score,
         old_logprobs=batch.response_logprobs, sum_pi_squared=batch.sum_pi_squared)
     adv, ret = get_advantage_estimator(algo.adv_estimator)(inp)
+    if algo.distills:
+        adv = _with_distillation(adv, batch, algo, metrics)
     metrics["advantages/mean"] = float(masked_mean(adv, mask))
     metrics["advantages/abs_max"] = float((adv.abs() * mask).max()) if mask.any() else 0.0
     if batch.values is not None:
         metrics["critic/values_mean"] = float(masked_mean(batch.values, mask))
     return batch.replace(advantages=adv, returns=ret, meta=meta), metrics
+
+
+def _with_distillation(adv, batch: Batch, algo, metrics: dict):
+    """On-policy distillation (``algorithms/distill.py``): the stored teacher log-probs and the
+    rollout's student log-probs give the per-token signal r_t (N, T); the advantage becomes
+    ``adv + distill_coef * r`` (``distill_use_task_rewards``), else r alone. verl adds the two
+    losses instead (``policy_loss + coef * distill_loss``, both vanilla PPO on the same ratio):
+    the same value and gradient while no token is clipped."""
+    if batch.teacher_logprobs is None:
+        raise ValueError("algorithm.distill_teacher_path is set but the batch has no "
+                         "teacher_logprobs (a batch stored by a run without distillation)")
+    signal, m = distill_signal(batch.response_logprobs, batch.teacher_logprobs,
+                               batch.response_mask, loss_mode=algo.distill_loss_mode,
+                               loss_max_clamp=algo.distill_loss_max_clamp)  # (N, T)
+    metrics.update({f"distillation/{k}": float(v) for k, v in m.items()})  # verl's names
+    if algo.distill_use_task_rewards:
+        metrics["distillation/task_advantages_mean"] = float(masked_mean(adv, batch.response_mask))
+        return adv + algo.distill_coef * signal  # A_t + c r_t
+    return signal

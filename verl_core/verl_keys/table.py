@@ -451,6 +451,124 @@ for _prefix in (A + "fsdp_config.", "actor_rollout_ref.ref.fsdp_config.",
 # verl's CISPO example passes the model's dtype as model.torch_dtype: the compute dtype
 VERL_TO_OURS["actor_rollout_ref.model.torch_dtype"] = _compute_dtype(
     "actor_rollout_ref.model.torch_dtype")
+# verl's on-policy distillation (docs/algo/opd.md, verl's distillation.yaml): its single teacher
+# and its PG OPD signal map (docs/rewards.md#on-policy-distillation); the rest is refused or has
+# no effect, each with the reason
+D, DL, DT = "distillation.", "distillation.distillation_loss.", \
+    "distillation.teacher_models.teacher_model."
+DISTILL_DEFAULTS = {D + "enabled": False, DL + "loss_mode": "k3", DL + "use_task_rewards": True,
+                    DL + "distillation_loss_coef": 1.0, DL + "loss_max_clamp": None,
+                    DL + "use_policy_gradient": False, DT + "model_path": None}
+"""verl's defaults of the distillation keys that map (its generated config at 1dda039, which
+the vendored defaults file predates): a key at its default changes nothing while distillation is
+off, as in verl."""
+
+
+def _distill(key: str, target: Transform) -> Transform:
+    """``target`` when ``distillation.enabled`` is true; while it is off, verl reads none of its
+    keys, so one at verl's default changes nothing and any other value is refused."""
+    def t(value, ctx) -> Pairs:
+        if ctx.get(D + "enabled") is True:
+            return target(value, ctx)
+        if _same_value(value, DISTILL_DEFAULTS[key]):
+            return []
+        raise ConfigError(f"{key}={value!r} does nothing while distillation.enabled is not true "
+                          "(verl's switch): set distillation.enabled=true with "
+                          f"{DT}model_path, or leave it out")
+    t.target = getattr(target, "target", None)
+    return t
+
+
+def _same_value(a, b) -> bool:
+    return a == b and type(a) is type(b) or a is None and b is None
+
+
+def _distill_enabled(value, ctx) -> Pairs:
+    """verl's switch. On, it needs the teacher and PG OPD (verl's default, GKD OPD, is not
+    built: refused rather than run as another algorithm), and the estimator is verl's default
+    k3 unless a key names one."""
+    if value not in (True, False):
+        raise ConfigError(f"distillation.enabled={value!r}: must be true or false")
+    if value is False:
+        return []
+    if ctx.get(DT + "model_path") is None:
+        raise ConfigError(f"distillation.enabled=True needs the teacher: {DT}model_path=<a local "
+                          "folder of a model with the student's tokenizer>")
+    if DL + "use_policy_gradient" not in ctx:
+        _distill_pg(False, ctx)  # verl's default: refused, naming the key to set
+    if DL + "loss_mode" in ctx or "algorithm.distill_loss_mode" in ctx:
+        return []
+    return [("algorithm.distill_loss_mode", DISTILL_DEFAULTS[DL + "loss_mode"])]
+
+
+def _distill_loss_mode(value, ctx) -> Pairs:
+    if value == "forward_kl_topk":
+        raise ConfigError(f"verl key {DL}loss_mode='forward_kl_topk' cannot apply here: the "
+                          "top-k forward KL (GKD OPD) needs the teacher's top-k distribution at "
+                          "every position and a loss through the student's logits; only the "
+                          "single-sample reverse-KL estimators of PG OPD are built (k1, kl, abs, "
+                          "k2, mse, k3, low_var_kl)")
+    return [("algorithm.distill_loss_mode", value)]
+
+
+def _distill_pg(value, ctx) -> Pairs:
+    if value is not True:
+        raise ConfigError(f"verl key {DL}use_policy_gradient={value!r} (verl's default) cannot "
+                          "apply here: GKD OPD (the estimator backpropagated as a supervised "
+                          "loss) is not built; the signal here is PG OPD's, the negative "
+                          f"reverse-KL estimate as a per-token advantage: set {DL}"
+                          "use_policy_gradient=true")
+    return []
+
+
+VERL_TO_OURS.update({
+    D + "enabled": _distill_enabled,
+    DT + "model_path": _distill(DT + "model_path", _to("algorithm.distill_teacher_path")),
+    DL + "loss_mode": _distill(DL + "loss_mode", _distill_loss_mode),
+    DL + "use_task_rewards": _distill(DL + "use_task_rewards",
+                                      _to("algorithm.distill_use_task_rewards")),
+    DL + "distillation_loss_coef": _distill(DL + "distillation_loss_coef",
+                                            _to("algorithm.distill_coef")),
+    DL + "loss_max_clamp": _distill(DL + "loss_max_clamp", _to("algorithm.distill_loss_max_clamp")),
+    DL + "use_policy_gradient": _distill(DL + "use_policy_gradient", _distill_pg),
+})
+_TEACHER_SERVING = ("how verl serves the teacher (its own resource pool and inference engine); "
+                    "here the teacher is a plain forward on the run's workers, a full copy on "
+                    "each, scoring at temperature 1 as verl's teacher does")
+DISTILL_NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
+    D + "n_gpus_per_node": (lambda v: True, _TEACHER_SERVING),
+    D + "nnodes": (lambda v: True, _TEACHER_SERVING),
+    DT + "num_replicas": (lambda v: True, _TEACHER_SERVING),
+    **{DT + "inference." + n: (lambda v: True, _TEACHER_SERVING) for n in (
+        "name", "dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes",
+        "free_cache_engine", "data_parallel_size", "expert_parallel_size",
+        "tensor_model_parallel_size", "max_num_batched_tokens", "max_model_len",
+        "max_num_seqs", "load_format", "engine_kwargs", "limit_images",
+        "enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats",
+        "skip_tokenizer_init", "prompt_length", "response_length", "temperature", "_target_")},
+    D + "teacher_key": (lambda v: True, "one teacher here (multi-teacher routing is not built): "
+                                        "every row goes to it, as in verl with one teacher"),
+    DT + "key": (lambda v: True, "one teacher here: every row goes to it, as in verl with one"),
+    DL + "topk": (lambda v: True, "read only by the top-k forward KL (loss_mode=forward_kl_topk), "
+                                  "which is not built"),
+    DL + "log_prob_min_clamp": (lambda v: True, "verl applies it only in the top-k forward KL "
+                                                "(not built); its single-sample estimators do "
+                                                "not read it either"),
+    DL + "policy_loss_mode": (lambda v: v == "vanilla",
+                              "the signal joins the advantage of the one policy loss, "
+                              "algorithm.policy_loss (actor_rollout_ref.actor.policy_loss."
+                              "loss_mode); verl offers only vanilla here too"),
+    **{DL + n: (lambda v: v == 0.2,
+                "the signal is added to the advantage and clipped with the policy loss's range, "
+                "algorithm.clip_ratio_low/high (actor_rollout_ref.actor.clip_ratio_low/high): "
+                "set those; only verl's default 0.2 is accepted here")
+       for n in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")},
+    **{k: (lambda v: True, "verl's dataclass path for Hydra")
+       for k in (D + "_target_", DL + "_target_", DT + "_target_")},
+}
+"""verl's distillation keys with no effect here at the values accepted (each with its reason)."""
+DISTILL_KEYS = set(DISTILL_DEFAULTS) | set(DISTILL_NO_EFFECT) | {D + "enabled"}
+"""verl's distillation keys (its newer generated config; the vendored defaults file lacks them)."""
 # verl's fully-async recipe (recipe/fully_async_policy): its partial-rollout switch means what
 # ours does (generations in flight go on with the new weights); its other keys are refused by
 # pattern, with the reason (REFUSED_PATTERNS)
@@ -465,7 +583,7 @@ DAPO_KEYS = {k for k in VERL_TO_OURS if k.startswith(("algorithm.filter_groups."
 today's DAPO scripts (``+reward_model.reward_kwargs.*``, added with Hydra's ``+``), which
 verl's generated default lacks."""
 READ_WITH_GET = {k for k in VERL_TO_OURS if ".mixed_precision" in k} | DAPO_KEYS | \
-    FULLY_ASYNC_KEYS | {
+    FULLY_ASYNC_KEYS | DISTILL_KEYS | {
     "actor_rollout_ref.model.torch_dtype"}
 """verl keys missing from its generated defaults: verl's FSDP workers read
 ``fsdp_config.mixed_precision`` with ``.get`` (param bf16, reduce fp32, buffers fp32 when absent),
@@ -651,6 +769,7 @@ RM_SERVING: dict[str, tuple[Callable[[object], bool], str]] = {
 """verl keys of its reward-model server, profilers and worker choice: accepted, no effect here
 (each with its reason)."""
 NO_EFFECT.update(RM_SERVING)
+NO_EFFECT.update(DISTILL_NO_EFFECT)
 
 REFUSED: dict[str, str] = {
     "critic.model.lora_rank": "LoRA on the critic is not offered: the critic trains fully "
@@ -763,6 +882,10 @@ REFUSED_PATTERNS: list[tuple[re.Pattern, str]] = [
          "the critic starts from the actor's model (its config.json fields are "
          "actor_rollout_ref.model.override_config's) and the reward model is loaded as its folder "
          "has it; edit a copy of the folder for another config"),
+        (r"^distillation\.teacher_models\.(?!teacher_model\.)",
+         "one teacher here (algorithm.distill_teacher_path, verl's "
+         "distillation.teacher_models.teacher_model.*): multi-teacher distillation (routing rows "
+         "by distillation.teacher_key) is not built"),
         (r"^actor_rollout_ref\.rollout\.quantization",
          "GPU-only: quantized (FP8) rollouts are not built here; the engine samples in "
          "model.dtype"),
