@@ -8,8 +8,9 @@ that VERL_FAULTS offers, at different phases. Real processes, real signals, real
    verifies, the corrupted one repaired. A transient fault is retried inside the run (twice
    here, then it passes); a permanent one fails the run at once, unretried, before any phase
    that needs its output.
-2. NaN faults (gradients, rewards), in a run of their own (8 steps): each is caught before it reaches the weights, the step is
-   skipped, and the event log, the metrics table and the console line say so.
+2. NaN faults (gradients, rewards), in a run of their own (8 steps): each is caught before it
+   reaches the weights, the step is skipped, and the event log, the metrics table and the
+   console line say so.
 """
 import json
 
