@@ -12,7 +12,6 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from verl_core import layout
-from verl_core.checkpoint import dcp
 from verl_core.checkpoint.manifest import CheckpointInfo, _group_algo, _manifest_algo
 from verl_core.checkpoint.state import flatten_state, from_json, unflatten_state
 from verl_core.checkpoint.tensors import load_tensors, torch_dtype
@@ -247,6 +246,8 @@ class CheckpointLoading:
 
     def _load_dcp(self, name: str, state: Mapping[str, Any], dp: DataParallel, *,
                   rebuild: bool) -> tuple[dict, CheckpointInfo]:
+        from verl_core.checkpoint import dcp  # torch.distributed.checkpoint: ~1 s to import
+
         info, m = _collectively(dp, lambda: self._read_manifest(name))
         meta = _collectively(dp, lambda: self._read_meta(name, m))
         # every rank checks its targets, and all stop if any rank's do not fit: a rank that
@@ -280,6 +281,8 @@ def _load_targets(name: str, m: Mapping, state: Mapping[str, Any], rebuild: bool
     for what the checkpoint has and the target lacks (``extra``, ``rebuild`` only), and the DCP
     state dict of both (``tensors``). Every target tensor must be in the checkpoint with its
     shape (global, for DTensors) and dtype."""
+    from verl_core.checkpoint import dcp
+
     flat: dict[str, dict] = {}
     extra: dict[str, dict] = {}
     tensors: dict[str, torch.Tensor] = {}

@@ -76,7 +76,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import verl_core
 from verl_core import layout
-from verl_core.checkpoint import dcp
 from verl_core.checkpoint.loading import _LOAD_ERRORS, CheckpointLoading
 from verl_core.checkpoint.manifest import (DEFAULT_HASH, MANIFEST_FORMAT, SHARED_GROUPS,
                                            CheckpointInfo, _check_group, _check_step,
@@ -253,6 +252,8 @@ class CheckpointManager(CheckpointLoading, CheckpointRetention):
         background writes coordinate over a dedicated gloo group, created (collectively, over the
         default process group) on the first call, so they never interleave with training's
         collectives."""
+        from verl_core.checkpoint import dcp  # torch.distributed.checkpoint: ~1 s to import
+
         if self._pending is not None:
             prev, self._pending = self._pending, None
             try:
@@ -310,6 +311,8 @@ class CheckpointManager(CheckpointLoading, CheckpointRetention):
         """Flatten every group into tensors + JSON tree and check, across ranks, that the trees
         agree (a collective with ``dp.size > 1``). Refusals are raised on every rank, before
         anything is written."""
+        from verl_core.checkpoint import dcp
+
         _check_step(step)
         err: Optional[Exception] = None
         flat: dict = {}
@@ -359,6 +362,8 @@ class CheckpointManager(CheckpointLoading, CheckpointRetention):
 
     def _write(self, job: _SaveJob, config_hash: str, shared_groups: tuple,
                dp: DataParallel, pg: Any) -> CheckpointInfo:
+        from verl_core.checkpoint import dcp
+
         with self._lock:
             marker = self._begin("save", job.step) if dp.rank == 0 else None
             try:
@@ -380,6 +385,8 @@ class CheckpointManager(CheckpointLoading, CheckpointRetention):
                       shared_groups: tuple, world_size: int) -> CheckpointInfo:
         """DCP's finish step (rank 0): every rank's objects are written; build the group docs
         from their joined chunk lists and the trees, and commit."""
+        from verl_core.checkpoint import dcp
+
         group_docs = {g: {"shared": g in shared_groups, "hash": self.hash_algo, "tree": tree,
                           "tensors": {}} for g, tree in job.trees.items()}
         for key, entry in index.items():

@@ -68,7 +68,11 @@ def start_local_ray() -> None:
 
     ``address="local"``: a new instance even where another one on this host was started with
     ``ray start`` (a bare ``ray.init()`` joins the newest such instance, whose owner may stop it
-    under this run); joining a cluster is what RAY_ADDRESS and ``cluster.mode=attached`` say."""
+    under this run); joining a cluster is what RAY_ADDRESS and ``cluster.mode=attached`` say.
+
+    ``prestart_worker_first_driver=False``: Ray would start one idle worker process per CPU as
+    this driver connects (~0.6 s of CPU each, BENCHMARKS.md "The test suite on a fresh clone");
+    a run uses one actor, or a group's W, and Ray starts a worker for each when it is created."""
     if not runs_on_this_host():
         return
     import ray
@@ -77,7 +81,8 @@ def start_local_ray() -> None:
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
             logging.ERROR)
         ray.init(address="local", include_dashboard=False, configure_logging=False,
-                 _system_config={"metrics_report_interval_ms": 60_000})
+                 _system_config={"metrics_report_interval_ms": 60_000,
+                                 "prestart_worker_first_driver": False})
 
 
 def call(worker, method: str, *args, timeout_s: float | None = None):
