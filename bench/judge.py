@@ -77,26 +77,31 @@ def main(argv=None) -> None:
     seeds = list(range(len(rows)))
     table = []
     base = None
-    for mb in [int(x) for x in args.batches.split(",")]:
-        cfg = RewardModelConfig(enable=True, path=model, style="generative", parser="yes_no",
-                                engine=args.engine, max_new_tokens=args.max_new_tokens,
-                                micro_batch_size=mb)
-        judge = Judge.load(model, cfg, template_path=template)
-        judge.judge_rows(rows[:2], answers[:2], seeds=seeds[:2])  # warm-up (first call)
+    sizes = [int(x) for x in args.batches.split(",")]
+    # one judge (vLLM builds one engine per process cleanly), its calls split as each size says
+    cfg = RewardModelConfig(enable=True, path=model, style="generative", parser="yes_no",
+                            engine=args.engine, max_new_tokens=args.max_new_tokens,
+                            micro_batch_size=max(sizes))
+    judge = Judge.load(model, cfg, template_path=template)
+    judge.judge_rows(rows[:2], answers[:2], seeds=seeds[:2])  # warm-up (first call)
+    for mb in sizes:
+        judge.micro_batch_size = mb
         t0 = time.perf_counter()
         got = judge.judge_rows(rows, answers, seeds=seeds)
         dt = time.perf_counter() - t0
-        judge.close()
         rate = len(rows) / dt
         base = base or rate
-        agree = sum((s >= 0.5) == ok for s, ok, o in zip(got.scores, right, got.outputs))
-        table.append((mb, dt, rate, rate / base, len(rows) - got.unparsed - got.failed, agree))
+        agree = sum((s >= 0.5) == ok for s, ok in zip(got.scores, right))
+        table.append((mb, dt, rate, rate / base, len(rows) - got.unparsed - got.failed,
+                      got.failed, agree))
+    judge.close()
     print(f"\njudge {os.path.basename(model.rstrip('/'))} on {args.engine}, {args.rows} rows, "
           f"greedy, <= {args.max_new_tokens} new tokens, {args.threads} threads")
-    print("| micro-batch | seconds | rows/s | x one row | answers parsed | verdict = truth |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for mb, dt, rate, ratio, parsed, agree in table:
-        print(f"| {mb} | {dt:.2f} | {rate:.2f} | {ratio:.2f} | {parsed}/{args.rows} | "
+    print("| micro-batch | seconds | rows/s | x one row | answers parsed | failed | "
+          "verdict = truth |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for mb, dt, rate, ratio, parsed, failed, agree in table:
+        print(f"| {mb} | {dt:.2f} | {rate:.2f} | {ratio:.2f} | {parsed}/{args.rows} | {failed} | "
               f"{agree}/{args.rows} |")
 
 
