@@ -402,7 +402,8 @@ def main() -> None:
     for k, label in [("interpreter_s", "interpreter start + exit"),
                      ("imports_s", "`import workflows.ppo` (flytekit, tasks, verl_core)"),
                      ("store_open_s", "run store open"),
-                     ("state_load_s", "state load: `RunWorker` + `ensure_state` from the checkpoint"),
+                     ("state_load_s",
+                      "state load: `RunWorker` + `ensure_state` from the checkpoint"),
                      ("warm_check_s", "warm check: `ensure_state` on a worker holding the state"),
                      ("batch_io_s", "the step's 3 batches: `get_batch` + `put_batch` each"),
                      ("first_step_s", "the first step's work (rollout, reward, advantage, update)"),
@@ -423,8 +424,8 @@ def main() -> None:
     print("- 7B state read by a rebuild: `verl_core.engine.cluster.bytes_read_per_phase` (fp32 "
           "weights, AdamW moments, bf16 reference: 98 GB at 7e9 parameters, docs/cluster.md); "
           f"7B rollout batch: {a.bytes_per_token_7b:.0f} B/token x {a.rows_7b} rows x "
-          f"{a.tokens_7b} tokens (docs/cluster.md), the scored and advantaged batches larger by the "
-          "ratios measured on the default run's")
+          f"{a.tokens_7b} tokens (docs/cluster.md), the scored and advantaged batches larger by "
+          "the ratios measured on the default run's")
     print("- batch I/O = the measured local put/get of the step's batches (encode, decode, hash) "
           "+ their bytes at `--store-gb-s` + one `--store-request-s` per transfer (6 a step)")
     print("- process start, store open, the state build beyond its read, the warm check: "
