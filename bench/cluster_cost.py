@@ -334,10 +334,15 @@ def table(w: Workload, c: Cluster) -> str:
 
 SOURCES = {
     "pod_start_s": "Flyte: ~30 s cold start per task (the figure issue 43 quotes from Flyte's "
-                   "docs); every task of a Flyte 1 workflow runs in its own pod "
-                   "(https://www.union.ai/docs/v2/flyte/user-guide/task-configuration/"
-                   "reusable-containers: 'each task execution ... runs in a fresh container')",
-    "tasks_per_min": "Flyte 1 propeller ~150 task executions per minute (issue 43, Flyte's figure)",
+                   "side; the page that states it was not found here); every task execution "
+                   "runs in a fresh container (https://www.union.ai/docs/v2/flyte/user-guide/"
+                   "task-configuration/reusable-containers); a task's overhead is 2u + 2d + e + "
+                   "t, t the container's creation (https://www.union.ai/docs/v2/byoc/user-guide/"
+                   "run-scaling/scale-your-workflows)",
+    "tasks_per_min": "Flyte 1 propeller ~150 task executions per minute (issue 43's figure; "
+                     "propeller's event loop: https://docs.flyte.org/en/latest/deployment/"
+                     "configuration/performance.html); a throughput, used as a serial chain's "
+                     "latency",
     "rayjob_start_s": "KubeRay: a RayJob creates a RayCluster and submits when it is ready "
                       "(https://docs.ray.io/en/latest/cluster/kubernetes/getting-started/"
                       "rayjob-quick-start.html); the RayCluster quickstart shows the cluster "
@@ -355,13 +360,16 @@ SOURCES = {
                   "8-GPU node; an NFS mount: its link's rate (10-25 Gb/s typical: --store-gb-s 2)",
     "store_request_s": "S3 small-request latency 100-200 ms "
                        "(https://notes.aslamcodes.in/aws/s3/s3-performance, citing AWS's "
-                       "performance guidelines)",
+                       "performance guidelines); also a Flyte 2 trace record's cost (traces for "
+                       "lightweight checkpointed steps: https://www.union.ai/docs/v2/byoc/"
+                       "user-guide/run-scaling/scale-your-workflows)",
 }
 
 
 def main() -> None:
     c0 = Cluster()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description="A cost model of orchestration per RL step on a "
+                                 "cluster (issue 43, item 2); see the module docstring.")
     ap.add_argument("--measured", default=os.path.join(REPO, "bench", "cluster_cost_measured.json"),
                     help="where the local measurement is saved and read from")
     ap.add_argument("--measure", action="store_true", help="measure again even if saved")
