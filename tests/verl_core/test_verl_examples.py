@@ -203,10 +203,11 @@ def test_override_config_trains_and_exports_the_changed_config(local_files, tmp_
 
 
 @pytest.mark.slow
-def test_numina_rows_train_with_prime_math_and_code_rows_are_refused_with_the_reason(
+def test_numina_rows_train_with_prime_math_and_code_rows_without_tests_are_refused(
         local_files, tmp_path, capsys):
-    # verl routes numina_* to prime_math: scored here too; a code source (a sandbox in verl) is
-    # refused before any work, saying why
+    # verl routes numina_* to prime_math: scored here too; a code source (taco) goes to the
+    # `code` scorer, whose rows must hold tests: math answers as its ground truth are refused
+    # before any work, saying what a code row's ground truth holds
     from verl_core.train import main
 
     files = {}
@@ -231,5 +232,6 @@ def test_numina_rows_train_with_prime_math_and_code_rows_are_refused_with_the_re
     capsys.readouterr()
     assert run("taco", "taco") == 2
     err = capsys.readouterr().err
-    assert "'taco': verl scores it by running the response's code" in err, err
+    assert "(data_source 'taco'): code scorer: the ground truth" in err, err
+    assert "one Python 'assert ...' per line" in err, err
     assert not (tmp_path / "taco.json").exists()
