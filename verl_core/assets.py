@@ -18,7 +18,8 @@ from verl_core.config import RunConfig
 from verl_core.data.code_task import write_code_dataset
 from verl_core.data.dataset import DatasetError, load_prompt_rows
 from verl_core.data.prompts import load_checked_rows
-from verl_core.data.synthetic import write_arithmetic_dataset, write_calculator_dataset
+from verl_core.data.synthetic import (write_arithmetic_dataset, write_calculator_dataset,
+                                      write_guess_dataset)
 from verl_core.data.word_problems import write_word_problem_dataset
 from verl_core.format_warmup import format_answers, format_warm_start
 from verl_core.models import build_tiny_model, load_tokenizer
@@ -76,7 +77,8 @@ def check_teacher(cfg: RunConfig, teacher: str) -> None:
     if cfg.model.path:
         student, name = load_tokenizer(cfg.model.path), f"model.path={cfg.model.path!r}"
     else:
-        calculator = cfg.data.synthetic_task == "calculator" and not cfg.data.train_files
+        calculator = cfg.data.synthetic_task in ("calculator", "guess") \
+            and not cfg.data.train_files
         student = build_char_tokenizer(CHAR_CHAT_TEMPLATE if calculator else None)
         name = "the tiny model's character tokenizer"
     check_same_tokenizer(student, load_tokenizer(teacher), name, teacher)
@@ -99,6 +101,7 @@ def _prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: boo
     given = {"reward_model_path": rm.path if rm.enable else "",
              "judge_template_path": rm.prompt_template if judge else ""}
     calculator = not cfg.data.train_files and cfg.data.synthetic_task == "calculator"
+    guess = not cfg.data.train_files and cfg.data.synthetic_task == "guess"
     if cfg.data.train_files:
         train_files, val_files = cfg.data.train_file_list, cfg.data.val_file_list
     elif cfg.data.synthetic_task == "word_problems":
@@ -108,6 +111,11 @@ def _prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: boo
         train_files, val_files = [train], [val]
     elif cfg.data.synthetic_task == "code":
         train, val = write_code_dataset(
+            os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
+            val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
+        train_files, val_files = [train], [val]
+    elif guess:
+        train, val = write_guess_dataset(
             os.path.join(workdir, "data"), train_size=cfg.data.synthetic_train_size,
             val_size=cfg.data.synthetic_val_size, seed=cfg.seed)
         train_files, val_files = [train], [val]
@@ -125,9 +133,10 @@ def _prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: boo
     # Every file is checked (rows, columns, prompt lengths) before any model work: a bad row must
     # not cost a warm start first.
     # the tiny model's tokenizer is the character one (with a chat template for tool turns)
-    template = CHAR_CHAT_TEMPLATE if calculator else None
+    template = CHAR_CHAT_TEMPLATE if calculator or guess else None
     tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer(template)
     schemas = check_tools(cfg, tok)
+    check_interactions(cfg, [*train_files, *val_files])
     rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length, cfg.data.truncation,
                              schemas)
     load_checked_rows(tok, val_files, cfg.data.max_prompt_length, cfg.data.truncation, schemas)
@@ -174,7 +183,7 @@ def _prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: boo
                        + (cfg.model.warmup_mixed_steps if calculator else 0),
                        target=cfg.model.warmup_target_accuracy)
         if not ws.reuse(model_path):
-            tiny_warm_start(cfg, model, tok, rows, schemas, calculator, ws, log)
+            tiny_warm_start(cfg, model, tok, rows, schemas, calculator, ws, log, guess=guess)
             model.save_pretrained(model_path, safe_serialization=True)
             tok.save_pretrained(model_path)
             ws.finish(model_path, ws.steps_done, ws.accuracy)
@@ -205,6 +214,24 @@ def check_ground_truths(scorer: str, files: list[str]) -> None:
                                    f"{r.data_source!r}): {e}") from None
 
 
+def check_interactions(cfg: RunConfig, files: list[str]) -> None:
+    """``rollout.interaction_config_path``: every row names one of its interactions, and every
+    class is imported and built once in a host process, so a wrong config, row or class is
+    refused before any work, naming it."""
+    rc = cfg.rollout
+    if not (rc.multi_turn and rc.interaction_config_path):
+        return
+    from verl_core.data.prompts import interaction_host
+
+    for path in files:  # each file's rows checked on their own: an error names the file
+        try:
+            host = interaction_host(rc, load_prompt_rows([path]))
+        except ToolConfigError as e:
+            raise ToolConfigError(f"{path}: {e}") from None
+    with host:  # builds every class once
+        pass
+
+
 def check_tools(cfg: RunConfig, tokenizer) -> list[dict] | None:
     """``rollout.multi_turn``: the tools' schemas (what prompts show the model), after building
     every tool once in a tool host, so a class that cannot be imported or built is refused
@@ -216,6 +243,8 @@ def check_tools(cfg: RunConfig, tokenizer) -> list[dict] | None:
         raise ToolConfigError("rollout.multi_turn=True needs a model whose tokenizer has a chat "
                               "template (it renders the tool calls' responses between turns); "
                               "this one has none: set model.path to a chat model")
+    if not rc.tool_config_path:  # simulated users only (rollout.interaction_config_path)
+        return None
     entries = tool_entries(rc.tool_config_path)
     with ToolHost(entries, timeout_s=rc.tool_timeout_s):
         pass

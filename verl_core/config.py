@@ -545,6 +545,12 @@ class RunConfig:
                   "is a task for a real pretrained model (the tiny model reads characters, and a "
                   "word problem is longer than its context): give --model, e.g. a folder made by "
                   "python -m verl_core.models fetch smollm2-135m-instruct DIR")
+        if (not self.data.train_files and self.data.synthetic_task == "guess"
+                and not self.rollout.interaction_config_path):
+            _fail("data", "synthetic_task", "guess",
+                  "is played against a simulated user: set rollout.multi_turn=True and "
+                  "rollout.interaction_config_path=builtin:guess (the presets set them with "
+                  "data.synthetic_task=guess)")
         if self.rollout.multi_turn and self.algorithm.estimator_traits.needs_greedy_baseline:
             _fail("algorithm", "adv_estimator", self.algorithm.adv_estimator,
                   "its greedy baseline response is single-turn and cannot score a multi-turn "
@@ -874,6 +880,23 @@ tiny model's 128 positions); the two-part warm start of ``model.warmup_mixed_ste
 early stop (the warm-started model answers without the tool when greedy, by design)."""
 
 
+GUESS_DEFAULTS: dict[str, object] = {
+    "rollout.multi_turn": True,
+    "rollout.interaction_config_path": "builtin:guess",
+    "rollout.max_assistant_turns": 3,
+    "rollout.max_new_tokens": 32,
+    "data.max_prompt_length": 8,
+    "model.warmup_sft_steps": 300,
+    "model.warmup_target_accuracy": 1.0,
+}
+"""The guessing game's settings (``data.synthetic_task=guess`` with the tiny model), for fields
+the overrides leave unset: multi-turn rollouts against the built-in scripted user
+(``agent/interactions.GuessInteraction``); three guesses (interval halving finds any number of
+1..7 in three); 32 response tokens (a guess is a digit and ``<eos>``, the user's answer at most 7
+characters); prompts of ``<bos>1-7?``; a warm start on random legal guesses
+(``tiny_warmup.guess_transcripts``), without the early stop."""
+
+
 CODE_DEFAULTS: dict[str, object] = {
     "rollout.max_new_tokens": 64,
     "model.warmup_sft_steps": 0,
@@ -899,6 +922,8 @@ def _model_aware(base: RunConfig, overrides: dict) -> dict:
     mini-batch (:func:`_fitted_micro_batch`)."""
     if overrides.get("data.synthetic_task") == "calculator":
         overrides = {**CALCULATOR_DEFAULTS, **overrides}
+    if overrides.get("data.synthetic_task") == "guess":
+        overrides = {**GUESS_DEFAULTS, **overrides}
     if overrides.get("data.synthetic_task") == "code" and not overrides.get("model.path"):
         overrides = {**CODE_DEFAULTS, **overrides}
     if overrides.get("model.path"):

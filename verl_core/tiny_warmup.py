@@ -27,9 +27,10 @@ from verl_core.warmstart import WarmStart
 
 
 def tiny_warm_start(cfg: RunConfig, model, tok, rows, schemas, calculator: bool, ws: WarmStart,
-                    log) -> None:
+                    log, guess: bool = False) -> None:
     """The tiny model's supervised warm start (``training/sft.py``), in its parts, resumed from
-    and saved through ``ws``; sets ``ws.steps_done`` and ``ws.accuracy``."""
+    and saved through ``ws``; sets ``ws.steps_done`` and ``ws.accuracy``. ``guess``: the
+    guessing game's random legal guesses (:func:`guess_transcripts`)."""
     m = cfg.model
     prompts = [render_prompt(r, tok, schemas) for r in rows]
     host = ToolHost(tool_entries(cfg.rollout.tool_config_path),
@@ -41,7 +42,8 @@ def tiny_warm_start(cfg: RunConfig, model, tok, rows, schemas, calculator: bool,
         # most answer at once (model.warmup_mixed_steps)
         parts = [(m.warmup_sft_steps, 1.0, "sft"), (m.warmup_mixed_steps,
                                                     m.warmup_tool_fraction, "sft-mixed")] \
-            if calculator else [(m.warmup_sft_steps, None, "sft")]
+            if calculator else [(m.warmup_sft_steps, -1.0, "sft-guess")] if guess \
+            else [(m.warmup_sft_steps, None, "sft")]
         saved = ws.resume_point()
         if saved is not None:
             model.load_state_dict(saved["model"])
@@ -52,6 +54,8 @@ def tiny_warm_start(cfg: RunConfig, model, tok, rows, schemas, calculator: bool,
             if i < first_part:
                 continue
             targets = {"answers": [r.ground_truth for r in rows]} if fraction is None else \
+                {"responses": guess_transcripts(tok, rows, derive_seed(cfg.seed, 0, phase),
+                                                cfg.rollout.max_assistant_turns)} if guess else \
                 {"responses": calculator_transcripts(
                     tok, rows, schemas, derive_seed(cfg.seed, 0, phase + "-tools"), fraction)}
             prior = list(losses)
@@ -105,6 +109,38 @@ def calculator_transcripts(tok, rows: list[PromptRow], tools: list[dict] | None,
                               end_of_turn=tok.eos_token, tools=tools)
         out.append((call + obs + answer, [1.0] * len(call) + [0.0] * len(obs)
                     + [1.0] * len(answer)))
+    return out
+
+
+def guess_transcripts(tok, rows: list[PromptRow], seed: int,
+                      max_turns: int) -> list[tuple[list[int], list[float]]]:
+    """The guessing game's warm-start responses, (ids, loss mask) per row, built as a rollout
+    against the scripted user builds them: each turn a uniformly random guess among the numbers
+    the user's answers so far leave (a legal but not a halving strategy: RL has room to learn
+    halving), the user's answer as the template's ids (mask 0), until ``correct`` or
+    ``max_turns`` guesses (no answer after the last, as the rollout)."""
+    rng, eos, out = random.Random(seed), tok.eos_token_id, []
+    for r in rows:
+        kw = r.extra_info["interaction_kwargs"]
+        lo, hi, target = int(kw["low"]), int(kw["high"]), int(kw["target"])
+        ids: list[int] = []
+        mask: list[float] = []
+        for k in range(max_turns):
+            g = rng.randint(lo, hi)
+            turn = tok(str(g), add_special_tokens=False)["input_ids"] + [eos]
+            ids += turn
+            mask += [1.0] * len(turn)
+            if k == max_turns - 1:
+                break
+            said = "correct" if g == target else "higher" if target > g else "lower"
+            obs = observation_ids(tok, [{"role": "user", "content": said}],
+                                  end_of_turn=tok.eos_token)
+            ids += obs
+            mask += [0.0] * len(obs)
+            if g == target:
+                break
+            lo, hi = (g + 1, hi) if target > g else (lo, g - 1)
+        out.append((ids, mask))
     return out
 
 

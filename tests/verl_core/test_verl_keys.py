@@ -158,8 +158,6 @@ def test_mapped_values_build_a_valid_config():
     ("trainer.default_local_dir=/ckpt",
      r"default_local_dir='/ckpt' cannot apply here: the run store .*--workdir"),
     # a verl key with no table entry: refused unless at verl's default
-    ("actor_rollout_ref.rollout.multi_turn.interaction_config_path=/i.yaml",
-     r"interaction_config_path='/i.yaml' cannot apply here: simulated-user interactions"),
     ("actor_rollout_ref.rollout.multi_turn.format=gpt-oss",
      r"multi_turn.format='gpt-oss' cannot apply here: .*hermes"),
     ("actor_rollout_ref.rollout.agent.agent_loop_config_path=/a.yaml",
@@ -198,6 +196,13 @@ def test_the_fully_async_partial_rollout_switch_maps_and_needs_a_lag_of_two():
 
 def test_verl_default_value_is_accepted_on_the_command_line():
     assert to_ours({"actor_rollout_ref.rollout.multi_turn.interaction_config_path": None}) == {}
+
+
+def test_verl_interaction_config_path_maps_onto_the_rollout():
+    got = to_ours(parse_cli(shlex.split(
+        "actor_rollout_ref.rollout.multi_turn.enable=True "
+        "actor_rollout_ref.rollout.multi_turn.interaction_config_path=/i.yaml")))
+    assert got == {"rollout.multi_turn": True, "rollout.interaction_config_path": "/i.yaml"}
 
 
 def test_verl_multi_turn_keys_map_onto_the_rollout():

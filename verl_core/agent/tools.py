@@ -151,38 +151,41 @@ def _check_schema(where: str, schema: Any) -> None:
                               f"schema: {e.message}") from e
 
 
-def load_tool_class(class_name: str) -> type:
-    """The class ``class_name`` names: ``path/to/file.py:Class`` or a dotted ``module.Class``."""
+def load_tool_class(class_name: str, methods: tuple[str, ...] = ("create", "execute", "release"),
+                    what: str = "tool") -> type:
+    """The class ``class_name`` names: ``path/to/file.py:Class`` or a dotted ``module.Class``,
+    with the ``methods`` (verl's BaseTool's; ``what``: the kind of class, for messages)."""
     target, sep, attr = class_name.rpartition(":")
     if sep and target.endswith(".py"):
         if not os.path.isfile(target):
-            raise ToolConfigError(f"tool class {class_name!r}: file {target!r} does not exist")
+            raise ToolConfigError(f"{what} class {class_name!r}: file {target!r} does not exist")
         spec = importlib.util.spec_from_file_location(
             f"verl_tool_{abs(hash(os.path.abspath(target)))}", target)
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
         except BaseException as e:  # noqa: BLE001 - user code: named, never raised through
-            raise ToolConfigError(f"tool class {class_name!r}: running {target!r} raised "
+            raise ToolConfigError(f"{what} class {class_name!r}: running {target!r} raised "
                                   f"{type(e).__name__}: {e}") from e
     else:
         target, _, attr = class_name.rpartition(".")
         if not target:
-            raise ToolConfigError(f"tool class {class_name!r}: give 'package.module.Class' or "
+            raise ToolConfigError(f"{what} class {class_name!r}: give 'package.module.Class' or "
                                   "'path/to/file.py:Class'")
         try:
             module = importlib.import_module(target)
         except BaseException as e:  # noqa: BLE001 - user code: named, never raised through
-            raise ToolConfigError(f"tool class {class_name!r}: importing module {target!r} "
+            raise ToolConfigError(f"{what} class {class_name!r}: importing module {target!r} "
                                   f"failed ({type(e).__name__}: {e}); check the name, install "
                                   "the package, or give 'path/to/file.py:Class'") from e
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
-        raise ToolConfigError(f"tool class {class_name!r}: {target!r} has no class {attr!r}")
-    missing = [m for m in ("create", "execute", "release") if not callable(getattr(cls, m, None))]
+        raise ToolConfigError(f"{what} class {class_name!r}: {target!r} has no class {attr!r}")
+    missing = [m for m in methods if not callable(getattr(cls, m, None))]
     if missing:
-        raise ToolConfigError(f"tool class {class_name!r} lacks verl's BaseTool methods "
-                              f"{missing} (create, execute, calc_reward, release)")
+        base = "BaseTool" if what == "tool" else "BaseInteraction"
+        raise ToolConfigError(f"{what} class {class_name!r} lacks verl's {base} methods "
+                              f"{missing} ({', '.join(methods)})")
     return cls
 
 

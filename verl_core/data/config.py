@@ -74,7 +74,8 @@ class DataConfig:
     """Synthetic verifiable task generated when ``train_files`` is empty: ``arithmetic``
     (``12+7=``, answered at once), ``calculator`` (3-4 digit sums and products, with the
     built-in calculator tool in multi-turn rollouts; the presets then set
-    :data:`~verl_core.config.CALCULATOR_DEFAULTS`) or ``word_problems`` (GSM8K-style word
+    :data:`~verl_core.config.CALCULATOR_DEFAULTS`), ``guess`` (a guessing game against the
+    built-in scripted user, ``builtin:guess``: :data:`~verl_core.config.GUESS_DEFAULTS`) or ``word_problems`` (GSM8K-style word
     problems of 1-3 steps in verl's GSM8K layout, scored by verl's ``gsm8k`` scorer: for a real
     pretrained model, ``data/word_problems.py``) or ``code`` (small Python functions with hidden
     ``assert`` tests, scored by running the response in a sandbox: ``data/code_task.py``,
@@ -101,7 +102,7 @@ class DataConfig:
         _positive("data", self, "train_batch_size", "val_batch_size", "max_prompt_length",
                   "synthetic_train_size", "synthetic_val_size", "synthetic_max_operand")
         _one_of("data", "synthetic_task", self.synthetic_task,
-                {"arithmetic", "calculator", "word_problems", "code"})
+                {"arithmetic", "calculator", "guess", "word_problems", "code"})
         _one_of("data", "truncation", self.truncation, set(TRUNCATIONS))
         m = self.synthetic_max_operand
         unique = (m + 1) ** 2 + (m + 1) * (m + 2) // 2  # a+b, and a-b with a >= b

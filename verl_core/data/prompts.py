@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from verl_core.agent.interactions import interaction_entries, row_interaction
 from verl_core.agent.tools import ToolHost, tool_entries
 from verl_core.data.batch import encode_prompts
 from verl_core.data.dataset import PromptRow, load_prompt_rows, render_prompt
@@ -37,11 +38,15 @@ class Prompts:
     val_mask: torch.Tensor
     tool_schemas: list[dict] | None = None
     tool_host: Any = None
+    interaction_host: Any = None
+    """``rollout.interaction_config_path``: the ``ToolHost`` serving the simulated users
+    (``agent/interactions.py``); None otherwise."""
     """``rollout.multi_turn``: the ``ToolHost`` (a process) the calls run in; None otherwise."""
 
     def close(self) -> None:
-        if self.tool_host is not None:
-            self.tool_host.close()
+        for host in (self.tool_host, self.interaction_host):
+            if host is not None:
+                host.close()
 
 
 def load_prompts(cfg, assets) -> Prompts:
@@ -50,17 +55,30 @@ def load_prompts(cfg, assets) -> Prompts:
     tok = load_tokenizer(assets.model_path)
     train_rows = load_prompt_rows(assets.train_files)
     val_rows = val_subset(load_prompt_rows(assets.val_files), cfg.data.val_max_samples, cfg.seed)
-    schemas = host = None
-    if cfg.rollout.multi_turn:
+    schemas = host = users = None
+    if cfg.rollout.multi_turn and cfg.rollout.tool_config_path:
         entries = tool_entries(cfg.rollout.tool_config_path)
         schemas = [e.schema for e in entries]
         host = ToolHost(entries, timeout_s=cfg.rollout.tool_timeout_s)
+    if cfg.rollout.multi_turn and cfg.rollout.interaction_config_path:
+        users = interaction_host(cfg.rollout, [*train_rows, *val_rows])
     d = cfg.data
     train_ids, train_mask = encode_rows(tok, train_rows, d.max_prompt_length, d.truncation, schemas)
     val_ids, val_mask = encode_rows(tok, val_rows, d.max_prompt_length, d.truncation, schemas)
     return Prompts(tokenizer=tok, train_rows=train_rows, val_rows=val_rows, train_ids=train_ids,
                    train_mask=train_mask, val_ids=val_ids, val_mask=val_mask,
-                   tool_schemas=schemas, tool_host=host)
+                   tool_schemas=schemas, tool_host=host, interaction_host=users)
+
+
+def interaction_host(rc, rows: list[PromptRow]) -> ToolHost:
+    """The simulated users of ``rollout.interaction_config_path`` in a host process, every
+    row's ``extra_info.interaction_kwargs`` checked against them first (a row without one, or
+    naming no interaction of the config, is refused naming the row, as verl refuses it)."""
+    entries = interaction_entries(rc.interaction_config_path)
+    names = [e.name for e in entries]
+    for r in rows:
+        row_interaction((r.extra_info or {}).get("interaction_kwargs"), names, r.index)
+    return ToolHost([e.tool_entry() for e in entries], timeout_s=rc.tool_timeout_s)
 
 
 def val_subset(rows: list[PromptRow], cap: int, seed: int) -> list[PromptRow]:

@@ -34,7 +34,7 @@ from verl_core.store import resolve_storage_options
 
 __all__ = ["DATA_SOURCE", "CALCULATOR_DATA_SOURCE", "OPS", "arithmetic_problems",
            "arithmetic_rows", "calculator_problems", "write_arithmetic_dataset",
-           "write_calculator_dataset"]
+           "write_calculator_dataset", "write_guess_dataset", "GUESS_DATA_SOURCE"]
 
 DATA_SOURCE = "synthetic/arithmetic"
 """``data_source`` of every generated row (``reward.scorer=auto`` routes it to arithmetic)."""
@@ -156,6 +156,45 @@ def write_calculator_dataset(out_dir: str, *, train_size: int, val_size: int, se
     problems = calculator_problems(train_size + val_size, seed)
     return _write_splits(out_dir, problems[val_size:], problems[:val_size],
                          CALCULATOR_DATA_SOURCE, storage_options)
+
+
+GUESS_DATA_SOURCE = "synthetic/guess"
+"""``data_source`` of the guessing game's rows (``reward.scorer=auto``: the guess scorer, the
+simulated user's turn scores)."""
+
+_GUESS_SCHEMA = row_schema([("interaction_kwargs", pa.struct([
+    ("name", pa.string()), ("target", pa.int64()), ("low", pa.int64()), ("high", pa.int64())]))])
+
+
+def guess_rows(count: int, seed: int, split: str, low: int, high: int) -> list[dict]:
+    """``count`` rows of the guessing game: the prompt ``low-high?`` and a hidden integer in
+    ``low``..``high`` (``random.Random(seed)``), given to the scripted user as verl's
+    ``extra_info.interaction_kwargs`` (``name: guess``, ``target``, ``low``, ``high``)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        t = rng.randint(low, high)
+        out.append({"data_source": GUESS_DATA_SOURCE,
+                    "prompt": [{"role": "user", "content": f"{low}-{high}?"}],
+                    "ability": "game",
+                    "reward_model": {"style": "rule", "ground_truth": str(t)},
+                    "extra_info": {"split": split, "index": i,
+                                   "interaction_kwargs": {"name": "guess", "target": t,
+                                                          "low": low, "high": high}}})
+    return out
+
+
+def write_guess_dataset(out_dir: str, *, train_size: int, val_size: int, seed: int,
+                        low: int = 1, high: int = 7,
+                        storage_options: dict | None = None) -> tuple[str, str]:
+    """The guessing game's ``train.parquet`` and ``val.parquet`` under ``out_dir`` (hidden
+    numbers drawn with two seeds derived from ``seed``). Returns ``(train_path, val_path)``."""
+    if train_size <= 0 or val_size < 0:
+        raise ValueError(f"train_size={train_size}, val_size={val_size}: need train_size > 0 "
+                         "and val_size >= 0")
+    return write_row_splits(out_dir, guess_rows(train_size, seed * 2 + 1, "train", low, high),
+                            guess_rows(val_size, seed * 2, "val", low, high), _GUESS_SCHEMA,
+                            storage_options)
 
 
 def _write_splits(out_dir: str, train: list[Problem], val: list[Problem], data_source: str,

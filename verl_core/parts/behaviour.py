@@ -39,7 +39,7 @@ from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.base import GenerationOutput, concat_outputs
 from verl_core.reward.scoring import turn_extra_info
 from verl_core.rollout.multi_turn import (MultiTurnOutput, concat_turn_outputs, generate_turns,
-                                          turn_limits, turn_metrics)
+                                          row_interactions, turn_limits, turn_metrics)
 from verl_core.seeds import derive_seed
 from verl_core.training.dist import DataParallel
 
@@ -394,7 +394,8 @@ class Behaviour:
             host=p.tool_host, tools=p.tool_schemas, rows=[rows[i] for i in mine],
             tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
             **turn_limits(rc), instance_prefix=f"{phase}:{params.seed}",
-            turn_context=turn_context)
+            turn_context=turn_context,
+            interactions=row_interactions(p, [rows_data[i] for i in mine]))
         if split:
             out = concat_turn_outputs(self._sample_dp.gather_objects(out),
                                       p.tokenizer.pad_token_id)
@@ -439,7 +440,9 @@ class Behaviour:
         extra, metrics, infos = {}, {}, [r.extra_info for r in rows]
         if rc.multi_turn:
             # VERL_FAULTS' tool_call point: in this step's calls, once sent (a no-op without it)
-            p.tool_host.on_calls_sent = functools.partial(faults.maybe_inject, "tool_call", step)
+            if p.tool_host is not None:  # None: simulated users, no tools
+                p.tool_host.on_calls_sent = functools.partial(faults.maybe_inject, "tool_call",
+                                                              step)
             used: list[int] = []
             try:
                 with self._using(plan[0]):
@@ -449,7 +452,8 @@ class Behaviour:
                         turn_context=functools.partial(self._turn, plan, used)
                         if self.partial else None)
             finally:
-                p.tool_host.on_calls_sent = None
+                if p.tool_host is not None:
+                    p.tool_host.on_calls_sent = None
             extra = {"response_attention_mask": out.attention_mask,
                      "turns": out.stored_turns()}
             if self.partial:

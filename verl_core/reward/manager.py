@@ -60,7 +60,7 @@ from verl_core.alarm import alarm
 from verl_core.errors import PermanentError
 from verl_core.reward.custom import ScorerLoadError, load_scorer, parse_spec
 from verl_core.reward.registry import (RULE_SCORERS, RUNS_CODE, UnknownDataSourceError,
-                                       default_compute_score, scorer_for)
+                                       call_rule_scorer, default_compute_score, scorer_for)
 from verl_core.reward.sandbox import Sandbox, SandboxLimits
 from verl_core.reward.sandbox_fusion import SandboxFusion, SandboxUnavailableError
 
@@ -372,7 +372,8 @@ class RewardScorer:
                         out.append(default_compute_score(data_sources[i], solution_strs[i],
                                                          ground_truths[i], extra_infos[i]))
                     else:
-                        out.append(RULE_SCORERS[self.scorer](solution_strs[i], ground_truths[i]))
+                        out.append(call_rule_scorer(self.scorer, solution_strs[i],
+                                                    ground_truths[i], extra_infos[i]))
                 except (UnknownDataSourceError, SandboxUnavailableError):
                     raise  # a config problem or an outage, with its own fix in the message
                 except Exception as e:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from verl_core.reward import (arithmetic, calculator, code, gsm8k, math_answer, math_dapo,
-                              prime_math, qa_em)
+from verl_core.reward import (arithmetic, calculator, code, gsm8k, guess, math_answer,
+                              math_dapo, prime_math, qa_em)
 
 __all__ = ["RULE_SCORERS", "DATA_SOURCE_SCORERS", "DATA_SOURCE_PREFIXES", "RULE_SCORE_RANGES",
-           "RUNS_CODE", "GROUND_TRUTH_CHECKS",
+           "RUNS_CODE", "GROUND_TRUTH_CHECKS", "READS_EXTRA_INFO", "call_rule_scorer",
            "register_rule_scorer", "scorer_for", "known_data_sources", "default_compute_score",
            "UnknownDataSourceError", "NOT_SCORED_HERE", "why_not_scored"]
 
@@ -35,6 +35,9 @@ RULE_SCORE_RANGES: dict[str, tuple[float, float]] = {}
 RUNS_CODE: set[str] = set()
 """Scorers whose calls run the response in a sandbox process (``sandbox=`` keyword, called
 concurrently by the reward manager)."""
+READS_EXTRA_INFO: set[str] = set()
+"""Scorers called with the row's ``extra_info`` as a third argument (a multi-turn row's
+``turn_scores``, ``tool_rewards``: the guessing game's scorer)."""
 GROUND_TRUTH_CHECKS: dict[str, Callable[[str], object]] = {}
 """Scorer name -> a check that raises ValueError (naming the fix) on a ground truth the scorer
 cannot use; run on every row when the run is prepared, before any work."""
@@ -48,7 +51,8 @@ def register_rule_scorer(name: str, fn: RuleScorer, data_sources: tuple[str, ...
                          score_range: tuple[float, float] | None = None,
                          data_source_prefixes: tuple[str, ...] = (),
                          runs_code: bool = False,
-                         check_ground_truth: Callable[[str], object] | None = None) -> None:
+                         check_ground_truth: Callable[[str], object] | None = None,
+                         reads_extra_info: bool = False) -> None:
     """Register ``fn`` under ``name`` and route ``data_sources`` (and every source starting with
     one of ``data_source_prefixes``) to it. Names are unique, and every rule scorer declares the
     ``score_range`` (lo, hi) its scores lie in. ``runs_code``: see the module docstring;
@@ -67,6 +71,8 @@ def register_rule_scorer(name: str, fn: RuleScorer, data_sources: tuple[str, ...
     RULE_SCORERS[name] = fn
     if runs_code:
         RUNS_CODE.add(name)
+    if reads_extra_info:
+        READS_EXTRA_INFO.add(name)
     if check_ground_truth is not None:
         GROUND_TRUTH_CHECKS[name] = check_ground_truth
     for ds in data_sources:
@@ -107,6 +113,8 @@ register_rule_scorer("arithmetic", arithmetic.compute_score, ("synthetic/arithme
                      score_range=(0.0, 1.0))  # 1 for the exact answer, else 0
 register_rule_scorer("calculator", calculator.compute_score, ("synthetic/calculator",),
                      score_range=(0.0, 1.0))  # 1 for the exact last line, else 0
+register_rule_scorer("guess", guess.compute_score, ("synthetic/guess",),
+                     score_range=(0.0, 1.0), reads_extra_info=True)  # 1 when the user said so
 register_rule_scorer("gsm8k", gsm8k.compute_score, ("openai/gsm8k", "gsm8k"),
                      score_range=(0.0, 1.0))  # registered with score=1, format_score=0
 # verl's default_compute_score routes (verl/utils/reward_score/__init__.py at b178a3c)
@@ -138,4 +146,12 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: str
             f"{known_data_sources()}. For other tasks set reward.scorer to a "
             "custom 'path/to/file.py:function' or 'package.module:function' with the signature "
             "fn(data_source, solution_str, ground_truth, extra_info) -> float | dict")
+    return call_rule_scorer(name, solution_str, ground_truth, extra_info)
+
+
+def call_rule_scorer(name: str, solution_str: str, ground_truth: str,
+                     extra_info: dict | None = None) -> float:
+    """The rule scorer ``name``'s score (with ``extra_info`` for those that read it)."""
+    if name in READS_EXTRA_INFO:
+        return float(RULE_SCORERS[name](solution_str, ground_truth, extra_info or {}))
     return float(RULE_SCORERS[name](solution_str, ground_truth))

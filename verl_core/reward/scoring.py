@@ -32,8 +32,10 @@ def decoded(tokenizer, batch: Batch):
 def turn_extra_info(infos: list[dict], turns: list[dict]) -> list[dict]:
     """Each multi-turn row's ``extra_info`` as verl's reward managers give it to a scorer: the
     row's own, plus ``num_turns`` (assistant turns) and ``tool_rewards`` (each call's step
-    reward, then each tool's ``calc_reward``)."""
-    return [{**(info or {}), "num_turns": len(t["turns"]), "tool_rewards": list(t["tool_rewards"])}
+    reward, then each tool's ``calc_reward``), and with simulated users ``turn_scores`` (verl's:
+    the user's turn scores, in order; what a scorer adds to the reward, docs/agent.md)."""
+    return [{**(info or {}), "num_turns": len(t["turns"]), "tool_rewards": list(t["tool_rewards"]),
+             **({"turn_scores": list(t["turn_scores"])} if "turn_scores" in t else {})}
             for info, t in zip(infos, turns)]
 
 

@@ -123,6 +123,11 @@ class RolloutConfig:
     """verl's tool YAML (``multi_turn.tool_config_path``): ``tools: [{class_name, config,
     tool_schema}]``, ``class_name`` a dotted ``module.Class`` or ``path/to/file.py:Class``;
     ``builtin:calculator`` names the built-in calculator."""
+    interaction_config_path: str = in_trajectory("", when=_multi_turn_on)
+    """verl's interaction YAML (``multi_turn.interaction_config_path``): ``interaction: [{name,
+    class_name, config}]``, simulated users that answer an assistant turn without a tool call
+    (``agent/interactions.py``, docs/agent.md); ``builtin:guess`` names the guessing game's
+    scripted user. A row picks one by ``extra_info.interaction_kwargs.name``."""
     max_assistant_turns: int = in_trajectory(0, when=_multi_turn_on)
     """Most assistant turns per response; 0: until a turn makes no call or the budget is spent
     (verl's null)."""
@@ -202,9 +207,10 @@ class RolloutConfig:
                 _TRUNCATE_SIDES)
         if not self.multi_turn:
             return
-        if not self.tool_config_path:
+        if not self.tool_config_path and not self.interaction_config_path:
             _fail("rollout", "tool_config_path", "", "rollout.multi_turn=True needs the tools: "
-                  "a verl tool YAML (or builtin:calculator)")
+                  "a verl tool YAML (or builtin:calculator), or simulated users "
+                  "(rollout.interaction_config_path)")
 
     def _check_sampling(self, prefix: str) -> None:
         """``{prefix}temperature``, ``top_p`` and ``top_k``: one set of rules for both."""

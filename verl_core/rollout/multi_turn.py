@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -44,13 +45,20 @@ class MultiTurnOutput:
     tool_rewards: list[list[float]]
     """Per row: each call's step reward, in order, then each tool instance's ``calc_reward``
     (what the scorer reads as ``extra_info["tool_rewards"]``, as verl's reward managers)."""
+    turn_scores: list[list[float]] | None = None
+    """With interactions (``rollout.interaction_config_path``): per row, the simulated user's
+    turn scores in order (verl's ``turn_scores``: a ``None`` score is not kept); None without."""
     tool_latency_s: list[float] = field(default_factory=list)
     """Each call's wall time as the tool host measured it, in call order: metrics only
     (:func:`turn_metrics`), never stored (it differs from run to run)."""
 
     def stored_turns(self) -> list[dict]:
-        """Per row, what a batch stores (``Batch.turns``): ``{"turns": …, "tool_rewards": …}``."""
-        return [{"turns": t, "tool_rewards": r} for t, r in zip(self.turns, self.tool_rewards)]
+        """Per row, what a batch stores (``Batch.turns``): ``{"turns": …, "tool_rewards": …}``
+        (and ``turn_scores`` with interactions)."""
+        if self.turn_scores is None:
+            return [{"turns": t, "tool_rewards": r} for t, r in zip(self.turns, self.tool_rewards)]
+        return [{"turns": t, "tool_rewards": r, "turn_scores": s}
+                for t, r, s in zip(self.turns, self.tool_rewards, self.turn_scores)]
 
 
 def concat_turn_outputs(parts: list[MultiTurnOutput], pad_token_id: int) -> MultiTurnOutput:
@@ -67,6 +75,8 @@ def concat_turn_outputs(parts: list[MultiTurnOutput], pad_token_id: int) -> Mult
         attention_mask=cat("attention_mask", 0.0), logprobs=cat("logprobs", 0.0),
         turns=[t for p in parts for t in p.turns],
         tool_rewards=[r for p in parts for r in p.tool_rewards],
+        turn_scores=None if parts[0].turn_scores is None
+        else [s for p in parts for s in p.turn_scores],
         tool_latency_s=[s for p in parts for s in p.tool_latency_s])
 
 
@@ -90,7 +100,21 @@ def turn_metrics(out: MultiTurnOutput) -> dict[str, float]:
             "tool_calls/timeouts": float(sum(r["status"] == "timeout" for r in results)),
             "tool_calls/latency_s_mean": sum(out.tool_latency_s) / max(1, len(out.tool_latency_s)),
             "tool_calls/latency_s_max": max(out.tool_latency_s, default=0.0),
-            "response/observation_fraction": appended / max(1.0, appended + sampled)}
+            "response/observation_fraction": appended / max(1.0, appended + sampled),
+            **(_interaction_metrics(out, n) if out.turn_scores is not None else {})}
+
+
+def _interaction_metrics(out: MultiTurnOutput, n: int) -> dict[str, float]:
+    """``interaction/turns_mean`` (user turns per response), ``interaction/errors`` (calls that
+    raised, returned something else than verl's 4-tuple, timed out or killed the host: each
+    ended its episode), ``interaction/terminated_fraction`` (episodes the user ended),
+    ``interaction/turn_score_mean`` (the sum of a response's turn scores, averaged)."""
+    users = [turn["user"] for t in out.turns for turn in t if "user" in turn]
+    ended = sum(any(turn.get("user", {}).get("terminate") for turn in t) for t in out.turns)
+    return {"interaction/turns_mean": len(users) / n,
+            "interaction/errors": float(sum(u["status"] != "ok" for u in users)),
+            "interaction/terminated_fraction": ended / n,
+            "interaction/turn_score_mean": sum(sum(s) for s in out.turn_scores) / n}
 
 
 def turn_seed(seed: int, row: int, turn: int) -> int:
@@ -131,6 +155,30 @@ def turn_limits(rc) -> dict:
                 truncate_side=rc.tool_response_truncate_side, budget_s=rc.tool_budget_s)
 
 
+@dataclass
+class Interactions:
+    """The simulated users of a rollout (``agent/interactions.py``): the host serving them
+    (a :class:`ToolHost`), and per row its ``interaction_kwargs`` (verl's
+    ``extra_info["interaction_kwargs"]``; ``name`` picks the interaction) and its prompt's
+    messages (what ``generate_response`` reads, with the turns since)."""
+
+    host: ToolHost
+    kwargs: list[dict]
+    messages: list[list[dict]]
+
+
+def row_interactions(prompts, rows_data: list) -> Interactions | None:
+    """The :class:`Interactions` of dataset rows ``rows_data`` (their
+    ``extra_info.interaction_kwargs`` and prompt messages), served by ``prompts.interaction_host``
+    (``data/prompts.py``); None without simulated users."""
+    host = getattr(prompts, "interaction_host", None)
+    if host is None:
+        return None
+    return Interactions(host, [dict((r.extra_info or {})["interaction_kwargs"]) for r in rows_data],
+                        [[{"role": role, "content": content} for role, content in r.messages]
+                         for r in rows_data])
+
+
 @torch.no_grad()
 def generate_turns(engine: RolloutEngine, tokenizer, prompts: list[list[int]],
                    params: SamplingParams, *, host: ToolHost, tools: list[dict] | None = None,
@@ -138,7 +186,8 @@ def generate_turns(engine: RolloutEngine, tokenizer, prompts: list[list[int]],
                    max_user_turns: int = 0, max_parallel_calls: int = 0,
                    max_tool_response_length: int = 256, truncate_side: str = "left",
                    tools_kwargs: list[dict] | None = None, budget_s: float | None = None,
-                   instance_prefix: str = "", turn_context=None) -> MultiTurnOutput:
+                   instance_prefix: str = "", turn_context=None,
+                   interactions: Interactions | None = None) -> MultiTurnOutput:
     """Multi-turn rollouts of the ``prompts`` (each a list of token ids, chat template applied,
     generation prompt included) sampled by ``engine`` (``hf`` or ``vllm``; its EOS set ends a
     turn, its pad id pads the output). ``tools``: the schemas the template shows (the prompts
@@ -148,7 +197,11 @@ def generate_turns(engine: RolloutEngine, tokenizer, prompts: list[list[int]],
     "execute_kwargs": {...}}}``). ``budget_s``: the tool calls' wall-time budget
     (:class:`_Deadline`). ``instance_prefix`` makes the tool instances of this rollout unique
     (the step's seed and phase). ``turn_context(k)``: a context manager the engine call of turn
-    k runs in (a partial rollout's weights of that turn: ``parts/behaviour.py``)."""
+    k runs in (a partial rollout's weights of that turn: ``parts/behaviour.py``).
+    ``interactions``: the simulated users (:class:`Interactions`); after a turn without a tool
+    call the row's user answers (``generate_response``) and its message is appended as the
+    template's ids, masked like a tool's response, until it ends the episode or a limit does.
+    ``host`` may be None when there are no tools (then nothing is parsed as a call)."""
     with engine.held():
         return _generate_turns(engine, tokenizer, prompts, params, host=host, tools=tools,
                                rows=rows, max_assistant_turns=max_assistant_turns,
@@ -157,13 +210,13 @@ def generate_turns(engine: RolloutEngine, tokenizer, prompts: list[list[int]],
                                max_tool_response_length=max_tool_response_length,
                                truncate_side=truncate_side, tools_kwargs=tools_kwargs,
                                budget_s=budget_s, instance_prefix=instance_prefix,
-                               turn_context=turn_context)
+                               turn_context=turn_context, interactions=interactions)
 
 
 def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
                     max_assistant_turns, max_user_turns, max_parallel_calls,
                     max_tool_response_length, truncate_side, tools_kwargs, budget_s,
-                    instance_prefix, turn_context=None) -> MultiTurnOutput:
+                    instance_prefix, turn_context=None, interactions=None) -> MultiTurnOutput:
     n, budget = len(prompts), params.max_new_tokens
     rows = list(range(n)) if rows is None else list(rows)
     kwargs_of = [dict(k or {}) for k in tools_kwargs] if tools_kwargs is not None else [{}] * n
@@ -175,6 +228,9 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
     rewards: list[list[float]] = [[] for _ in range(n)]
     latencies: list[float] = []
     created: set[tuple[int, str]] = set()
+    started: set[tuple[int, str]] = set()  # the rows' interactions, once started
+    scores: list[list[float]] = [[] for _ in range(n)]
+    history = [list(m) for m in interactions.messages] if interactions is not None else None
     done = [False] * n
     deadline = _Deadline(budget_s)
     last = max_assistant_turns or budget  # every turn samples at least one token
@@ -189,6 +245,7 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
                                   row_seeds=[turn_seed(params.seed, rows[i], k) for i in active],
                                   row_limits=[budget - len(resp[i]) for i in active])
         calls_of: dict[int, list] = {}
+        users: list[int] = []  # rows whose simulated user answers this turn
         for j, i in enumerate(active):
             take = int(out.response_mask[j].sum())
             sampled = out.response_ids[j, :take].tolist()
@@ -199,14 +256,32 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
             turns[i].append({"sampled": [start, len(resp[i])], "calls": [], "results": []})
             ended = take > 0 and sampled[-1] in stop
             calls = parse_hermes(tokenizer.decode(sampled, skip_special_tokens=False)) \
-                if ended else []
+                if ended and host is not None else []
             if max_parallel_calls:
                 calls = calls[:max_parallel_calls]
-            if (not calls or k == last - 1 or len(resp[i]) >= budget
-                    or max_user_turns and k >= max_user_turns):
+            if history is not None:
+                history[i].append({"role": "assistant",
+                                   "content": tokenizer.decode(sampled, skip_special_tokens=True)})
+            if (not (calls or history is not None and ended) or k == last - 1
+                    or len(resp[i]) >= budget or max_user_turns and k >= max_user_turns):
                 done[i] = True
                 continue
-            calls_of[i] = calls
+            if calls:
+                calls_of[i] = calls
+            else:
+                users.append(i)
+        if users:
+            _user_turns(interactions, users, rows, instance_prefix, started, history, turns,
+                        scores, params.seed, k, deadline)
+            for i in users:
+                user = turns[i][-1]["user"]
+                if user["status"] != "ok":  # the user failed: the episode ends here
+                    done[i] = True
+                    continue
+                _append(tokenizer, [{"role": "user", "content": user["text"]}], tools, resp,
+                        mask, logp, turns[i][-1], i, budget)
+                if user["terminate"] or len(resp[i]) >= budget:
+                    done[i] = True
         if not calls_of:
             continue
         results = _run_calls(host, calls_of, rows, instance_prefix, created, kwargs_of,
@@ -225,17 +300,14 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
                 latencies.append(r.latency_s)
                 rewards[i].append(r.reward)
                 texts.append({"role": "tool", "content": text})
-            eot = tokenizer.convert_ids_to_tokens(resp[i][-1])
-            appended = observation_ids(tokenizer, texts, end_of_turn=eot, tools=tools)
-            room = budget - len(resp[i])
-            start = len(resp[i])
-            resp[i] += appended[:room]
-            mask[i] += [0.0] * min(room, len(appended))
-            logp[i] += [0.0] * min(room, len(appended))
-            turn["appended"] = [start, len(resp[i])]
-            if len(appended) >= room:  # no room left to answer: the budget is spent
-                done[i] = True
-    _release(host, created, instance_prefix, rewards, rows)
+            if history is not None:
+                history[i].extend(texts)
+            if _append(tokenizer, texts, tools, resp, mask, logp, turn, i, budget):
+                done[i] = True  # no room left to answer: the budget is spent
+    if host is not None:
+        _release(host, created, instance_prefix, rewards, rows)
+    if interactions is not None and started:
+        _finalize(interactions.host, started, instance_prefix, rows)
     T = max(1, max(len(r) for r in resp))
     pad = lambda xs, v: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731
     return MultiTurnOutput(
@@ -244,7 +316,70 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
         attention_mask=torch.tensor(pad([[1.0] * len(r) for r in resp], 0.0),
                                     dtype=torch.float32),
         logprobs=torch.tensor(pad(logp, 0.0), dtype=torch.float32),
-        turns=turns, tool_rewards=rewards, tool_latency_s=latencies)
+        turns=turns, tool_rewards=rewards, tool_latency_s=latencies,
+        turn_scores=scores if interactions is not None else None)
+
+
+def _append(tokenizer, messages, tools, resp, mask, logp, turn, i, budget) -> bool:
+    """Append ``messages`` (tool or user) and the next assistant header to row ``i`` as the
+    template's ids, masked, log-probs 0, cut to what is left of the budget; the turn's
+    ``appended`` span. True when no room is left to answer."""
+    eot = tokenizer.convert_ids_to_tokens(resp[i][-1])
+    appended = observation_ids(tokenizer, messages, end_of_turn=eot, tools=tools)
+    room = budget - len(resp[i])
+    start = len(resp[i])
+    resp[i] += appended[:room]
+    mask[i] += [0.0] * min(room, len(appended))
+    logp[i] += [0.0] * min(room, len(appended))
+    turn["appended"] = [start, len(resp[i])]
+    return len(appended) >= room
+
+
+def _user_turns(it: Interactions, users: list[int], rows: list[int], prefix: str, started: set,
+                history: list[list[dict]], turns: list[list[dict]], scores: list[list[float]],
+                seed: int, k: int, deadline: _Deadline) -> None:
+    """Every listed row's simulated user answers turn ``k`` (one concurrent batch; an
+    interaction a row meets for the first time is started first, with the row's
+    ``interaction_kwargs``, as verl's ``start_interaction``): ``turns[i][-1]["user"]`` gets the
+    answer (``status``, ``text``, ``terminate``, ``score``, or the ``error``), and a score joins
+    ``scores[i]``. The call's ``random`` is seeded by (``seed``, row, turn)."""
+    fresh = [(i, it.kwargs[i]["name"]) for i in users if (i, it.kwargs[i]["name"]) not in started]
+    failed: dict[int, str] = {}
+    if fresh:
+        got = it.host.run([Request("create", name, _instance(prefix, rows[i], name),
+                                   dict(it.kwargs[i]))
+                           for i, name in fresh], timeout_s=deadline.left())
+        for (i, name), r in zip(fresh, got):
+            started.add((i, name))
+            if r.status != "ok":
+                failed[i] = r.observation()
+    ask = [i for i in users if i not in failed]
+    got = it.host.run([Request("execute", it.kwargs[i]["name"],
+                               _instance(prefix, rows[i], it.kwargs[i]["name"]),
+                               {"parameters": {"messages": history[i],
+                                               "kwargs": it.kwargs[i],
+                                               "seed": turn_seed(seed, rows[i], k)}})
+                       for i in ask], timeout_s=deadline.left()) if ask else []
+    for i in users:
+        if i in failed:
+            turns[i][-1]["user"] = {"status": "error", "error": failed[i]}
+    for i, r in zip(ask, got):
+        if r.status != "ok":
+            turns[i][-1]["user"] = {"status": r.status, "error": r.observation()}
+            continue
+        ans = json.loads(r.text)
+        turns[i][-1]["user"] = {"status": "ok", "text": ans["response"],
+                                "terminate": ans["terminate"], "score": ans["score"]}
+        if ans["score"] is not None:
+            scores[i].append(ans["score"])
+        history[i].append({"role": "user", "content": ans["response"]})
+
+
+def _finalize(host: ToolHost, started: set, prefix: str, rows: list[int]) -> None:
+    """verl's ``finalize_interaction`` of every interaction the rollout started (a failure
+    here changes nothing stored)."""
+    host.run([Request("release", name, _instance(prefix, rows[i], name))
+              for i, name in sorted(started)])
 
 
 def _instance(prefix: str, row: int, tool: str) -> str:

@@ -332,6 +332,7 @@ VERL_TO_OURS: dict[str, Transform] = {
     # verl's interpolation of the rollout's)
     R + "multi_turn.enable": _to("rollout.multi_turn"),
     R + "multi_turn.tool_config_path": _to("rollout.tool_config_path"),
+    R + "multi_turn.interaction_config_path": _to("rollout.interaction_config_path"),
     "data.tool_config_path": _to("rollout.tool_config_path"),
     **{R + f"multi_turn.{n}": _to(f"rollout.{n}", lambda v: v or 0, skip_none=False)
        for n in ("max_assistant_turns", "max_user_turns")},
@@ -774,8 +775,6 @@ NO_EFFECT.update(DISTILL_NO_EFFECT)
 REFUSED: dict[str, str] = {
     "critic.model.lora_rank": "LoRA on the critic is not offered: the critic trains fully "
                               "(actor_rollout_ref.model.lora_rank adapts the policy)",
-    R + "multi_turn.interaction_config_path": "simulated-user interactions are not offered: "
-                                              "multi-turn rollouts here are tool calls",
     R + "multi_turn.num_repeat_rollouts": "not offered: each prompt's rollout.n responses are "
                                           "sampled afresh",
     R + "agent.": "custom agent loops are not offered: rollout.multi_turn "
