@@ -883,7 +883,7 @@ early stop (the warm-started model answers without the tool when greedy, by desi
 GUESS_DEFAULTS: dict[str, object] = {
     "rollout.multi_turn": True,
     "rollout.interaction_config_path": "builtin:guess",
-    "rollout.max_assistant_turns": 3,
+    "rollout.max_assistant_turns": 4,
     "rollout.max_new_tokens": 32,
     "data.max_prompt_length": 8,
     "model.warmup_sft_steps": 300,
@@ -891,9 +891,10 @@ GUESS_DEFAULTS: dict[str, object] = {
 }
 """The guessing game's settings (``data.synthetic_task=guess`` with the tiny model), for fields
 the overrides leave unset: multi-turn rollouts against the built-in scripted user
-(``agent/interactions.GuessInteraction``); three guesses (interval halving finds any number of
-1..7 in three); 32 response tokens (a guess is a digit and ``<eos>``, the user's answer at most 7
-characters); prompts of ``<bos>1-7?``; a warm start on random legal guesses
+(``agent/interactions.GuessInteraction``); four assistant turns, three of them answered (as in
+verl, the turn at ``max_assistant_turns`` gets no answer: interval halving finds any number of
+1..7 in three answered guesses); 32 response tokens (a guess is a digit and ``<eos>``, the
+user's answer at most 7 characters); prompts of ``<bos>1-7?``; a warm start on random legal guesses
 (``tiny_warmup.guess_transcripts``), without the early stop."""
 
 
