@@ -36,6 +36,22 @@ BUILTIN_GUESS = "builtin:guess"
 """``rollout.interaction_config_path`` of the guessing game's scripted user
 (:class:`GuessInteraction`), with no YAML to write."""
 
+BUILTIN_LLM_USER = "builtin:llm_user"
+"""``rollout.interaction_config_path`` (or an entry's ``class_name``) of the LLM user: the
+rollout engine itself, given the conversation with the roles swapped and its own system prompt,
+writes the user's turn (``rollout/multi_turn.py``); ``config``: :data:`LLM_USER_DEFAULTS`."""
+
+LLM_USER_DEFAULTS: dict[str, Any] = {
+    "system_prompt": "You are the user talking to an assistant. Reply with the user's next "
+                     "message only. Write [END] when you are satisfied.",
+    "max_tokens": 64,
+    "temperature": 1.0,
+    "stop_phrase": "[END]",
+}
+"""The LLM user's settings (an entry's ``config`` overrides them): its system prompt, the most
+tokens of a user turn, its sampling temperature, and the phrase that ends the episode (the
+turn's text is kept, the phrase included). Its turns score ``None`` (no turn score)."""
+
 _HOSTED = f"{__name__}.HostedInteraction"
 _METHODS = ("start_interaction", "generate_response")
 
@@ -97,7 +113,11 @@ def load_interaction_config(path: str) -> list[InteractionEntry]:
         if any(e.name == name for e in out):
             raise ToolConfigError(f"{where}: a second interaction named {name!r}; names must be "
                                   "unique")
-        out.append(InteractionEntry(name, cls.strip(), {**config, "name": name}))
+        cls = cls.strip()
+        if cls == BUILTIN_GUESS:
+            cls = f"{__name__}.GuessInteraction"
+        out.append(InteractionEntry(name, cls, {**config, "name": name}))
+        llm_user_config(out[-1])  # checked now
     return out
 
 
@@ -106,7 +126,25 @@ def interaction_entries(path: str) -> list[InteractionEntry]:
     verl interaction YAML (:func:`load_interaction_config`)."""
     if path == BUILTIN_GUESS:
         return [InteractionEntry("guess", f"{__name__}.GuessInteraction", {"name": "guess"})]
+    if path == BUILTIN_LLM_USER:
+        return [InteractionEntry("llm_user", BUILTIN_LLM_USER,
+                                 {**LLM_USER_DEFAULTS, "name": "llm_user"})]
     return load_interaction_config(path)
+
+
+def llm_user_config(entry: InteractionEntry) -> dict | None:
+    """The LLM user's settings of ``entry`` (:data:`LLM_USER_DEFAULTS` under the entry's
+    ``config``), checked; None for an interaction class."""
+    if entry.class_name != BUILTIN_LLM_USER:
+        return None
+    cfg = {**LLM_USER_DEFAULTS, **entry.config}
+    if not (isinstance(cfg["max_tokens"], int) and cfg["max_tokens"] > 0):
+        raise ToolConfigError(f"interaction {entry.name!r} (builtin:llm_user): config.max_tokens "
+                              f"must be a positive integer, got {cfg['max_tokens']!r}")
+    if not (isinstance(cfg["temperature"], (int, float)) and cfg["temperature"] >= 0):
+        raise ToolConfigError(f"interaction {entry.name!r} (builtin:llm_user): "
+                              f"config.temperature must be >= 0, got {cfg['temperature']!r}")
+    return cfg
 
 
 def row_interaction(kwargs: Any, names: list[str], row: int) -> dict:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from verl_core.agent.interactions import interaction_entries, row_interaction
+from verl_core.agent.interactions import interaction_entries, llm_user_config, row_interaction
 from verl_core.agent.tools import ToolHost, tool_entries
 from verl_core.data.batch import encode_prompts
 from verl_core.data.dataset import PromptRow, load_prompt_rows, render_prompt
@@ -70,15 +70,37 @@ def load_prompts(cfg, assets) -> Prompts:
                    tool_schemas=schemas, tool_host=host, interaction_host=users)
 
 
-def interaction_host(rc, rows: list[PromptRow]) -> ToolHost:
-    """The simulated users of ``rollout.interaction_config_path`` in a host process, every
+class UserHost(ToolHost):
+    """The simulated users of a run: the interaction classes in a host process (a
+    :class:`ToolHost`, started only when there are any) and ``llm``, the LLM users' settings by
+    name (they run on the rollout engine, ``rollout/multi_turn.py``)."""
+
+    def __init__(self, entries, llm: dict[str, dict], timeout_s: float):
+        self.llm = llm
+        self.hosted = bool(entries)
+        if entries:
+            super().__init__(entries, timeout_s=timeout_s)
+
+    def start(self) -> None:
+        if self.hosted:
+            super().start()
+
+    def close(self) -> None:
+        if self.hosted:
+            super().close()
+
+
+def interaction_host(rc, rows: list[PromptRow]) -> UserHost:
+    """The simulated users of ``rollout.interaction_config_path`` (:class:`UserHost`), every
     row's ``extra_info.interaction_kwargs`` checked against them first (a row without one, or
     naming no interaction of the config, is refused naming the row, as verl refuses it)."""
     entries = interaction_entries(rc.interaction_config_path)
     names = [e.name for e in entries]
     for r in rows:
         row_interaction((r.extra_info or {}).get("interaction_kwargs"), names, r.index)
-    return ToolHost([e.tool_entry() for e in entries], timeout_s=rc.tool_timeout_s)
+    llm = {e.name: llm_user_config(e) for e in entries if llm_user_config(e) is not None}
+    return UserHost([e.tool_entry() for e in entries if e.name not in llm], llm,
+                    rc.tool_timeout_s)
 
 
 def val_subset(rows: list[PromptRow], cap: int, seed: int) -> list[PromptRow]:

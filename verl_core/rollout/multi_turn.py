@@ -271,8 +271,16 @@ def _generate_turns(engine, tokenizer, prompts, params, *, host, tools, rows,
             else:
                 users.append(i)
         if users:
-            _user_turns(interactions, users, rows, instance_prefix, started, history, turns,
-                        scores, params.seed, k, deadline)
+            llm = getattr(interactions.host, "llm", None) or {}
+            hosted = [i for i in users if interactions.kwargs[i]["name"] not in llm]
+            if hosted:
+                _user_turns(interactions, hosted, rows, instance_prefix, started, history,
+                            turns, scores, params.seed, k, deadline)
+            if len(hosted) < len(users):
+                with turn_context(k) if turn_context is not None else contextlib.nullcontext():
+                    _llm_user_turns(engine, tokenizer, llm, interactions,
+                                    [i for i in users if i not in hosted], rows, history, turns,
+                                    params.seed, k)
             for i in users:
                 user = turns[i][-1]["user"]
                 if user["status"] != "ok":  # the user failed: the episode ends here
@@ -373,6 +381,41 @@ def _user_turns(it: Interactions, users: list[int], rows: list[int], prefix: str
         if ans["score"] is not None:
             scores[i].append(ans["score"])
         history[i].append({"role": "user", "content": ans["response"]})
+
+
+def _llm_user_turns(engine, tokenizer, llm: dict[str, dict], it: Interactions, users: list[int],
+                    rows: list[int], history: list[list[dict]], turns: list[list[dict]],
+                    seed: int, k: int) -> None:
+    """The LLM users' turn ``k`` (``builtin:llm_user``): the rollout engine, with the user's
+    system prompt and the conversation so far with the roles swapped (the assistant's turns
+    are its user messages; the prompt's system message and tool messages are left out), samples
+    the user's message, each row from its own seed (a hash of ``seed``, the row and the turn,
+    apart from the policy's), one engine call per interaction. Never trained on: the message
+    is appended masked, as any user's. Its turns score nothing (``None``); the episode ends
+    when the message holds the ``stop_phrase``."""
+    swap = {"user": "assistant", "assistant": "user"}
+    for name in sorted({it.kwargs[i]["name"] for i in users}):
+        cfg = llm[name]
+        mine = [i for i in users if it.kwargs[i]["name"] == name]
+        chats = [[{"role": "system", "content": cfg["system_prompt"]}]
+                 + [{"role": swap[m["role"]], "content": m["content"]} for m in history[i]
+                    if m["role"] in swap] for i in mine]
+        ids = [tokenizer(tokenizer.apply_chat_template(c, tokenize=False,
+                                                       add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"] for c in chats]
+        pid, pm = _left_pad(ids, engine.pad_token_id)
+        out = engine.generate(pid, pm, SamplingParams(temperature=float(cfg["temperature"]),
+                                                      max_new_tokens=int(cfg["max_tokens"]),
+                                                      seed=seed),
+                              row_seeds=[turn_seed(seed, rows[i], -1 - k) for i in mine])
+        for j, i in enumerate(mine):
+            take = int(out.response_mask[j].sum())
+            text = tokenizer.decode(out.response_ids[j, :take].tolist(),
+                                    skip_special_tokens=True).strip()
+            turns[i][-1]["user"] = {"status": "ok", "text": text,
+                                    "terminate": bool(cfg["stop_phrase"])
+                                    and cfg["stop_phrase"] in text, "score": None}
+            history[i].append({"role": "user", "content": text})
 
 
 def _finalize(host: ToolHost, started: set, prefix: str, rows: list[int]) -> None:

@@ -170,3 +170,64 @@ def test_the_guess_task_trains_two_steps(tmp_path):
     for m in steps:
         assert m["interaction/errors"] == 0.0 and m["interaction/turns_mean"] > 0
         assert 0.0 <= m["reward/mean"] <= 1.0
+
+
+def test_the_llm_user_is_the_engine_seeded_per_row_and_turn_and_masked():
+    from verl_core.agent.interactions import LLM_USER_DEFAULTS
+    from verl_core.data.prompts import UserHost
+    from verl_core.models.tiny import build_tiny_model
+    from verl_core.models.tokenizer import CHAR_CHAT_TEMPLATE
+    from verl_core.rollout.multi_turn import turn_seed
+
+    model, tok = build_tiny_model(seed=1, chat_template=CHAR_CHAT_TEMPLATE)
+
+    def eos_bias(_module, _inputs, logits):  # an untrained model that ends its turns soon
+        logits[..., tok.eos_token_id] += 4.0
+        return logits
+
+    model.lm_head.register_forward_hook(eos_bias)
+    cfg = {**LLM_USER_DEFAULTS, "system_prompt": "be a user:", "max_tokens": 6,
+           "stop_phrase": ""}
+    users = UserHost([], {"llm_user": cfg}, 30.0)
+    chat = [{"role": "user", "content": "hi"}]
+    prompts = [tok(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)
+               ["input_ids"]] * 3
+    engine = hf_engine(model, tok)
+
+    def play():
+        return generate_turns(
+            engine, tok, prompts, SamplingParams(temperature=1.0, max_new_tokens=60, seed=5),
+            host=None, tools=None, rows=[0, 1, 2], instance_prefix="t", max_assistant_turns=2,
+            interactions=Interactions(users, [{"name": "llm_user"}] * 3, [chat] * 3))
+
+    out = play()
+    for r in range(3):
+        first = out.turns[r][0]
+        if "user" not in first:  # the first turn spent the budget or was cut: nothing to check
+            continue
+        a, b = first["appended"]
+        assert not out.response_mask[r, a:b].any() and not out.logprobs[r, a:b].any()
+        # the user's message is what the engine samples from the swapped conversation with
+        # the row's own seed of that turn
+        sampled = tok.decode(out.response_ids[r, slice(*first["sampled"])].tolist(),
+                             skip_special_tokens=True)
+        swapped = [{"role": "system", "content": "be a user:"},
+                   {"role": "assistant", "content": "hi"}, {"role": "user", "content": sampled}]
+        ids = tok(tok.apply_chat_template(swapped, tokenize=False), add_special_tokens=False)[
+            "input_ids"]
+        again = engine.generate(*_pad(ids, tok), SamplingParams(temperature=1.0, max_new_tokens=6,
+                                                                seed=5),
+                                row_seeds=[turn_seed(5, r, -1)])
+        take = int(again.response_mask[0].sum())
+        assert first["user"]["text"] == tok.decode(again.response_ids[0, :take].tolist(),
+                                                   skip_special_tokens=True).strip()
+        assert first["user"]["score"] is None
+    assert any("user" in t[0] for t in out.turns)
+    assert play().response_ids.tolist() == out.response_ids.tolist()  # seeded: the same again
+    assert out.turn_scores == [[], [], []]
+
+
+def _pad(ids, tok):
+    import torch
+
+    return torch.tensor([ids]), torch.ones((1, len(ids)), dtype=torch.long)
