@@ -86,6 +86,10 @@ def warm_start_key(cfg, train_files: list[str], chat_template: str | None) -> st
                   "tools": tools},
         "chat_template": chat_template or "",
     }
+    if rc.multi_turn and rc.interaction_config_path:  # simulated users (only then: no other
+        # run's key changes): a YAML by its content, a built-in by its name
+        doc["probe"]["users"] = _file_sha(rc.interaction_config_path) \
+            if os.path.isfile(rc.interaction_config_path) else rc.interaction_config_path
     if m.path:  # the folder it starts from, by content; no probe (it trains a fixed step count)
         doc["source"] = folder_sha256(m.path)
         del doc["probe"]
