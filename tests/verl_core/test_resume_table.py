@@ -117,6 +117,17 @@ def test_multi_turn_killed_or_preempted_at_each_fault_point_ends_as_uninterrupte
 
 
 @pytest.mark.slow
+def test_simulated_users_killed_mid_episode_or_preempted_end_as_uninterrupted(asset_cache,
+                                                                              tmp_path):
+    # the guess task (the scripted user built in; issue 45): 30 warm-start steps leave rewards
+    # that differ within groups. Killed while step 0's user answers are in flight (mid-episode),
+    # in the reward phase, preempted in a rollout, killed as the rollout of step 2 starts
+    _chain(tmp_path, {**BASE, "data.synthetic_task": "guess", "model.warmup_sft_steps": 30,
+                      "model.warmup_target_accuracy": 1.0},
+           [TOOL_CALL, REWARD, TERM, ("kill", "rollout", 2), FINALIZE])
+
+
+@pytest.mark.slow
 def test_s3_store_killed_or_preempted_at_each_fault_point_ends_as_uninterrupted(
         asset_cache, moto_s3_readme, tmp_path):
     # the run store on a real S3 server (moto_server on 127.0.0.1, VERL_S3_ENDPOINT: every

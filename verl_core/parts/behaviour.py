@@ -440,9 +440,9 @@ class Behaviour:
         extra, metrics, infos = {}, {}, [r.extra_info for r in rows]
         if rc.multi_turn:
             # VERL_FAULTS' tool_call point: in this step's calls, once sent (a no-op without it)
-            if p.tool_host is not None:  # None: simulated users, no tools
-                p.tool_host.on_calls_sent = functools.partial(faults.maybe_inject, "tool_call",
-                                                              step)
+            hosts = [h for h in (p.tool_host, p.interaction_host) if h is not None]
+            for h in hosts:  # the users' calls too (p.interaction_host: simulated users)
+                h.on_calls_sent = functools.partial(faults.maybe_inject, "tool_call", step)
             used: list[int] = []
             try:
                 with self._using(plan[0]):
@@ -452,8 +452,8 @@ class Behaviour:
                         turn_context=functools.partial(self._turn, plan, used)
                         if self.partial else None)
             finally:
-                if p.tool_host is not None:
-                    p.tool_host.on_calls_sent = None
+                for h in hosts:
+                    h.on_calls_sent = None
             extra = {"response_attention_mask": out.attention_mask,
                      "turns": out.stored_turns()}
             if self.partial:
