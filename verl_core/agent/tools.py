@@ -42,6 +42,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import threading
 import time
 import traceback
 import types
@@ -556,15 +557,27 @@ class ToolHost:
         result says which)."""
         self.start()
         out: list[ToolResult | None] = [None] * len(requests)
-        ids, died = {}, False
-        try:
-            for k, r in enumerate(requests):
-                self._next_id += 1
-                ids[self._next_id] = k
-                self._conn.send((self._next_id, r.op, r.tool, r.instance_id, dict(r.kwargs),
-                                 max_chars))
-        except OSError:  # a broken pipe: the host is gone
-            died = True
+        ids, broken = {}, []
+        msgs = []
+        for k, r in enumerate(requests):
+            self._next_id += 1
+            ids[self._next_id] = k
+            msgs.append((self._next_id, r.op, r.tool, r.instance_id, dict(r.kwargs), max_chars))
+
+        def send(conn=self._conn):
+            # in a thread of its own: the answers are read while the requests are still being
+            # sent, so a batch larger than the pipe's buffers (the host blocked on sending
+            # answers nobody reads, this side on sending requests it no longer reads) cannot
+            # deadlock
+            try:
+                for m in msgs:
+                    conn.send(m)
+            except OSError:  # a broken pipe: the host is gone
+                broken.append(True)
+
+        sender = threading.Thread(target=send, name="tool-host-send", daemon=True)
+        sender.start()
+        died = False
         if self.on_calls_sent is not None and any(r.op == "execute" for r in requests):
             self.on_calls_sent()  # the calls are in flight
         deadline = time.monotonic() + limit
@@ -582,10 +595,13 @@ class ToolHost:
             if k is not None and out[k] is None:
                 out[k] = self._note(requests[k], _unpickled(data, requests[k]))
                 left -= 1
+        died = died or bool(broken)
         if not left:
+            sender.join()
             return out
         culprit = ids.get(self._culprit())
         code = self._kill()
+        sender.join()  # the pipe is closed: a send still blocked fails at once
         self.restarts += 1
         for k, r in enumerate(requests):
             if out[k] is None and (culprit is None or k == culprit):
