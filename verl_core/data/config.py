@@ -75,8 +75,8 @@ class DataConfig:
     (``12+7=``, answered at once), ``calculator`` (3-4 digit sums and products, with the
     built-in calculator tool in multi-turn rollouts; the presets then set
     :data:`~verl_core.config.CALCULATOR_DEFAULTS`), ``guess`` (a guessing game against the
-    built-in scripted user, ``builtin:guess``: :data:`~verl_core.config.GUESS_DEFAULTS`) or ``word_problems`` (GSM8K-style word
-    problems of 1-3 steps in verl's GSM8K layout, scored by verl's ``gsm8k`` scorer: for a real
+    built-in scripted user, ``builtin:guess``: :data:`~verl_core.config.GUESS_DEFAULTS`) or
+    ``word_problems`` (GSM8K-style word problems of 1-3 steps in verl's GSM8K layout, scored by verl's ``gsm8k`` scorer: for a real
     pretrained model, ``data/word_problems.py``) or ``code`` (small Python functions with hidden
     ``assert`` tests, scored by running the response in a sandbox: ``data/code_task.py``,
     ``reward/code.py``; the tiny model then starts untrained:
