@@ -19,6 +19,7 @@ replay and an uninterrupted run choose the same versions."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -55,6 +56,17 @@ class Prefetch:
     plan: list[int]  # the versions it samples with, oldest first (one without partial rollout)
     thread: threading.Thread
     box: dict  # "out": (batch, metrics), or "error"; "span": (start, end) perf_counter times
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A sampler process beyond the first (``rollout.async_samplers``) and the behaviour model
+    it samples with: a copy of its own in shared memory, holding one version at a time."""
+
+    model: torch.nn.Module
+    lock: threading.Lock
+    held: int | None = None  # the version :attr:`model` holds
+    sampler: object | None = None  # its SamplerProcess, started at its first rollout
 
 
 class Cancelled(Exception):
@@ -95,9 +107,12 @@ class Behaviour:
         self._stale = False  # on-policy: the copy is behind the actor (an update ran)
         self._engine_stale = False  # off-policy: the engine's own copy (vllm) is not current
         self._actor_engine = None  # off-policy with hf: evaluation samples the actor itself
-        self._prefetch: dict[int, Prefetch] = {}  # by step; run one after another
-        self._last: threading.Thread | None = None  # the newest background rollout
+        self._prefetch: dict[int, Prefetch] = {}  # by step; one after another per sampler
+        # the newest background rollout of each sampler (0: the worker's thread or the first
+        # sampler process; j >= 1: rollout.async_samplers' others)
+        self._last: dict[int, threading.Thread] = {}
         self._sampler = None  # rollout.async_mode=process: the SamplerProcess (started lazily)
+        self._slots: dict[int, _Slot] = {}  # rollout.async_samplers > 1: the others
         tok, rc = prompts.tokenizer, cfg.rollout
         self.engine = make_engine(rc.engine, model=self.model, model_path=assets.model_path,
                                   eos_token_ids=stop_token_ids(tok),  # the model's EOS set
@@ -126,6 +141,10 @@ class Behaviour:
         sampler, self._sampler = self._sampler, None
         if sampler is not None:
             sampler.close()
+        for slot in self._slots.values():
+            if slot.sampler is not None:
+                slot.sampler.close()
+                slot.sampler = None
 
     def close(self) -> None:
         self.stop()
@@ -662,17 +681,48 @@ class Behaviour:
         kl_coef = self.actor.kl_ctrl.value
         if self.cfg.rollout.async_mode != "process":
             return lambda plan: self.sample(step, idx, kl_coef, plan=plan)
-        if self._sampler is None:
-            from verl_core.parts.sampler_process import SamplerProcess
+        from verl_core.parts.sampler_process import SamplerProcess
 
-            self._sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
-                                           self.model, type(self))
-        sampler = self._sampler
+        # rollout.async_samplers: step t on sampler t mod n (which one changes no byte)
+        j = step % self.cfg.rollout.async_samplers
+        if j == 0:
+            if self._sampler is None:
+                self._sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
+                                               self.model, type(self))
+            sampler, using = self._sampler, self._using
+        else:
+            slot = self._slots.get(j)
+            if slot is None:
+                # a copy of its own: the worker's behaviour model holds one version at a time,
+                # and this sampler samples another one beside it
+                slot = self._slots[j] = _Slot(copy.deepcopy(self.model), threading.Lock())
+            if slot.sampler is None:
+                slot.sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
+                                              slot.model, type(self))
+            sampler, using = slot.sampler, functools.partial(self._slot_using, slot)
 
         def job(plan):
-            with self._using(plan[0]):
+            with using(plan[0]):
                 return sampler.sample(step, idx, plan[0])
+        job.sampler = j
         return job
+
+    @contextlib.contextmanager
+    def _slot_using(self, slot: _Slot, version: int):
+        """``slot``'s model holding the weights of ``version`` (a copy in the queue: with
+        ``rollout.async_samplers`` > 1 the lag is >= 2), for its sampler process."""
+        with slot.lock:
+            if slot.held != version:
+                with self._lock:
+                    weights = dict(self.queue).get(version)
+                if weights is None:
+                    raise RuntimeError(f"the behaviour weights of version {version} are not "
+                                       f"held (the queue holds {self.versions()})")
+                from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+                set_model_state_dict(slot.model, weights)  # in place: the child's aliases
+                slot.held = version
+            yield
 
     def _start_prefetch(self, step: int, plan: list[int], job) -> None:
         """Start ``job`` (the rollout of ``step`` from the weights of ``plan``) in a background
@@ -680,7 +730,8 @@ class Behaviour:
         weights (the model, while it holds the model lock), the prompts and the tool host, and
         draws only from its own seeded generators."""
         box: dict = {}
-        before = self._last
+        j = getattr(job, "sampler", 0)  # after the rollout started before it on its sampler
+        before = self._last.get(j)
 
         def body():
             if before is not None:
@@ -698,7 +749,7 @@ class Behaviour:
 
         thread = threading.Thread(target=body, name=f"verl-rollout-step-{step}", daemon=True)
         self._prefetch[step] = Prefetch(step=step, plan=list(plan), thread=thread, box=box)
-        self._last = thread
+        self._last[j] = thread
         thread.start()
 
     def take(self, step: int) -> tuple[Batch, dict] | None:
@@ -720,6 +771,10 @@ class Behaviour:
             if self._sampler is not None and not self._sampler.proc.is_alive():
                 sampler, self._sampler = self._sampler, None  # the next one starts a new one
                 sampler.close()
+            for slot in self._slots.values():
+                if slot.sampler is not None and not slot.sampler.proc.is_alive():
+                    sampler, slot.sampler = slot.sampler, None
+                    sampler.close()
             return None
         batch, metrics = p.box["out"]
         start, end = p.box["span"]
@@ -734,13 +789,13 @@ class Behaviour:
         rollout waiting for a version stops waiting, the others are waited for (a thread cannot
         be stopped half-way; they only ever read the behaviour weights, which is why they are
         waited for before those change), and their results are discarded."""
-        last = self._last
-        if last is not None:
+        if self._last:
             with self._pushed:
                 self._cancel = True
                 self._pushed.notify_all()
-            last.join()
+            for last in self._last.values():  # each sampler's newest: it joined those before
+                last.join()
             with self._lock:
                 self._cancel = False
         self._prefetch.clear()
-        self._last = None
+        self._last = {}

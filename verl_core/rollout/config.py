@@ -158,6 +158,14 @@ class RolloutConfig:
     worker, sampling from its behaviour copy) or ``process`` (a sampler process of its own,
     whose behaviour weights are the worker's, in shared memory: no interpreter lock shared with
     the update). The same batches either way (docs/async.md)."""
+    async_samplers: int = not_in_trajectory(1)
+    """With ``async_mode=process`` and ``max_staleness`` = k >= 2: how many background rollouts
+    sample at once, each in a sampler process of its own with its own copy of the behaviour
+    weights (1: one after another, in one process). Up to k: the rollouts of steps t + 1 ..
+    t + k may all be in flight. Worth it where a rollout is longer than a step and waits on
+    something else than this machine's cores (tool calls, a sandbox, a judge): one rollout's
+    waits are covered by another's generation. Each one more costs a copy of the weights and a
+    process (its engine and tool host). The same batches whatever the number (docs/async.md)."""
     tool_timeout_s: float = in_trajectory(30.0, when=_multi_turn_on)
     """A tool call that takes longer gives the model a timeout observation (counted in
     ``tool_calls/timeouts``); the tool host is replaced and the calls it held up are served
@@ -186,6 +194,16 @@ class RolloutConfig:
         _non_negative("rollout", self, "max_staleness", "max_num_seqs", "max_model_len",
                       "engine_timeout_s", "engine_max_restarts")
         _one_of("rollout", "async_mode", self.async_mode, {"thread", "process"})
+        _positive("rollout", self, "async_samplers")
+        if self.async_samplers > 1:
+            if self.async_mode != "process":
+                _fail("rollout", "async_samplers", self.async_samplers,
+                      f"runs each background rollout in a sampler process of its own: it needs "
+                      f"rollout.async_mode=process (it is {self.async_mode!r})")
+            if self.async_samplers > self.max_staleness:
+                _fail("rollout", "async_samplers", self.async_samplers,
+                      f"at most rollout.max_staleness={self.max_staleness} background rollouts "
+                      "are ever in flight (those of steps t + 1 .. t + k)")
         if self.max_staleness > MAX_STALENESS:
             _fail("rollout", "max_staleness", self.max_staleness,
                   f"at most {MAX_STALENESS} is offered: every update of lag is one more copy of "

@@ -401,3 +401,36 @@ def test_on_vllm_a_partial_rollout_is_sampled_again_the_same(assets, tmp_path):
         assert fresh.rollout(2)[0] == refs[2]
     finally:
         fresh.close()
+
+
+def test_two_sampler_processes_sample_the_thread_modes_batches_at_once(run_k2, assets, tmp_path):
+    # rollout.async_samplers=2: the background rollouts of steps t + 1 and t + 2 each in a
+    # sampler process of its own (step t on sampler t mod 2, with a copy of the behaviour weights
+    # of its own), so they may sample at once: the same bytes as one thread one after another
+    refs = run_k2[3]
+    cfg = _cfg(**{"rollout.max_staleness": 2, "total_steps": K2_STEPS,
+                  "rollout.async_mode": "process", "rollout.async_samplers": 2})
+    uri = str(tmp_path / "store")
+    w = _worker(uri, cfg, publish_assets(RunStore(uri), assets))
+    try:
+        got = []
+        for s in range(K2_STEPS):
+            ref, m, _ = _step(w, s)
+            got.append((ref, m["rollout/prefetched"]))
+        assert [r for r, _ in got] == refs
+        assert [p for _, p in got] == [0.0] + [1.0] * (K2_STEPS - 1)
+        b = w.trainer.behaviour
+        assert b._sampler is not None and b._slots[1].sampler is not None
+        assert b._sampler.proc.pid != b._slots[1].sampler.proc.pid
+    finally:
+        w.close()
+
+
+def test_more_samplers_than_the_lag_or_without_processes_are_refused():
+    with pytest.raises(ConfigError, match=r"rollout.async_samplers=3: at most "
+                                          r"rollout.max_staleness=2"):
+        _cfg(**{"rollout.max_staleness": 2, "rollout.async_mode": "process",
+                "rollout.async_samplers": 3})
+    with pytest.raises(ConfigError, match=r"rollout.async_samplers=2: .*needs "
+                                          r"rollout.async_mode=process"):
+        _cfg(**{"rollout.max_staleness": 2, "rollout.async_samplers": 2})
