@@ -696,6 +696,9 @@ class Behaviour:
                 # a copy of its own: the worker's behaviour model holds one version at a time,
                 # and this sampler samples another one beside it
                 slot = self._slots[j] = _Slot(copy.deepcopy(self.model), threading.Lock())
+            if slot.sampler is not None and not slot.sampler.proc.is_alive():
+                dead, slot.sampler = slot.sampler, None  # died since: a new one
+                dead.close()
             if slot.sampler is None:
                 slot.sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
                                               slot.model, type(self))
