@@ -27,6 +27,7 @@ tokens with the same log-probs (asserted).
 
     python bench/async.py                  # 7 steps each, 1 thread
     python bench/async.py --steps 8 --threads 2
+    python bench/async.py --tasks "calculator 100 ms" --modes "staleness 2, process;staleness 2, process x2"
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tasks", default="arithmetic,calculator 100 ms,long responses")
+    ap.add_argument("--modes", default="", help="only these modes, ';'-separated (e.g. "
+                    "'staleness 0;staleness 2, process x2'); staleness 0 always runs")
     args = ap.parse_args()
     rows, timelines = [], {}
     with tempfile.TemporaryDirectory(prefix="verl-bench-async-") as root:
@@ -179,6 +182,9 @@ def main() -> None:
             print(f"[{task}] warm start {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             step_s, batches = {}, {}
             modes = LONG_MODES if name == "long" else MODES
+            if args.modes:
+                keep = {"staleness 0", *args.modes.split(";")}
+                modes = {m: v for m, v in modes.items() if m in keep}
             for k, (mode, extra) in enumerate(modes.items()):
                 cfg = preset("grpo", **{**over, **extra})
                 walls, timelines[(task, mode)], batches[mode] = run_one(
@@ -191,7 +197,10 @@ def main() -> None:
             # the background rollouts sampled the same tokens with the same log-probs (a
             # multi-turn batch also stores each tool call's measured latency: not compared)
             for k, other in [(1, "process"), (2, "process"), (2, "process x2")] \
-                    if modes is MODES else ():
+                    if name != "long" else ():
+                if f"staleness {k}, thread" not in batches or \
+                        f"staleness {k}, {other}" not in batches:
+                    continue
                 thread, proc = batches[f"staleness {k}, thread"], batches[f"staleness {k}, {other}"]
                 assert all(torch.equal(a.response_ids, b.response_ids)
                            and torch.equal(a.response_logprobs, b.response_logprobs)
