@@ -154,6 +154,9 @@ def bars(timeline: dict, width: int = 60) -> list[str]:
     out = []
     for name, (a, b) in timeline.items():
         i, j = round(a / end * width), max(round(b / end * width), round(a / end * width) + 1)
+        if b <= 0:  # a background rollout that ended before the origin
+            out.append(f"  {name:<34} |{' ' * width}| ended {-b * 1000:.0f} ms before")
+            continue
         out.append(f"  {name:<34} |{' ' * i}{'#' * (j - i)}{' ' * (width - j)}| "
                    f"{a * 1000:6.0f} - {b * 1000:6.0f} ms")
     return out
