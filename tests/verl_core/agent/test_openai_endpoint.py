@@ -298,3 +298,21 @@ def test_a_two_step_training_run_with_an_agent_function(tmp_path):
     assert all(m["agent/errors"] >= 1 for m in h) and all(m["agent/reward_mean"] == 0.5
                                                           for m in h)
     assert all(m["num_turns/mean"] > 1.0 for m in h)
+
+
+def test_a_wrong_agent_is_refused_before_any_work(tmp_path):
+    from tests.presets import tiny_run
+    from verl_core.agent.openai_server import AgentFunctionError
+    from verl_core.assets import prepare_assets
+    from verl_core.config import ConfigError
+    with pytest.raises(ConfigError, match="set rollout.multi_turn=False"):
+        tiny_run(**{"rollout.openai_agent": "a.py:f", "data.synthetic_task": "calculator"})
+    (tmp_path / "agents.py").write_text("def other(base_url, row):\n    return None\n")
+    for spec, match in ((f"{tmp_path}/missing.py:agent", "does not exist"),
+                        (f"{tmp_path}/agents.py:agent", "has no function 'agent'"),
+                        ("no_such_package.agent", "importing 'no_such_package' failed")):
+        t0 = time.monotonic()
+        with pytest.raises(AgentFunctionError, match=match):
+            prepare_assets(tiny_run(**{"rollout.openai_agent": spec}), str(tmp_path / "w"),
+                           log=lambda *_: None)
+        assert time.monotonic() - t0 < 5  # refused before the warm start
