@@ -316,3 +316,29 @@ def test_a_wrong_agent_is_refused_before_any_work(tmp_path):
             prepare_assets(tiny_run(**{"rollout.openai_agent": spec}), str(tmp_path / "w"),
                            log=lambda *_: None)
         assert time.monotonic() - t0 < 5  # refused before the warm start
+
+
+@pytest.mark.vllm
+def test_the_endpoint_on_vllm_assembles_the_engines_samples(tmp_path):
+    """The same episodes on vLLM (its CPU backend in .venv-vllm): the assembled response is the
+    engine's own sampled ids and log-probs, and two runs (sequential, concurrent) agree."""
+    from verl_core.rollout import make_engine
+    folder = qwen_folder(tmp_path / "qwen")
+    tok = qwen_tokenizer()
+    eng = Recording(make_engine(
+        "vllm", model_path=str(folder), eos_token_ids=[tok.eos_token_id],
+        pad_token_id=tok.pad_token_id, dtype="float32", gpu_memory_utilization=0.3,
+        cpu_kv_cache_gib=0.25, enforce_eager=True, free_cache_engine=False, max_model_len=256,
+        seed=0))
+    try:
+        a_prompts, a = _episodes(tok, eng, 2, sequential=True)
+        calls = list(eng.calls)
+        b_prompts, b = _episodes(tok, eng, 2, sequential=False)
+    finally:
+        eng.engine.close()
+    assert a_prompts == b_prompts and torch.equal(a.response_ids, b.response_ids)
+    for r in range(2):  # row r's completions, in order: the engine's ids and log-probs exactly
+        mine = [c for c in calls if c[3] in {turn_seed(11, r, k) for k in range(3)}]
+        m = a.response_mask[r] == 1
+        assert a.response_ids[r][m].tolist() == [i for c in mine for i in c[1]]
+        assert a.logprobs[r][m].tolist() == [x for c in mine for x in c[2]]
