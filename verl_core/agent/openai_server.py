@@ -174,7 +174,8 @@ class Episode:
     def __init__(self, row: int):
         self.row = row
         self.completions: list[Completion] = []
-        self.lock = asyncio.Lock()
+        self.lock = asyncio.Lock()  # the episode's requests, one at a time (event loop side)
+        self.guard = threading.Lock()  # closing against recording (the runner's thread side)
         self.closed: str | None = None  # why further requests are refused
 
     @property
@@ -272,9 +273,15 @@ class OpenAIServer:
         self._loop = None
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def close_episode(self, row: int, why: str) -> None:
-        """Refuse the episode's further requests (its agent timed out or failed)."""
-        self.episodes[row].closed = why
+    def close_episode(self, row: int, why: str, *, drop: bool = False) -> None:
+        """Refuse the episode's further requests (its agent failed); ``drop``: forget what it
+        recorded too (an agent given up at its deadline: what it had sampled by then depends on
+        timing, so it is not kept)."""
+        ep = self.episodes[row]
+        with ep.guard:
+            ep.closed = why
+            if drop:
+                ep.completions.clear()
 
     # -------------------------------------------------------------- the output
     def output(self, pad_token_id: int, fallback_prompts: list[list[int]] | None = None):
@@ -368,7 +375,9 @@ class OpenAIServer:
             raise RequestRefused("top_logprobs is not served (only the sampled ids' log-probs)",
                                  param="top_logprobs")
         lp = body.get("logprobs")
-        return bool(lp) if not isinstance(lp, int) or isinstance(lp, bool) else lp is not None
+        if lp is None or isinstance(lp, bool):
+            return bool(lp)
+        return True  # the text endpoint's integer: the sampled ids' log-probs (no alternatives)
 
     def _limit(self, ep: Episode, appended: int, body: dict) -> int:
         """The completion's ``max_new_tokens``: the request's ``max_tokens`` (or
@@ -414,8 +423,6 @@ class OpenAIServer:
         ids, logp = await loop.run_in_executor(
             self._pool, self.generate, prompt_ids, seed, limit, self.params)
         ids, logp = [int(i) for i in ids], [float(x) for x in logp]
-        if ep.closed:  # the agent was given up while this completion ran: nothing is recorded
-            raise RequestRefused(f"episode {ep.row} is closed: {ep.closed}", status=409)
         ended = bool(ids) and ids[-1] in self.stop
         body_ids = ids[:-1] if ended else ids
         if kind == "chat":
@@ -428,8 +435,11 @@ class OpenAIServer:
                 for j, c in enumerate(calls)] or None}
         else:
             returned = {"text": self.tok.decode(ids, skip_special_tokens=False)}
-        ep.completions.append(Completion(kind, request, list(prompt_ids), list(appended), ids,
-                                         logp, seed, returned))
+        with ep.guard:
+            if ep.closed:  # the agent was given up while this completion ran: not recorded
+                raise RequestRefused(f"episode {ep.row} is closed: {ep.closed}", status=409)
+            ep.completions.append(Completion(kind, request, list(prompt_ids), list(appended),
+                                             ids, logp, seed, returned))
         finish = "length" if not ended else \
             ("tool_calls" if kind == "chat" and returned["tool_calls"] else "stop")
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
@@ -609,7 +619,9 @@ def run_episodes(agent: Callable, server: OpenAIServer, rows: list[dict],
     ``r`` (async functions too), all
     rows concurrently, each in a thread of its own, each given ``timeout_s`` from the start.
     An agent that raises, hangs past its timeout or returns anything but a finite number or
-    None is a failed episode (its endpoint then refuses further requests); never raised."""
+    None is a failed episode (its endpoint then refuses further requests; a timed-out one's
+    completions are dropped, a raised one's kept: they are the same in every run); never
+    raised."""
     results: list[EpisodeResult | None] = [None] * len(rows)
     ids = list(server.episodes)
     if len(ids) != len(rows):
@@ -637,7 +649,7 @@ def run_episodes(agent: Callable, server: OpenAIServer, rows: list[dict],
         t.join(max(0.0, end - time.monotonic()))
         if t.is_alive() or results[i] is None:
             why = f"the agent ran past rollout.openai_agent_timeout_s={timeout_s}"
-            server.close_episode(ids[i], why)
+            server.close_episode(ids[i], why, drop=True)
             results[i] = EpisodeResult(None, why)
         elif results[i].error:
             server.close_episode(ids[i], results[i].error)

@@ -235,15 +235,19 @@ def test_the_port_is_closed_after_the_rollout(random_qwen):
 
 def test_crashing_hanging_and_wrong_agents_are_contained(random_qwen):
     tok, engine = random_qwen
-    release = threading.Event()
+    release, late = threading.Event(), []
 
     def agent(base_url, row):
         if row["row"] == 0:
             raise RuntimeError("the agent's bug")
         if row["row"] == 1:
-            release.wait(30)  # hangs past the timeout, then tries a request
-            OpenAI(base_url=base_url, api_key="u", max_retries=0).completions.create(
-                model="policy", prompt="hi")
+            c = OpenAI(base_url=base_url, api_key="u", max_retries=0)
+            c.completions.create(model="policy", prompt="hi", max_tokens=2)
+            release.wait(30)  # hangs past the timeout, then tries another request
+            try:
+                c.completions.create(model="policy", prompt=[1, 2, 3])
+            except openai.ConflictError as e:
+                late.append(str(e))
         if row["row"] == 2:
             return "a string"
         return 0.25
@@ -259,9 +263,14 @@ def test_crashing_hanging_and_wrong_agents_are_contained(random_qwen):
         assert "openai_agent_timeout_s=2" in res[1].error
         assert "returned 'a string'" in res[2].error
         assert res[3] == type(res[3])(0.25, None)
-        release.set()  # the hung agent's late request is refused: its episode is closed
-        time.sleep(0.5)
+        # the timed-out episode keeps nothing (what it sampled by the deadline is timing's)
         assert server.episodes[1].completions == []
+        release.set()  # its late request is refused: the episode is closed
+        for _ in range(50):
+            if late:
+                break
+            time.sleep(0.1)
+        assert "episode 1 is closed" in late[0] and server.episodes[1].completions == []
         assert [x.reward for x in run_episodes(async_agent, _one(server, 3), [{}], 5)] == [0.5]
     score = join_agent_rewards(torch.tensor([1.0, 1.0, 0.5]),
                                [{"agent_error": "x"}, {"agent_error": None, "agent_reward": 0.25},
