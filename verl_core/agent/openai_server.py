@@ -283,6 +283,21 @@ class OpenAIServer:
             if drop:
                 ep.completions.clear()
 
+    def replay(self, turns: list[list[dict]]) -> None:
+        """Serve each episode's stored requests (``turns``, as :meth:`output` gives them, one
+        list per episode in order) again, without the agent: the same seeds, prompts and
+        limits, so the episodes sample what they sampled when recorded."""
+        async def episode(ep: Episode, stored: list[dict]) -> None:
+            for t in stored:
+                req = dict(t["request"])
+                async with ep.lock:
+                    await self._complete(ep, "chat" if "messages" in req else "completion", req)
+
+        async def every():
+            await asyncio.gather(*(episode(ep, t) for ep, t in zip(self.episodes.values(),
+                                                                    turns)))
+        asyncio.run_coroutine_threadsafe(every(), self._loop).result()
+
     # -------------------------------------------------------------- the output
     def output(self, pad_token_id: int, fallback_prompts: list[list[int]] | None = None):
         """``(prompts, out)``: each episode's first prompt ids (``fallback_prompts[row]`` for an
@@ -418,6 +433,7 @@ class OpenAIServer:
                                  f"more than data.max_prompt_length="
                                  f"{self.budgets.max_prompt_length}", param="messages")
         limit = self._limit(ep, len(appended), body)
+        request["max_tokens"] = limit  # what the completion was sampled with (a replay's)
         seed = turn_seed(self.step_seed, ep.row, k)
         loop = asyncio.get_running_loop()
         ids, logp = await loop.run_in_executor(

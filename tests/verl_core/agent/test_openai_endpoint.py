@@ -111,6 +111,12 @@ def test_a_three_turn_tool_episode_is_assembled_from_the_engines_own_samples():
     assert t[2]["request"]["messages"][-1] == {"role": "tool", "tool_call_id": "call_0_1_0",
                                                "content": "7006653"}
     json.dumps(out.stored_turns())  # the batch stores it
+    # the stored requests alone sample the episode again: no agent is called
+    with _server(tok, engine) as again:
+        again.replay(out.turns)
+        _, replayed = again.output(tok.pad_token_id)
+    assert len(engine.calls) == 6 and torch.equal(replayed.response_ids, out.response_ids)
+    assert torch.equal(replayed.logprobs, out.logprobs) and replayed.turns == out.turns
 
 
 @pytest.fixture(scope="module")
