@@ -421,8 +421,9 @@ class OpenAIServer:
         want_logprobs = self._check_params(body)
         k = len(ep.completions)
         if k and ep.completions[0].kind != kind:
-            raise RequestRefused(f"episode {ep.row} began with /v1/{'chat/completions' if kind != 'chat' else 'completions'}; "
-                                 "one episode uses one of the two endpoints")
+            began = "chat/completions" if kind != "chat" else "completions"
+            raise RequestRefused(f"episode {ep.row} began with /v1/{began}; one episode uses "
+                                 "one of the two endpoints")
         if kind == "chat":
             request, prompt_ids, appended = self._chat_prompt(ep, body)
         else:
@@ -553,7 +554,8 @@ class OpenAIServer:
                                  "(n=1, one prompt per request)", param="prompt")
         request = {"prompt": prompt}
         if not ep.completions:
-            ids = list(prompt) if as_ids else self.tok(prompt, add_special_tokens=False)["input_ids"]
+            ids = list(prompt) if as_ids else \
+                self.tok(prompt, add_special_tokens=False)["input_ids"]
             return request, ids, []
         prev = ep.completions[-1]
         if as_ids:

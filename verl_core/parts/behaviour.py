@@ -418,8 +418,8 @@ class Behaviour:
         first = [p for part in parts for p in part[0]]
         out = concat_turn_outputs([part[1] for part in parts], tok.pad_token_id)
         infos = [i for part in parts for i in part[2]]
-        metrics = {k: sum(part[3][k] for part in parts) / (1 if k == "agent/errors" else len(parts))
-                   for k in parts[0][3]}
+        metrics = {k: sum(part[3][k] for part in parts)  # errors summed, means averaged
+                   / (1 if k == "agent/errors" else len(parts)) for k in parts[0][3]}
         ids, mask = _left_pad(first, tok.pad_token_id)  # (N, P') each episode's first prompt
         return ids, mask, out, infos, metrics
 

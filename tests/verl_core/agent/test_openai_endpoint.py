@@ -83,7 +83,7 @@ def test_a_three_turn_tool_episode_is_assembled_from_the_engines_own_samples():
         [res] = run_episodes(tool_agent, server, [{"row": 0}], timeout_s=60)
         first, out = server.output(tok.pad_token_id)
     assert res.error is None and res.reward == 1.0  # the client parsed the answer's text
-    assert first == [prompts[0]] == [engine.calls[0][0]]  # the template's prompt, as the engine read
+    assert first == [prompts[0]] == [engine.calls[0][0]]  # the template's prompt, as read
     assert len(engine.calls) == 3 and [c[3] for c in engine.calls] == \
         [turn_seed(11, 0, k) for k in range(3)]
     assert [c[1] for c in engine.calls] == scripts[0]  # the scripted policy sampled its script
