@@ -357,3 +357,26 @@ def test_the_endpoint_on_vllm_assembles_the_engines_samples(tmp_path):
         m = a.response_mask[r] == 1
         assert a.response_ids[r][m].tolist() == [i for c in mine for i in c[1]]
         assert a.logprobs[r][m].tolist() == [x for c in mine for x in c[2]]
+
+
+def test_a_rerun_rollout_phase_stores_the_same_batch_bytes(tmp_path):
+    """What a resume relies on: the agent's rollout phase run again (a fresh trainer, as after a
+    SIGKILL) gives the same batch, byte for byte, though its episodes run concurrently."""
+    from tests.presets import tiny_run
+    from verl_core.assets import prepare_assets
+    from verl_core.data.batch import batch_to_parquet_bytes
+    from verl_core.trainer import RLTrainer
+    path = tmp_path / "my_agent.py"
+    path.write_text(AGENT_FILE)
+    cfg = tiny_run(**{"rollout.openai_agent": f"{path}:agent", "rollout.max_new_tokens": 12})
+    assets = prepare_assets(cfg, str(tmp_path / "w"), log=lambda *_: None)
+    got = []
+    for _ in range(2):
+        trainer = RLTrainer(cfg, assets)
+        try:
+            batch, metrics = trainer.rollout(1)
+        finally:
+            trainer.close()
+        got.append(batch_to_parquet_bytes(batch))
+    assert metrics["agent/errors"] == 8.0  # dataset rows 3, 7, ... crash: 2 of 8 prompts x 4
+    assert got[0] == got[1] and batch.turns[0]["turns"][0]["request"]["prompt"]
