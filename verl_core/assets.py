@@ -13,6 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from verl_core.agent.openai_server import load_agent
 from verl_core.agent.tools import ToolConfigError, ToolHost, tool_entries
 from verl_core.config import RunConfig
 from verl_core.data.code_task import write_code_dataset
@@ -128,6 +129,8 @@ def _prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: boo
     template = CHAR_CHAT_TEMPLATE if calculator else None
     tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer(template)
     schemas = check_tools(cfg, tok)
+    if cfg.rollout.openai_agent:  # the agent function is loaded once before any work
+        load_agent(cfg.rollout.openai_agent)
     rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length, cfg.data.truncation,
                              schemas)
     load_checked_rows(tok, val_files, cfg.data.max_prompt_length, cfg.data.truncation, schemas)

@@ -545,6 +545,12 @@ class RunConfig:
                   "is a task for a real pretrained model (the tiny model reads characters, and a "
                   "word problem is longer than its context): give --model, e.g. a folder made by "
                   "python -m verl_core.models fetch smollm2-135m-instruct DIR")
+        if self.rollout.openai_agent and (self.algorithm.estimator_traits.needs_greedy_baseline
+                                          or self.rollout.partial_rollout):
+            _fail("rollout", "openai_agent", self.rollout.openai_agent,
+                  "an agent's episodes are not offered with a greedy single-turn baseline "
+                  "(remax) or rollout.partial_rollout; use grpo, rloo or gae, without "
+                  "partial_rollout")
         if self.rollout.multi_turn and self.algorithm.estimator_traits.needs_greedy_baseline:
             _fail("algorithm", "adv_estimator", self.algorithm.adv_estimator,
                   "its greedy baseline response is single-turn and cannot score a multi-turn "

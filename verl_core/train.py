@@ -40,7 +40,8 @@ USER_ERROR_CLASSES = (
     ("verl_core.engine.cluster", "AttachError"), ("verl_core.reward.custom", "ScorerLoadError"),
     ("verl_core.reward.registry", "UnknownDataSourceError"),
     ("verl_core.store", "StorePermissionError"), ("verl_core.local_cache", "AssetCacheError"),
-    ("verl_core.training.device", "DeviceError"), ("verl_core.reward.judge", "JudgeError"))
+    ("verl_core.training.device", "DeviceError"), ("verl_core.reward.judge", "JudgeError"),
+    ("verl_core.agent.openai_server", "AgentFunctionError"))
 """Wrong input (options, data files, model folder, a store another loop is writing), by module
 and class name: the CLI prints the message, which names the field or file and the fix, and exits
 2; a traceback would only bury it."""

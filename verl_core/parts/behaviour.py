@@ -419,6 +419,29 @@ class Behaviour:
                                       p.tokenizer.pad_token_id)
         return out
 
+    def _agent_episodes(self, prompt_ids, prompt_mask, params: SamplingParams, rows: list):
+        """``rollout.openai_agent``'s rollout (``agent/openai_server.agent_rollout``) of the N
+        rows: each episode's first prompt, left-padded (N, P'), the responses, the rows'
+        ``extra_info`` and the metrics. With W > 1 each worker runs its block's episodes."""
+        from verl_core.agent.openai_server import agent_rollout
+        from verl_core.rollout.multi_turn import _left_pad
+        self.ready()
+        n, tok = prompt_ids.shape[0], self.prompts.tokenizer
+        split = self.dp.distributed
+        mine = self.dp.block(torch.arange(n)).tolist() if split else list(range(n))
+        got = agent_rollout(self.engine, tok, [prompt_ids[i][prompt_mask[i].bool()].tolist()
+                                               for i in mine],
+                            [rows[i] for i in mine], params, self.cfg.rollout,
+                            self.cfg.data.max_prompt_length, rows_index=mine)
+        parts = self._sample_dp.gather_objects(got) if split else [got]
+        first = [p for part in parts for p in part[0]]
+        out = concat_turn_outputs([part[1] for part in parts], tok.pad_token_id)
+        infos = [i for part in parts for i in part[2]]
+        metrics = {k: sum(part[3][k] for part in parts)  # errors summed, means averaged
+                   / (1 if k == "agent/errors" else len(parts)) for k in parts[0][3]}
+        ids, mask = _left_pad(first, tok.pad_token_id)  # (N, P') each episode's first prompt
+        return ids, mask, out, infos, metrics
+
     def generate_greedy(self, prompt_ids, prompt_mask) -> GenerationOutput:
         """One greedy (argmax) response per prompt row: (B, T_b). With W > 1 the rows are padded
         to a multiple of W with copies of the last one (greedy decoding draws nothing, so the
@@ -476,6 +499,13 @@ class Behaviour:
                 metrics["rollout/partial_segments"] = float(len(used))
             metrics.update(turn_metrics(out))
             infos = turn_extra_info(infos, extra["turns"])
+        elif rc.openai_agent:  # an agent function drives each row's episode over HTTP
+            with self._using(plan[0]):
+                prompt_ids, prompt_mask, out, infos, agent_metrics = self._agent_episodes(
+                    p.train_ids[rows_idx], p.train_mask[rows_idx], params, rows)
+            extra = {"response_attention_mask": out.attention_mask, "turns": out.stored_turns(),
+                     "prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
+            metrics.update(agent_metrics)
         elif self.partial:
             out, used = self._generate_partial(p.train_ids[rows_idx], p.train_mask[rows_idx],
                                                params, plan)
@@ -496,7 +526,8 @@ class Behaviour:
             metrics["rollout/greedy_time_s"] = time.perf_counter() - t1
             metrics["rollout/greedy_length_mean"] = float(greedy.response_mask.sum()) / len(idx)
         batch = Batch(
-            prompt_ids=p.train_ids[rows_idx], prompt_mask=p.train_mask[rows_idx],
+            prompt_ids=extra.pop("prompt_ids", p.train_ids[rows_idx]),
+            prompt_mask=extra.pop("prompt_mask", p.train_mask[rows_idx]),
             response_ids=out.response_ids, response_mask=out.response_mask,
             response_logprobs=out.logprobs,
             group=torch.arange(len(idx)).repeat_interleave(G),

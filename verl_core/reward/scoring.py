@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from verl_core.agent.openai_server import join_agent_rewards
 from verl_core.data.batch import Batch
 from verl_core.guard import checks
 from verl_core.reward.decode import decode_responses
@@ -65,6 +66,8 @@ def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
                            special_token=dec.special_token)
         rule, timeouts = torch.tensor(res.scores, dtype=torch.float32), res.num_timeouts  # (N,)
     score = _combine(rule, model_scores, combine)  # (N,)
+    if any("agent_error" in (i or {}) for i in batch.extra_info):  # rollout.openai_agent's rows
+        score = join_agent_rewards(score, batch.extra_info)
     overlong_metrics = {}
     if details is not None:
         details.update(score=score, acc=_acc(res.extras, score) if rule is not None else score)

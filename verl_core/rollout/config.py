@@ -19,6 +19,12 @@ def _multi_turn_on(run) -> bool:
     return run.rollout.multi_turn
 
 
+def _openai_on(run) -> bool:
+    """``rollout.openai_agent`` unset: its fields do nothing, and the run hashes as before they
+    existed."""
+    return bool(run.rollout.openai_agent)
+
+
 def _staleness_on(run) -> bool:
     """``rollout.max_staleness`` 0: on-policy, and the run hashes as before the field existed."""
     return run.rollout.max_staleness > 0
@@ -174,6 +180,22 @@ class RolloutConfig:
     """Wall time a rollout phase may spend in tool calls; past it every further call gives a
     timeout observation at once (the phase, and the run, go on)."""
 
+    openai_agent: str = in_trajectory("", when=_openai_on)
+    """An agent function that drives each row's episode through an OpenAI-compatible endpoint
+    served over the rollout engine (``agent/openai_server.py``, docs/agent.md): ``path/to/file.py:
+    function`` or ``package.module.function``, called as ``agent(base_url, row) -> float | None``
+    (or async) with any OpenAI client; the episode's tokens are recorded as sampled and its
+    returned float is added to the row's score. "": off."""
+    openai_agent_timeout_s: float = in_trajectory(300.0, when=_openai_on)
+    """Wall time each episode's agent function may take; past it the episode scores 0, is counted
+    in ``agent/errors`` and its endpoint refuses further requests."""
+    openai_max_turns: int = in_trajectory(0, when=_openai_on)
+    """Most completions per episode; 0: until ``max_new_tokens`` (sampled and appended ids of
+    all turns) is spent."""
+    openai_host: str = not_in_trajectory("127.0.0.1")
+    """The address the endpoint binds (an ephemeral port): the loopback by default; on a cluster
+    whose agents run in other pods, the pod's address (e.g. from ``POD_IP``)."""
+
     @property
     def generation_batch(self) -> int:
         """Sequences per hf-engine generation pass: ``max_num_seqs`` when set, else
@@ -218,6 +240,12 @@ class RolloutConfig:
                   "tool_timeout_s", "tool_budget_s")
         _one_of("rollout", "tool_response_truncate_side", self.tool_response_truncate_side,
                 _TRUNCATE_SIDES)
+        _positive("rollout", self, "openai_agent_timeout_s")
+        _non_negative("rollout", self, "openai_max_turns")
+        if self.openai_agent and self.multi_turn:
+            _fail("rollout", "openai_agent", self.openai_agent, "the agent drives the episodes "
+                  "and calls its own tools; set rollout.multi_turn=False (the built-in tool "
+                  "loop) or leave openai_agent empty")
         if not self.multi_turn:
             return
         if not self.tool_config_path:
