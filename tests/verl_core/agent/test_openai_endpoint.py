@@ -380,3 +380,56 @@ def test_a_rerun_rollout_phase_stores_the_same_batch_bytes(tmp_path):
         got.append(batch_to_parquet_bytes(batch))
     assert metrics["agent/errors"] == 8.0  # dataset rows 3, 7, ... crash: 2 of 8 prompts x 4
     assert got[0] == got[1] and batch.turns[0]["turns"][0]["request"]["prompt"]
+
+
+HANGING_AGENT_FILE = '''
+import os
+import time
+
+from openai import OpenAI
+
+
+def agent(base_url, row):
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    prompt = row["prompt"]
+    for k in range(2):
+        r = client.completions.create(model="policy", prompt=prompt, max_tokens=3)
+        prompt += r.choices[0].text + "="
+        when, marker = os.environ.get("HANG_AFTER"), os.environ.get("HANG_MARKER")
+        if k == 0 and when and os.path.exists(when):  # a step after the first checkpoint
+            try:  # one episode of the run: the first to get here
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                continue
+            time.sleep(600)  # mid-episode: one completion recorded, the next never asked
+    return 0.5
+'''
+
+
+def test_a_sigkill_mid_episode_then_the_same_command_ends_with_the_undisturbed_weights(tmp_path):
+    """The plain loop with an agent function, SIGKILLed (its process group) while an episode of
+    a step after the first checkpoint waits between two completions; the same command again
+    resumes and ends with the weights of the undisturbed run, bit for bit."""
+    import json
+    import subprocess
+
+    from tests.crash import REPO, kill_at_marker, train_command, weights_sha
+    from tests.presets import TINY, tiny_run
+    from verl_core.train import train
+    path = tmp_path / "my_agent.py"
+    path.write_text(HANGING_AGENT_FILE)
+    over = {**TINY, "total_steps": 3, "rollout.openai_agent": f"{path}:agent",
+            "rollout.max_new_tokens": 12, "checkpoint.checkpoint_interval": 1,
+            "val_before_train": False}
+    ref = train(tiny_run(**over), str(tmp_path / "ref"), log=lambda *_: None)
+    work, marker = tmp_path / "work", tmp_path / "mid-episode"
+    cmd, env = train_command(work, over, HANG_AFTER=work / "latest.json", HANG_MARKER=marker)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=env)
+    kill_at_marker(proc, marker, "an episode after the first checkpoint")
+    done = subprocess.run(cmd + ["--summary-json", str(tmp_path / "s.json")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "resuming from the checkpoint of step" in done.stdout
+    got = json.loads((tmp_path / "s.json").read_text())
+    assert weights_sha(got["final_model"]) == weights_sha(ref["final_model"])
