@@ -19,6 +19,11 @@ def _multi_turn_on(run) -> bool:
     return run.rollout.multi_turn
 
 
+def _agent_loops_on(run) -> bool:
+    """No agent loop configured: the run hashes as before the fields existed."""
+    return bool(run.rollout.agent_loop or run.rollout.agent_loop_config_path)
+
+
 def _staleness_on(run) -> bool:
     """``rollout.max_staleness`` 0: on-policy, and the run hashes as before the field existed."""
     return run.rollout.max_staleness > 0
@@ -166,6 +171,19 @@ class RolloutConfig:
     """Wall time a rollout phase may spend in tool calls; past it every further call gives a
     timeout observation at once (the phase, and the run, go on)."""
 
+    agent_loop: str = in_trajectory("", when=_agent_loops_on)
+    """The agent loop of rows that name none (verl's ``agent.default_agent_loop``;
+    ``agent/loops.py``, docs/agent.md): a registered name (``single_turn_agent``,
+    ``tool_agent``, a name of ``agent_loop_config_path``), a dotted ``module.Class`` or
+    ``path/to/file.py:Class`` on verl's ``AgentLoopBase`` contract; "" follows
+    ``multi_turn`` (``tool_agent`` when on, else plain sampling), as before loops existed."""
+    agent_loop_config_path: str = in_trajectory("", when=_agent_loops_on)
+    """verl's ``agent.agent_loop_config_path``: a YAML list of ``{name, _target_}`` naming the
+    loops rows may give in their ``agent_name``."""
+    agent_loop_timeout_s: float = in_trajectory(60.0, when=_agent_loops_on)
+    """A loop whose own code (not its waits on the engine or a tool) runs longer is given up
+    on: its row scores 0 (``agent_loop/timeouts``), the run goes on."""
+
     @property
     def generation_batch(self) -> int:
         """Sequences per hf-engine generation pass: ``max_num_seqs`` when set, else
@@ -197,7 +215,7 @@ class RolloutConfig:
     def _check_multi_turn(self) -> None:
         _non_negative("rollout", self, "max_assistant_turns", "max_user_turns")
         _positive("rollout", self, "max_parallel_calls", "max_tool_response_length",
-                  "tool_timeout_s", "tool_budget_s")
+                  "tool_timeout_s", "tool_budget_s", "agent_loop_timeout_s")
         _one_of("rollout", "tool_response_truncate_side", self.tool_response_truncate_side,
                 _TRUNCATE_SIDES)
         if not self.multi_turn:
