@@ -224,8 +224,10 @@ def _import_class(spec: str) -> type:
     return cls
 
 
-def load_agent_loop_config(path: str) -> dict[str, str]:
-    """verl's ``agent_loop_config_path`` YAML: a list of ``{name, _target_}``; name -> target."""
+def load_agent_loop_config(path: str) -> dict[str, dict]:
+    """verl's ``agent_loop_config_path`` YAML: a list of ``{name, _target_, ...}``; name -> its
+    entry (the keys beside ``name`` and ``_target_`` are given to the class's ``__init__``, as
+    verl's Hydra instantiation does)."""
     import yaml
 
     try:
@@ -245,8 +247,14 @@ def load_agent_loop_config(path: str) -> dict[str, str]:
                 and isinstance(e.get("_target_"), str)):
             raise AgentLoopError(f"agent loop config {path!r}, entry {i}: needs 'name' and "
                                  "'_target_' ('package.module.Class' or 'path/to/file.py:Class')")
-        out[e["name"]] = e["_target_"]
+        out[e["name"]] = dict(e)
     return out
+
+
+def init_kwargs(spec: str, config_path: str = "") -> dict:
+    """The keywords ``config_path``'s entry ``spec`` gives its class (none for other names)."""
+    entry = load_agent_loop_config(config_path).get(spec, {}) if config_path else {}
+    return {k: v for k, v in entry.items() if k not in ("name", "_target_")}
 
 
 def resolve(spec: str, config_path: str = "") -> type | str:
@@ -256,7 +264,8 @@ def resolve(spec: str, config_path: str = "") -> type | str:
         return TOOL_AGENT
     targets = load_agent_loop_config(config_path) if config_path else {}
     if spec in targets:
-        return TOOL_AGENT if targets[spec] == TOOL_AGENT else _import_class(targets[spec])
+        target = targets[spec]["_target_"]
+        return TOOL_AGENT if target == TOOL_AGENT else _import_class(target)
     if spec in _registered_classes:
         return _registered_classes[spec]
     if spec in _agent_loop_registry:
@@ -380,6 +389,7 @@ class _Row:
     i: int  # index in this call's rows
     row: int  # index in the phase's whole batch (its seeds)
     cls: type
+    init: dict
     prompt: list[int]
     kwargs: dict
     state: str = "running"  # running | waiting | done
@@ -552,8 +562,9 @@ def _run_loops(engine, tokenizer, prompts, params, rows, loop_classes, row_kwarg
         tools = {name: _Tool(hub, r, name, s) for name, s in schemas.items()}
         return r.cls(trainer_config=DictConfigWrap(trainer_config), server_manager=_Server(hub, r),
                      tokenizer=tokenizer, processor=None, dataset_cls=None,
-                     data_config=DictConfigWrap(trainer_config.get("data", {})), tools=tools)
-    todo = [_Row(i, rows[i], loop_classes[i], list(prompts[i]),
+                     data_config=DictConfigWrap(trainer_config.get("data", {})), tools=tools,
+                     **r.init)
+    todo = [_Row(i, rows[i], loop_classes[i][0], loop_classes[i][1], list(prompts[i]),
                  {**row_kwargs[i], "prompt_ids": list(prompts[i])})
             for i in range(len(prompts))]
     hub.run(todo, make)
@@ -672,7 +683,8 @@ def run_agent_loops(engine, tokenizer, prompts: list[list[int]], params, *, rows
         with engine.held():
             done = _run_loops(engine, tokenizer, [prompts[i] for i in loop_rows], params,
                               [rows[i] for i in loop_rows],
-                              [classes[names[i]] for i in loop_rows],
+                              [(classes[names[i]], init_kwargs(names[i], config_path))
+                               for i in loop_rows],
                               [row_kwargs[i] for i in loop_rows], host=host,
                               tool_schemas=tool_schemas, prefix=prefix, timeout_s=timeout_s,
                               trainer_config=trainer_config or {})

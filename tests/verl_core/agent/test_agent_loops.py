@@ -24,12 +24,16 @@ LOOPS = textwrap.dedent('''
 
     class TwoSamples(AgentLoopBase):
         """Samples, appends a fixed observation, samples again."""
+        def __init__(self, *args, obs=OBS, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.obs = obs
+
         async def run(self, sampling_params, **kwargs):
             prompt = kwargs["prompt_ids"]
             first = await self.server_manager.generate(
                 request_id="a", prompt_ids=prompt,
                 sampling_params={**sampling_params, "max_tokens": 3})
-            obs = self.tokenizer.encode(OBS, add_special_tokens=False)
+            obs = self.tokenizer.encode(self.obs, add_special_tokens=False)
             second = await self.server_manager.generate(
                 request_id="b", prompt_ids=prompt + first.token_ids + obs,
                 sampling_params=sampling_params)
@@ -134,6 +138,24 @@ def test_rows_choose_their_loop_and_failures_are_contained_and_batching_changes_
     # rows 0 and 5 share the loop but not the seed
     assert not torch.equal(out.response_ids[0], out.response_ids[5]) or \
         ids[0].tolist() != ids[5].tolist()
+
+
+def test_a_loop_named_in_verls_agent_loop_config_gets_its_keywords(trainer, loops_file,
+                                                                    tmp_path):
+    config = tmp_path / "loops.yaml"
+    config.write_text(f"- name: shouts\n  _target_: {loops_file}:TwoSamples\n  obs: ' OK! '\n")
+    tok, p = trainer.tokenizer, trainer.prompts
+    rows = p.train_rows[:2]
+    out = run_agent_loops(
+        trainer.behaviour.engine, tok, [p.train_ids[i][p.train_mask[i].bool()].tolist()
+                                        for i in range(2)],
+        SamplingParams(temperature=1.0, max_new_tokens=12, seed=3), rows=[0, 1],
+        names=["shouts"] * 2, config_path=str(config),
+        row_kwargs=[loop_kwargs(r) for r in rows], tool_turns=None)
+    obs = tok.encode(" OK! ", add_special_tokens=False)
+    for i in range(2):
+        k = out.agents[i]["extra_fields"]["first_len"]
+        assert out.response_ids[i, k:k + len(obs)].tolist() == obs, out.agents[i]
 
 
 def test_a_loop_that_names_nothing_is_refused_before_any_work(tmp_path, loops_file):
