@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.presets import tiny_run
+from tests.presets import TINY, tiny_run
 from verl_core.agent.loops import AgentLoopError, loop_kwargs, run_agent_loops
 from verl_core.assets import prepare_assets
 from verl_core.data.batch import batch_to_parquet_bytes
@@ -17,7 +17,7 @@ from verl_core.rollout import SamplingParams
 from verl_core.trainer import RLTrainer
 
 LOOPS = textwrap.dedent('''
-    import asyncio, time
+    import asyncio, os, time
     from verl.experimental.agent_loop import AgentLoopBase, AgentLoopOutput, register
 
     OBS = " ok "
@@ -38,6 +38,10 @@ LOOPS = textwrap.dedent('''
                 request_id="b", prompt_ids=prompt + first.token_ids + obs,
                 sampling_params=sampling_params)
             assert len(first.log_probs) == len(first.token_ids)
+            mark = os.environ.get("LOOP_MARK")  # the crash test: SIGKILLed mid-episode here
+            if mark and not os.path.exists(mark):
+                open(mark, "w").close()
+                time.sleep(60)
             resp = first.token_ids + obs + second.token_ids
             mask = [1] * len(first.token_ids) + [0] * len(obs) + [1] * len(second.token_ids)
             return AgentLoopOutput(prompt_ids=prompt, response_ids=resp, response_mask=mask,
@@ -194,3 +198,24 @@ def test_a_user_loop_trains_two_steps(loops_file, tmp_path):
     assert all(s["agent_loop/errors"] == 0 and s["agent_loop/timeouts"] == 0 for s in steps)
     assert all(s["num_turns/mean"] == 2 for s in steps)  # two sampled spans per row
     assert got["final_model"]
+
+
+def test_sigkilled_mid_episode_the_run_resumes_to_the_same_weights(loops_file, tmp_path):
+    import subprocess
+
+    from tests.crash import REPO, kill_at_marker, train_command, weights_sha
+    from verl_core.train import train
+
+    over = {**TINY, "rollout.agent_loop": f"{loops_file}:TwoSamples", "total_steps": 2}
+    reference = train(tiny_run(**over), str(tmp_path / "ref"), log=lambda *_: None)
+    mark = tmp_path / "mid-episode"
+    cmd, env = train_command(tmp_path / "work", over)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env={**env, "LOOP_MARK": str(mark)})
+    kill_at_marker(proc, mark, "an agent loop's second generate call", poll_s=0.05)
+    done = subprocess.run(cmd + ["--summary-json", str(tmp_path / "s.json")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    import json
+    got = json.loads((tmp_path / "s.json").read_text())
+    assert weights_sha(got["final_model"]) == weights_sha(reference["final_model"])
