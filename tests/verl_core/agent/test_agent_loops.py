@@ -172,6 +172,16 @@ def test_a_loop_that_names_nothing_is_refused_before_any_work(tmp_path, loops_fi
             prepare_assets(cfg, str(tmp_path / "w"), log=lambda *_: None)
 
 
+def test_a_loop_with_a_greedy_baseline_or_partial_rollouts_is_refused():
+    from verl_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot score an agent loop's episode"):
+        tiny_run("remax", **{"rollout.agent_loop": "x.py:Y"})
+    with pytest.raises(ConfigError, match="not offered with agent loops"):
+        tiny_run(**{"rollout.agent_loop": "x.py:Y", "rollout.max_staleness": 2,
+                    "rollout.partial_rollout": True, "algorithm.rollout_is": "token"})
+
+
 def test_an_agent_name_column_reaches_the_rows(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
