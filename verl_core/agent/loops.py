@@ -49,7 +49,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_core.errors import PermanentError
+from verl_core.errors import PermanentError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -531,6 +531,8 @@ class _Hub:
                                                               todo[j][0].k) for j in js],
                                          row_limits=[todo[j][2] for j in js])
             except Exception as e:  # noqa: BLE001 - e.g. a prompt longer than the model takes
+                if isinstance(e, TransientError):
+                    raise  # the engine died: the phase is retried, as without loops
                 for j in js:
                     out[j] = RuntimeError(f"generate failed: {type(e).__name__}: {e}")
                 continue

@@ -79,17 +79,53 @@ def loops_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trainer(loops_file, tmp_path_factory):
+def prepared(loops_file, tmp_path_factory):
     cfg = tiny_run(**{"rollout.agent_loop": f"{loops_file}:TwoSamples",
                       "rollout.agent_loop_timeout_s": 2.0})
-    assets = prepare_assets(cfg, str(tmp_path_factory.mktemp("a")), log=lambda *_: None)
-    t = RLTrainer(cfg, assets)
+    return cfg, prepare_assets(cfg, str(tmp_path_factory.mktemp("a")), log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def trainer(prepared):
+    t = RLTrainer(*prepared)
     yield t
     t.close()
 
 
-def test_a_user_loop_by_path_gives_its_masks_and_the_engines_log_probs(trainer):
-    batch, metrics = trainer.rollout(1)
+@pytest.fixture(scope="module")
+def rolled(trainer):
+    return (trainer, *trainer.rollout(1))
+
+
+def test_a_user_loop_by_path_gives_its_masks_and_the_engines_log_probs(rolled):
+    trainer, batch, metrics = rolled
+    _assert_two_samples(trainer, batch, metrics)
+    again = trainer.rollout(1)[0]  # per (step, row) seeds: the same stored bytes again
+    assert batch_to_parquet_bytes(again) == batch_to_parquet_bytes(batch)
+
+
+def test_two_workers_roll_out_the_batch_of_one(prepared, rolled, tmp_path):
+    from tests.verl_core.test_agent_rl import _assert_two_workers_roll_out_the_batch_of_one
+
+    _assert_two_workers_roll_out_the_batch_of_one(*prepared, *rolled, tmp_path)
+
+
+@pytest.mark.vllm
+def test_on_vllm_a_user_loop_gives_its_masks_and_the_engines_log_probs(prepared):
+    cfg = tiny_run(**{"rollout.agent_loop": cfg_loop(prepared), "rollout.engine": "vllm"})
+    t = RLTrainer(cfg, prepared[1])
+    try:
+        assert type(t.behaviour.engine).__name__ == "VLLMEngine"
+        _assert_two_samples(t, *t.rollout(1))
+    finally:
+        t.close()
+
+
+def cfg_loop(prepared) -> str:
+    return prepared[0].rollout.agent_loop
+
+
+def _assert_two_samples(trainer, batch, metrics):
     tok, obs = trainer.tokenizer, trainer.tokenizer.encode(" ok ", add_special_tokens=False)
     assert metrics["agent_loop/errors"] == 0 and metrics["agent_loop/timeouts"] == 0
     for i, row in enumerate(batch.turns):
@@ -105,8 +141,14 @@ def test_a_user_loop_by_path_gives_its_masks_and_the_engines_log_probs(trainer):
         assert (lp[torch.tensor(mask) == 0] == 0).all() and (lp[:k] < 0).all()
     # the loop's extra_fields reach the scorer with verl's num_turns
     assert all("first_len" in info for info in batch.extra_info)
-    again = trainer.rollout(1)[0]  # per (step, row) seeds: the same stored bytes again
-    assert batch_to_parquet_bytes(again) == batch_to_parquet_bytes(batch)
+    # the trainer's log-probs of the sampled tokens are the engine's (up to rounding)
+    from tests.verl_core.test_agent_rl import _rounding_bound
+    from verl_core.training.forward import batched_logprobs
+
+    logp = batched_logprobs(trainer.actor.model, batch, trainer.cfg.rollout.temperature, 8)
+    sampled = batch.response_mask.bool()
+    diff = (logp - batch.response_logprobs)[sampled].abs().max().item()
+    assert diff <= _rounding_bound(trainer, batch), diff
 
 
 def test_rows_choose_their_loop_and_failures_are_contained_and_batching_changes_nothing(
