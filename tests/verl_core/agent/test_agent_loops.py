@@ -47,6 +47,21 @@ LOOPS = textwrap.dedent('''
             return AgentLoopOutput(prompt_ids=prompt, response_ids=resp, response_mask=mask,
                                    num_turns=3, extra_fields={"first_len": len(first.token_ids)})
 
+    class ToolUser(AgentLoopBase):
+        """Calls the run's calculator tool (in the tool host), reads its answer, samples."""
+        async def run(self, sampling_params, **kwargs):
+            p = kwargs["prompt_ids"]
+            calc = self.tools["calculator"]
+            iid = await calc.create()
+            resp, reward, _ = await calc.execute(iid, {"expression": "6*7"})
+            await calc.release(iid)
+            obs = self.tokenizer.encode(resp.text, add_special_tokens=False)
+            out = await self.server_manager.generate(request_id="a", prompt_ids=p + obs,
+                                                     sampling_params=sampling_params)
+            return AgentLoopOutput(prompt_ids=p, response_ids=obs + out.token_ids,
+                                   response_mask=[0] * len(obs) + [1] * len(out.token_ids),
+                                   extra_fields={"tool_text": resp.text})
+
     @register("crashes")
     class Crashes(AgentLoopBase):
         async def run(self, sampling_params, **kwargs):
@@ -184,6 +199,37 @@ def test_rows_choose_their_loop_and_failures_are_contained_and_batching_changes_
     # rows 0 and 5 share the loop but not the seed
     assert not torch.equal(out.response_ids[0], out.response_ids[5]) or \
         ids[0].tolist() != ids[5].tolist()
+
+
+def test_user_loops_call_the_run_tools_beside_rows_of_the_built_in_tool_loop(loops_file,
+                                                                             tmp_path):
+    cfg = tiny_run(**{"data.synthetic_task": "calculator", "model.warmup_sft_steps": 5,
+                      "model.warmup_mixed_steps": 0})
+    t = RLTrainer(cfg, prepare_assets(cfg, str(tmp_path / "calc"), log=lambda *_: None))
+    try:
+        p = t.prompts
+        names = ["tool_agent", f"{loops_file}:ToolUser", "tool_agent", f"{loops_file}:ToolUser"]
+        rows = [dataclasses.replace(r, extra_info={**r.extra_info, "agent_name": n})
+                for r, n in zip(p.train_rows[:4], names)]
+        params = SamplingParams(temperature=1.0, max_new_tokens=cfg.rollout.max_new_tokens,
+                                seed=5)
+        out = t.behaviour.generate_turns(p.train_ids[:4], p.train_mask[:4], params,
+                                         list(range(4)), rows, "rollout")
+        assert [a["status"] for a in out.agents] == ["ok"] * 4, out.agents
+        obs = t.tokenizer.encode("42", add_special_tokens=False)
+        for i in (1, 3):
+            assert out.agents[i]["extra_fields"] == {"tool_text": "42"}
+            assert out.response_ids[i, :len(obs)].tolist() == obs
+            assert out.response_mask[i, :len(obs)].sum() == 0
+        # the tool loop's rows are those a batch of tool-loop rows alone samples
+        alone = t.behaviour.generate_turns(p.train_ids[:4:2], p.train_mask[:4:2], params,
+                                           [0, 2], [r for r in p.train_rows[:4:2]], "rollout")
+        for j, i in enumerate((0, 2)):
+            real = int(alone.attention_mask[j].sum())
+            assert torch.equal(alone.response_ids[j, :real], out.response_ids[i, :real])
+            assert out.turns[i] == alone.turns[j]
+    finally:
+        t.close()
 
 
 def test_a_loop_named_in_verls_agent_loop_config_gets_its_keywords(trainer, loops_file,
