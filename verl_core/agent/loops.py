@@ -170,8 +170,10 @@ _agent_loop_registry[TOOL_AGENT] = {"_target_": "verl_core.rollout.multi_turn.ge
 def install_verl_alias() -> None:
     """Where verl is not installed: ``verl.experimental.agent_loop`` (and its
     ``.agent_loop`` module) import as this module, so a loop written for verl runs unchanged."""
-    if importlib.util.find_spec("verl") is not None if "verl" not in sys.modules else \
-            not getattr(sys.modules["verl"], "_verl_core_alias", False):
+    if "verl" in sys.modules:
+        if not getattr(sys.modules["verl"], "_verl_core_alias", False):
+            return  # the real verl
+    elif importlib.util.find_spec("verl") is not None:
         return
     this = sys.modules[__name__]
     for name in ("verl", "verl.experimental"):
@@ -591,17 +593,18 @@ def _check(r: _Row, budget: int) -> tuple[list[int], list[float], list[float], d
         raise ValueError(f"response_mask ({len(m)} entries of 0/1 expected) does not fit "
                          f"response_ids ({len(ids)})")
     ids, m = ids[:budget], m[:budget]  # verl's loops cut at response_length: so here
-    by_prompt = {}
+    by_prompt: dict[tuple, list] = {}  # a context sampled twice: either sample may be used
     for c in r.calls:
-        by_prompt.setdefault(tuple(c[0]), c)
+        by_prompt.setdefault(tuple(c[0]), []).append(c)
     logp = [0.0] * len(ids)
     pos = 0
     while pos < len(ids):
         if not m[pos]:
             pos += 1
             continue
-        call = by_prompt.get(tuple(r.prompt + ids[:pos]))
-        if call is None or not call[1]:
+        calls = [c for c in by_prompt.get(tuple(r.prompt + ids[:pos]), []) if c[1]]
+        call = next((c for c in calls if c[1][0] == ids[pos]), calls[0] if calls else None)
+        if call is None:
             raise ValueError(f"response position {pos} is marked sampled (mask 1) but no "
                              "generate call of this row had the prompt and response before it "
                              "as its prompt_ids")
