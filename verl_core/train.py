@@ -36,6 +36,7 @@ USER_ERROR_CLASSES = (
     ("verl_core.rollout.vllm", "VLLMUnavailableError"),
     ("verl_core.prepare", "TrajectoryChangedError"), ("verl_core.engine.assets", "AssetsChangedError"),
     ("verl_core.models.lora", "LoRAConfigError"), ("verl_core.agent.tools", "ToolConfigError"),
+    ("verl_core.agent.loops", "AgentLoopError"),
     ("verl_core.agent.turns", "TemplateError"), ("verl_core.algorithms.registry", "UnknownNameError"),
     ("verl_core.engine.cluster", "AttachError"), ("verl_core.reward.custom", "ScorerLoadError"),
     ("verl_core.reward.registry", "UnknownDataSourceError"),

@@ -38,6 +38,9 @@ from verl_core.parts.trained import model_state
 from verl_core.reward.decode import stop_token_ids
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.base import GenerationOutput, concat_outputs
+from verl_core.agent.loops import (agent_metrics, agent_name_of, default_loop, loop_kwargs,
+                                   run_agent_loops, stored_with_agents, uses_agent_loops,
+                                   verl_view)
 from verl_core.reward.scoring import turn_extra_info
 from verl_core.rollout.multi_turn import (MultiTurnOutput, concat_turn_outputs, generate_turns,
                                           turn_limits, turn_metrics)
@@ -407,16 +410,33 @@ class Behaviour:
         rc, n, p = self.cfg.rollout, prompt_ids.shape[0], self.prompts
         split = split and self.dp.distributed
         mine = self.dp.block(torch.arange(n)).tolist() if split else list(range(n))
-        out = generate_turns(
-            engine or self.engine, p.tokenizer,
-            [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in mine], params,
-            host=p.tool_host, tools=p.tool_schemas, rows=[rows[i] for i in mine],
-            tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
-            **turn_limits(rc), instance_prefix=f"{phase}:{params.seed}",
-            turn_context=turn_context)
+        prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in mine]
+
+        def tool_turns(sub: list[int]) -> MultiTurnOutput:  # the built-in tool loop's rows
+            return generate_turns(
+                engine or self.engine, p.tokenizer, [prompts[j] for j in sub], params,
+                host=p.tool_host, tools=p.tool_schemas, rows=[rows[mine[j]] for j in sub],
+                tools_kwargs=[(rows_data[mine[j]].extra_info or {}).get("tools_kwargs")
+                              for j in sub],
+                **turn_limits(rc), instance_prefix=f"{phase}:{params.seed}",
+                turn_context=turn_context)
+        if not uses_agent_loops(rc, rows_data):
+            out = tool_turns(list(range(len(mine))))  # as before agent loops existed
+        else:
+            out = run_agent_loops(
+                engine or self.engine, p.tokenizer, prompts, params,
+                rows=[rows[i] for i in mine],
+                names=[agent_name_of(rows_data[i]) or default_loop(rc) for i in mine],
+                config_path=rc.agent_loop_config_path,
+                row_kwargs=[loop_kwargs(rows_data[i]) for i in mine], tool_turns=tool_turns,
+                host=p.tool_host, tool_schemas=p.tool_schemas,
+                prefix=f"{phase}:{params.seed}:loop", timeout_s=rc.agent_loop_timeout_s,
+                trainer_config=verl_view(self.cfg))
         if split:
-            out = concat_turn_outputs(self._sample_dp.gather_objects(out),
-                                      p.tokenizer.pad_token_id)
+            parts = self._sample_dp.gather_objects((out, getattr(out, "agents", None)))
+            out = concat_turn_outputs([o for o, _ in parts], p.tokenizer.pad_token_id)
+            if parts[0][1] is not None:
+                object.__setattr__(out, "agents", [a for _, got in parts for a in got])
         return out
 
     def _agent_episodes(self, prompt_ids, prompt_mask, params: SamplingParams, rows: list):
@@ -479,9 +499,12 @@ class Behaviour:
         restarts, timeouts = self.engine.restarts, self.engine.timeouts
         faults.engine_drill(self.engine, step)  # a VERL_FAULTS drill (engine_kill/_hang)
         extra, metrics, infos = {}, {}, [r.extra_info for r in rows]
-        if rc.multi_turn:
+        loops = uses_agent_loops(rc, rows)
+        if rc.multi_turn or loops:
             # VERL_FAULTS' tool_call point: in this step's calls, once sent (a no-op without it)
-            p.tool_host.on_calls_sent = functools.partial(faults.maybe_inject, "tool_call", step)
+            if p.tool_host is not None:
+                p.tool_host.on_calls_sent = functools.partial(faults.maybe_inject, "tool_call",
+                                                              step)
             used: list[int] = []
             try:
                 with self._using(plan[0]):
@@ -491,21 +514,23 @@ class Behaviour:
                         turn_context=functools.partial(self._turn, plan, used)
                         if self.partial else None)
             finally:
-                p.tool_host.on_calls_sent = None
+                if p.tool_host is not None:
+                    p.tool_host.on_calls_sent = None
             extra = {"response_attention_mask": out.attention_mask,
-                     "turns": out.stored_turns()}
+                     "turns": stored_with_agents(out)}
             if self.partial:
                 extra["meta"] = {"partial_versions": used, "partial_unit": "turn"}
                 metrics["rollout/partial_segments"] = float(len(used))
             metrics.update(turn_metrics(out))
+            metrics.update(agent_metrics(extra["turns"]))
             infos = turn_extra_info(infos, extra["turns"])
         elif rc.openai_agent:  # an agent function drives each row's episode over HTTP
             with self._using(plan[0]):
-                prompt_ids, prompt_mask, out, infos, agent_metrics = self._agent_episodes(
+                prompt_ids, prompt_mask, out, infos, episode_metrics = self._agent_episodes(
                     p.train_ids[rows_idx], p.train_mask[rows_idx], params, rows)
             extra = {"response_attention_mask": out.attention_mask, "turns": out.stored_turns(),
                      "prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
-            metrics.update(agent_metrics)
+            metrics.update(episode_metrics)
         elif self.partial:
             out, used = self._generate_partial(p.train_ids[rows_idx], p.train_mask[rows_idx],
                                                params, plan)

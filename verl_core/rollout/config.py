@@ -25,6 +25,11 @@ def _openai_on(run) -> bool:
     return bool(run.rollout.openai_agent)
 
 
+def _agent_loops_on(run) -> bool:
+    """No agent loop configured: the run hashes as before the fields existed."""
+    return bool(run.rollout.agent_loop or run.rollout.agent_loop_config_path)
+
+
 def _staleness_on(run) -> bool:
     """``rollout.max_staleness`` 0: on-policy, and the run hashes as before the field existed."""
     return run.rollout.max_staleness > 0
@@ -196,6 +201,19 @@ class RolloutConfig:
     """The address the endpoint binds (an ephemeral port): the loopback by default; on a cluster
     whose agents run in other pods, the pod's address (e.g. from ``POD_IP``)."""
 
+    agent_loop: str = in_trajectory("", when=_agent_loops_on)
+    """The agent loop of rows that name none (verl's ``agent.default_agent_loop``;
+    ``agent/loops.py``, docs/agent.md): a registered name (``single_turn_agent``,
+    ``tool_agent``, a name of ``agent_loop_config_path``), a dotted ``module.Class`` or
+    ``path/to/file.py:Class`` on verl's ``AgentLoopBase`` contract; "" follows
+    ``multi_turn`` (``tool_agent`` when on, else plain sampling), as before loops existed."""
+    agent_loop_config_path: str = in_trajectory("", when=_agent_loops_on)
+    """verl's ``agent.agent_loop_config_path``: a YAML list of ``{name, _target_}`` naming the
+    loops rows may give in their ``agent_name``."""
+    agent_loop_timeout_s: float = in_trajectory(60.0, when=_agent_loops_on)
+    """A loop whose own code (not its waits on the engine or a tool) runs longer is given up
+    on: its row scores 0 (``agent_loop/timeouts``), the run goes on."""
+
     @property
     def generation_batch(self) -> int:
         """Sequences per hf-engine generation pass: ``max_num_seqs`` when set, else
@@ -237,7 +255,7 @@ class RolloutConfig:
     def _check_multi_turn(self) -> None:
         _non_negative("rollout", self, "max_assistant_turns", "max_user_turns")
         _positive("rollout", self, "max_parallel_calls", "max_tool_response_length",
-                  "tool_timeout_s", "tool_budget_s")
+                  "tool_timeout_s", "tool_budget_s", "agent_loop_timeout_s")
         _one_of("rollout", "tool_response_truncate_side", self.tool_response_truncate_side,
                 _TRUNCATE_SIDES)
         _positive("rollout", self, "openai_agent_timeout_s")
@@ -246,6 +264,10 @@ class RolloutConfig:
             _fail("rollout", "openai_agent", self.openai_agent, "the agent drives the episodes "
                   "and calls its own tools; set rollout.multi_turn=False (the built-in tool "
                   "loop) or leave openai_agent empty")
+        if self.openai_agent and (self.agent_loop or self.agent_loop_config_path):
+            _fail("rollout", "openai_agent", self.openai_agent, "an agent function drives every "
+                  "row's episode itself; it is not an agent loop: leave rollout.agent_loop and "
+                  "agent_loop_config_path empty, or openai_agent")
         if not self.multi_turn:
             return
         if not self.tool_config_path:

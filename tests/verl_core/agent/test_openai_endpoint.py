@@ -322,6 +322,8 @@ def test_a_wrong_agent_is_refused_before_any_work(tmp_path):
     from verl_core.config import ConfigError
     with pytest.raises(ConfigError, match="set rollout.multi_turn=False"):
         tiny_run(**{"rollout.openai_agent": "a.py:f", "data.synthetic_task": "calculator"})
+    with pytest.raises(ConfigError, match="it is not an agent loop"):
+        tiny_run(**{"rollout.openai_agent": "a.py:f", "rollout.agent_loop": "single_turn_agent"})
     (tmp_path / "agents.py").write_text("def other(base_url, row):\n    return None\n")
     for spec, match in ((f"{tmp_path}/missing.py:agent", "does not exist"),
                         (f"{tmp_path}/agents.py:agent", "has no function 'agent'"),
