@@ -27,6 +27,7 @@ tokens with the same log-probs (asserted).
 
     python bench/async.py                  # 7 steps each, 1 thread
     python bench/async.py --steps 8 --threads 2
+    python bench/async.py --tasks "calculator 100 ms" --modes "staleness 2, process;staleness 2, process x2"
 """
 
 from __future__ import annotations
@@ -94,7 +95,10 @@ def task_overrides(task: str, folder: str) -> dict:
 
 MODES = {"staleness 0": {"rollout.max_staleness": 0},
          **{f"staleness {k}, {mode}": {"rollout.max_staleness": k, "rollout.async_mode": mode}
-            for k in (1, 2) for mode in ("thread", "process")}}
+            for k in (1, 2) for mode in ("thread", "process")},
+         # the background rollouts of steps t + 1 and t + 2 at once, a sampler process each
+         "staleness 2, process x2": {"rollout.max_staleness": 2, "rollout.async_mode": "process",
+                                     "rollout.async_samplers": 2}}
 LONG_MODES = {"staleness 0": {"rollout.max_staleness": 0},
               "staleness 2, thread": {"rollout.max_staleness": 2},
               "staleness 2, thread, partial": {"rollout.max_staleness": 2,
@@ -106,7 +110,7 @@ def run_one(cfg, assets, steps: int, uri: str) -> tuple[list[float], dict, list[
     of step 3 (seconds from the start of update 2), and the rollout batches."""
     index = publish_assets(RunStore(uri), assets)
     w = RunWorker(uri, json.dumps(cfg.to_dict()), index)
-    walls, spans, background, refs = [], {}, None, []
+    walls, spans, background, background4, refs = [], {}, None, None, []
     try:
         for s in range(steps):
             t0 = time.perf_counter()
@@ -126,6 +130,7 @@ def run_one(cfg, assets, steps: int, uri: str) -> tuple[list[float], dict, list[
             # the rollout of step 3, sampling in the background (from update 2 on, or from
             # update 1 on with staleness 2)
             background = w.trainer.behaviour._prefetch.get(3, background)
+            background4 = w.trainer.behaviour._prefetch.get(4, background4)
             a = time.perf_counter()
             w.checkpoint(s + 1)
             spans[("checkpoint", s + 1)] = (a, time.perf_counter())
@@ -136,6 +141,8 @@ def run_one(cfg, assets, steps: int, uri: str) -> tuple[list[float], dict, list[
     timeline = {"update 2": spans[("update", 2)], "checkpoint 3": spans[("checkpoint", 3)]}
     if background is not None:
         timeline["rollout 3 sampling (background)"] = background.box["span"]
+    if background4 is not None and "span" in background4.box:  # at once with two samplers
+        timeline["rollout 4 sampling (background)"] = background4.box["span"]
     timeline["rollout 3 phase"] = spans[("rollout", 3)]
     timeline["reward + advantage 3"] = spans[("reward + advantage", 3)]
     timeline["update 3"] = spans[("update", 3)]
@@ -147,6 +154,9 @@ def bars(timeline: dict, width: int = 60) -> list[str]:
     out = []
     for name, (a, b) in timeline.items():
         i, j = round(a / end * width), max(round(b / end * width), round(a / end * width) + 1)
+        if b <= 0:  # a background rollout that ended before the origin
+            out.append(f"  {name:<34} |{' ' * width}| ended {-b * 1000:.0f} ms before")
+            continue
         out.append(f"  {name:<34} |{' ' * i}{'#' * (j - i)}{' ' * (width - j)}| "
                    f"{a * 1000:6.0f} - {b * 1000:6.0f} ms")
     return out
@@ -157,6 +167,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tasks", default="arithmetic,calculator 100 ms,long responses")
+    ap.add_argument("--modes", default="", help="only these modes, ';'-separated (e.g. "
+                    "'staleness 0;staleness 2, process x2'); staleness 0 always runs")
     args = ap.parse_args()
     rows, timelines = [], {}
     with tempfile.TemporaryDirectory(prefix="verl-bench-async-") as root:
@@ -173,6 +185,9 @@ def main() -> None:
             print(f"[{task}] warm start {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             step_s, batches = {}, {}
             modes = LONG_MODES if name == "long" else MODES
+            if args.modes:
+                keep = {"staleness 0", *args.modes.split(";")}
+                modes = {m: v for m, v in modes.items() if m in keep}
             for k, (mode, extra) in enumerate(modes.items()):
                 cfg = preset("grpo", **{**over, **extra})
                 walls, timelines[(task, mode)], batches[mode] = run_one(
@@ -184,8 +199,12 @@ def main() -> None:
                       f"{tokens:.1f} sampled tokens a response", file=sys.stderr)
             # the background rollouts sampled the same tokens with the same log-probs (a
             # multi-turn batch also stores each tool call's measured latency: not compared)
-            for k in (1, 2) if modes is MODES else ():
-                thread, proc = batches[f"staleness {k}, thread"], batches[f"staleness {k}, process"]
+            for k, other in [(1, "process"), (2, "process"), (2, "process x2")] \
+                    if name != "long" else ():
+                if f"staleness {k}, thread" not in batches or \
+                        f"staleness {k}, {other}" not in batches:
+                    continue
+                thread, proc = batches[f"staleness {k}, thread"], batches[f"staleness {k}, {other}"]
                 assert all(torch.equal(a.response_ids, b.response_ids)
                            and torch.equal(a.response_logprobs, b.response_logprobs)
                            for a, b in zip(thread, proc)), "the modes sampled different batches"

@@ -13,6 +13,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from verl_core.agent.openai_server import load_agent
+from verl_core.agent.loops import check_agent_loops
 from verl_core.agent.tools import ToolConfigError, ToolHost, tool_entries
 from verl_core.config import RunConfig
 from verl_core.data.code_task import write_code_dataset
@@ -137,9 +139,13 @@ def _prepare_assets(cfg: RunConfig, workdir: str, log=print, *, build_model: boo
     tok = load_tokenizer(cfg.model.path) if cfg.model.path else build_char_tokenizer(template)
     schemas = check_tools(cfg, tok)
     check_interactions(cfg, [*train_files, *val_files])
+    if cfg.rollout.openai_agent:  # the agent function is loaded once before any work
+        load_agent(cfg.rollout.openai_agent)
     rows = load_checked_rows(tok, train_files, cfg.data.max_prompt_length, cfg.data.truncation,
                              schemas)
-    load_checked_rows(tok, val_files, cfg.data.max_prompt_length, cfg.data.truncation, schemas)
+    val_rows = load_checked_rows(tok, val_files, cfg.data.max_prompt_length,
+                                 cfg.data.truncation, schemas)
+    check_agent_loops(cfg, [*rows, *val_rows])  # every loop the rows name: before any work
     check_ground_truths(cfg.reward.scorer, [*train_files, *val_files])
     # the GX suite, every row; without the tokenizer: the prompt lengths were checked just above
     validate_dataset_files([*train_files, *val_files], cfg)

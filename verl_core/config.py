@@ -551,10 +551,26 @@ class RunConfig:
                   "is played against a simulated user: set rollout.multi_turn=True and "
                   "rollout.interaction_config_path=builtin:guess (the presets set them with "
                   "data.synthetic_task=guess)")
+        if self.rollout.openai_agent and (self.algorithm.estimator_traits.needs_greedy_baseline
+                                          or self.rollout.partial_rollout):
+            _fail("rollout", "openai_agent", self.rollout.openai_agent,
+                  "an agent's episodes are not offered with a greedy single-turn baseline "
+                  "(remax) or rollout.partial_rollout; use grpo, rloo or gae, without "
+                  "partial_rollout")
         if self.rollout.multi_turn and self.algorithm.estimator_traits.needs_greedy_baseline:
             _fail("algorithm", "adv_estimator", self.algorithm.adv_estimator,
                   "its greedy baseline response is single-turn and cannot score a multi-turn "
                   "rollout (rollout.multi_turn=True); use grpo, rloo, gae or another estimator")
+        if ((self.rollout.agent_loop or self.rollout.agent_loop_config_path)
+                and self.algorithm.estimator_traits.needs_greedy_baseline):
+            _fail("algorithm", "adv_estimator", self.algorithm.adv_estimator,
+                  "its greedy baseline response is plain sampling and cannot score an agent "
+                  "loop's episode (rollout.agent_loop); use grpo, rloo, gae or another estimator")
+        if (self.rollout.agent_loop or self.rollout.agent_loop_config_path) \
+                and self.rollout.partial_rollout:
+            _fail("rollout", "partial_rollout", True,
+                  "is not offered with agent loops (rollout.agent_loop): a tick serves rows at "
+                  "different request indices in one engine call; drop one of them")
         bounds = self.validation.score_bounds  # a timed-out call scores reward.timeout_score
         if bounds and not bounds[0] <= self.reward.timeout_score <= bounds[1]:
             _fail("validation", "score_range", self.validation.score_range,

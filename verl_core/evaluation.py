@@ -6,6 +6,7 @@ the rows and the scores are gathered."""
 from __future__ import annotations
 
 from verl_core import report
+from verl_core.agent.loops import loop_scores, stored_with_agents, uses_agent_loops
 from verl_core.data.prompts import Prompts
 from verl_core.report import EvalSample
 from verl_core.reward.decode import decode_responses
@@ -26,7 +27,7 @@ def evaluate(cfg, behaviour, prompts: Prompts, scorer, dp, n_samples: int, step:
                             max_new_tokens=rc.max_new_tokens, seed=seed)
     n, W, r = prompts.val_ids.shape[0], dp.size, dp.rank
     lo, hi = n * r // W, n * (r + 1) // W  # no collectives in decoding: shares may differ
-    texts, special, lengths, shown, infos = [], [], [], [], []
+    texts, special, lengths, shown, infos, loop_stored = [], [], [], [], [], []
     step_rows = cfg.data.val_batch_size
     with behaviour.policy_engine() as engine:
         for s in range(lo, hi, step_rows):
@@ -37,11 +38,13 @@ def evaluate(cfg, behaviour, prompts: Prompts, scorer, dp, n_samples: int, step:
             # do not depend on the worker count or val_batch_size
             sampled_mask = None
             chunk = [row for row in prompts.val_rows[s:e] for _ in range(k)]
-            if rc.multi_turn:
+            if rc.multi_turn or uses_agent_loops(rc, chunk):
                 out = behaviour.generate_turns(ids, mask, params, list(range(s * k, e * k)),
                                                chunk, "val", split=False, engine=engine)
                 # the scorer sees verl's num_turns and tool_rewards, as in the rollout phase
-                infos += turn_extra_info([row.extra_info for row in chunk], out.stored_turns())
+                stored = stored_with_agents(out)
+                infos += turn_extra_info([row.extra_info for row in chunk], stored)
+                loop_stored += stored
                 real = out.attention_mask  # (n, T) every real token, tools' responses too
                 sampled_mask = out.response_mask
                 dec = decode_responses(tok, out.response_ids, real,
@@ -52,6 +55,7 @@ def evaluate(cfg, behaviour, prompts: Prompts, scorer, dp, n_samples: int, step:
                 real = out.response_mask
                 dec = decode_responses(tok, out.response_ids, out.response_mask)
                 infos += [row.extra_info for row in chunk]
+                loop_stored += [{} for _ in chunk]
             for i in range(min(len(ids), n_samples - len(shown))):  # as the model saw them
                 shown.append((report.visible_text(tok, ids[i], mask[i]),
                               report.visible_text(tok, out.response_ids[i], real[i],
@@ -63,11 +67,13 @@ def evaluate(cfg, behaviour, prompts: Prompts, scorer, dp, n_samples: int, step:
     rows = [row for row in prompts.val_rows[lo:hi] for _ in range(k)]
     res = scorer.score([r.data_source for r in rows], texts,
                        [r.ground_truth for r in rows], infos, special_token=special)
-    scores = [s for part in dp.gather_objects(list(res.scores)) for s in part]
+    own = [s if g is None else g for s, g in  # a loop's own reward_score (failed: 0)
+           zip(res.scores, loop_scores(loop_stored) or [None] * len(rows))]
+    scores = [s for part in dp.gather_objects(own) for s in part]
     lengths = [x for part in dp.gather_objects(lengths) for x in part]
     samples = [EvalSample(prompt=prompt, response=response, ground_truth=row.ground_truth,
                           score=float(score))
-               for row, (prompt, response), score in zip(rows, shown, res.scores)]
+               for row, (prompt, response), score in zip(rows, shown, own)]
     metrics = {"val/accuracy": sum(scores) / max(1, len(scores)),
                "val/response_length": sum(lengths) / max(1, len(lengths))}
     if k > 1:  # verl's best@n: each prompt's best of its k responses, averaged

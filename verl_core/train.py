@@ -36,11 +36,13 @@ USER_ERROR_CLASSES = (
     ("verl_core.rollout.vllm", "VLLMUnavailableError"),
     ("verl_core.prepare", "TrajectoryChangedError"), ("verl_core.engine.assets", "AssetsChangedError"),
     ("verl_core.models.lora", "LoRAConfigError"), ("verl_core.agent.tools", "ToolConfigError"),
+    ("verl_core.agent.loops", "AgentLoopError"),
     ("verl_core.agent.turns", "TemplateError"), ("verl_core.algorithms.registry", "UnknownNameError"),
     ("verl_core.engine.cluster", "AttachError"), ("verl_core.reward.custom", "ScorerLoadError"),
     ("verl_core.reward.registry", "UnknownDataSourceError"),
     ("verl_core.store", "StorePermissionError"), ("verl_core.local_cache", "AssetCacheError"),
-    ("verl_core.training.device", "DeviceError"), ("verl_core.reward.judge", "JudgeError"))
+    ("verl_core.training.device", "DeviceError"), ("verl_core.reward.judge", "JudgeError"),
+    ("verl_core.agent.openai_server", "AgentFunctionError"))
 """Wrong input (options, data files, model folder, a store another loop is writing), by module
 and class name: the CLI prints the message, which names the field or file and the fix, and exits
 2; a traceback would only bury it."""

@@ -18,6 +18,12 @@ LAYERS = {
     "verl_core.algorithms": {"verl_core.algorithms"},
     "verl_core.config_fields": set(),
     "verl_core.seeds": set(),
+    # the OpenAI-compatible endpoint runs in the trainer over the rollout engine (the tool host's
+    # child never imports it); listed before its package, whose rule it would otherwise get
+    "verl_core.agent.openai_server": {"verl_core.agent", "verl_core.errors", "verl_core.rollout",
+                                      "verl_core.data.dataset"},
+    # the agent loops run in the trainer too (their MultiTurnOutput is the rollout's)
+    "verl_core.agent.loops": {"verl_core.agent", "verl_core.errors", "verl_core.rollout"},
     # the tool host's child process imports this package: no torch, no engines (agent/__init__)
     "verl_core.agent": {"verl_core.agent", "verl_core.errors"},
     **{f"verl_core.{c}.config": {"verl_core.config_fields"}

@@ -21,6 +21,10 @@ NOT_USER_ERRORS = {
     "verl_core.reward.sandbox_fusion.SandboxUnavailableError": "a SandboxFusion service "
                                                                "unreachable or failing: transient",
     "verl_core.agent.tools._Refused": "a tool host's internal signal: the call becomes an error observation",
+    "verl_core.agent.openai_server.RequestRefused": "an endpoint's internal signal: the "
+                                                    "agent's request gets an HTTP 400 answer",
+    "verl_core.agent.loops.AgentLoopStopped": "raised inside an agent loop the rollout gave up "
+                                              "on (a timeout): its row scores 0, the run goes on",
     "verl_core.rollout.vllm._Failed": "an engine call's internal signal: rebuild and retry",
     "verl_core.parts.behaviour.Cancelled": "a background rollout's internal signal: its state "
                                            "changed, it is dropped (the phase samples again)",

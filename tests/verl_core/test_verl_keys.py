@@ -160,8 +160,8 @@ def test_mapped_values_build_a_valid_config():
     # a verl key with no table entry: refused unless at verl's default
     ("actor_rollout_ref.rollout.multi_turn.format=gpt-oss",
      r"multi_turn.format='gpt-oss' cannot apply here: .*hermes"),
-    ("actor_rollout_ref.rollout.agent.agent_loop_config_path=/a.yaml",
-     r"agent_loop_config_path='/a.yaml' cannot apply here: custom agent loops"),
+    ("actor_rollout_ref.rollout.agent.custom_async_server.path=/s.py",
+     r"path='/s.py' cannot apply here: a custom async rollout server is not offered"),
     ("actor_rollout_ref.rollout.mode=sync",
      r"rollout.mode='sync' is not built here yet \(only verl's default 'async'"),
     ("critic.optim.weight_decay=0.1", r"weight_decay=0.1 cannot apply here: the critic trains "
@@ -537,3 +537,17 @@ def test_hydra_config_path_and_name_on_the_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit):  # the pair, or --config
         main(["--config-name", "bad"])
     assert "give both" in capsys.readouterr().err
+
+
+def test_verl_agent_loop_keys_map_onto_the_rollout():
+    a = "actor_rollout_ref.rollout.agent."
+    got = to_ours(parse_cli(shlex.split(
+        f"{a}default_agent_loop=my_agent {a}agent_loop_config_path=/loops.yaml "
+        f"{a}num_workers=4")))
+    assert got == {"rollout.agent_loop": "my_agent",
+                   "rollout.agent_loop_config_path": "/loops.yaml"}
+    # verl's two built-in names keep the loop following multi_turn.enable (as before)
+    for name in ("single_turn_agent", "tool_agent"):
+        assert to_ours(parse_cli([f"{a}default_agent_loop={name}"])) == {}
+    got = to_ours(parse_cli([f"{a}default_agent_loop=loops/my.py:MyLoop"]))
+    assert got == {"rollout.agent_loop": "loops/my.py:MyLoop"}

@@ -135,6 +135,7 @@ def _rows_from_table(table: pa.Table, path: str, start_index: int) -> list[Promp
 
     data_sources, prompts = col("data_source"), col("prompt")
     abilities, extras = col("ability"), col("extra_info")
+    agents = col("agent_name")  # verl's per-row agent loop: kept in extra_info["agent_name"]
     gt_column = ground_truth_column(present)
     has_rm = gt_column != "ground_truth"
     gts = col("reward_model") if has_rm else col("ground_truth")
@@ -157,9 +158,20 @@ def _rows_from_table(table: pa.Table, path: str, start_index: int) -> list[Promp
                 ground_truth_of(_checked_reward_model(gts[i], where) if has_rm else gts[i],
                                 gt_column), where, gt_column),
             ability=ability or "",
-            extra_info=_extra_info_of(extras[i], where),
+            extra_info=_with_agent_name(_extra_info_of(extras[i], where), agents[i], where),
         ))
     return out
+
+
+def _with_agent_name(extra_info: dict, agent_name, where: str) -> dict:
+    """The row's ``extra_info`` with its ``agent_name`` cell (verl's column naming the row's
+    agent loop, ``agent/loops.py``), when there is one."""
+    if agent_name is None or agent_name == "":
+        return extra_info
+    if not isinstance(agent_name, str):
+        raise DatasetError(f"{where}, column 'agent_name': is {agent_name!r}; give the agent "
+                           "loop's name (a string) or null")
+    return {**extra_info, "agent_name": agent_name}
 
 
 def _checked_reward_model(reward_model, where: str):

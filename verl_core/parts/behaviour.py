@@ -19,6 +19,7 @@ replay and an uninterrupted run choose the same versions."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -37,6 +38,9 @@ from verl_core.parts.trained import model_state
 from verl_core.reward.decode import stop_token_ids
 from verl_core.rollout import SamplingParams, make_engine
 from verl_core.rollout.base import GenerationOutput, concat_outputs
+from verl_core.agent.loops import (agent_metrics, agent_name_of, default_loop, loop_kwargs,
+                                   run_agent_loops, stored_with_agents, uses_agent_loops,
+                                   verl_view)
 from verl_core.reward.scoring import turn_extra_info
 from verl_core.rollout.multi_turn import (MultiTurnOutput, concat_turn_outputs, generate_turns,
                                           row_interactions, turn_limits, turn_metrics)
@@ -55,6 +59,17 @@ class Prefetch:
     plan: list[int]  # the versions it samples with, oldest first (one without partial rollout)
     thread: threading.Thread
     box: dict  # "out": (batch, metrics), or "error"; "span": (start, end) perf_counter times
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A sampler process beyond the first (``rollout.async_samplers``) and the behaviour model
+    it samples with: a copy of its own in shared memory, holding one version at a time."""
+
+    model: torch.nn.Module
+    lock: threading.Lock
+    held: int | None = None  # the version :attr:`model` holds
+    sampler: object | None = None  # its SamplerProcess, started at its first rollout
 
 
 class Cancelled(Exception):
@@ -95,9 +110,12 @@ class Behaviour:
         self._stale = False  # on-policy: the copy is behind the actor (an update ran)
         self._engine_stale = False  # off-policy: the engine's own copy (vllm) is not current
         self._actor_engine = None  # off-policy with hf: evaluation samples the actor itself
-        self._prefetch: dict[int, Prefetch] = {}  # by step; run one after another
-        self._last: threading.Thread | None = None  # the newest background rollout
+        self._prefetch: dict[int, Prefetch] = {}  # by step; one after another per sampler
+        # the newest background rollout of each sampler (0: the worker's thread or the first
+        # sampler process; j >= 1: rollout.async_samplers' others)
+        self._last: dict[int, threading.Thread] = {}
         self._sampler = None  # rollout.async_mode=process: the SamplerProcess (started lazily)
+        self._slots: dict[int, _Slot] = {}  # rollout.async_samplers > 1: the others
         tok, rc = prompts.tokenizer, cfg.rollout
         self.engine = make_engine(rc.engine, model=self.model, model_path=assets.model_path,
                                   eos_token_ids=stop_token_ids(tok),  # the model's EOS set
@@ -126,6 +144,10 @@ class Behaviour:
         sampler, self._sampler = self._sampler, None
         if sampler is not None:
             sampler.close()
+        for slot in self._slots.values():
+            if slot.sampler is not None:
+                slot.sampler.close()
+                slot.sampler = None
 
     def close(self) -> None:
         self.stop()
@@ -388,18 +410,58 @@ class Behaviour:
         rc, n, p = self.cfg.rollout, prompt_ids.shape[0], self.prompts
         split = split and self.dp.distributed
         mine = self.dp.block(torch.arange(n)).tolist() if split else list(range(n))
-        out = generate_turns(
-            engine or self.engine, p.tokenizer,
-            [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in mine], params,
-            host=p.tool_host, tools=p.tool_schemas, rows=[rows[i] for i in mine],
-            tools_kwargs=[(rows_data[i].extra_info or {}).get("tools_kwargs") for i in mine],
-            **turn_limits(rc), instance_prefix=f"{phase}:{params.seed}",
-            turn_context=turn_context,
-            interactions=row_interactions(p, [rows_data[i] for i in mine]))
+        prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in mine]
+
+        def tool_turns(sub: list[int]) -> MultiTurnOutput:  # the built-in tool loop's rows
+            return generate_turns(
+                engine or self.engine, p.tokenizer, [prompts[j] for j in sub], params,
+                host=p.tool_host, tools=p.tool_schemas, rows=[rows[mine[j]] for j in sub],
+                tools_kwargs=[(rows_data[mine[j]].extra_info or {}).get("tools_kwargs")
+                              for j in sub],
+                **turn_limits(rc), instance_prefix=f"{phase}:{params.seed}",
+                turn_context=turn_context,
+                interactions=row_interactions(p, [rows_data[mine[j]] for j in sub]))
+        if not uses_agent_loops(rc, rows_data):
+            out = tool_turns(list(range(len(mine))))  # as before agent loops existed
+        else:
+            out = run_agent_loops(
+                engine or self.engine, p.tokenizer, prompts, params,
+                rows=[rows[i] for i in mine],
+                names=[agent_name_of(rows_data[i]) or default_loop(rc) for i in mine],
+                config_path=rc.agent_loop_config_path,
+                row_kwargs=[loop_kwargs(rows_data[i]) for i in mine], tool_turns=tool_turns,
+                host=p.tool_host, tool_schemas=p.tool_schemas,
+                prefix=f"{phase}:{params.seed}:loop", timeout_s=rc.agent_loop_timeout_s,
+                trainer_config=verl_view(self.cfg))
         if split:
-            out = concat_turn_outputs(self._sample_dp.gather_objects(out),
-                                      p.tokenizer.pad_token_id)
+            parts = self._sample_dp.gather_objects((out, getattr(out, "agents", None)))
+            out = concat_turn_outputs([o for o, _ in parts], p.tokenizer.pad_token_id)
+            if parts[0][1] is not None:
+                object.__setattr__(out, "agents", [a for _, got in parts for a in got])
         return out
+
+    def _agent_episodes(self, prompt_ids, prompt_mask, params: SamplingParams, rows: list):
+        """``rollout.openai_agent``'s rollout (``agent/openai_server.agent_rollout``) of the N
+        rows: each episode's first prompt, left-padded (N, P'), the responses, the rows'
+        ``extra_info`` and the metrics. With W > 1 each worker runs its block's episodes."""
+        from verl_core.agent.openai_server import agent_rollout
+        from verl_core.rollout.multi_turn import _left_pad
+        self.ready()
+        n, tok = prompt_ids.shape[0], self.prompts.tokenizer
+        split = self.dp.distributed
+        mine = self.dp.block(torch.arange(n)).tolist() if split else list(range(n))
+        got = agent_rollout(self.engine, tok, [prompt_ids[i][prompt_mask[i].bool()].tolist()
+                                               for i in mine],
+                            [rows[i] for i in mine], params, self.cfg.rollout,
+                            self.cfg.data.max_prompt_length, rows_index=mine)
+        parts = self._sample_dp.gather_objects(got) if split else [got]
+        first = [p for part in parts for p in part[0]]
+        out = concat_turn_outputs([part[1] for part in parts], tok.pad_token_id)
+        infos = [i for part in parts for i in part[2]]
+        metrics = {k: sum(part[3][k] for part in parts)  # errors summed, means averaged
+                   / (1 if k == "agent/errors" else len(parts)) for k in parts[0][3]}
+        ids, mask = _left_pad(first, tok.pad_token_id)  # (N, P') each episode's first prompt
+        return ids, mask, out, infos, metrics
 
     def generate_greedy(self, prompt_ids, prompt_mask) -> GenerationOutput:
         """One greedy (argmax) response per prompt row: (B, T_b). With W > 1 the rows are padded
@@ -438,7 +500,8 @@ class Behaviour:
         restarts, timeouts = self.engine.restarts, self.engine.timeouts
         faults.engine_drill(self.engine, step)  # a VERL_FAULTS drill (engine_kill/_hang)
         extra, metrics, infos = {}, {}, [r.extra_info for r in rows]
-        if rc.multi_turn:
+        loops = uses_agent_loops(rc, rows)
+        if rc.multi_turn or loops:
             # VERL_FAULTS' tool_call point: in this step's calls, once sent (a no-op without it)
             hosts = [h for h in (p.tool_host, p.interaction_host) if h is not None]
             for h in hosts:  # the users' calls too (p.interaction_host: simulated users)
@@ -455,12 +518,20 @@ class Behaviour:
                 for h in hosts:
                     h.on_calls_sent = None
             extra = {"response_attention_mask": out.attention_mask,
-                     "turns": out.stored_turns()}
+                     "turns": stored_with_agents(out)}
             if self.partial:
                 extra["meta"] = {"partial_versions": used, "partial_unit": "turn"}
                 metrics["rollout/partial_segments"] = float(len(used))
             metrics.update(turn_metrics(out))
+            metrics.update(agent_metrics(extra["turns"]))
             infos = turn_extra_info(infos, extra["turns"])
+        elif rc.openai_agent:  # an agent function drives each row's episode over HTTP
+            with self._using(plan[0]):
+                prompt_ids, prompt_mask, out, infos, episode_metrics = self._agent_episodes(
+                    p.train_ids[rows_idx], p.train_mask[rows_idx], params, rows)
+            extra = {"response_attention_mask": out.attention_mask, "turns": out.stored_turns(),
+                     "prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
+            metrics.update(episode_metrics)
         elif self.partial:
             out, used = self._generate_partial(p.train_ids[rows_idx], p.train_mask[rows_idx],
                                                params, plan)
@@ -481,7 +552,8 @@ class Behaviour:
             metrics["rollout/greedy_time_s"] = time.perf_counter() - t1
             metrics["rollout/greedy_length_mean"] = float(greedy.response_mask.sum()) / len(idx)
         batch = Batch(
-            prompt_ids=p.train_ids[rows_idx], prompt_mask=p.train_mask[rows_idx],
+            prompt_ids=extra.pop("prompt_ids", p.train_ids[rows_idx]),
+            prompt_mask=extra.pop("prompt_mask", p.train_mask[rows_idx]),
             response_ids=out.response_ids, response_mask=out.response_mask,
             response_logprobs=out.logprobs,
             group=torch.arange(len(idx)).repeat_interleave(G),
@@ -666,17 +738,51 @@ class Behaviour:
         kl_coef = self.actor.kl_ctrl.value
         if self.cfg.rollout.async_mode != "process":
             return lambda plan: self.sample(step, idx, kl_coef, plan=plan)
-        if self._sampler is None:
-            from verl_core.parts.sampler_process import SamplerProcess
+        from verl_core.parts.sampler_process import SamplerProcess
 
-            self._sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
-                                           self.model, type(self))
-        sampler = self._sampler
+        # rollout.async_samplers: step t on sampler t mod n (which one changes no byte)
+        j = step % self.cfg.rollout.async_samplers
+        if j == 0:
+            if self._sampler is None:
+                self._sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
+                                               self.model, type(self))
+            sampler, using = self._sampler, self._using
+        else:
+            slot = self._slots.get(j)
+            if slot is None:
+                # a copy of its own: the worker's behaviour model holds one version at a time,
+                # and this sampler samples another one beside it
+                slot = self._slots[j] = _Slot(copy.deepcopy(self.model), threading.Lock())
+            if slot.sampler is not None and not slot.sampler.proc.is_alive():
+                dead, slot.sampler = slot.sampler, None  # died since: a new one
+                dead.close()
+            if slot.sampler is None:
+                slot.sampler = SamplerProcess(json.dumps(self.cfg.to_dict()), self.assets,
+                                              slot.model, type(self))
+            sampler, using = slot.sampler, functools.partial(self._slot_using, slot)
 
         def job(plan):
-            with self._using(plan[0]):
+            with using(plan[0]):
                 return sampler.sample(step, idx, plan[0])
+        job.sampler = j
         return job
+
+    @contextlib.contextmanager
+    def _slot_using(self, slot: _Slot, version: int):
+        """``slot``'s model holding the weights of ``version`` (a copy in the queue: with
+        ``rollout.async_samplers`` > 1 the lag is >= 2), for its sampler process."""
+        with slot.lock:
+            if slot.held != version:
+                with self._lock:
+                    weights = dict(self.queue).get(version)
+                if weights is None:
+                    raise RuntimeError(f"the behaviour weights of version {version} are not "
+                                       f"held (the queue holds {self.versions()})")
+                from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+                set_model_state_dict(slot.model, weights)  # in place: the child's aliases
+                slot.held = version
+            yield
 
     def _start_prefetch(self, step: int, plan: list[int], job) -> None:
         """Start ``job`` (the rollout of ``step`` from the weights of ``plan``) in a background
@@ -684,7 +790,8 @@ class Behaviour:
         weights (the model, while it holds the model lock), the prompts and the tool host, and
         draws only from its own seeded generators."""
         box: dict = {}
-        before = self._last
+        j = getattr(job, "sampler", 0)  # after the rollout started before it on its sampler
+        before = self._last.get(j)
 
         def body():
             if before is not None:
@@ -702,7 +809,7 @@ class Behaviour:
 
         thread = threading.Thread(target=body, name=f"verl-rollout-step-{step}", daemon=True)
         self._prefetch[step] = Prefetch(step=step, plan=list(plan), thread=thread, box=box)
-        self._last = thread
+        self._last[j] = thread
         thread.start()
 
     def take(self, step: int) -> tuple[Batch, dict] | None:
@@ -724,6 +831,10 @@ class Behaviour:
             if self._sampler is not None and not self._sampler.proc.is_alive():
                 sampler, self._sampler = self._sampler, None  # the next one starts a new one
                 sampler.close()
+            for slot in self._slots.values():
+                if slot.sampler is not None and not slot.sampler.proc.is_alive():
+                    sampler, slot.sampler = slot.sampler, None
+                    sampler.close()
             return None
         batch, metrics = p.box["out"]
         start, end = p.box["span"]
@@ -738,13 +849,13 @@ class Behaviour:
         rollout waiting for a version stops waiting, the others are waited for (a thread cannot
         be stopped half-way; they only ever read the behaviour weights, which is why they are
         waited for before those change), and their results are discarded."""
-        last = self._last
-        if last is not None:
+        if self._last:
             with self._pushed:
                 self._cancel = True
                 self._pushed.notify_all()
-            last.join()
+            for last in self._last.values():  # each sampler's newest: it joined those before
+                last.join()
             with self._lock:
                 self._cancel = False
         self._prefetch.clear()
-        self._last = None
+        self._last = {}

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from verl_core.agent.openai_server import join_agent_rewards
 from verl_core.data.batch import Batch
 from verl_core.guard import checks
 from verl_core.reward.decode import decode_responses
@@ -32,11 +33,25 @@ def decoded(tokenizer, batch: Batch):
 def turn_extra_info(infos: list[dict], turns: list[dict]) -> list[dict]:
     """Each multi-turn row's ``extra_info`` as verl's reward managers give it to a scorer: the
     row's own, plus ``num_turns`` (assistant turns) and ``tool_rewards`` (each call's step
-    reward, then each tool's ``calc_reward``), and with simulated users ``turn_scores`` (verl's:
-    the user's turn scores, in order; what a scorer adds to the reward, docs/agent.md)."""
+    reward, then each tool's ``calc_reward``), with simulated users ``turn_scores`` (verl's:
+    the user's turn scores, in order; what a scorer adds to the reward, docs/agent.md), and an
+    agent loop's ``extra_fields``."""
     return [{**(info or {}), "num_turns": len(t["turns"]), "tool_rewards": list(t["tool_rewards"]),
-             **({"turn_scores": list(t["turn_scores"])} if "turn_scores" in t else {})}
+             **({"turn_scores": list(t["turn_scores"])} if "turn_scores" in t else {}),
+             **(t.get("agent") or {}).get("extra_fields", {})}  # an agent loop's extra_fields
             for info, t in zip(infos, turns)]
+
+
+def with_loop_scores(scores: torch.Tensor, turns: list[dict] | None) -> torch.Tensor:
+    """``scores`` (N,) with each row whose agent loop set ``reward_score`` (a failed loop: 0)
+    given that score instead, as verl uses a loop's own score (``agent/loops.py``)."""
+    from verl_core.agent.loops import loop_scores
+
+    got = loop_scores(turns)
+    if got is None:
+        return scores
+    return torch.tensor([float(s) if g is None else float(g)
+                         for s, g in zip(scores.tolist(), got)], dtype=torch.float32)
 
 
 def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
@@ -66,7 +81,10 @@ def score_batch(batch: Batch, scorer: RewardScorer, tokenizer, *,
         res = scorer.score(batch.data_source, dec.texts, batch.ground_truth, batch.extra_info,
                            special_token=dec.special_token)
         rule, timeouts = torch.tensor(res.scores, dtype=torch.float32), res.num_timeouts  # (N,)
+        rule = with_loop_scores(rule, batch.turns)
     score = _combine(rule, model_scores, combine)  # (N,)
+    if any("agent_error" in (i or {}) for i in batch.extra_info):  # rollout.openai_agent's rows
+        score = join_agent_rewards(score, batch.extra_info)
     overlong_metrics = {}
     if details is not None:
         details.update(score=score, acc=_acc(res.extras, score) if rule is not None else score)

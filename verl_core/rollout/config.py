@@ -19,6 +19,17 @@ def _multi_turn_on(run) -> bool:
     return run.rollout.multi_turn
 
 
+def _openai_on(run) -> bool:
+    """``rollout.openai_agent`` unset: its fields do nothing, and the run hashes as before they
+    existed."""
+    return bool(run.rollout.openai_agent)
+
+
+def _agent_loops_on(run) -> bool:
+    """No agent loop configured: the run hashes as before the fields existed."""
+    return bool(run.rollout.agent_loop or run.rollout.agent_loop_config_path)
+
+
 def _staleness_on(run) -> bool:
     """``rollout.max_staleness`` 0: on-policy, and the run hashes as before the field existed."""
     return run.rollout.max_staleness > 0
@@ -163,6 +174,14 @@ class RolloutConfig:
     worker, sampling from its behaviour copy) or ``process`` (a sampler process of its own,
     whose behaviour weights are the worker's, in shared memory: no interpreter lock shared with
     the update). The same batches either way (docs/async.md)."""
+    async_samplers: int = not_in_trajectory(1)
+    """With ``async_mode=process`` and ``max_staleness`` = k >= 2: how many background rollouts
+    sample at once, each in a sampler process of its own with its own copy of the behaviour
+    weights (1: one after another, in one process). Up to k: the rollouts of steps t + 1 ..
+    t + k may all be in flight. Worth it where a rollout is longer than a step and waits on
+    something else than this machine's cores (tool calls, a sandbox, a judge): one rollout's
+    waits are covered by another's generation. Each one more costs a copy of the weights and a
+    process (its engine and tool host). The same batches whatever the number (docs/async.md)."""
     tool_timeout_s: float = in_trajectory(30.0, when=_multi_turn_on)
     """A tool call that takes longer gives the model a timeout observation (counted in
     ``tool_calls/timeouts``); the tool host is replaced and the calls it held up are served
@@ -170,6 +189,35 @@ class RolloutConfig:
     tool_budget_s: float = in_trajectory(600.0, when=_multi_turn_on)
     """Wall time a rollout phase may spend in tool calls; past it every further call gives a
     timeout observation at once (the phase, and the run, go on)."""
+
+    openai_agent: str = in_trajectory("", when=_openai_on)
+    """An agent function that drives each row's episode through an OpenAI-compatible endpoint
+    served over the rollout engine (``agent/openai_server.py``, docs/agent.md): ``path/to/file.py:
+    function`` or ``package.module.function``, called as ``agent(base_url, row) -> float | None``
+    (or async) with any OpenAI client; the episode's tokens are recorded as sampled and its
+    returned float is added to the row's score. "": off."""
+    openai_agent_timeout_s: float = in_trajectory(300.0, when=_openai_on)
+    """Wall time each episode's agent function may take; past it the episode scores 0, is counted
+    in ``agent/errors`` and its endpoint refuses further requests."""
+    openai_max_turns: int = in_trajectory(0, when=_openai_on)
+    """Most completions per episode; 0: until ``max_new_tokens`` (sampled and appended ids of
+    all turns) is spent."""
+    openai_host: str = not_in_trajectory("127.0.0.1")
+    """The address the endpoint binds (an ephemeral port): the loopback by default; on a cluster
+    whose agents run in other pods, the pod's address (e.g. from ``POD_IP``)."""
+
+    agent_loop: str = in_trajectory("", when=_agent_loops_on)
+    """The agent loop of rows that name none (verl's ``agent.default_agent_loop``;
+    ``agent/loops.py``, docs/agent.md): a registered name (``single_turn_agent``,
+    ``tool_agent``, a name of ``agent_loop_config_path``), a dotted ``module.Class`` or
+    ``path/to/file.py:Class`` on verl's ``AgentLoopBase`` contract; "" follows
+    ``multi_turn`` (``tool_agent`` when on, else plain sampling), as before loops existed."""
+    agent_loop_config_path: str = in_trajectory("", when=_agent_loops_on)
+    """verl's ``agent.agent_loop_config_path``: a YAML list of ``{name, _target_}`` naming the
+    loops rows may give in their ``agent_name``."""
+    agent_loop_timeout_s: float = in_trajectory(60.0, when=_agent_loops_on)
+    """A loop whose own code (not its waits on the engine or a tool) runs longer is given up
+    on: its row scores 0 (``agent_loop/timeouts``), the run goes on."""
 
     @property
     def generation_batch(self) -> int:
@@ -191,6 +239,16 @@ class RolloutConfig:
         _non_negative("rollout", self, "max_staleness", "max_num_seqs", "max_model_len",
                       "engine_timeout_s", "engine_max_restarts")
         _one_of("rollout", "async_mode", self.async_mode, {"thread", "process"})
+        _positive("rollout", self, "async_samplers")
+        if self.async_samplers > 1:
+            if self.async_mode != "process":
+                _fail("rollout", "async_samplers", self.async_samplers,
+                      f"runs each background rollout in a sampler process of its own: it needs "
+                      f"rollout.async_mode=process (it is {self.async_mode!r})")
+            if self.async_samplers > self.max_staleness:
+                _fail("rollout", "async_samplers", self.async_samplers,
+                      f"at most rollout.max_staleness={self.max_staleness} background rollouts "
+                      "are ever in flight (those of steps t + 1 .. t + k)")
         if self.max_staleness > MAX_STALENESS:
             _fail("rollout", "max_staleness", self.max_staleness,
                   f"at most {MAX_STALENESS} is offered: every update of lag is one more copy of "
@@ -202,9 +260,19 @@ class RolloutConfig:
     def _check_multi_turn(self) -> None:
         _non_negative("rollout", self, "max_assistant_turns", "max_user_turns")
         _positive("rollout", self, "max_parallel_calls", "max_tool_response_length",
-                  "tool_timeout_s", "tool_budget_s")
+                  "tool_timeout_s", "tool_budget_s", "agent_loop_timeout_s")
         _one_of("rollout", "tool_response_truncate_side", self.tool_response_truncate_side,
                 _TRUNCATE_SIDES)
+        _positive("rollout", self, "openai_agent_timeout_s")
+        _non_negative("rollout", self, "openai_max_turns")
+        if self.openai_agent and self.multi_turn:
+            _fail("rollout", "openai_agent", self.openai_agent, "the agent drives the episodes "
+                  "and calls its own tools; set rollout.multi_turn=False (the built-in tool "
+                  "loop) or leave openai_agent empty")
+        if self.openai_agent and (self.agent_loop or self.agent_loop_config_path):
+            _fail("rollout", "openai_agent", self.openai_agent, "an agent function drives every "
+                  "row's episode itself; it is not an agent loop: leave rollout.agent_loop and "
+                  "agent_loop_config_path empty, or openai_agent")
         if not self.multi_turn:
             return
         if not self.tool_config_path and not self.interaction_config_path:

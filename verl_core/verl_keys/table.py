@@ -51,6 +51,18 @@ def _betas(value, ctx) -> Pairs:
     return [("optim.beta1", value[0]), ("optim.beta2", value[1])]
 
 
+def _default_agent_loop(value, ctx) -> Pairs:
+    """verl's ``agent.default_agent_loop``: its built-in names keep the loop following
+    ``multi_turn.enable`` (``tool_agent`` when on, as before agent loops existed here); any
+    other name, dotted path or ``file.py:Class`` is ``rollout.agent_loop``."""
+    if value is None or value in ("single_turn_agent", "tool_agent"):
+        return []
+    return [("rollout.agent_loop", value)]
+
+
+_default_agent_loop.target = "rollout.agent_loop"
+
+
 def _clip_ratio(value, ctx) -> Pairs:
     return [("algorithm.clip_ratio_low", value), ("algorithm.clip_ratio_high", value)]
 
@@ -338,6 +350,9 @@ VERL_TO_OURS: dict[str, Transform] = {
        for n in ("max_assistant_turns", "max_user_turns")},
     **{R + f"multi_turn.{n}": _to(f"rollout.{n}") for n in (
         "max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")},
+    # custom agent loops (agent/loops.py): verl's two built-in names follow multi_turn.enable
+    R + "agent.default_agent_loop": _default_agent_loop,
+    R + "agent.agent_loop_config_path": _to("rollout.agent_loop_config_path"),
     # model, reward
     "actor_rollout_ref.model.path": _to("model.path"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": _to("model.gradient_checkpointing"),
@@ -657,9 +672,6 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
                     "alike"),
     R + "agent.num_workers": (_any, "verl's agent-loop worker count: here the tool host runs "
                               "every row's calls of a turn concurrently"),
-    R + "agent.default_agent_loop": (
-        _is("single_turn_agent", "tool_agent"),
-        "the loop follows rollout.multi_turn (verl's multi_turn.enable): tool_agent when on"),
 }
 """verl keys that change nothing here while their value is accepted (else refused with the
 reason)."""
@@ -777,8 +789,9 @@ REFUSED: dict[str, str] = {
                               "(actor_rollout_ref.model.lora_rank adapts the policy)",
     R + "multi_turn.num_repeat_rollouts": "not offered: each prompt's rollout.n responses are "
                                           "sampled afresh",
-    R + "agent.": "custom agent loops are not offered: rollout.multi_turn "
-                  "(multi_turn.enable) runs verl's tool agent loop",
+    R + "agent.custom_async_server.": "a custom async rollout server is not offered: a "
+                                      "custom agent loop (agent.default_agent_loop, "
+                                      "rollout.agent_loop) drives the run's engine",
     "actor_rollout_ref.model.trust_remote_code": "a model folder's own Python code is never run "
                                                  "here (only architectures transformers ships "
                                                  "load; the folder is checked before loading)",

@@ -401,3 +401,45 @@ def test_on_vllm_a_partial_rollout_is_sampled_again_the_same(assets, tmp_path):
         assert fresh.rollout(2)[0] == refs[2]
     finally:
         fresh.close()
+
+
+def test_two_sampler_processes_sample_the_thread_modes_batches_at_once(run_k2, assets, tmp_path):
+    import os
+    import signal
+
+    # rollout.async_samplers=2: the background rollouts of steps t + 1 and t + 2 each in a
+    # sampler process of its own (step t on sampler t mod 2, with a copy of the behaviour weights
+    # of its own), so they may sample at once: the same bytes as one thread one after another
+    refs = run_k2[3]
+    cfg = _cfg(**{"rollout.max_staleness": 2, "total_steps": K2_STEPS,
+                  "rollout.async_mode": "process", "rollout.async_samplers": 2})
+    uri = str(tmp_path / "store")
+    w = _worker(uri, cfg, publish_assets(RunStore(uri), assets))
+    try:
+        got, b = [], w.trainer.behaviour
+        for s in range(K2_STEPS):
+            if s == 3:  # the second sampler killed by SIGKILL (it samples steps 1 and 3)
+                killed = b._slots[1].sampler
+                assert killed.proc.pid != b._sampler.proc.pid
+                os.kill(killed.proc.pid, signal.SIGKILL)
+                killed.proc.join(30)
+            ref, m, _ = _step(w, s)
+            got.append((ref, m["rollout/prefetched"]))
+        # the same bytes; step 3's background rollout is lost if the kill came before it
+        # ended (sampled again in the foreground), and step 5's starts a new sampler
+        assert [r for r, _ in got] == refs
+        assert [p for s, (_, p) in enumerate(got) if s != 3] == [0.0, 1.0, 1.0, 1.0, 1.0]
+        now = b._slots[1].sampler
+        assert now is not killed and now.proc.is_alive() and b._sampler.proc.is_alive()
+    finally:
+        w.close()
+
+
+def test_more_samplers_than_the_lag_or_without_processes_are_refused():
+    with pytest.raises(ConfigError, match=r"rollout.async_samplers=3: at most "
+                                          r"rollout.max_staleness=2"):
+        _cfg(**{"rollout.max_staleness": 2, "rollout.async_mode": "process",
+                "rollout.async_samplers": 3})
+    with pytest.raises(ConfigError, match=r"rollout.async_samplers=2: .*needs "
+                                          r"rollout.async_mode=process"):
+        _cfg(**{"rollout.max_staleness": 2, "rollout.async_samplers": 2})
