@@ -54,7 +54,14 @@ def _reuse_policy() -> Optional[flyte.ReusePolicy]:
     (``VERL_FLYTE2_REUSE=<replicas>`` at registration; unset: a container per phase task, what
     the open-source backend runs). Locally ignored: every task runs in the driver's process."""
     replicas = os.environ.get("VERL_FLYTE2_REUSE", "")
-    return flyte.ReusePolicy(replicas=int(replicas)) if replicas else None
+    if not replicas:
+        return None
+    if not replicas.isdigit() or int(replicas) < 1:
+        from verl_core.config import ConfigError
+
+        raise ConfigError(f"VERL_FLYTE2_REUSE={replicas!r}: the number of warm containers for the "
+                          "phase tasks, a whole number >= 1 (unset: a container per phase task)")
+    return flyte.ReusePolicy(replicas=int(replicas))
 
 
 phase_env = flyte.TaskEnvironment(
