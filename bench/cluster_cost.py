@@ -7,9 +7,15 @@ cluster:
   ``RAY_CONFIG``: a head node per task), whose fresh workers rebuild the run's state from the store;
 - ``attached`` (``cluster.mode=attached``): every task still a pod, but the heavy phases drive the
   warm detached workers of one long-lived Ray cluster (no state read);
-- ``flyte2_driver``: one driver task per run whose step loop calls each phase as a traced function
-  on the warm cluster (issue 43 item 1's design; NOT built yet, so this row is a model only):
-  one pod and one state build per run, a small trace record per phase.
+- ``flyte2_driver`` (built: ``workflows/ppo_flyte2.py``): one driver task per run whose step loop
+  calls each phase as a cached Flyte 2 task on the warm cluster: one driver pod and one state
+  build per run; per phase a task action (its dispatch as measured locally by
+  ``bench/flyte2_overhead.py``, plus one store request for its record) in a pod of its own, or,
+  as ``flyte2_reusable`` (``VERL_FLYTE2_REUSE``), in a warm reusable container where the backend
+  offers them;
+- ``flyte2_traced``: the same loop with each phase a ``@flyte.trace``d call inside the driver's
+  pod (a trace record per phase); a design, not built (a local run does not replay traces, so it
+  could not be tested here).
 
 Inputs: the project's own local costs, measured by this script with small real runs of the
 default config (a fresh process's start and ``import workflows.ppo``; opening the run store; a
@@ -89,6 +95,9 @@ class Workload:
     """Stored bytes of the step's rollout, scored and advantaged batches."""
     batch_codec_s: float = 0.0
     """The step's batches encoded and decoded (``put_batch``/``get_batch`` on a local store)."""
+    dispatch_s: float = 0.0
+    """The Flyte 2 driver's own orchestration per phase task, measured locally (output and
+    input conversion, cache lookup and write, dispatch: ``bench/flyte2_overhead.py``)."""
 
     @property
     def heavy_per_step(self) -> float:
@@ -109,11 +118,13 @@ class Workload:
     """The store requests of those six transfers."""
 
 
-SETUPS = ("per_task", "attached", "flyte2_driver", "attached_reusable")
+SETUPS = ("per_task", "attached", "flyte2_driver", "flyte2_reusable", "flyte2_traced",
+          "attached_reusable")
 """``attached_reusable``: ``attached`` with every task routed to a warm reusable container, where
 a backend offers them (Union); a variant, beside the three setups of issue 43."""
-BUILT = ("per_task", "attached")
-"""The setups this project runs today (``cluster.mode``)."""
+BUILT = ("per_task", "attached", "flyte2_driver", "flyte2_reusable")
+"""The setups this project runs today (``cluster.mode``; the Flyte 2 front door, with its phase
+environment's reusable containers where the backend offers them)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +181,17 @@ def cost(setup: str, w: Workload, c: Cluster) -> Cost:
         # attached, with every task routed to a warm reusable container (a Union backend)
         return Cost(setup, sched, tasks * c.reusable_start_s,
                     w.heavy_per_step * w.warm_check_s, io, 0.0, w.batch_bytes_per_step)
-    if setup == "flyte2_driver":
+    if setup in ("flyte2_driver", "flyte2_reusable"):
+        # one driver pod, one process and one state build per run, spread over its steps; per
+        # phase a cached task action: the driver's measured dispatch and a store request for its
+        # record, then a pod and a process of its own (or a warm reusable container) whose work
+        # goes to the warm workers
+        per_run = (c.pod_start_s + w.process_s) / w.total_steps
+        start = c.reusable_start_s if setup == "flyte2_reusable" else c.pod_start_s + w.process_s
+        return Cost(setup, tasks * (w.dispatch_s + c.store_request_s), per_run + tasks * start,
+                    w.heavy_per_step * w.warm_check_s + rebuild_s / w.total_steps, io,
+                    w.state_bytes / w.total_steps, w.batch_bytes_per_step)
+    if setup == "flyte2_traced":
         # one driver pod, one process and one state build per run, spread over its steps; per
         # phase a trace record (one small store write) instead of a task execution
         per_run = c.pod_start_s + w.process_s
@@ -295,7 +316,8 @@ def workloads(m: dict, a: argparse.Namespace) -> list[Workload]:
         total_steps=m["total_steps"], checkpoint_interval=m["checkpoint_interval"],
         evals_per_run=2, state_bytes=m["checkpoint_bytes"], state_build_s=build_s,
         warm_check_s=m["warm_check_s"], process_s=process_s,
-        batch_bytes=tuple(float(x) for x in m["batch_bytes"]), batch_codec_s=m["batch_io_s"])
+        batch_bytes=tuple(float(x) for x in m["batch_bytes"]), batch_codec_s=m["batch_io_s"],
+        dispatch_s=m.get("flyte2_dispatch_s", 0.0))
     # the rollout batch at docs/cluster.md's ~24 B per token (token ids, masks, fp32 log-probs,
     # incompressible at 7B, unlike the tiny run's padded batches); the scored and advantaged
     # ones larger by the ratios measured here
@@ -307,7 +329,7 @@ def workloads(m: dict, a: argparse.Namespace) -> list[Workload]:
         checkpoint_interval=m["checkpoint_interval"], evals_per_run=2, state_bytes=state_7b,
         state_build_s=build_s, warm_check_s=m["warm_check_s"], process_s=process_s,
         batch_bytes=tuple(r * a.bytes_per_token_7b * a.rows_7b * a.tokens_7b for r in ratio),
-        batch_codec_s=m["batch_io_s"])
+        batch_codec_s=m["batch_io_s"], dispatch_s=m.get("flyte2_dispatch_s", 0.0))
     return [default, big]
 
 
@@ -373,6 +395,10 @@ def main() -> None:
     ap.add_argument("--measured", default=os.path.join(REPO, "bench", "cluster_cost_measured.json"),
                     help="where the local measurement is saved and read from")
     ap.add_argument("--measure", action="store_true", help="measure again even if saved")
+    ap.add_argument("--flyte2-measured",
+                    default=os.path.join(REPO, "bench", "flyte2_overhead.json"),
+                    help="bench/flyte2_overhead.py's saved measurement: the Flyte 2 driver's "
+                         "local orchestration per phase task (flyte2_dispatch_s)")
     ap.add_argument("--repeats", type=int, default=3, help="fresh probe processes")
     for f in dataclasses.fields(Cluster):
         ap.add_argument("--" + f.name.replace("_", "-"), type=float,
@@ -402,6 +428,10 @@ def main() -> None:
         with open(a.measured) as f:
             m = json.load(f)
     c = Cluster(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Cluster)})
+    if os.path.exists(a.flyte2_measured):
+        with open(a.flyte2_measured) as f:
+            f2 = json.load(f)
+        m = {**m, "flyte2_dispatch_s": f2["flyte2_dispatch_s"]}
 
     print(f"## Orchestration per RL step on a cluster (`python bench/cluster_cost.py`)\n")
     print(f"Measured here ({m['date']}, {m['machine']}; {m['config']}; medians of {m['repeats']} "
@@ -415,7 +445,11 @@ def main() -> None:
                      ("warm_check_s", "warm check: `ensure_state` on a worker holding the state"),
                      ("batch_io_s", "the step's 3 batches: `get_batch` + `put_batch` each"),
                      ("first_step_s", "the first step's work (rollout, reward, advantage, update)"),
-                     ("step_s", "the second step's work (the default run's step below)")]:
+                     ("step_s", "the second step's work (the default run's step below)"),
+                     ("flyte2_dispatch_s", "Flyte 2 driver: orchestration per phase task "
+                      "(bench/flyte2_overhead.py, local)")]:
+        if k not in m:
+            continue
         print(f"| {label} | {m[k]:.3f} s |")
     print(f"| stored batches (rollout / scored / advantaged) | "
           f"{' / '.join(f'{x / 1e3:.0f} kB' for x in m['batch_bytes'])} |")
@@ -452,11 +486,10 @@ def main() -> None:
     ok = [s for s in SETUPS if costs[s].share(big.step_s) <= 0.05]
     best = min(SETUPS, key=lambda s: costs[s].total_s)
     built = min(BUILT, key=lambda s: costs[s].total_s)
-    print(f"\nOn the 7B step, within 5%: {', '.join(ok) if ok else 'none'}. Recommended: {best} "
+    print(f"\nOn the 7B step, within 5%: {', '.join(ok) if ok else 'none'}. Cheapest: {best} "
           f"({100 * costs[best].share(big.step_s):.1f}%"
-          f"{'' if best in BUILT else ', a design: not built in this project yet'}). Of the "
-          f"modes built here, {built} is the cheapest at "
-          f"{100 * costs[built].share(big.step_s):.1f}%: "
+          f"{'' if best in BUILT else ', a design: not built in this project'}). Recommended "
+          f"(the cheapest built here): {built} at {100 * costs[built].share(big.step_s):.1f}%: "
           f"{'it meets' if built in ok else 'it does not meet'} the goal.")
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ def checkpoint_attached(spec: RunSpec, state: StepState) -> StepState:
     return _checkpoint(spec, state)
 
 
-def _checkpoint(spec: RunSpec, state: StepState) -> StepState:
+def _checkpoint(spec: RunSpec, state: StepState, attach=decks.attach) -> StepState:
     done = run_phase(spec, "checkpoint", state.step, phases.checkpoint, spec, state)
     events = store_call(f"guard events of step {done.step}",
                         lambda: runlog.step_events(spec, done.step - 1))
-    decks.attach("Step", report.step_card(done.step, done.metrics, events=events), only=True)
+    attach("Step", report.step_card(done.step, done.metrics, events=events), only=True)
     return done

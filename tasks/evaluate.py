@@ -36,13 +36,13 @@ def evaluate_attached(spec: RunSpec, state: StepState) -> EvalResult:
     return _evaluate(spec, state)
 
 
-def _evaluate(spec: RunSpec, state: StepState) -> EvalResult:
+def _evaluate(spec: RunSpec, state: StepState, attach=decks.attach) -> EvalResult:
     m = run_phase(spec, "evaluate", state.step, phases.evaluate, spec, state)
     print(f"[verl] eval after {state.step} steps: accuracy={m['val/accuracy']:.3f}", flush=True)
     samples = store_call("held-out samples", lambda: runlog.eval_samples(spec, state.step))
     if samples:  # the first held-out row, as verl's reward manager prints it (and the Deck shows)
         print(report.sample_lines(samples[0]), flush=True)
-    decks.attach("RL run", report.for_run(spec, title=f"Evaluation after {state.step} steps",
+    attach("RL run", report.for_run(spec, title=f"Evaluation after {state.step} steps",
                                           sample_steps=[state.step]))
     return EvalResult(step=state.step, accuracy=m["val/accuracy"],
                       response_length=m["val/response_length"])

@@ -53,7 +53,7 @@ def finalize_attached(spec: RunSpec, last: StepState, start: Optional[EvalResult
 
 
 def _finalize(spec: RunSpec, last: StepState, start: Optional[EvalResult],
-              end: EvalResult) -> Summary:
+              end: EvalResult, attach=decks.attach) -> Summary:
     out = run_phase(spec, "finalize", last.step, phases.finalize, spec, last)
     s = Summary(algorithm=spec.config.algorithm.adv_estimator, steps=last.step,
                 start_accuracy=None if start is None else start.accuracy, end_accuracy=end.accuracy,
@@ -66,7 +66,7 @@ def _finalize(spec: RunSpec, last: StepState, start: Optional[EvalResult],
     print(f"[verl] done: accuracy {accuracy}, reward {s.first_reward:.3f} -> "
           f"{s.last_reward:.3f}; final model: {s.final_model}; metrics: {s.metrics_table}"
           f"{tracking.where(spec.config.tracking)}; run store: {s.store}", flush=True)
-    decks.attach("RL run", store_call("the run report", lambda: report.for_run(
+    attach("RL run", store_call("the run report", lambda: report.for_run(
         spec, title=f"{s.algorithm}: {s.steps} steps",
         sample_steps=sorted(evaluated))))
     return s

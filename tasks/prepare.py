@@ -45,6 +45,15 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
               overrides: str, verl_config: str = "") -> RunSpec:
     """Not cached: validates the options and reads the store's incarnation id every time, so a
     deleted store is noticed. Returns a partial spec (no assets yet)."""
+    return configure_spec(algorithm, model, train_files, val_files, steps, batch_size, rollout_n,
+                          run_name, store, overrides, verl_config)
+
+
+def configure_spec(algorithm: str, model: str, train_files: str, val_files: str, steps: int,
+                   batch_size: int, rollout_n: int, run_name: str, store: str,
+                   overrides: str, verl_config: str = "") -> RunSpec:
+    """``configure``'s body, for both front doors (workflows/ppo.py, workflows/ppo_flyte2.py):
+    the run header on the console, the partial spec, the run's lease taken."""
     interrupt.install()  # Ctrl-C: what was kept and how to continue (local runs only)
     cfg = build_config(algorithm, model, train_files, val_files, steps, batch_size, rollout_n,
                        overrides, verl_config)
@@ -79,6 +88,11 @@ def configure(algorithm: str, model: str, train_files: str, val_files: str, step
 def prepare(spec: RunSpec) -> RunSpec:
     """Synthetic dataset + tiny warm-started model (or the given ones), validated and copied
     into the run store; the start step (auto-resume). Cached per store incarnation."""
+    return prepare_spec(spec)
+
+
+def prepare_spec(spec: RunSpec) -> RunSpec:
+    """``prepare``'s body, for both front doors: the full spec, its store line printed."""
     workers.start_local_ray()  # lean local Ray (no-op on a cluster or with RAY_ADDRESS)
     interrupt.install()  # again: Ray's start may have put its own handlers in their place
     full = store_call("prepare", lambda: prepare_run(

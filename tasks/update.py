@@ -14,15 +14,17 @@ from verl_core.types import PhaseOut, RunSpec, StepState
 @task(task_config=RAY_CONFIG, cache=cache_for("update"), retries=RETRIES,
       container_image=GPU_IMAGE)
 def update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
-    state = run_phase(spec, "update", advantaged.step, phases.update, spec, advantaged,
-                      then=partial(phases.end_step_unless_checkpoint, spec))
-    progress(spec, state.step, state.metrics)
-    return state
+    return _update(spec, advantaged)
 
 
 @task(cache=cache_for("update"), retries=RETRIES)
 def update_attached(spec: RunSpec, advantaged: PhaseOut) -> StepState:
     """``update`` as a plain task on the attached cluster (cluster.mode=attached)."""
+    return _update(spec, advantaged)
+
+
+def _update(spec: RunSpec, advantaged: PhaseOut) -> StepState:
+    """The update task's body (both modes, both front doors): the phase, the step's line."""
     state = run_phase(spec, "update", advantaged.step, phases.update, spec, advantaged,
                       then=partial(phases.end_step_unless_checkpoint, spec))
     progress(spec, state.step, state.metrics)

@@ -107,3 +107,28 @@ def one_line(e: BaseException) -> str | None:
         where, text = m.group(1), text[m.end():]  # the innermost: the task
     text = " ".join(text.split())  # flytekit's indentation and rich's wrapping
     return f" in {where}: {text}" if where else f": {text}"
+
+
+def add_dashed_aliases_flyte2() -> None:
+    """:func:`add_dashed_aliases` for Flyte 2's ``flyte run`` (workflows/ppo_flyte2.py): its
+    option builder (``flyte.cli._run.to_click_option``) also names each option after the Python
+    input only; the dashed spelling is added as an alias. Runs when ``flyte run`` imports the
+    file, before it builds the options; if a flyte upgrade moves the builder, the underscore
+    names keep working."""
+    try:
+        from flyte.cli import _run
+    except ImportError:  # pragma: no cover - flyte layout changed, or flyte not installed
+        return
+    original = getattr(_run, "to_click_option", None)
+    if original is None or getattr(original, "_verl_dashed", False):
+        return
+
+    def to_click_option(input_name, *args, **kwargs):
+        opt = original(input_name, *args, **kwargs)
+        dashed = f"--{input_name.replace('_', '-')}"
+        if "_" in input_name and dashed not in opt.opts and not opt.is_flag:
+            opt.opts.append(dashed)
+        return opt
+
+    to_click_option._verl_dashed = True
+    _run.to_click_option = to_click_option

@@ -53,8 +53,22 @@ def test_attached():
     assert k.bytes == 8 * GB  # the batches only
 
 
-def test_flyte2_driver_and_reusable():
-    k = cc.cost("flyte2_driver", WORK, CLUSTER)
+def test_flyte2_driver_built_a_task_per_phase_in_a_pod_or_a_reusable_container():
+    w = cc.dataclasses.replace(WORK, dispatch_s=0.05)  # the driver's local cost per phase task
+    k = cc.cost("flyte2_driver", w, CLUSTER)
+    assert k.scheduling_s == pytest.approx(4.1 * (0.05 + 0.1))  # dispatch + its record
+    # one driver pod + process per 10-step run, and a pod + process per phase task
+    assert k.pod_start_s == pytest.approx(35 / 10 + 4.1 * 35)
+    assert k.state_load_s == pytest.approx(0.021 + 5 / 10)  # one rebuild per run
+    assert k.bytes == pytest.approx(20 * GB / 10 + 8 * GB)
+    r = cc.cost("flyte2_reusable", w, CLUSTER)
+    assert r.pod_start_s == pytest.approx(35 / 10 + 4.1 * 1)  # a warm container per phase task
+    assert r.total_s == pytest.approx(4.1 * 0.15 + 3.5 + 4.1 + 0.521 + 1.6)
+    assert "flyte2_reusable" in cc.BUILT and "flyte2_traced" not in cc.BUILT
+
+
+def test_flyte2_traced_and_attached_reusable():
+    k = cc.cost("flyte2_traced", WORK, CLUSTER)
     assert k.scheduling_s == pytest.approx(4.1 * 0.1)  # a trace record per phase
     assert k.pod_start_s == pytest.approx(35 / 10)  # one driver pod + process per 10-step run
     assert k.state_load_s == pytest.approx(0.021 + 5 / 10)  # one rebuild per run
