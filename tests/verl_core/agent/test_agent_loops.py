@@ -298,13 +298,15 @@ def test_a_user_loop_trains_two_steps(loops_file, tmp_path):
     assert got["final_model"]
 
 
-def test_sigkilled_mid_episode_the_run_resumes_to_the_same_weights(loops_file, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_sigkilled_mid_episode_the_run_resumes_to_the_same_weights(loops_file, tmp_path, engine):
     import subprocess
 
     from tests.crash import REPO, kill_at_marker, train_command, weights_sha
     from verl_core.train import train
 
-    over = {**TINY, "rollout.agent_loop": f"{loops_file}:TwoSamples", "total_steps": 2}
+    over = {**TINY, "rollout.agent_loop": f"{loops_file}:TwoSamples", "total_steps": 2,
+            "rollout.engine": engine}
     reference = train(tiny_run(**over), str(tmp_path / "ref"), log=lambda *_: None)
     mark = tmp_path / "mid-episode"
     cmd, env = train_command(tmp_path / "work", over)
