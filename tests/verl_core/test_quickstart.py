@@ -71,7 +71,7 @@ def test_quickstart_translates_with_verl_defaults(quickstart):
 
 def test_every_refused_key_of_a_command_is_named_in_one_error(quickstart):
     bad = [*quickstart, "critic.model.lora_rank=32",
-           "actor_rollout_ref.rollout.multi_turn.interaction_config_path=/i.yaml",
+           "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=2",
            "actor_rollout_ref.model.trust_remote_code=True",
            "critic.model.path=/elsewhere"]
     with pytest.raises(ConfigError) as e:
@@ -79,7 +79,7 @@ def test_every_refused_key_of_a_command_is_named_in_one_error(quickstart):
     msg = str(e.value)
     assert msg.startswith("4 config keys cannot apply:")
     for reason in ("critic.model.lora_rank=32 cannot apply here: LoRA on the critic is not offered",
-                   "interaction_config_path='/i.yaml' cannot apply here: simulated-user",
+                   "num_repeat_rollouts=2 cannot apply here: not offered",
                    "trust_remote_code=True cannot apply here: a model folder's own Python code",
                    "critic.model.path='/elsewhere': the critic starts from the actor's model"):
         assert reason in msg
