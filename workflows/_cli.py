@@ -15,6 +15,15 @@ names keep working.
 from __future__ import annotations
 
 
+def _with_dashed(opt, input_name: str):
+    """``opt`` (a click option of the input ``input_name``) also answering to its dashed
+    spelling (``--run-name`` beside ``--run_name``)."""
+    dashed = f"--{input_name.replace('_', '-')}"
+    if "_" in input_name and dashed not in opt.opts and not opt.is_flag:
+        opt.opts.append(dashed)
+    return opt
+
+
 def add_dashed_aliases() -> None:
     try:
         from flytekit.clis.sdk_in_container import run as _run
@@ -25,11 +34,7 @@ def add_dashed_aliases() -> None:
         return
 
     def to_click_option(ctx, flyte_ctx, input_name, *args, **kwargs):
-        opt = original(ctx, flyte_ctx, input_name, *args, **kwargs)
-        dashed = f"--{input_name.replace('_', '-')}"
-        if "_" in input_name and dashed not in opt.opts and not opt.is_flag:
-            opt.opts.append(dashed)
-        return opt
+        return _with_dashed(original(ctx, flyte_ctx, input_name, *args, **kwargs), input_name)
 
     to_click_option._verl_dashed = True
     _run.to_click_option = to_click_option
@@ -124,11 +129,7 @@ def add_dashed_aliases_flyte2() -> None:
         return
 
     def to_click_option(input_name, *args, **kwargs):
-        opt = original(input_name, *args, **kwargs)
-        dashed = f"--{input_name.replace('_', '-')}"
-        if "_" in input_name and dashed not in opt.opts and not opt.is_flag:
-            opt.opts.append(dashed)
-        return opt
+        return _with_dashed(original(input_name, *args, **kwargs), input_name)
 
     to_click_option._verl_dashed = True
     _run.to_click_option = to_click_option
